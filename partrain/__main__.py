@@ -1,0 +1,6 @@
+"""`python -m partrain` is the same as the `partrain` command."""
+
+from partrain.cli import main
+
+if __name__ == "__main__":
+    main()

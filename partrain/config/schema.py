@@ -1,0 +1,97 @@
+"""The typed config schema: every key partrain reads, declared once, with its meaning and unit.
+
+Hydra merges the YAML groups under configs/ and the recipe into these dataclasses, so an unknown
+key or a value of the wrong type fails at compose time, before anything starts.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"  # label shown in plans and logs
+    n_layers: int = 4  # transformer blocks
+    n_heads: int = 4  # query heads
+    n_kv_heads: int = 2  # key/value heads (grouped-query attention); must divide n_heads
+    dim: int = 128  # hidden size
+    ffn_dim: Optional[int] = None  # SwiGLU inner size; null = 8/3 * dim rounded up to multiple_of
+    multiple_of: int = 32  # rounding of the derived ffn_dim
+    vocab_size: int = 256  # embedding rows; the byte-level corpus needs 256
+    max_seq_len: int = 512  # longest sequence the rotary tables are built for
+    rope_theta: float = 10000.0  # rotary embedding base
+    norm_eps: float = 1e-5  # RMSNorm epsilon
+    init_std: float = 0.02  # std of the normal weight initialisation
+
+
+@dataclass
+class ParallelConfig:
+    dp: Any = "auto"  # data-parallel degree, or "auto" = world size / (tp * pp)
+    tp: int = 1  # tensor-parallel degree (innermost mesh dimension)
+    pp: int = 1  # pipeline-parallel degree (outermost mesh dimension)
+    zero_stage: int = 0  # 0 = DDP; 1, 2, 3 = DeepSpeed ZeRO over the dp dimension
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
+    pp_virtual_stages: int = 1  # model chunks per pp rank (interleaved_1f1b)
+    sequence_parallel: bool = False  # Megatron sequence parallelism inside tp groups
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"  # stdlib = Python's own source as bytes; tokens = a prepared token dir
+    path: Optional[str] = None  # token dir (train.bin, val.bin, meta.json) when source=tokens
+    val_fraction: float = 0.05  # share of the stdlib corpus held out for validation
+    stdlib_max_bytes: int = 8_000_000  # bytes of stdlib source read, in sorted file order
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"  # the only optimizer for now
+    lr: float = 3e-3  # peak learning rate, reached at the end of warmup
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at max_steps
+    warmup_steps: int = 20  # linear warmup from lr / warmup_steps
+    weight_decay: float = 0.1  # AdamW decoupled weight decay (matrices only)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+
+
+@dataclass
+class TrainConfig:
+    global_batch_size: Optional[int] = None  # sequences per optimizer step
+    micro_batch_size: Optional[int] = None  # sequences per micro-batch on one dp rank
+    micro_batches: Optional[int] = None  # micro-batches per step; any two fix the third
+    seq_len: int = 128  # tokens per sequence
+    max_steps: int = 200  # optimizer steps
+    seed: int = 0  # seeds the weights and the batch order (same for every layout)
+    dtype: str = "auto"  # auto = bf16 autocast on CUDA, fp32 on CPU; or fp32 | bf16
+    eval_every: int = 50  # steps between validation passes; 0 = only at the end
+    eval_batches: int = 4  # global batches of the validation split per pass
+    log_every: int = 10  # steps between lines in the rank logs (and on a non-terminal stdout)
+
+
+@dataclass
+class LauncherConfig:
+    nnodes: int = 1  # nodes in the job
+    nproc_per_node: Optional[int] = None  # ranks per node; null = GPUs on CUDA, else the degrees' product
+    device: str = "auto"  # auto | cpu | cuda (auto = cuda when a GPU is visible)
+    collective_timeout_s: int = 120  # process-group timeout; short so that a broken job fails fast
+    rdzv_timeout_s: int = 120  # how long nodes wait for each other at start
+
+
+@dataclass
+class Config:
+    name: str = "run"  # run name: default run dir is runs/<name>-<time>
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+
+
+def register() -> None:
+    """Put the schema where configs/config.yaml's defaults list finds it (`base_config`)."""
+    ConfigStore.instance().store(name="base_config", node=Config)

@@ -1,0 +1,211 @@
+"""Every rule a config must meet, checked before any process starts.
+
+`resolve_and_validate` fills in what the config leaves open (dp=auto, the third of the batch
+triple) and raises ConfigError with a message naming the keys, the values and the rule. Warnings
+(allowed but probably not what the user wants) come back as strings.
+"""
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig, open_dict
+
+from partrain.errors import ConfigError
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+DTYPES = ("auto", "fp32", "bf16")
+DEVICES = ("auto", "cpu", "cuda")
+DATA_SOURCES = ("stdlib", "tokens")
+
+
+@dataclass(frozen=True)
+class World:
+    """How many processes run where: nnodes * nproc_per_node ranks."""
+
+    nnodes: int
+    nproc_per_node: int
+
+    @property
+    def size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+def _divisors(n: int) -> str:
+    return "{" + ", ".join(str(d) for d in range(1, n + 1) if n % d == 0) + "}"
+
+
+def _positive(cfg: DictConfig, keys: list[str]) -> None:
+    for key in keys:
+        section, name = key.split(".")
+        value = cfg[section][name]
+        if value is not None and value < 1:
+            raise ConfigError(f"{key}={value} must be at least 1")
+
+
+def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value} is not one of: {', '.join(allowed)}")
+
+
+def resolve_world(cfg: DictConfig, nnodes: int | None, nproc_per_node: int | None,
+                  cuda_devices: int) -> World:
+    """CLI flags win over launcher.* keys; nproc_per_node defaults to the GPUs, else the degrees."""
+    nnodes = nnodes if nnodes is not None else cfg.launcher.nnodes
+    nproc = nproc_per_node if nproc_per_node is not None else cfg.launcher.nproc_per_node
+    if nnodes < 1:
+        raise ConfigError(f"--nnodes / launcher.nnodes={nnodes} must be at least 1")
+    if nproc is None:
+        p = cfg.parallel
+        if cuda_devices > 0 and cfg.launcher.device != "cpu":
+            nproc = cuda_devices
+        elif isinstance(p.dp, int):
+            nproc = p.pp * p.dp * p.tp // nnodes
+        else:
+            raise ConfigError(
+                "parallel.dp=auto needs a world size: give --nproc-per-node N "
+                "(or set launcher.nproc_per_node)"
+            )
+    if nproc < 1:
+        raise ConfigError(f"--nproc-per-node / launcher.nproc_per_node={nproc} must be at least 1")
+    return World(nnodes=nnodes, nproc_per_node=nproc)
+
+
+def _resolve_dp(p: DictConfig, world: World) -> int:
+    if p.dp == "auto":
+        inner = p.tp * p.pp
+        if world.size % inner:
+            raise ConfigError(
+                f"parallel.dp=auto needs the world size {world.size} to be divisible by "
+                f"pp({p.pp}) * tp({p.tp}) = {inner}"
+            )
+        return world.size // inner
+    if isinstance(p.dp, bool) or not isinstance(p.dp, int):
+        raise ConfigError(f"parallel.dp={p.dp} must be a positive integer or 'auto'")
+    if p.dp < 1:
+        raise ConfigError(f"parallel.dp={p.dp} must be at least 1 (or 'auto')")
+    return p.dp
+
+
+def _resolve_batch(t: DictConfig, dp: int) -> tuple[int, int, int]:
+    """global_batch_size = micro_batch_size * micro_batches * dp; any two fix the third."""
+    g, b, m = t.global_batch_size, t.micro_batch_size, t.micro_batches
+    given = sum(v is not None for v in (g, b, m))
+    if given < 2:
+        raise ConfigError(
+            "set two of train.global_batch_size, train.micro_batch_size, train.micro_batches "
+            f"(got global_batch_size={g}, micro_batch_size={b}, micro_batches={m}); "
+            "global_batch_size = micro_batch_size * micro_batches * dp"
+        )
+    if g is None:
+        return b * m * dp, b, m
+    if b is not None and m is not None:
+        if b * m * dp != g:
+            raise ConfigError(
+                f"train.global_batch_size={g} != micro_batch_size({b}) * micro_batches({m}) * "
+                f"dp({dp}) = {b * m * dp}; set one of the three to null to derive it"
+            )
+        return g, b, m
+    known_key, known = ("micro_batch_size", b) if b is not None else ("micro_batches", m)
+    other_key = "micro_batches" if b is not None else "micro_batch_size"
+    if g % (known * dp):
+        raise ConfigError(
+            f"train.global_batch_size={g} is not divisible by {known_key}({known}) * dp({dp}) "
+            f"= {known * dp}, so train.{other_key} would not be whole"
+        )
+    other = g // (known * dp)
+    return (g, b, other) if b is not None else (g, other, m)
+
+
+def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
+    """Fill in dp and the batch triple in place; raise ConfigError on the first broken rule."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    _positive(cfg, ["parallel.tp", "parallel.pp", "parallel.pp_virtual_stages",
+                    "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.dim",
+                    "model.vocab_size", "model.max_seq_len", "train.seq_len", "train.max_steps",
+                    "train.global_batch_size", "train.micro_batch_size", "train.micro_batches"])
+    _choice("parallel.pp_schedule", p.pp_schedule, PP_SCHEDULES)
+    _choice("train.dtype", t.dtype, DTYPES)
+    _choice("launcher.device", cfg.launcher.device, DEVICES)
+    _choice("data.source", cfg.data.source, DATA_SOURCES)
+    if p.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero_stage={p.zero_stage} must be 0 (DDP), 1, 2 or 3")
+
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
+    if m.dim % m.n_heads:
+        raise ConfigError(f"model.n_heads={m.n_heads} must divide model.dim={m.dim}")
+    if (m.dim // m.n_heads) % 2:
+        raise ConfigError(
+            f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even (rotary embeddings)")
+    for key, value in (("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads)):
+        if value % p.tp:
+            raise ConfigError(
+                f"parallel.tp={p.tp} must divide model.{key}={value} "
+                f"(try tp in {_divisors(value)})"
+            )
+    chunks = p.pp * p.pp_virtual_stages
+    if m.n_layers % chunks:
+        raise ConfigError(
+            f"model.n_layers={m.n_layers} must be divisible by pp({p.pp}) * "
+            f"pp_virtual_stages({p.pp_virtual_stages}) = {chunks}"
+        )
+    if p.pp_virtual_stages > 1 and p.pp_schedule != "interleaved_1f1b":
+        raise ConfigError(
+            f"parallel.pp_virtual_stages={p.pp_virtual_stages} needs "
+            f"parallel.pp_schedule=interleaved_1f1b (got {p.pp_schedule})"
+        )
+
+    dp = _resolve_dp(p, world)
+    product = p.pp * dp * p.tp
+    if product != world.size:
+        raise ConfigError(
+            f"pp({p.pp}) * dp({dp}) * tp({p.tp}) = {product} != world size {world.size} "
+            f"(nnodes {world.nnodes} * nproc_per_node {world.nproc_per_node}); change the degrees, "
+            "use parallel.dp=auto, or change --nproc-per-node"
+        )
+
+    g, b, mb = _resolve_batch(t, dp)
+    if p.pp > 1 and mb < p.pp:
+        raise ConfigError(
+            f"train.micro_batches={mb} must be at least parallel.pp={p.pp}, "
+            "or the pipeline never fills"
+        )
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError(
+            f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if not 0.0 < cfg.data.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be between 0 and 1")
+    if cfg.optim.lr <= 0:
+        raise ConfigError(f"optim.lr={cfg.optim.lr} must be positive")
+    if cfg.optim.grad_clip < 0:
+        raise ConfigError(f"optim.grad_clip={cfg.optim.grad_clip} must be >= 0 (0 disables it)")
+    if cfg.launcher.collective_timeout_s < 1:
+        raise ConfigError(
+            f"launcher.collective_timeout_s={cfg.launcher.collective_timeout_s} must be at least 1")
+
+    with open_dict(cfg):
+        p.dp = dp
+        t.global_batch_size, t.micro_batch_size, t.micro_batches = g, b, mb
+        cfg.launcher.nnodes, cfg.launcher.nproc_per_node = world.nnodes, world.nproc_per_node
+
+    warnings = []
+    if cfg.launcher.device != "cpu" and p.tp > world.nproc_per_node:
+        warnings.append(
+            f"parallel.tp={p.tp} is larger than the {world.nproc_per_node} GPUs per node: "
+            "tensor-parallel all-reduces will cross nodes, which is slow"
+        )
+    return warnings
+
+
+def check_supported(cfg: DictConfig) -> None:
+    """Layouts that validate and plan but that this version cannot run yet."""
+    p = cfg.parallel
+    pending = [(p.tp > 1, f"parallel.tp={p.tp}", "tensor parallelism"),
+               (p.pp > 1, f"parallel.pp={p.pp}", "pipeline parallelism"),
+               (p.zero_stage > 0, f"parallel.zero_stage={p.zero_stage}", "DeepSpeed ZeRO"),
+               (p.sequence_parallel, "parallel.sequence_parallel=true", "sequence parallelism")]
+    for unsupported, setting, what in pending:
+        if unsupported:
+            raise ConfigError(
+                f"{setting}: {what} is not implemented in this version of partrain yet; "
+                "`partrain plan` shows the layout, `partrain launch` runs dp (DDP) only"
+            )

@@ -1,0 +1,115 @@
+"""Run the workers under torch's elastic agent (torch.distributed.launcher API, as torchrun does).
+
+One node: a c10d rendezvous on 127.0.0.1 with port 0, so the store takes a free port and two
+runs can share a machine. Many nodes: every node names the same --rdzv-endpoint and job id.
+Each worker is `python -m partrain.train RUN_DIR`. If one rank fails, the agent stops the others
+within its monitor interval and shutdown timeout; we read the failed rank's elastic error file
+and exit 1. SIGINT/SIGTERM reach the agent, which stops all workers; we exit 130.
+"""
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+EXIT_OK, EXIT_RANK_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+
+
+class RunDirLogsSpecs(LogsSpecs):
+    """Elastic error files in RUN_DIR/logs/; the workers send their own output to rank-N.log."""
+
+    def __init__(self, log_dir: Path):
+        super().__init__(log_dir=str(log_dir))
+
+    @property
+    def root_log_dir(self) -> str:
+        return str(self._root_log_dir)
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        errors = {}
+        for local_rank, env in envs.items():
+            path = Path(self._root_log_dir) / f"error-rank-{env['RANK']}.json"
+            path.unlink(missing_ok=True)
+            env["TORCHELASTIC_ERROR_FILE"] = str(path)
+            errors[local_rank] = str(path)
+        console = dict.fromkeys(envs, "")  # "" = inherit the launcher's stdout/stderr
+        return LogsDest(stdouts=console, stderrs=dict(console), tee_stdouts={}, tee_stderrs={},
+                        error_files=errors)
+
+
+@dataclass
+class ElasticLaunch:
+    """What the agent needs beyond the run dir: the node's place in the job."""
+
+    nnodes: int
+    nproc_per_node: int
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None  # HOST:PORT of node 0; None = this machine, free port
+    run_id: str = "partrain"
+    rdzv_timeout_s: int = 120
+    cpu_threads: int | None = None  # OMP threads per worker on CPU
+
+
+def _quiet_agent_logs(run_dir: Path) -> None:
+    """The agent's own chatter goes to logs/launcher.log; the launcher prints what matters."""
+    handler = logging.FileHandler(run_dir / "logs" / "launcher.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logger = logging.getLogger(name)
+        logger.handlers[:] = [handler]
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+def _describe_failure(err: ChildFailedError) -> tuple[int, str]:
+    """The rank that failed first and its error: the exception message from its error file."""
+    rank, failure = err.get_first_failure()
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", str(message))
+    if not message or message.startswith("To enable traceback"):
+        message = f"exited with code {failure.exitcode} (no Python error recorded)"
+    return rank, message.strip()
+
+
+def launch_workers(run_dir: Path, spec: ElasticLaunch, console_print=print) -> int:
+    """Run every local rank to the end; return the launcher's exit code (0, 1 or 130)."""
+    _quiet_agent_logs(run_dir)
+    if spec.cpu_threads:
+        os.environ.setdefault("OMP_NUM_THREADS", str(spec.cpu_threads))
+    single_node = spec.rdzv_endpoint is None
+    config = LaunchConfig(
+        min_nodes=spec.nnodes,
+        max_nodes=spec.nnodes,
+        nproc_per_node=spec.nproc_per_node,
+        run_id=spec.run_id,
+        role="partrain",
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0" if single_node else spec.rdzv_endpoint,
+        rdzv_configs={"timeout": spec.rdzv_timeout_s, "rank": spec.node_rank},
+        max_restarts=0,
+        monitor_interval=0.2,
+        start_method="spawn",
+        logs_specs=RunDirLogsSpecs(run_dir / "logs"),
+        local_addr="127.0.0.1" if single_node else None,
+        shutdown_timeout=5,  # seconds between SIGTERM and SIGKILL for the surviving ranks
+    )
+    try:
+        elastic_launch(config, sys.executable)("-u", "-m", "partrain.train", str(run_dir))
+    except ChildFailedError as err:
+        rank, message = _describe_failure(err)
+        others = len(err.failures) - 1
+        console_print(f"rank {rank} failed: {message}")
+        console_print(f"  its log: {run_dir / 'logs' / f'rank-{rank}.log'}"
+                      + (f"; {others} other failed rank(s) listed in logs/launcher.log"
+                         if others else ""))
+        return EXIT_RANK_FAILED
+    except (SignalException, KeyboardInterrupt):
+        console_print("interrupted: all workers stopped")
+        return EXIT_INTERRUPTED
+    return EXIT_OK

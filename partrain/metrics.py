@@ -1,0 +1,103 @@
+"""What rank 0 reports: metrics.jsonl (one object per optimizer step, plus eval lines), the live
+progress display on a terminal (plain lines otherwise), MFU on CUDA, and the final summary."""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+# Dense bf16 peak FLOP/s per GPU, by a substring of torch.cuda.get_device_name().
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
+
+
+def peak_flops(device_name: str) -> float | None:
+    for key, flops in PEAK_BF16_FLOPS.items():
+        if key in device_name:
+            return flops
+    return None
+
+
+class MetricsLog:
+    """Appends one JSON object per line to run_dir/metrics.jsonl; a no-op on ranks other than 0."""
+
+    def __init__(self, path: Path, enabled: bool):
+        self.file = path.open("a", buffering=1) if enabled else None
+
+    def write(self, record: dict) -> None:
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+
+
+class ProgressDisplay:
+    """Rank 0's view of the run: a live bar with step, loss, lr, tokens/s and ETA on a terminal,
+    a plain line every `log_every` steps when stdout is a file or a pipe."""
+
+    def __init__(self, max_steps: int, log_every: int, enabled: bool):
+        self.enabled, self.log_every, self.max_steps = enabled, log_every, max_steps
+        self.console = Console(file=sys.stdout)
+        self.live = enabled and self.console.is_terminal
+        self.progress = None
+        if self.live:
+            self.progress = Progress(
+                TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
+                TextColumn("loss {task.fields[loss]}"), TextColumn("lr {task.fields[lr]}"),
+                TextColumn("{task.fields[tps]} tok/s"), TimeElapsedColumn(), TextColumn("ETA"),
+                TimeRemainingColumn(), console=self.console)
+            self.task = self.progress.add_task("train", total=max_steps, loss="-", lr="-", tps="-")
+            self.progress.start()
+
+    def print(self, text: str) -> None:
+        if self.enabled:
+            self.console.print(text, highlight=False)
+
+    def update(self, rec: dict) -> None:
+        if not self.enabled:
+            return
+        if self.live:
+            self.progress.update(self.task, completed=rec["step"], loss=f"{rec['loss']:.4f}",
+                                 lr=f"{rec['lr']:.2e}", tps=f"{rec['tokens_per_s']:,.0f}")
+        elif rec["step"] % self.log_every == 0 or rec["step"] in (1, self.max_steps):
+            self.print(format_step(rec))
+
+    def stop(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+
+def format_step(rec: dict) -> str:
+    text = (f"step {rec['step']:>6}  loss {rec['loss']:.4f}  grad_norm {rec['grad_norm']:.3f}  "
+            f"lr {rec['lr']:.2e}  {rec['tokens_per_s']:,.0f} tok/s  {rec['step_time_s'] * 1e3:.0f} ms")
+    if "mfu" in rec:
+        text += f"  mfu {rec['mfu']:.1%}"
+    return text
+
+
+def summary_table(history: list[dict], val_losses: list[tuple[int, float]], wall_s: float,
+                  run_dir: Path) -> Table:
+    """The final summary: where the loss went, how fast, and where the results are."""
+    table = Table(title="partrain: run summary", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    first, last = history[0], history[-1]
+    steady = history[1:] or history  # step 1 carries warm-up costs
+    table.add_row("steps", f"{last['step']}")
+    table.add_row("loss", f"{first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} "
+                          f"(step {last['step']})")
+    if val_losses:
+        table.add_row("val_loss", "  ".join(f"{v:.4f}@{s}" for s, v in val_losses))
+    table.add_row("tokens", f"{last['tokens']:,}")
+    table.add_row("tokens/s", f"{sum(r['tokens_per_s'] for r in steady) / len(steady):,.0f} (mean)")
+    if "mfu" in last:
+        table.add_row("MFU", f"{sum(r['mfu'] for r in steady) / len(steady):.1%} (mean)")
+    table.add_row("wall time", time.strftime("%H:%M:%S", time.gmtime(wall_s)))
+    table.add_row("run dir", str(run_dir))
+    return table

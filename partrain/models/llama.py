@@ -1,0 +1,156 @@
+"""A Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query causal attention.
+
+Built so that the parallel wrappers can take it apart: separate q/k/v/o and w1/w3/w2 linears
+(column- and row-parallel candidates), blocks in a ModuleDict keyed "0".."L-1" (a pipeline stage
+deletes the blocks it does not own and keeps the names), embedding, final norm and output head
+as separate modules. Weights depend only on the seed, so every layout starts from the same model.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def ffn_dim(cfg) -> int:
+    """SwiGLU inner size: given, or 8/3 * dim rounded up to a multiple of `multiple_of`."""
+    if cfg.ffn_dim:
+        return cfg.ffn_dim
+    hidden = int(8 * cfg.dim / 3)
+    return cfg.multiple_of * math.ceil(hidden / cfg.multiple_of)
+
+
+def count_params(cfg) -> int:
+    """Parameters of the full model from its shape alone (used by `plan` for models never built)."""
+    head_dim = cfg.dim // cfg.n_heads
+    attn = cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    mlp = 3 * cfg.dim * ffn_dim(cfg)
+    per_block = attn + mlp + 2 * cfg.dim
+    return cfg.n_layers * per_block + 2 * cfg.vocab_size * cfg.dim + cfg.dim
+
+
+def flops_per_token(cfg, seq_len: int) -> float:
+    """Training FLOPs per token: 6 * (params less the embedding lookup) + causal attention.
+
+    Attention scores and the weighted sum cost 2 * 2 * seq * dim multiply-adds per layer and token
+    forward; with backward (x3) and the causal half that is 6 * L * seq * dim.
+    """
+    dense = count_params(cfg) - cfg.vocab_size * cfg.dim
+    return 6 * dense + 6 * cfg.n_layers * seq_len * cfg.dim
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs of x (batch, seq, heads, head_dim) by position-dependent angles."""
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return rotated.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        # Head counts are the ones this module computes; tensor parallelism lowers them per rank.
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim)
+        k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads,
+        )
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, ffn_dim(cfg))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits (batch, seq, vocab) for token ids (batch, seq)."""
+        seq = tokens.shape[1]
+        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
+        h = self.tok_embeddings(tokens)
+        for block in self.layers.values():
+            h = block(h, cos, sin)
+        return self.output(self.norm(h))
+
+
+@torch.no_grad()
+def init_weights(model: Transformer, std: float, seed: int) -> None:
+    """Normal(0, std) matrices, output projections of each block scaled by 1/sqrt(2 * n_layers)
+    (GPT-2), norms at one. Drawn in module order from one generator: the seed fixes every weight."""
+    gen = torch.Generator().manual_seed(seed)
+    residual_std = std / math.sqrt(2 * model.cfg.n_layers)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            scale = residual_std if name.endswith(("wo.weight", "w2.weight")) else std
+            param.copy_(torch.randn(param.shape, generator=gen) * scale)
+
+
+def build_model(cfg, seed: int) -> Transformer:
+    """The full model in fp32 on the CPU, its weights fixed by the seed."""
+    model = Transformer(cfg)
+    init_weights(model, cfg.init_std, seed)
+    return model

@@ -1,0 +1,23 @@
+"""Data parallelism (parallel.zero_stage=0): DDP over the "dp" mesh dimension.
+
+Each dp rank holds the whole (or tp/pp-sharded) model and a slice of the global batch; DDP
+all-reduces (averages) gradients over the dp group in buckets, overlapped with backward. Under
+gradient accumulation the train loop calls `no_sync()` on all but the last micro-batch, so there
+is one all-reduce per optimizer step.
+"""
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
+
+
+def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+    device_ids = None if dp_mesh.device_type == "cpu" else [next(model.parameters()).device]
+    return DistributedDataParallel(
+        model,
+        process_group=dp_mesh.get_group(),
+        device_ids=device_ids,
+        # Buffers (the rotary tables) are derived from the config, identical on every rank.
+        broadcast_buffers=False,
+        gradient_as_bucket_view=True,
+    )

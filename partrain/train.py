@@ -1,0 +1,208 @@
+"""One worker's training run, top to bottom: config -> mesh -> model -> parallelize -> loop.
+
+Started by the elastic agent as `python -m partrain.train RUN_DIR`, one process per rank. It reads
+the frozen RUN_DIR/config.yaml (never Hydra), writes logs/rank-N.log, and on global rank 0 also
+metrics.jsonl and the progress display. Errors are recorded in the elastic error file so that the
+launcher can name the failing rank and its message.
+"""
+
+import logging
+import math
+import os
+import sys
+import time
+import traceback
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from partrain.data import load_tokens, rank_micro_batches
+from partrain.dist import end_distributed, env_rank, init_distributed, pick_device
+from partrain.mesh import ParallelDims
+from partrain.metrics import MetricsLog, ProgressDisplay, format_step, peak_flops, summary_table
+from partrain.models import build_model, flops_per_token
+from partrain.parallel.data import apply_data_parallel
+
+log = logging.getLogger("partrain")
+
+# Test-only fault hook: PARTRAIN_TEST_FAULT="RANK:STEP" makes that rank raise at that step.
+FAULT_ENV = "PARTRAIN_TEST_FAULT"
+
+
+def build_optimizer(model: torch.nn.Module, optim_cfg) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices and embeddings only, never on norm gains."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim_cfg.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2),
+                             eps=optim_cfg.eps)
+
+
+def lr_at(step: int, optim_cfg, max_steps: int) -> float:
+    """Linear warmup to optim.lr over warmup_steps, then cosine down to lr * min_lr_ratio."""
+    peak, warmup = optim_cfg.lr, optim_cfg.warmup_steps
+    if step <= warmup:
+        return peak * step / warmup
+    progress = (step - warmup) / max(1, max_steps - warmup)
+    floor = peak * optim_cfg.min_lr_ratio
+    return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def _dp_mean(value: torch.Tensor, dims: ParallelDims, mesh) -> float:
+    if dims.dp_enabled:
+        dist.all_reduce(value, group=mesh["dp"].get_group())
+        value = value / dims.dp
+    return value.item()
+
+
+def evaluate(model, splits, cfg, dims, mesh, coords, device, autocast) -> float:
+    """Mean loss over `eval_batches` fixed global batches of the validation split."""
+    t = cfg.train
+    model.eval()
+    total = torch.zeros((), device=device)
+    with torch.no_grad(), autocast:
+        for i in range(t.eval_batches):
+            for x, y in rank_micro_batches(
+                    splits.val, i, global_batch_size=t.global_batch_size,
+                    micro_batch_size=t.micro_batch_size, dp=dims.dp, dp_rank=coords["dp"],
+                    seq_len=t.seq_len, seed=t.seed, split="val"):
+                logits = model(x.to(device))
+                total += F.cross_entropy(logits.flatten(0, 1).float(), y.to(device).flatten())
+    model.train()
+    return _dp_mean(total / (t.eval_batches * t.micro_batches), dims, mesh)
+
+
+def train(cfg, run_dir: Path, device: torch.device) -> None:
+    p, t = cfg.parallel, cfg.train
+    rank = dist.get_rank()
+    dims = ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp)
+    mesh = dims.build_mesh(device.type)
+    coords = dims.coords(rank)
+    log.info("rank %d of %d: mesh coordinates %s on %s", rank, dims.world_size, coords, device)
+
+    # The full model from the seed, identical for every layout; wrappers then take it apart in
+    # the order TP -> PP -> DP/ZeRO (each sees what the one before produced).
+    model = build_model(cfg.model, t.seed).to(device)
+    n_params = sum(q.numel() for q in model.parameters())
+    if dims.dp_enabled:
+        model = apply_data_parallel(model, mesh["dp"])
+    optimizer = build_optimizer(model, cfg.optim)
+
+    use_bf16 = t.dtype == "bf16" or (t.dtype == "auto" and device.type == "cuda")
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
+    splits = load_tokens(cfg.data)
+    tokens_per_step = t.global_batch_size * t.seq_len
+    flops_per_step = flops_per_token(cfg.model, t.seq_len) * tokens_per_step
+    peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    fault = os.environ.get(FAULT_ENV)
+
+    metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=rank == 0)
+    display = ProgressDisplay(t.max_steps, t.log_every, enabled=rank == 0)
+    display.print(f"partrain: {cfg.model.name} ({n_params:,} parameters), {splits.description}, "
+                  f"layout pp={dims.pp} dp={dims.dp} tp={dims.tp}, {t.global_batch_size} x "
+                  f"{t.seq_len} tokens per step ({t.micro_batches} micro-batches of "
+                  f"{t.micro_batch_size} per dp rank)")
+    history, val_losses, started = [], [], time.perf_counter()
+    for step in range(1, t.max_steps + 1):
+        if fault == f"{rank}:{step}":
+            raise RuntimeError(f"injected fault ({FAULT_ENV}={fault}) on rank {rank} at step {step}")
+        step_start = time.perf_counter()
+        lr = lr_at(step, cfg.optim, t.max_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        # Gradient accumulation: each micro-batch's mean loss is scaled by 1/micro_batches and
+        # DDP averages over dp, so the gradient is that of the mean loss over the global batch.
+        micro = rank_micro_batches(
+            splits.train, step, global_batch_size=t.global_batch_size,
+            micro_batch_size=t.micro_batch_size, dp=dims.dp, dp_rank=coords["dp"],
+            seq_len=t.seq_len, seed=t.seed)
+        loss_sum = torch.zeros((), device=device)
+        for i, (x, y) in enumerate(micro):
+            last = i == len(micro) - 1
+            no_sync = model.no_sync() if dims.dp_enabled and not last else nullcontext()
+            with no_sync, autocast:
+                logits = model(x.to(device))
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), y.to(device).flatten())
+                loss = loss / len(micro)
+            loss.backward()
+            loss_sum += loss.detach()
+
+        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        loss_value = _dp_mean(loss_sum, dims, mesh)
+        step_time = time.perf_counter() - step_start
+        rec = {"step": step, "loss": loss_value, "grad_norm": grad_norm.item(), "lr": lr,
+               "tokens": step * tokens_per_step, "tokens_per_s": tokens_per_step / step_time,
+               "step_time_s": step_time}
+        if peak:
+            rec["mfu"] = flops_per_step / step_time / (peak * dims.world_size)
+        metrics.write(rec)
+        history.append(rec)
+        display.update(rec)
+        if step % t.log_every == 0 or step == 1:
+            log.info(format_step(rec))
+
+        if (t.eval_every and step % t.eval_every == 0) or step == t.max_steps:
+            val_loss = evaluate(model, splits, cfg, dims, mesh, coords, device, autocast)
+            metrics.write({"step": step, "val_loss": val_loss})
+            val_losses.append((step, val_loss))
+            log.info("step %d val_loss %.4f", step, val_loss)
+            if not display.live:
+                display.print(f"step {step:>6}  val_loss {val_loss:.4f}")
+
+    display.stop()
+    metrics.close()
+    if rank == 0:
+        display.console.print(summary_table(history, val_losses, time.perf_counter() - started,
+                                            run_dir))
+
+
+def _log_to_file(run_dir: Path, rank: int) -> None:
+    """Send this rank's output to logs/rank-N.log. Rank 0 keeps stdout for the progress display;
+    every other stream, C++ warnings included, goes to the file (file descriptors 1/2, not just
+    sys.stdout)."""
+    path = run_dir / "logs" / f"rank-{rank}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for stream_fd in ((2,) if rank == 0 else (1, 2)):
+        os.dup2(fd, stream_fd)
+    os.close(fd)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s rank" + str(rank) + " %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+
+
+@record
+def main(run_dir: str) -> None:
+    run_dir = Path(run_dir)
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    rank, local_rank, _ = env_rank()
+    _log_to_file(run_dir, rank)
+    device = pick_device(cfg.launcher.device, local_rank)
+    init_distributed(device, cfg.launcher.collective_timeout_s)
+    # train() returns before the clean end, so model, optimizer and mesh are already unreferenced.
+    train(cfg, run_dir, device)
+    end_distributed()
+    log.info("rank %d done", rank)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1])
+    except BaseException:
+        # @record has written the error file for the launcher. Skip interpreter teardown: the other
+        # ranks are being stopped, and gloo's destructors could abort on a half-open group.
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)

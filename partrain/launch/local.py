@@ -7,6 +7,7 @@ within its monitor interval and shutdown timeout; we read the failed rank's elas
 and exit 1. SIGINT/SIGTERM reach the agent, which stops all workers; we exit 130.
 """
 
+import dataclasses
 import logging
 import os
 import sys
@@ -83,7 +84,7 @@ def launch_workers(run_dir: Path, spec: ElasticLaunch, console_print=print) -> i
     if spec.cpu_threads:
         os.environ.setdefault("OMP_NUM_THREADS", str(spec.cpu_threads))
     single_node = spec.rdzv_endpoint is None
-    config = LaunchConfig(
+    options = dict(
         min_nodes=spec.nnodes,
         max_nodes=spec.nnodes,
         nproc_per_node=spec.nproc_per_node,
@@ -99,15 +100,16 @@ def launch_workers(run_dir: Path, spec: ElasticLaunch, console_print=print) -> i
         local_addr="127.0.0.1" if single_node else None,
         shutdown_timeout=5,  # seconds between SIGTERM and SIGKILL for the surviving ranks
     )
+    # Older torch releases lack some of these fields (shutdown_timeout came in 2.12).
+    known = {f.name for f in dataclasses.fields(LaunchConfig)}
+    config = LaunchConfig(**{k: v for k, v in options.items() if k in known})
     try:
         elastic_launch(config, sys.executable)("-u", "-m", "partrain.train", str(run_dir))
     except ChildFailedError as err:
         rank, message = _describe_failure(err)
-        others = len(err.failures) - 1
         console_print(f"rank {rank} failed: {message}")
-        console_print(f"  its log: {run_dir / 'logs' / f'rank-{rank}.log'}"
-                      + (f"; {others} other failed rank(s) listed in logs/launcher.log"
-                         if others else ""))
+        console_print(f"  its log: {run_dir / 'logs' / f'rank-{rank}.log'}; every other rank "
+                      "was stopped")
         return EXIT_RANK_FAILED
     except (SignalException, KeyboardInterrupt):
         console_print("interrupted: all workers stopped")

@@ -6,6 +6,8 @@ gradient accumulation the train loop calls `no_sync()` on all but the last micro
 is one all-reduce per optimizer step.
 """
 
+import warnings
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
@@ -13,11 +15,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     device_ids = None if dp_mesh.device_type == "cpu" else [next(model.parameters()).device]
-    return DistributedDataParallel(
-        model,
-        process_group=dp_mesh.get_group(),
-        device_ids=device_ids,
-        # Buffers (the rotary tables) are derived from the config, identical on every rank.
-        broadcast_buffers=False,
-        gradient_as_bucket_view=True,
-    )
+    with warnings.catch_warnings():
+        # Newer torch deprecates broadcast_buffers in favour of forward_sync_buffers, whose False
+        # still syncs at init; broadcast_buffers=False remains the way to skip buffers entirely.
+        warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+        return DistributedDataParallel(
+            model,
+            process_group=dp_mesh.get_group(),
+            device_ids=device_ids,
+            # Buffers (the rotary tables) are derived from the config, identical on every rank.
+            broadcast_buffers=False,
+            gradient_as_bucket_view=True,
+        )

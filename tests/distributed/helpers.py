@@ -1,0 +1,34 @@
+"""Run a test body on N real gloo processes.
+
+The processes meet through a FileStore in a fresh temp dir (no ports, so no port races), use a
+short collective timeout so that a broken test fails fast, and end the group cleanly. A failing
+rank's exception (assertion included) is re-raised in the test with its traceback.
+"""
+
+import gc
+import os
+import tempfile
+from datetime import timedelta
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+TIMEOUT = timedelta(seconds=60)
+
+
+def _entry(rank: int, fn, world_size: int, store_path: str, args: tuple) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=TIMEOUT)
+    fn(rank, world_size, *args)
+    # The body has returned, so its modules and meshes are unreferenced; see partrain.dist.
+    dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, *args) -> None:
+    """Call fn(rank, world_size, *args) on world_size spawned processes; fn must be importable."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_entry, args=(fn, world_size, os.path.join(tmp, "store"), args),
+                           nprocs=world_size, join=True, start_method="spawn")

@@ -1,0 +1,29 @@
+"""The DeviceMesh that partrain builds has the groups ParallelDims computes (real gloo groups)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from partrain.mesh import ParallelDims
+from tests.distributed.helpers import run_distributed
+
+
+def _check_mesh(rank: int, world_size: int, shape: tuple[int, int, int]) -> None:
+    dims = ParallelDims(*shape)
+    mesh = dims.build_mesh("cpu")
+    assert mesh.mesh_dim_names == ("pp", "dp", "tp")
+    coords = dims.coords(rank)
+    for dim in ("pp", "dp", "tp"):
+        group = mesh[dim].get_group()
+        expected = next(g for g in dims.groups(dim) if rank in g)
+        assert dist.get_process_group_ranks(group) == expected, (dim, rank)
+        assert mesh[dim].get_local_rank() == coords[dim]
+        # A collective over the group sees exactly its members.
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=group)
+        assert t.item() == sum(expected), (dim, rank)
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 2, 2), (2, 1, 2), (1, 4, 1)])
+def test_mesh_groups_match_parallel_dims(shape):
+    run_distributed(_check_mesh, ParallelDims(*shape).world_size, shape)

@@ -1,0 +1,56 @@
+"""A rank that fails ends the whole job (exit 1, the rank named, its error printed), and Ctrl-C /
+SIGTERM stop every worker (exit 130); no process outlives the launcher either way."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from tests.integration.conftest import processes_mentioning
+
+LONG = ("train.max_steps=100000", "train.eval_every=0")
+
+
+def _wait_for_steps(run_dir, proc, timeout=120):
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metrics.exists() and metrics.read_text().count("\n") >= 2:
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.2)
+    raise AssertionError("training never started")
+
+
+def test_failing_rank_stops_the_job(cli, tmp_path):
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    res = cli.run("launch", *LONG, "--run-dir", str(run_dir),
+                  env={"PARTRAIN_TEST_FAULT": "1:3"}, timeout=120)
+    elapsed = time.monotonic() - started
+    assert res.returncode == 1, res.stderr
+    assert "rank 1 failed" in res.stderr
+    assert "injected fault" in res.stderr and "at step 3" in res.stderr
+    assert "rank-1.log" in res.stderr
+    # The healthy rank 0 was stopped, not left waiting in a collective for its timeout (120 s).
+    assert elapsed < 60, elapsed
+    assert "injected fault" in (run_dir / "logs" / "rank-1.log").read_text()
+    assert processes_mentioning(str(run_dir)) == []
+
+
+@pytest.mark.parametrize("how", ["sigterm-launcher", "ctrl-c-group"])
+def test_interrupt_stops_all_workers(cli, tmp_path, how):
+    run_dir = tmp_path / "run"
+    proc = cli.start("launch", *LONG, "--run-dir", str(run_dir))
+    _wait_for_steps(run_dir, proc)
+    workers = processes_mentioning(str(run_dir))
+    assert len(workers) >= 3, workers  # the launcher and two ranks
+    if how == "sigterm-launcher":
+        proc.send_signal(signal.SIGTERM)
+    else:  # a terminal's Ctrl-C reaches the whole foreground process group
+        os.killpg(proc.pid, signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "interrupted" in stderr
+    assert processes_mentioning(str(run_dir)) == []

@@ -45,13 +45,16 @@ class ProgressDisplay:
         self.console = Console(file=sys.stdout)
         self.live = enabled and self.console.is_terminal
         self.progress = None
-        if self.live:
+
+    def _start_live(self) -> None:
+        if self.progress is None:
             self.progress = Progress(
                 TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
                 TextColumn("loss {task.fields[loss]}"), TextColumn("lr {task.fields[lr]}"),
                 TextColumn("{task.fields[tps]} tok/s"), TimeElapsedColumn(), TextColumn("ETA"),
                 TimeRemainingColumn(), console=self.console)
-            self.task = self.progress.add_task("train", total=max_steps, loss="-", lr="-", tps="-")
+            self.task = self.progress.add_task("train", total=self.max_steps, loss="-", lr="-",
+                                               tps="-")
             self.progress.start()
 
     def print(self, text: str) -> None:
@@ -62,6 +65,7 @@ class ProgressDisplay:
         if not self.enabled:
             return
         if self.live:
+            self._start_live()
             self.progress.update(self.task, completed=rec["step"], loss=f"{rec['loss']:.4f}",
                                  lr=f"{rec['lr']:.2e}", tps=f"{rec['tokens_per_s']:,.0f}")
         elif rec["step"] % self.log_every == 0 or rec["step"] in (1, self.max_steps):
@@ -70,7 +74,6 @@ class ProgressDisplay:
     def stop(self) -> None:
         if self.progress is not None:
             self.progress.stop()
-            self.progress = None
 
 
 def format_step(rec: dict) -> str:

@@ -60,6 +60,31 @@ def _dp_mean(value: torch.Tensor, dims: ParallelDims, mesh) -> float:
     return value.item()
 
 
+def train_step(model, optimizer, micro, dims, mesh, device, autocast, grad_clip):
+    """One optimizer step over this rank's micro-batches; (global mean loss, grad norm before
+    clipping).
+
+    Each micro-batch's mean loss is scaled by 1/micro_batches and DDP averages over dp, so the
+    gradient is that of the mean loss over the global batch. `no_sync` on all but the last
+    micro-batch keeps it to one gradient all-reduce per step.
+    """
+    loss_sum = torch.zeros((), device=device)
+    for i, (x, y) in enumerate(micro):
+        last = i == len(micro) - 1
+        no_sync = model.no_sync() if dims.dp_enabled and not last else nullcontext()
+        with no_sync, autocast:
+            logits = model(x.to(device))
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.to(device).flatten())
+            loss = loss / len(micro)
+        loss.backward()
+        loss_sum += loss.detach()
+    max_norm = grad_clip if grad_clip > 0 else math.inf
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return _dp_mean(loss_sum, dims, mesh), grad_norm.item()
+
+
 def evaluate(model, splits, cfg, dims, mesh, coords, device, autocast) -> float:
     """Mean loss over `eval_batches` fixed global batches of the validation split."""
     t = cfg.train
@@ -108,59 +133,43 @@ def train(cfg, run_dir: Path, device: torch.device) -> None:
                   f"{t.seq_len} tokens per step ({t.micro_batches} micro-batches of "
                   f"{t.micro_batch_size} per dp rank)")
     history, val_losses, started = [], [], time.perf_counter()
-    for step in range(1, t.max_steps + 1):
-        if fault == f"{rank}:{step}":
-            raise RuntimeError(f"injected fault ({FAULT_ENV}={fault}) on rank {rank} at step {step}")
-        step_start = time.perf_counter()
-        lr = lr_at(step, cfg.optim, t.max_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+    try:
+        for step in range(1, t.max_steps + 1):
+            if fault == f"{rank}:{step}":
+                raise RuntimeError(f"injected fault ({FAULT_ENV}={fault}) on rank {rank} at step {step}")
+            step_start = time.perf_counter()
+            lr = lr_at(step, cfg.optim, t.max_steps)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
 
-        # Gradient accumulation: each micro-batch's mean loss is scaled by 1/micro_batches and
-        # DDP averages over dp, so the gradient is that of the mean loss over the global batch.
-        micro = rank_micro_batches(
-            splits.train, step, global_batch_size=t.global_batch_size,
-            micro_batch_size=t.micro_batch_size, dp=dims.dp, dp_rank=coords["dp"],
-            seq_len=t.seq_len, seed=t.seed)
-        loss_sum = torch.zeros((), device=device)
-        for i, (x, y) in enumerate(micro):
-            last = i == len(micro) - 1
-            no_sync = model.no_sync() if dims.dp_enabled and not last else nullcontext()
-            with no_sync, autocast:
-                logits = model(x.to(device))
-                loss = F.cross_entropy(logits.flatten(0, 1).float(), y.to(device).flatten())
-                loss = loss / len(micro)
-            loss.backward()
-            loss_sum += loss.detach()
+            micro = rank_micro_batches(
+                splits.train, step, global_batch_size=t.global_batch_size,
+                micro_batch_size=t.micro_batch_size, dp=dims.dp, dp_rank=coords["dp"],
+                seq_len=t.seq_len, seed=t.seed)
+            loss_value, grad_norm = train_step(model, optimizer, micro, dims, mesh, device,
+                                               autocast, cfg.optim.grad_clip)
+            step_time = time.perf_counter() - step_start
+            rec = {"step": step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
+                   "tokens": step * tokens_per_step, "tokens_per_s": tokens_per_step / step_time,
+                   "step_time_s": step_time}
+            if peak:
+                rec["mfu"] = flops_per_step / step_time / (peak * dims.world_size)
+            metrics.write(rec)
+            history.append(rec)
+            display.update(rec)
+            if step % t.log_every == 0 or step == 1:
+                log.info(format_step(rec))
 
-        max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-        loss_value = _dp_mean(loss_sum, dims, mesh)
-        step_time = time.perf_counter() - step_start
-        rec = {"step": step, "loss": loss_value, "grad_norm": grad_norm.item(), "lr": lr,
-               "tokens": step * tokens_per_step, "tokens_per_s": tokens_per_step / step_time,
-               "step_time_s": step_time}
-        if peak:
-            rec["mfu"] = flops_per_step / step_time / (peak * dims.world_size)
-        metrics.write(rec)
-        history.append(rec)
-        display.update(rec)
-        if step % t.log_every == 0 or step == 1:
-            log.info(format_step(rec))
-
-        if (t.eval_every and step % t.eval_every == 0) or step == t.max_steps:
-            val_loss = evaluate(model, splits, cfg, dims, mesh, coords, device, autocast)
-            metrics.write({"step": step, "val_loss": val_loss})
-            val_losses.append((step, val_loss))
-            log.info("step %d val_loss %.4f", step, val_loss)
-            if not display.live:
+            if (t.eval_every and step % t.eval_every == 0) or step == t.max_steps:
+                val_loss = evaluate(model, splits, cfg, dims, mesh, coords, device, autocast)
+                metrics.write({"step": step, "val_loss": val_loss})
+                val_losses.append((step, val_loss))
+                log.info("step %d val_loss %.4f", step, val_loss)
                 display.print(f"step {step:>6}  val_loss {val_loss:.4f}")
-
-    display.stop()
-    metrics.close()
+    finally:
+        # Also on a failure: a live display left running would leave the terminal's cursor hidden.
+        display.stop()
+        metrics.close()
     if rank == 0:
         display.console.print(summary_table(history, val_losses, time.perf_counter() - started,
                                             run_dir))

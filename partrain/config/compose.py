@@ -5,6 +5,8 @@ so a recipe is a small diff over the defaults and `override model: llama-7b` wor
 app. Workers never call this: they load the frozen config.yaml that the launcher wrote.
 """
 
+import shutil
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -72,17 +74,30 @@ def _explain(e: Exception) -> str:
     return "\n".join(parts)
 
 
+def _compose(path: Path, overrides: list[str]) -> DictConfig:
+    search = f"hydra.searchpath=[file://{configs_dir()}]"
+    try:
+        with initialize_config_dir(config_dir=str(path.parent), version_base=None):
+            return compose(config_name=path.stem, overrides=[search, *overrides])
+    except (HydraException, OmegaConfBaseException, ValueError) as e:
+        raise ConfigError(f"invalid config or override: {_explain(e)}") from None
+
+
 def compose_config(config: str | None, overrides: list[str]) -> DictConfig:
     """The resolved, typed config for a recipe or YAML file plus Hydra-grammar overrides."""
     path = find_recipe(config)
     _check_has_defaults(path)
     register()
-    search = f"hydra.searchpath=[file://{configs_dir()}]"
-    try:
-        with initialize_config_dir(config_dir=str(path.parent), version_base=None):
-            cfg = compose(config_name=path.stem, overrides=[search, *overrides])
-    except (HydraException, OmegaConfBaseException, ValueError) as e:
-        raise ConfigError(f"invalid config or override: {_explain(e)}") from None
+    # A user's file is composed from a private copy under a neutral name: Hydra finds a primary
+    # config only as <name>.yaml, and a config.yaml beside it (or the file itself, if so named)
+    # would shadow the configs/config.yaml its defaults list asks for and recurse without end.
+    if path.parent != recipes_dir().resolve():
+        with tempfile.TemporaryDirectory(prefix="partrain-recipe-") as tmp:
+            copy = Path(tmp) / "user_recipe.yaml"
+            shutil.copyfile(path, copy)
+            cfg = _compose(copy, overrides)
+    else:
+        cfg = _compose(path, overrides)
     try:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as e:

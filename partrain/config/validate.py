@@ -41,6 +41,21 @@ def _positive(cfg: DictConfig, keys: list[str]) -> None:
             raise ConfigError(f"{key}={value} must be at least 1")
 
 
+def _at_least_zero(cfg: DictConfig, keys: list[str]) -> None:
+    for key in keys:
+        section, name = key.split(".")
+        value = cfg[section][name]
+        if value < 0:
+            raise ConfigError(f"{key}={value} must be >= 0")
+
+
+def _in_range(cfg: DictConfig, key: str, low: float, high: float, shown: str) -> None:
+    section, name = key.split(".")
+    value = cfg[section][name]
+    if not low <= value < high:
+        raise ConfigError(f"{key}={value} must be in {shown}")
+
+
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
         raise ConfigError(f"{key}={value} is not one of: {', '.join(allowed)}")
@@ -121,7 +136,19 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
     _positive(cfg, ["parallel.tp", "parallel.pp", "parallel.pp_virtual_stages",
                     "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.dim",
                     "model.vocab_size", "model.max_seq_len", "train.seq_len", "train.max_steps",
-                    "train.global_batch_size", "train.micro_batch_size", "train.micro_batches"])
+                    "train.global_batch_size", "train.micro_batch_size", "train.micro_batches",
+                    "train.log_every", "train.eval_batches", "model.multiple_of",
+                    "model.ffn_dim"])
+    _at_least_zero(cfg, ["train.seed", "train.eval_every", "optim.warmup_steps",
+                         "optim.weight_decay"])
+    _in_range(cfg, "optim.beta1", 0.0, 1.0, "[0, 1)")
+    _in_range(cfg, "optim.beta2", 0.0, 1.0, "[0, 1)")
+    if not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
+        raise ConfigError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must be in [0, 1]")
+    for key in ("model.rope_theta", "model.norm_eps", "optim.eps"):
+        section, name = key.split(".")
+        if cfg[section][name] <= 0:
+            raise ConfigError(f"{key}={cfg[section][name]} must be positive")
     _choice("parallel.pp_schedule", p.pp_schedule, PP_SCHEDULES)
     _choice("train.dtype", t.dtype, DTYPES)
     _choice("launcher.device", cfg.launcher.device, DEVICES)

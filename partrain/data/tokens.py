@@ -65,6 +65,10 @@ def _read_meta(path: Path) -> dict:
     if meta.get("dtype") not in DTYPES:
         raise ConfigError(
             f"data.path={path}: meta.json dtype={meta.get('dtype')!r} is not one of {', '.join(DTYPES)}")
+    if not isinstance(meta.get("tokenizer"), str):
+        raise ConfigError(
+            f"data.path={path}: meta.json tokenizer={meta.get('tokenizer')!r} must be a string "
+            "naming the tokenizer (e.g. \"bytes\")")
     for key in ("vocab_size", "train_tokens", "val_tokens"):
         if not isinstance(meta.get(key), int) or meta[key] < 1:
             raise ConfigError(f"data.path={path}: meta.json {key}={meta.get(key)!r} must be a positive integer")
@@ -114,6 +118,8 @@ def prepare_token_dir(files: list[Path], out: Path, val_fraction: float) -> dict
     """Byte-tokenize text files into a token dir; written to a temp dir, then renamed into place."""
     if not 0.0 < val_fraction < 1.0:
         raise ConfigError(f"--val-fraction={val_fraction} must be between 0 and 1")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is an existing file; give a new directory")
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--out {out} exists and is not empty; give a new directory")
     chunks = []

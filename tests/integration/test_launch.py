@@ -70,7 +70,7 @@ def test_existing_run_dir_is_refused(cli, tmp_path):
 
 
 def test_not_yet_supported_layout_exits_2(cli, tmp_path):
-    res = cli.run("launch", "parallel.tp=2", "--run-dir", str(tmp_path / "run"))
+    res = cli.run("launch", "parallel.tp=2", "parallel.dp=auto", "--run-dir", str(tmp_path / "run"))
     assert res.returncode == 2 and "parallel.tp=2" in res.stderr and "not implemented" in res.stderr
 
 

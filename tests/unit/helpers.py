@@ -1,0 +1,75 @@
+"""Helpers for the unit tests: compose and validate configs in-process, run the CLI."""
+
+import copy
+import functools
+import subprocess
+import sys
+from dataclasses import dataclass
+
+from omegaconf import OmegaConf
+
+from partrain.config import compose_config, resolve_and_validate, resolve_world
+
+
+def compose(*overrides: str, config: str | None = None):
+    """The composed (not yet validated) config: the quickstart recipe unless `config` is given."""
+    return compose_config(config, list(overrides))
+
+
+def resolved(*overrides: str, config: str | None = None, nnodes: int | None = None,
+             nproc: int | None = None, cuda_devices: int = 0):
+    """(cfg, world, warnings) after resolve_world and resolve_and_validate, as the CLI does it."""
+    cfg = compose_config(config, list(overrides))
+    world = resolve_world(cfg, nnodes, nproc, cuda_devices)
+    warnings = resolve_and_validate(cfg, world)
+    return cfg, world, warnings
+
+
+@functools.lru_cache(maxsize=None)
+def _composed_once(config: str | None):
+    return compose_config(config, [])
+
+
+def quick(*overrides: str, config: str | None = None):
+    """Like compose(), for `key=value` overrides only, without a Hydra compose per call: the
+    recipe is composed once and the overrides merged into a copy of its typed config (which still
+    rejects unknown keys and wrong types). The validation tests use it to stay fast."""
+    cfg = copy.deepcopy(_composed_once(config))
+    return OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+
+
+def validated(*overrides: str, config: str | None = None, nnodes: int | None = None,
+              nproc: int | None = None, cuda_devices: int = 0):
+    """resolved() on a quick() config."""
+    cfg = quick(*overrides, config=config)
+    world = resolve_world(cfg, nnodes, nproc, cuda_devices)
+    warnings = resolve_and_validate(cfg, world)
+    return cfg, world, warnings
+
+
+@dataclass
+class CliResult:
+    code: int
+    stdout: str
+    stderr: str
+
+
+def start_cli(*args: str, cwd=None) -> subprocess.Popen:
+    """`python -m partrain ARGS...` in a subprocess (started, not waited for)."""
+    return subprocess.Popen([sys.executable, "-m", "partrain", *args], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 60) -> CliResult:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return CliResult(proc.returncode, out, err)
+
+
+def one_line(text: str) -> str:
+    """Rich wraps stdout at the terminal width; compare messages with whitespace collapsed."""
+    return " ".join(text.split())

@@ -1,0 +1,246 @@
+"""The Llama-style model: size arithmetic, seeded weights, shapes, causality, the loss at init,
+grouped-query attention against a plain reference; flops_per_token; the learning-rate schedule."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from partrain.models import build_model, count_params, flops_per_token
+from partrain.models.llama import Attention, apply_rope, ffn_dim
+from partrain.train import lr_at
+from tests.unit.helpers import compose, quick
+
+
+def model_cfg(*overrides):
+    return quick(*(f"model.{o}" for o in overrides)).model
+
+
+SHAPES = {
+    "tiny": [],
+    "mha": ["n_kv_heads=4"],
+    "mqa": ["n_kv_heads=1"],
+    "ffn-given": ["ffn_dim=200", "n_layers=2"],
+    "ffn-derived-odd": ["dim=96", "n_heads=3", "n_kv_heads=1", "multiple_of=64", "n_layers=1"],
+    "small-vocab": ["vocab_size=64", "dim=64", "n_heads=2", "n_kv_heads=2", "n_layers=3"],
+}
+
+
+@pytest.mark.parametrize("overrides", SHAPES.values(), ids=SHAPES.keys())
+def test_param_count_matches_built_model(overrides):
+    cfg = model_cfg(*overrides)
+    model = build_model(cfg, seed=0)
+    assert sum(p.numel() for p in model.parameters()) == count_params(cfg)
+
+
+def test_tiny_is_the_quickstarts_0_8m_parameters():
+    assert count_params(model_cfg()) == 803_968
+
+
+@pytest.mark.parametrize("model, params", [
+    ("llama-7b", 6_738_415_616),  # Llama-2-7B
+    ("llama-1b", 1_235_814_400 + 128256 * 2048),  # Llama-3.2-1B plus its untied output head
+    ("llama-70b", 70_553_706_496),  # Llama-3-70B
+])
+def test_param_count_of_published_shapes(model, params):
+    assert count_params(compose(f"model={model}").model) == params
+
+
+@pytest.mark.parametrize("dim, multiple_of, expected", [
+    (128, 32, 352),  # 8/3 * 128 = 341.3 -> 352
+    (96, 64, 256),  # 256 -> 256
+    (4096, 256, 11008),  # Llama-2-7B's ffn size
+    (120, 1, 320),
+])
+def test_ffn_dim_derived(dim, multiple_of, expected):
+    assert ffn_dim(SimpleNamespace(ffn_dim=None, dim=dim, multiple_of=multiple_of)) == expected
+
+
+def test_ffn_dim_given_wins():
+    assert ffn_dim(SimpleNamespace(ffn_dim=200, dim=128, multiple_of=32)) == 200
+    model = build_model(model_cfg("ffn_dim=200", "n_layers=1"), seed=0)
+    assert model.layers["0"].feed_forward.w1.weight.shape == (200, 128)
+
+
+def _weights(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_same_seed_same_weights_different_seed_different():
+    cfg = model_cfg("n_layers=2")
+    a, b, c = (_weights(build_model(cfg, seed=s)) for s in (3, 3, 4))
+    assert a.keys() == b.keys() == c.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    matrices = [k for k in a if a[k].dim() == 2]
+    assert matrices
+    for name in matrices:
+        assert not torch.equal(a[name], c[name]), name
+
+
+def test_init_scales_and_norms():
+    cfg = model_cfg("n_layers=4", "dim=256", "n_heads=4", "n_kv_heads=4")
+    model = build_model(cfg, seed=0)
+    weights = dict(model.named_parameters())
+    assert torch.equal(weights["norm.weight"], torch.ones(256))
+    assert torch.equal(weights["layers.0.attention_norm.weight"], torch.ones(256))
+    assert abs(weights["layers.0.attention.wq.weight"].std().item() - 0.02) < 0.002
+    # Residual output projections are scaled by 1 / sqrt(2 * n_layers).
+    expected = 0.02 / math.sqrt(8)
+    assert abs(weights["layers.0.attention.wo.weight"].std().item() - expected) < 0.1 * expected
+    assert abs(weights["layers.0.feed_forward.w2.weight"].std().item() - expected) < 0.1 * expected
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return build_model(model_cfg(), seed=0).eval()
+
+
+def test_output_shape(tiny):
+    tokens = torch.randint(0, 256, (3, 17))
+    with torch.no_grad():
+        logits = tiny(tokens)
+    assert logits.shape == (3, 17, 256)
+    assert logits.dtype == torch.float32
+    assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("t", [0, 5, 15])
+def test_causal(tiny, t):
+    gen = torch.Generator().manual_seed(t)
+    tokens = torch.randint(0, 256, (2, 16), generator=gen)
+    changed = tokens.clone()
+    changed[:, t] = (changed[:, t] + 1) % 256
+    with torch.no_grad():
+        a, b = tiny(tokens), tiny(changed)
+    torch.testing.assert_close(a[:, :t], b[:, :t], rtol=0, atol=1e-6)
+    assert (a[:, t:] - b[:, t:]).abs().amax(dim=-1).min() > 1e-4  # position t and later do change
+
+
+def test_batch_rows_are_independent(tiny):
+    tokens = torch.randint(0, 256, (4, 12))
+    with torch.no_grad():
+        whole = tiny(tokens)
+        alone = tiny(tokens[2:3])
+    torch.testing.assert_close(whole[2:3], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_loss_at_init_is_near_uniform(tiny):
+    tokens = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = tiny(tokens[:, :-1])
+    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    assert abs(loss.item() - math.log(256)) < 0.05
+
+
+def test_backward_reaches_every_parameter():
+    model = build_model(model_cfg("n_layers=2"), seed=0)
+    tokens = torch.randint(0, 256, (2, 9))
+    logits = model(tokens[:, :-1])
+    F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def reference_attention(attn, x, cos, sin):
+    """Plain causal attention with k/v heads repeated for their query groups."""
+    bsz, seq, _ = x.shape
+    q = attn.wq(x).view(bsz, seq, attn.n_heads, attn.head_dim)
+    k = attn.wk(x).view(bsz, seq, attn.n_kv_heads, attn.head_dim)
+    v = attn.wv(x).view(bsz, seq, attn.n_kv_heads, attn.head_dim)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    group = attn.n_heads // attn.n_kv_heads
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(attn.head_dim)
+    mask = torch.ones(seq, seq, dtype=torch.bool).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    out = torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
+    return attn.wo(out.reshape(bsz, seq, -1))
+
+
+@pytest.mark.parametrize("n_heads, n_kv_heads", [(4, 4), (4, 2), (4, 1), (8, 2)])
+def test_attention_matches_reference(n_heads, n_kv_heads):
+    cfg = model_cfg(f"n_heads={n_heads}", f"n_kv_heads={n_kv_heads}", "n_layers=1")
+    model = build_model(cfg, seed=0)
+    attn = model.layers["0"].attention
+    assert isinstance(attn, Attention)
+    assert attn.wk.weight.shape == (n_kv_heads * 128 // n_heads, 128)
+    x = torch.randn(2, 10, 128, generator=torch.Generator().manual_seed(0))
+    cos, sin = model.rope_cos[:10], model.rope_sin[:10]
+    with torch.no_grad():
+        torch.testing.assert_close(attn(x, cos, sin), reference_attention(attn, x, cos, sin),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_kv_heads", [4, 2])
+def test_gqa_and_mha_models_run_forward_and_backward(n_kv_heads):
+    model = build_model(model_cfg(f"n_kv_heads={n_kv_heads}", "n_layers=2"), seed=0)
+    tokens = torch.randint(0, 256, (2, 8))
+    logits = model(tokens)
+    logits.sum().backward()
+    assert logits.shape == (2, 8, 256)
+    assert model.layers["0"].attention.wk.weight.grad is not None
+
+
+def test_rope_keeps_norms_and_position_zero():
+    x = torch.randn(1, 6, 2, 16)
+    from partrain.models.llama import rope_tables
+
+    cos, sin = rope_tables(16, 6, 10000.0)
+    y = apply_rope(x, cos, sin)
+    torch.testing.assert_close(y[:, 0], x[:, 0])  # angle 0 at position 0
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))
+    assert not torch.allclose(y[:, 1:], x[:, 1:])
+
+
+def test_flops_per_token():
+    cfg = model_cfg()
+    n, dense = count_params(cfg), count_params(cfg) - cfg.vocab_size * cfg.dim
+    f128, f256 = flops_per_token(cfg, 128), flops_per_token(cfg, 256)
+    assert 0 < f128 < f256
+    assert f128 == 6 * dense + 6 * cfg.n_layers * 128 * cfg.dim
+    assert f256 - f128 == 6 * cfg.n_layers * 128 * cfg.dim  # linear in seq_len
+    assert f128 > 6 * dense and dense < n
+
+
+def test_flops_per_token_is_about_6n_for_a_big_model():
+    big = compose("model=llama-7b").model
+    ratio = flops_per_token(big, 4096) / (6 * count_params(big))
+    # Attention adds ~8% at 4096 tokens, the embedding lookup (~2%) is free: about 6N.
+    assert 1.03 < ratio < 1.1
+
+
+# The learning-rate schedule (partrain/train.py).
+
+OPTIM = SimpleNamespace(lr=1.0e-3, warmup_steps=10, min_lr_ratio=0.1)
+
+
+def test_lr_warmup_is_linear():
+    for step in range(1, 11):
+        assert lr_at(step, OPTIM, 100) == pytest.approx(1e-3 * step / 10)
+    assert lr_at(1, OPTIM, 100) == pytest.approx(1e-3 / 10)
+
+
+def test_lr_peaks_at_end_of_warmup():
+    lrs = [lr_at(s, OPTIM, 100) for s in range(1, 101)]
+    assert lr_at(10, OPTIM, 100) == pytest.approx(1e-3)
+    assert max(lrs) == pytest.approx(1e-3)
+    assert lrs.index(max(lrs)) == 9  # step 10
+
+
+def test_lr_cosine_down_to_floor():
+    assert lr_at(100, OPTIM, 100) == pytest.approx(1e-4)
+    assert lr_at(55, OPTIM, 100) == pytest.approx(1e-4 + 0.5 * (1e-3 - 1e-4))  # halfway
+    after = [lr_at(s, OPTIM, 100) for s in range(10, 101)]
+    assert all(a > b for a, b in zip(after, after[1:]))  # strictly decreasing after the peak
+    assert lr_at(150, OPTIM, 100) == pytest.approx(1e-4)  # stays at the floor past max_steps
+
+
+def test_lr_with_composed_config():
+    cfg = quick()
+    assert lr_at(cfg.optim.warmup_steps, cfg.optim, cfg.train.max_steps) == pytest.approx(cfg.optim.lr)
+    assert lr_at(cfg.train.max_steps, cfg.optim, cfg.train.max_steps) == pytest.approx(
+        cfg.optim.lr * cfg.optim.min_lr_ratio)

@@ -27,6 +27,9 @@ from partrain.mesh import ParallelDims
 from partrain.metrics import MetricsLog, ProgressDisplay, format_step, peak_flops, summary_table
 from partrain.models import build_model, flops_per_token
 from partrain.parallel.data import apply_data_parallel
+from partrain.parallel.grads import clip_grad_norm
+from partrain.parallel.tensor import (apply_tensor_parallel, sync_sequence_parallel_grads,
+                                      vocab_parallel_cross_entropy)
 
 log = logging.getLogger("partrain")
 
@@ -60,7 +63,17 @@ def _dp_mean(value: torch.Tensor, dims: ParallelDims, mesh) -> float:
     return value.item()
 
 
-def train_step(model, optimizer, micro, dims, mesh, device, autocast, grad_clip):
+def loss_function(dims: ParallelDims, mesh):
+    """Mean cross-entropy over tokens; under tp the logits are vocabulary shards and the loss is
+    computed from them without gathering (every tp rank gets the same value)."""
+    if dims.tp_enabled:
+        tp_group = mesh["tp"].get_group()
+        return lambda logits, target: vocab_parallel_cross_entropy(logits, target, tp_group)
+    return lambda logits, target: F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+
+def train_step(model, optimizer, micro, loss_fn, dims, mesh, device, autocast, grad_clip,
+               sequence_parallel):
     """One optimizer step over this rank's micro-batches; (global mean loss, grad norm before
     clipping).
 
@@ -73,19 +86,20 @@ def train_step(model, optimizer, micro, dims, mesh, device, autocast, grad_clip)
         last = i == len(micro) - 1
         no_sync = model.no_sync() if dims.dp_enabled and not last else nullcontext()
         with no_sync, autocast:
-            logits = model(x.to(device))
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.to(device).flatten())
-            loss = loss / len(micro)
+            loss = loss_fn(model(x.to(device)), y.to(device)) / len(micro)
         loss.backward()
         loss_sum += loss.detach()
-    max_norm = grad_clip if grad_clip > 0 else math.inf
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+    tp_group = mesh["tp"].get_group() if dims.tp_enabled else None
+    if sequence_parallel:
+        sync_sequence_parallel_grads(model, tp_group)
+    grad_norm = clip_grad_norm(model.parameters(), grad_clip if grad_clip > 0 else math.inf,
+                               tp_group)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return _dp_mean(loss_sum, dims, mesh), grad_norm.item()
 
 
-def evaluate(model, splits, cfg, dims, mesh, coords, device, autocast) -> float:
+def evaluate(model, splits, loss_fn, cfg, dims, mesh, coords, device, autocast) -> float:
     """Mean loss over `eval_batches` fixed global batches of the validation split."""
     t = cfg.train
     model.eval()
@@ -96,8 +110,7 @@ def evaluate(model, splits, cfg, dims, mesh, coords, device, autocast) -> float:
                     splits.val, i, global_batch_size=t.global_batch_size,
                     micro_batch_size=t.micro_batch_size, dp=dims.dp, dp_rank=coords["dp"],
                     seq_len=t.seq_len, seed=t.seed, split="val"):
-                logits = model(x.to(device))
-                total += F.cross_entropy(logits.flatten(0, 1).float(), y.to(device).flatten())
+                total += loss_fn(model(x.to(device)), y.to(device))
     model.train()
     return _dp_mean(total / (t.eval_batches * t.micro_batches), dims, mesh)
 
@@ -114,9 +127,14 @@ def train(cfg, run_dir: Path, device: torch.device) -> None:
     # the order TP -> PP -> DP/ZeRO (each sees what the one before produced).
     model = build_model(cfg.model, t.seed).to(device)
     n_params = sum(q.numel() for q in model.parameters())
+    if dims.tp_enabled:
+        model = apply_tensor_parallel(model, mesh["tp"], p)
+    sequence_parallel = dims.tp_enabled and p.sequence_parallel
     if dims.dp_enabled:
         model = apply_data_parallel(model, mesh["dp"])
     optimizer = build_optimizer(model, cfg.optim)
+    loss_fn = loss_function(dims, mesh)
+    rank_params = sum(q.numel() for q in model.parameters())
 
     use_bf16 = t.dtype == "bf16" or (t.dtype == "auto" and device.type == "cuda")
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
@@ -128,8 +146,9 @@ def train(cfg, run_dir: Path, device: torch.device) -> None:
 
     metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=rank == 0)
     display = ProgressDisplay(t.max_steps, t.log_every, enabled=rank == 0)
-    display.print(f"partrain: {cfg.model.name} ({n_params:,} parameters), {splits.description}, "
-                  f"layout pp={dims.pp} dp={dims.dp} tp={dims.tp}, {t.global_batch_size} x "
+    display.print(f"partrain: {cfg.model.name} ({n_params:,} parameters, {rank_params:,} on rank "
+                  f"0), {splits.description}, layout pp={dims.pp} dp={dims.dp} tp={dims.tp}"
+                  f"{' +sp' if sequence_parallel else ''}, {t.global_batch_size} x "
                   f"{t.seq_len} tokens per step ({t.micro_batches} micro-batches of "
                   f"{t.micro_batch_size} per dp rank)")
     history, val_losses, started = [], [], time.perf_counter()
@@ -146,8 +165,9 @@ def train(cfg, run_dir: Path, device: torch.device) -> None:
                 splits.train, step, global_batch_size=t.global_batch_size,
                 micro_batch_size=t.micro_batch_size, dp=dims.dp, dp_rank=coords["dp"],
                 seq_len=t.seq_len, seed=t.seed)
-            loss_value, grad_norm = train_step(model, optimizer, micro, dims, mesh, device,
-                                               autocast, cfg.optim.grad_clip)
+            loss_value, grad_norm = train_step(model, optimizer, micro, loss_fn, dims, mesh,
+                                               device, autocast, cfg.optim.grad_clip,
+                                               sequence_parallel)
             step_time = time.perf_counter() - step_start
             rec = {"step": step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
                    "tokens": step * tokens_per_step, "tokens_per_s": tokens_per_step / step_time,
@@ -161,7 +181,7 @@ def train(cfg, run_dir: Path, device: torch.device) -> None:
                 log.info(format_step(rec))
 
             if (t.eval_every and step % t.eval_every == 0) or step == t.max_steps:
-                val_loss = evaluate(model, splits, cfg, dims, mesh, coords, device, autocast)
+                val_loss = evaluate(model, splits, loss_fn, cfg, dims, mesh, coords, device, autocast)
                 metrics.write({"step": step, "val_loss": val_loss})
                 val_losses.append((step, val_loss))
                 log.info("step %d val_loss %.4f", step, val_loss)

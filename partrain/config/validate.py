@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig, open_dict
 
 from partrain.errors import ConfigError
+from partrain.models.llama import ffn_dim
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 DTYPES = ("auto", "fp32", "bf16")
@@ -169,6 +170,17 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
                 f"parallel.tp={p.tp} must divide model.{key}={value} "
                 f"(try tp in {_divisors(value)})"
             )
+    hidden = ffn_dim(m)
+    if hidden % p.tp:
+        raise ConfigError(
+            f"parallel.tp={p.tp} must divide the MLP size {hidden} (model.ffn_dim, or 8/3 * "
+            f"model.dim rounded up to model.multiple_of={m.multiple_of}); set model.ffn_dim or "
+            f"model.multiple_of to a multiple of {p.tp}")
+    if m.vocab_size % p.tp:
+        raise ConfigError(
+            f"parallel.tp={p.tp} must divide model.vocab_size={m.vocab_size} (the embedding and "
+            f"output head are split over the vocabulary); pad the vocabulary to a multiple of "
+            f"{p.tp}")
     chunks = p.pp * p.pp_virtual_stages
     if m.n_layers % chunks:
         raise ConfigError(
@@ -196,6 +208,10 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
             f"train.micro_batches={mb} must be at least parallel.pp={p.pp}, "
             "or the pipeline never fills"
         )
+    if p.sequence_parallel and t.seq_len % p.tp:
+        raise ConfigError(
+            f"parallel.sequence_parallel=true splits the sequence over tp: train.seq_len="
+            f"{t.seq_len} must be divisible by parallel.tp={p.tp}")
     if t.seq_len > m.max_seq_len:
         raise ConfigError(
             f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
@@ -215,6 +231,8 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
         cfg.launcher.nnodes, cfg.launcher.nproc_per_node = world.nnodes, world.nproc_per_node
 
     warnings = []
+    if p.sequence_parallel and p.tp == 1:
+        warnings.append("parallel.sequence_parallel=true has no effect with parallel.tp=1")
     if cfg.launcher.device != "cpu" and p.tp > world.nproc_per_node:
         warnings.append(
             f"parallel.tp={p.tp} is larger than the {world.nproc_per_node} GPUs per node: "
@@ -226,13 +244,11 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
 def check_supported(cfg: DictConfig) -> None:
     """Layouts that validate and plan but that this version cannot run yet."""
     p = cfg.parallel
-    pending = [(p.tp > 1, f"parallel.tp={p.tp}", "tensor parallelism"),
-               (p.pp > 1, f"parallel.pp={p.pp}", "pipeline parallelism"),
-               (p.zero_stage > 0, f"parallel.zero_stage={p.zero_stage}", "DeepSpeed ZeRO"),
-               (p.sequence_parallel, "parallel.sequence_parallel=true", "sequence parallelism")]
+    pending = [(p.pp > 1, f"parallel.pp={p.pp}", "pipeline parallelism"),
+               (p.zero_stage > 0, f"parallel.zero_stage={p.zero_stage}", "DeepSpeed ZeRO")]
     for unsupported, setting, what in pending:
         if unsupported:
             raise ConfigError(
                 f"{setting}: {what} is not implemented in this version of partrain yet; "
-                "`partrain plan` shows the layout, `partrain launch` runs dp (DDP) only"
+                "`partrain plan` shows the layout, `partrain launch` runs dp (DDP) and tp only"
             )

@@ -125,8 +125,34 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        """Which module gets which tensor-parallel treatment (partrain.parallel.tensor.STYLES).
+
+        Attention and MLP are tp regions entered once (one backward all-reduce each); their q/k/v
+        and w1/w3 are column-parallel, wo and w2 row-parallel (one forward all-reduce each). The
+        embedding and head are split over the vocabulary; the loss reads the sharded logits.
+        """
+        plan = {"tok_embeddings": "vocab_embedding", "norm": "norm", "output": "vocab_head"}
+        for i in self.layers:
+            block = f"layers.{i}"
+            plan.update({
+                f"{block}.attention_norm": "norm",
+                f"{block}.attention": "attention",
+                f"{block}.attention.wq": "colwise",
+                f"{block}.attention.wk": "colwise",
+                f"{block}.attention.wv": "colwise",
+                f"{block}.attention.wo": "rowwise",
+                f"{block}.ffn_norm": "norm",
+                f"{block}.feed_forward": "region",
+                f"{block}.feed_forward.w1": "colwise",
+                f"{block}.feed_forward.w3": "colwise",
+                f"{block}.feed_forward.w2": "rowwise",
+            })
+        return plan
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits (batch, seq, vocab) for token ids (batch, seq)."""
+        """Logits (batch, seq, vocab) for token ids (batch, seq); under tensor parallelism the
+        last dimension is this rank's vocabulary shard."""
         seq = tokens.shape[1]
         cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
         h = self.tok_embeddings(tokens)

@@ -70,8 +70,10 @@ def test_existing_run_dir_is_refused(cli, tmp_path):
 
 
 def test_not_yet_supported_layout_exits_2(cli, tmp_path):
-    res = cli.run("launch", "parallel.tp=2", "parallel.dp=auto", "--run-dir", str(tmp_path / "run"))
-    assert res.returncode == 2 and "parallel.tp=2" in res.stderr and "not implemented" in res.stderr
+    run_dir = tmp_path / "run"
+    res = cli.run("launch", "parallel.pp=2", "parallel.dp=auto", "--run-dir", str(run_dir))
+    assert res.returncode == 2 and "parallel.pp=2" in res.stderr and "not implemented" in res.stderr
+    assert not run_dir.exists()
 
 
 def test_prepared_token_data_end_to_end(cli, tmp_path):

@@ -44,8 +44,24 @@ RULES = [
     ("n_heads-tp-prime", ["model.n_heads=6", "model.n_kv_heads=6", "model.dim=96",
                           "parallel.tp=4", "parallel.dp=1"], (None, 4),
      ["parallel.tp=4 must divide model.n_heads=6 (try tp in {1, 2, 3, 6})"],
-     ["model.n_heads=6", "model.n_kv_heads=6", "model.dim=96", "parallel.tp=3", "parallel.dp=1"],
-     (None, 3)),
+     ["model.n_heads=6", "model.n_kv_heads=6", "model.dim=96", "parallel.tp=2", "parallel.dp=1"],
+     (None, 2)),
+    ("ffn-tp", ["model.ffn_dim=350", "parallel.tp=4", "model.n_kv_heads=4", "parallel.dp=1"],
+     (None, 4), ["parallel.tp=4 must divide the MLP size 350", "model.ffn_dim"],
+     ["model.ffn_dim=352", "parallel.tp=4", "model.n_kv_heads=4", "parallel.dp=1"], (None, 4)),
+    ("ffn-derived-tp", ["model.multiple_of=1", "model.dim=136", "model.n_heads=4",
+                        "model.n_kv_heads=4", "parallel.tp=4", "parallel.dp=1"], (None, 4),
+     ["parallel.tp=4 must divide the MLP size 362", "model.multiple_of=1"],
+     ["model.multiple_of=4", "model.dim=136", "model.n_heads=4", "model.n_kv_heads=4",
+      "parallel.tp=4", "parallel.dp=1"], (None, 4)),
+    ("vocab-tp", ["model.vocab_size=257", "parallel.tp=2", "parallel.dp=1"], (None, 2),
+     ["parallel.tp=2 must divide model.vocab_size=257", "vocabulary"],
+     ["model.vocab_size=258", "parallel.tp=2", "parallel.dp=1"], (None, 2)),
+    ("sequence-parallel-seq", ["parallel.sequence_parallel=true", "parallel.tp=2",
+                               "parallel.dp=1", "train.seq_len=255"], (None, 2),
+     ["parallel.sequence_parallel=true", "train.seq_len=255 must be divisible by parallel.tp=2"],
+     ["parallel.sequence_parallel=true", "parallel.tp=2", "parallel.dp=1", "train.seq_len=254"],
+     (None, 2)),
     ("n_layers-pp", ["parallel.pp=3", "parallel.dp=1"], (None, 3),
      ["model.n_layers=4 must be divisible by pp(3) * pp_virtual_stages(1) = 3"],
      ["parallel.pp=2", "parallel.dp=1"], (None, 2)),
@@ -215,11 +231,9 @@ def test_tp_within_node_is_no_warning():
 
 
 @pytest.mark.parametrize("overrides, world, setting", [
-    (["parallel.tp=2", "parallel.dp=1"], (1, 2), "parallel.tp=2"),
     (["parallel.pp=2", "parallel.dp=1"], (1, 2), "parallel.pp=2"),
     (["parallel.zero_stage=1"], (1, 2), "parallel.zero_stage=1"),
     (["parallel.zero_stage=3"], (1, 2), "parallel.zero_stage=3"),
-    (["parallel.sequence_parallel=true"], (1, 2), "parallel.sequence_parallel=true"),
 ])
 def test_check_supported_rejects_what_launch_cannot_run(overrides, world, setting):
     cfg, _, _ = validated(*overrides, nnodes=world[0], nproc=world[1])  # validates: plan shows it
@@ -269,7 +283,7 @@ CLI_CASES = [
     (["show", "model.foo=1"], "Key 'foo' not in 'ModelConfig'"),
     (["show", "parallel.tp=abc"], "parallel.tp=abc"),
     (["show", "nosuch"], "unknown recipe 'nosuch'; known recipes: llama-1b-dp8, llama-7b-tp4-pp2"),
-    (["launch", "parallel.tp=2", "parallel.dp=1", "--dry-run"], "parallel.tp=2: tensor parallelism"),
+    (["launch", "parallel.pp=2", "parallel.dp=1", "--dry-run"], "parallel.pp=2: pipeline parallelism"),
     (["launch", "--node-rank", "1", "--dry-run"], "--node-rank=1 must be in 0..0"),
     (["launch", "--nnodes", "2", "parallel.dp=4", "--dry-run"], "--rdzv-endpoint"),
 ]

@@ -1,0 +1,391 @@
+"""Tensor parallelism (parallel.tp): Megatron-style sharded layers over the "tp" mesh dimension.
+
+`apply_tensor_parallel` takes the full model, built from the seed, and replaces the modules that
+the model's `tensor_parallel_plan()` names with sharded versions whose weights are slices of the
+full ones, so tp=1 and tp=N start from the same function. In each transformer block:
+
+    x ─ norm ─ [enter region] ─ wq/wk/wv (column) ─ attention on H/tp heads ─ wo (row) ─ all-reduce ─ +
+    h ─ norm ─ [enter region] ─ w1/w3 (column) ─ SwiGLU on ffn/tp ─ w2 (row) ─ all-reduce ─ +
+
+One all-reduce per attention and one per MLP forward; backward, entering the region is the
+all-reduce (Megatron's f and g). The embedding is vocabulary-parallel (masked lookup, all-reduce)
+and the output head is column-parallel over the vocabulary; the loss is computed from the vocab
+shards by `vocab_parallel_cross_entropy` without gathering the logits.
+
+With sequence parallelism the residual stream, norms included, lives on a sequence shard: the
+region entry becomes an all-gather along the sequence and the row-parallel all-reduce a
+reduce-scatter, the same bytes in twice as many collectives, and activations outside the regions
+take 1/tp of the memory. Norm weights then see only their shard's tokens, so their gradients are
+summed over tp once per step (`sync_sequence_parallel_grads`).
+
+Parameters that are sharded carry `tp_sharded = True`; gradient-norm clipping sums their squares
+over tp and counts the replicated ones once.
+"""
+
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd import Function
+
+# Module treatments a model's plan can ask for.
+STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head", "region", "attention", "norm")
+
+# ---------------------------------------------------------------------------------------------
+# Collective accounting: payload bytes of every tp collective (the full, unsharded tensor), used
+# by scripts/bench_tp.py and the tests to check the count against theory.
+
+_counter: dict | None = None
+
+
+@contextmanager
+def count_collectives():
+    """Within the block, record {op: {"calls": n, "bytes": b}} for every tp collective."""
+    global _counter
+    previous, _counter = _counter, defaultdict(lambda: {"calls": 0, "bytes": 0})
+    try:
+        yield _counter
+    finally:
+        _counter = previous
+
+
+def note_collective(op: str, full: torch.Tensor) -> None:
+    """Record one collective whose full (unsharded) payload is `full`, inside count_collectives()."""
+    if _counter is not None:
+        _counter[op]["calls"] += 1
+        _counter[op]["bytes"] += full.numel() * full.element_size()
+
+
+# ---------------------------------------------------------------------------------------------
+# Raw collectives (no autograd) along one dimension of a tensor.
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    note_collective("all_reduce", x)
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    tp = dist.get_world_size(group)
+    front = x.movedim(dim, 0).contiguous()
+    out = front.new_empty((tp * front.shape[0], *front.shape[1:]))
+    dist.all_gather_into_tensor(out, front, group=group)
+    note_collective("all_gather", out)
+    return out.movedim(0, dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    tp = dist.get_world_size(group)
+    front = x.movedim(dim, 0).contiguous()
+    out = front.new_empty((front.shape[0] // tp, *front.shape[1:]))
+    note_collective("reduce_scatter", front)
+    dist.reduce_scatter_tensor(out, front, group=group)
+    return out.movedim(0, dim)
+
+
+def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """This rank's chunk along dim (no communication)."""
+    chunks = x.chunk(dist.get_world_size(group), dim=dim)
+    return chunks[dist.get_rank(group)].contiguous()
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd collectives: each names its forward / backward pair.
+
+class _CopyToRegion(Function):
+    """Forward identity, backward all-reduce (Megatron's f): enter the tp region with a
+    replicated input whose gradient is the sum of every rank's partial gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromRegion(Function):
+    """Forward all-reduce, backward identity (Megatron's g): sum the partial outputs of a
+    row-parallel layer; the gradient is already replicated."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterLastDim(Function):
+    """Forward: keep this rank's chunk of the last dimension; backward: all-gather it."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, -1, ctx.group), None
+
+
+class _GatherLastDim(Function):
+    """Forward: all-gather the last dimension; backward: keep this rank's chunk."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split(grad, -1, ctx.group), None
+
+
+class _ReduceScatterSequence(Function):
+    """Forward: reduce-scatter along the sequence (dim 1); backward: all-gather along it.
+    Leaves a row-parallel layer under sequence parallelism."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather(grad, 1, ctx.group), None
+
+
+class _GatherSequence(Function):
+    """Forward: all-gather along the sequence (dim 1); backward: reduce-scatter along it.
+    Enters the tp region under sequence parallelism."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter(grad, 1, ctx.group), None
+
+
+def copy_to_tp_region(x, group):
+    return _CopyToRegion.apply(x, group)
+
+
+def reduce_from_tp_region(x, group):
+    return _ReduceFromRegion.apply(x, group)
+
+
+def scatter_to_tp_region(x, group):
+    return _ScatterLastDim.apply(x, group)
+
+
+def gather_from_tp_region(x, group):
+    return _GatherLastDim.apply(x, group)
+
+
+def reduce_scatter_to_sequence_region(x, group):
+    return _ReduceScatterSequence.apply(x, group)
+
+
+def gather_from_sequence_region(x, group):
+    return _GatherSequence.apply(x, group)
+
+
+def _enter_region(x, group, sequence_parallel: bool):
+    return gather_from_sequence_region(x, group) if sequence_parallel else copy_to_tp_region(x, group)
+
+
+def _leave_region(x, group, sequence_parallel: bool):
+    return (reduce_scatter_to_sequence_region(x, group) if sequence_parallel
+            else reduce_from_tp_region(x, group))
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharded layers. Each is built from the full weight and keeps only its slice.
+
+def _shard(full: torch.Tensor, dim: int, group) -> nn.Parameter:
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    if full.shape[dim] % tp:
+        raise ValueError(f"dimension {dim} of size {full.shape[dim]} does not split over tp={tp}")
+    param = nn.Parameter(full.detach().chunk(tp, dim=dim)[rank].clone())
+    param.tp_sharded = True
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x Wᵀ with W's rows (output features) split: rank r computes output features
+    [r·out/tp, (r+1)·out/tp). The input enters the tp region here unless `input_in_region` (a
+    parent already did it once for several linears that read the same input, like q/k/v).
+    `gather_output` all-gathers the full output; otherwise it stays sharded for a row-parallel
+    layer or the vocabulary-parallel loss."""
+
+    def __init__(self, weight: torch.Tensor, group, *, gather_output: bool = False,
+                 sequence_parallel: bool = False, input_in_region: bool = False):
+        super().__init__()
+        self.group, self.gather_output = group, gather_output
+        self.sequence_parallel, self.input_in_region = sequence_parallel, input_in_region
+        self.weight = _shard(weight, 0, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_in_region:
+            x = _enter_region(x, self.group, self.sequence_parallel)
+        y = F.linear(x, self.weight)
+        return gather_from_tp_region(y, self.group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """y = x Wᵀ with W's columns (input features) split: each rank multiplies its slice of the
+    input features and the partial outputs are summed (all-reduce, or reduce-scatter along the
+    sequence under sequence parallelism). `input_is_parallel=False` splits a full input first."""
+
+    def __init__(self, weight: torch.Tensor, group, *, input_is_parallel: bool = True,
+                 sequence_parallel: bool = False):
+        super().__init__()
+        self.group, self.input_is_parallel = group, input_is_parallel
+        self.sequence_parallel = sequence_parallel
+        self.weight = _shard(weight, 1, group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.group)
+        return _leave_region(F.linear(x, self.weight), self.group, self.sequence_parallel)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the vocabulary split: rank r holds rows [r·V/tp, (r+1)·V/tp). Tokens outside
+    the shard look up zeros; the all-reduce (or sequence reduce-scatter) fills them in."""
+
+    def __init__(self, weight: torch.Tensor, group, *, sequence_parallel: bool = False):
+        super().__init__()
+        self.group, self.sequence_parallel = group, sequence_parallel
+        self.weight = _shard(weight, 0, group)
+        self.vocab_start = dist.get_rank(group) * self.weight.shape[0]
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = tokens - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return _leave_region(out, self.group, self.sequence_parallel)
+
+
+class _VocabParallelCrossEntropy(Function):
+    """Per-token cross-entropy from vocabulary-sharded logits (N, V/tp): three all-reduces of N
+    numbers (max, target logit, sum of exponentials) instead of gathering N·V logits. Backward
+    is local: softmax minus the one-hot target, on this rank's shard."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group):
+        logits = logits.float()
+        shard = logits.shape[-1]
+        start = dist.get_rank(group) * shard
+        row_max = logits.max(dim=-1).values
+        note_collective("all_reduce", row_max)
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - row_max.unsqueeze(-1)
+
+        local = target - start
+        outside = (local < 0) | (local >= shard)
+        local = local.masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        note_collective("all_reduce", target_logit)
+        dist.all_reduce(target_logit, group=group)
+
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        note_collective("all_reduce", sum_exp)
+        dist.all_reduce(sum_exp, group=group)
+
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local, outside)
+        return sum_exp.log() - target_logit
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, outside = ctx.saved_tensors
+        grad_logits = softmax.clone()
+        rows = torch.arange(local.numel(), device=local.device)
+        grad_logits[rows, local] -= (~outside).to(grad_logits.dtype)
+        return grad_logits * grad.unsqueeze(-1), None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group) -> torch.Tensor:
+    """Mean cross-entropy over tokens; logits (..., V/tp) sharded over the vocabulary."""
+    per_token = _VocabParallelCrossEntropy.apply(logits.flatten(0, -2), target.flatten(), group)
+    return per_token.mean()
+
+
+# ---------------------------------------------------------------------------------------------
+# Applying a plan to a built model.
+
+def _enter_region_hook(group, sequence_parallel: bool):
+    def hook(module, args):
+        return (_enter_region(args[0], group, sequence_parallel), *args[1:])
+    return hook
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg) -> nn.Module:
+    """Shard `model` in place by its `tensor_parallel_plan()` over the 1-D tp mesh; cfg is the
+    `parallel` config section (reads `sequence_parallel`)."""
+    group = tp_mesh.get_group()
+    tp = dist.get_world_size(group)
+    sp = bool(cfg.sequence_parallel)
+    plan = model.tensor_parallel_plan()
+    unknown = sorted({style for style in plan.values() if style not in STYLES})
+    if unknown:
+        raise ValueError(f"tensor-parallel plan uses unknown styles {unknown}; known: {STYLES}")
+    regions = {name for name, style in plan.items() if style in ("region", "attention")}
+
+    for name, style in plan.items():
+        module = model.get_submodule(name)
+        parent_name, _, child = name.rpartition(".")
+        if style in ("region", "attention"):
+            module.register_forward_pre_hook(_enter_region_hook(group, sp))
+            if style == "attention":
+                # The module computes only this rank's heads; GQA stays intact because query head
+                # h uses kv head h // (n_heads / n_kv_heads), and both split into contiguous runs.
+                module.n_heads //= tp
+                module.n_kv_heads //= tp
+            continue
+        if style == "norm":
+            if sp:
+                for param in module.parameters():
+                    param.sequence_parallel_partial = True
+            continue
+        if style == "colwise":
+            new = ColumnParallelLinear(module.weight, group, sequence_parallel=sp,
+                                       input_in_region=parent_name in regions)
+        elif style == "vocab_head":
+            new = ColumnParallelLinear(module.weight, group, sequence_parallel=sp)
+        elif style == "rowwise":
+            new = RowParallelLinear(module.weight, group, sequence_parallel=sp)
+        else:
+            new = VocabParallelEmbedding(module.weight, group, sequence_parallel=sp)
+        if getattr(module, "bias", None) is not None:
+            raise ValueError(f"{name}: tensor parallelism here supports bias-free layers only")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    return model
+
+
+def sync_sequence_parallel_grads(model: nn.Module, group) -> None:
+    """Sum over tp the gradients of weights that saw only a sequence shard (norms under sequence
+    parallelism); once per step, after the last micro-batch's backward, in one collective."""
+    grads = [p.grad for p in model.parameters()
+             if getattr(p, "sequence_parallel_partial", False) and p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.flatten() for g in grads])
+    note_collective("all_reduce", flat)
+    dist.all_reduce(flat, group=group)
+    for grad, chunk in zip(grads, flat.split([g.numel() for g in grads])):
+        grad.copy_(chunk.view_as(grad))

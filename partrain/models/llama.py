@@ -30,6 +30,12 @@ def count_params(cfg) -> int:
     return cfg.n_layers * per_block + 2 * cfg.vocab_size * cfg.dim + cfg.dim
 
 
+def count_params_per_rank(cfg, tp: int) -> int:
+    """Parameters held by one tensor-parallel rank: everything but the norm gains is split."""
+    replicated = (2 * cfg.n_layers + 1) * cfg.dim
+    return (count_params(cfg) - replicated) // tp + replicated
+
+
 def flops_per_token(cfg, seq_len: int) -> float:
     """Training FLOPs per token: 6 * (params less the embedding lookup) + causal attention.
 

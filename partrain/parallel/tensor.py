@@ -389,3 +389,47 @@ def sync_sequence_parallel_grads(model: nn.Module, group) -> None:
     dist.all_reduce(flat, group=group)
     for grad, chunk in zip(grads, flat.split([g.numel() for g in grads])):
         grad.copy_(chunk.view_as(grad))
+
+
+# ---------------------------------------------------------------------------------------------
+# The expected collectives, as arithmetic (for `partrain plan`, the benchmark and the tests).
+
+def tp_collectives(model_cfg, micro_tokens: int, tp: int, sequence_parallel: bool,
+                   low_precision: bool = False) -> list[dict]:
+    """Every tp collective of one micro-batch (forward and backward) of the Llama plan above:
+    where, op, calls and the full payload per call in elements and bytes. `low_precision`
+    (bf16 autocast) makes the row-parallel outputs 2-byte; the residual stream, embedding and
+    loss stay fp32."""
+    if tp == 1:
+        return []
+    L, act = model_cfg.n_layers, micro_tokens * model_cfg.dim
+    row_bytes = 2 if low_precision else 4
+    if sequence_parallel:
+        rows = [("embedding output (fwd)", "reduce_scatter", 1, act, 4),
+                ("attention/MLP inputs (fwd)", "all_gather", 2 * L, act, 4),
+                ("attention/MLP outputs (fwd)", "reduce_scatter", 2 * L, act, row_bytes),
+                ("output head input (fwd)", "all_gather", 1, act, 4),
+                ("attention/MLP outputs (bwd)", "all_gather", 2 * L, act, row_bytes),
+                ("attention/MLP inputs (bwd)", "reduce_scatter", 2 * L, act, 4),
+                ("output head input (bwd)", "reduce_scatter", 1, act, 4),
+                ("embedding output (bwd)", "all_gather", 1, act, 4)]
+    else:
+        rows = [("embedding output (fwd)", "all_reduce", 1, act, 4),
+                ("attention/MLP outputs (fwd)", "all_reduce", 2 * L, act, row_bytes),
+                ("attention/MLP inputs (bwd)", "all_reduce", 2 * L, act, 4),
+                ("output head input (bwd)", "all_reduce", 1, act, 4)]
+    rows.append(("loss: max, target logit, sum exp (fwd)", "all_reduce", 3, micro_tokens, 4))
+    return [{"where": w, "op": op, "calls": n, "elements": e, "bytes": n * e * b}
+            for w, op, n, e, b in rows]
+
+
+def tp_step_collectives(model_cfg, tp: int, sequence_parallel: bool) -> list[dict]:
+    """The tp collectives of an optimizer step outside the micro-batches."""
+    if tp == 1:
+        return []
+    rows = [{"where": "gradient norm", "op": "all_reduce", "calls": 1, "elements": 1, "bytes": 4}]
+    if sequence_parallel:
+        norms = (2 * model_cfg.n_layers + 1) * model_cfg.dim
+        rows.append({"where": "norm gradients (sequence parallel)", "op": "all_reduce",
+                     "calls": 1, "elements": norms, "bytes": 4 * norms})
+    return rows

@@ -32,16 +32,32 @@ def _assert_parity(steps, reference, label):
     print(f"parity {label}: max relative gap loss {worst['loss']:.1e}, grad_norm {worst['grad_norm']:.1e}")
 
 
+REFERENCE = ("parallel.dp=1", "--nproc-per-node", "1", "train.micro_batch_size=16")
+# tp=4 needs 4 key/value heads (the tiny model has 2); its reference runs the same model.
+KV4 = ("model.n_kv_heads=4",)
+
+
 @pytest.fixture(scope="module")
-def single_process(tmp_path_factory):
+def references(tmp_path_factory):
+    """Single-process runs, one per model variant, made on first use."""
     from tests.integration.conftest import CLI
 
-    cli = CLI()
+    cli, made = CLI(), {}
+
+    def get(model_overrides=()):
+        if model_overrides not in made:
+            made[model_overrides] = _run(cli, tmp_path_factory.mktemp("ref"), "dp1",
+                                         *REFERENCE, *model_overrides)
+        return made[model_overrides]
     try:
-        yield _run(cli, tmp_path_factory.mktemp("ref"), "dp1", "parallel.dp=1",
-                   "--nproc-per-node", "1", "train.micro_batch_size=16")
+        yield get
     finally:
         cli.kill_all()
+
+
+@pytest.fixture(scope="module")
+def single_process(references):
+    return references()
 
 
 @pytest.mark.parametrize("label,overrides", [
@@ -54,4 +70,19 @@ def test_layout_parity(cli, tmp_path, single_process, label, overrides):
     steps = _run(cli, tmp_path, "run", *overrides)
     _assert_parity(steps, single_process, label)
     # The run really trained: a parity test on a flat loss would prove nothing.
+    assert steps[-1]["loss"] < steps[0]["loss"]
+
+
+@pytest.mark.parametrize("label,overrides,model", [
+    ("tp2", ("parallel.dp=1", "parallel.tp=2", "train.micro_batch_size=8"), ()),
+    ("tp4", ("parallel.dp=1", "parallel.tp=4", "train.micro_batch_size=8",
+             "--nproc-per-node", "4"), KV4),
+    ("dp2 x tp2", ("parallel.dp=2", "parallel.tp=2", "train.micro_batch_size=4",
+                   "--nproc-per-node", "4"), ()),
+    ("tp2 + sequence parallel", ("parallel.dp=1", "parallel.tp=2", "parallel.sequence_parallel=true",
+                                 "train.micro_batch_size=8"), ()),
+])
+def test_tensor_parallel_parity(cli, tmp_path, references, label, overrides, model):
+    steps = _run(cli, tmp_path, "run", *overrides, *model)
+    _assert_parity(steps, references(model), label)
     assert steps[-1]["loss"] < steps[0]["loss"]

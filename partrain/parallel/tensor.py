@@ -419,17 +419,24 @@ def tp_collectives(model_cfg, micro_tokens: int, tp: int, sequence_parallel: boo
                 ("attention/MLP inputs (bwd)", "all_reduce", 2 * L, act, 4),
                 ("output head input (bwd)", "all_reduce", 1, act, 4)]
     rows.append(("loss: max, target logit, sum exp (fwd)", "all_reduce", 3, micro_tokens, 4))
-    return [{"where": w, "op": op, "calls": n, "elements": e, "bytes": n * e * b}
-            for w, op, n, e, b in rows]
+    return [_row(w, op, n, e, n * e * b, tp) for w, op, n, e, b in rows]
+
+
+def _row(where: str, op: str, calls: int, elements: int, payload: int, tp: int) -> dict:
+    """`bytes` is the full payload; `wire_bytes` what each rank sends with ring algorithms: an
+    all-reduce 2(tp-1)/tp of it, an all-gather or reduce-scatter (tp-1)/tp."""
+    share = (2 if op == "all_reduce" else 1) * (tp - 1) / tp
+    return {"where": where, "op": op, "calls": calls, "elements": elements, "bytes": payload,
+            "wire_bytes": round(payload * share)}
 
 
 def tp_step_collectives(model_cfg, tp: int, sequence_parallel: bool) -> list[dict]:
     """The tp collectives of an optimizer step outside the micro-batches."""
     if tp == 1:
         return []
-    rows = [{"where": "gradient norm", "op": "all_reduce", "calls": 1, "elements": 1, "bytes": 4}]
+    rows = [_row("gradient norm", "all_reduce", 1, 1, 4, tp)]
     if sequence_parallel:
         norms = (2 * model_cfg.n_layers + 1) * model_cfg.dim
-        rows.append({"where": "norm gradients (sequence parallel)", "op": "all_reduce",
-                     "calls": 1, "elements": norms, "bytes": 4 * norms})
+        rows.append(_row("norm gradients (sequence parallel)", "all_reduce", 1, norms, 4 * norms,
+                         tp))
     return rows

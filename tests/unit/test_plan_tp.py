@@ -1,0 +1,73 @@
+"""`partrain plan` for tensor parallelism: what each rank holds and the tp collectives of a step,
+checked against arithmetic done here by hand from the tiny model's shape."""
+
+import json
+
+from tests.unit.helpers import validated
+
+# tiny: n_layers=4, dim=128, vocab 256, ffn 352 (8/3 * 128 rounded up to 32); quickstart batch:
+# 16 sequences of 256 tokens, micro_batch_size 4.
+L, D, V, FFN, SEQ = 4, 128, 256, 352, 256
+
+
+def _plan(run_main, *args):
+    result = run_main("plan", "--json", *args)
+    assert result.code == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_params_per_rank_split_all_but_norms(run_main):
+    plan = _plan(run_main, "parallel.tp=2", "parallel.dp=1")
+    norms = (2 * L + 1) * D
+    total = plan["model"]["params"]
+    assert total == L * (D * 32 * (2 * 4 + 2 * 2) + 3 * D * FFN + 2 * D) + 2 * V * D + D
+    assert plan["model"]["params_per_rank"] == (total - norms) // 2 + norms
+
+
+def test_tp_collectives_per_step(run_main):
+    plan = _plan(run_main, "parallel.tp=2", "parallel.dp=1")
+    tpc = plan["tp_collectives"]
+    micro_batches, tokens = 4, 4 * SEQ  # global 16 = 4 * 4 * dp 1
+    ops = {r["where"]: r for r in tpc["per_step"]}
+    fwd = ops["attention/MLP outputs (fwd)"]
+    # Megatron: one all-reduce per attention and one per MLP forward, per micro-batch.
+    assert (fwd["op"], fwd["calls"], fwd["elements"]) == ("all_reduce", 2 * L * micro_batches, tokens * D)
+    assert ops["attention/MLP inputs (bwd)"]["calls"] == 2 * L * micro_batches
+    expected = micro_batches * ((4 * L + 2) * tokens * D + 3 * tokens) * 4 + 4
+    assert tpc["bytes_per_step"] == expected == sum(r["bytes"] for r in tpc["per_step"])
+
+
+def test_sequence_parallel_moves_the_same_bytes_in_twice_the_collectives(run_main):
+    plain = _plan(run_main, "parallel.tp=2", "parallel.dp=1")["tp_collectives"]
+    sp = _plan(run_main, "parallel.tp=2", "parallel.dp=1", "parallel.sequence_parallel=true")
+    sp = sp["tp_collectives"]
+    assert sp["sequence_parallel"]
+    assert {r["op"] for r in sp["per_step"]} == {"all_gather", "reduce_scatter", "all_reduce"}
+    calls = lambda rows, op: sum(r["calls"] for r in rows if r["op"] == op)  # noqa: E731
+    assert calls(sp["per_step"], "all_gather") == calls(sp["per_step"], "reduce_scatter")
+    assert calls(sp["per_step"], "all_gather") == calls(plain["per_step"], "all_reduce") - 3 * 4 - 1
+    # Each all-reduce became an all-gather plus a reduce-scatter of the same tensor: twice the
+    # payload, the same bytes on the wire (a ring all-reduce sends 2(n-1)/n, the others (n-1)/n).
+    # The only extra traffic is the norm gradients summed over tp once per step.
+    norm_grads = (2 * L + 1) * D * 4
+    assert sp["wire_bytes_per_step"] - plain["wire_bytes_per_step"] == norm_grads
+    loss_and_norm = 4 * 3 * (4 * SEQ) * 4 + 4  # micro-batches * 3 loss all-reduces of T, grad norm
+    assert sp["bytes_per_step"] - norm_grads == 2 * plain["bytes_per_step"] - loss_and_norm
+
+
+def test_no_tp_no_collectives(run_main):
+    plan = _plan(run_main)
+    assert plan["tp_collectives"]["per_step"] == []
+    assert plan["model"]["params_per_rank"] == plan["model"]["params"]
+
+
+def test_human_plan_shows_the_tp_table(run_main):
+    result = run_main("plan", "parallel.tp=2", "parallel.dp=1")
+    assert result.code == 0
+    assert "tensor-parallel collectives per step" in result.stdout
+    assert "per rank" in result.stdout
+
+
+def test_sequence_parallel_without_tp_is_a_warning():
+    _, _, warnings = validated("parallel.sequence_parallel=true")
+    assert warnings == ["parallel.sequence_parallel=true has no effect with parallel.tp=1"]

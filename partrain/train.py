@@ -27,7 +27,9 @@ from partrain.mesh import ParallelDims
 from partrain.metrics import MetricsLog, ProgressDisplay, format_step, peak_flops, summary_table
 from partrain.models import build_model, flops_per_token
 from partrain.parallel.data import apply_data_parallel
-from partrain.parallel.grads import clip_grad_norm
+from partrain.parallel.grads import average_gradients, clip_grad_norm
+from partrain.parallel.pipeline import apply_pipeline_parallel
+from partrain.trace import Tracer, write_trace
 from partrain.parallel.tensor import (apply_tensor_parallel, sync_sequence_parallel_grads,
                                       vocab_parallel_cross_entropy)
 
@@ -56,7 +58,11 @@ def lr_at(step: int, optim_cfg, max_steps: int) -> float:
     return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def _dp_mean(value: torch.Tensor, dims: ParallelDims, mesh) -> float:
+def _global_mean(value: torch.Tensor, dims: ParallelDims, mesh) -> float:
+    """A per-rank mean loss -> the mean over the global batch: summed over pp (only the last
+    stage holds a loss), averaged over dp (tp ranks already agree)."""
+    if dims.pp_enabled:
+        dist.all_reduce(value, group=mesh["pp"].get_group())
     if dims.dp_enabled:
         dist.all_reduce(value, group=mesh["dp"].get_group())
         value = value / dims.dp
@@ -72,31 +78,48 @@ def loss_function(dims: ParallelDims, mesh):
     return lambda logits, target: F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
 
 
-def train_step(model, optimizer, micro, loss_fn, dims, mesh, device, autocast, grad_clip,
-               sequence_parallel):
-    """One optimizer step over this rank's micro-batches; (global mean loss, grad norm before
-    clipping).
+def forward_backward(model, micro, loss_fn, dims, device, autocast, tracer=None,
+                     train=True) -> torch.Tensor:
+    """This rank's mean loss over its micro-batches, with gradients accumulated when `train`.
 
-    Each micro-batch's mean loss is scaled by 1/micro_batches and DDP averages over dp, so the
-    gradient is that of the mean loss over the global batch. `no_sync` on all but the last
-    micro-batch keeps it to one gradient all-reduce per step.
+    Each micro-batch's loss is scaled by 1/micro_batches, so the gradient is that of the mean.
+    Under pp the pipeline executor runs the schedule (the loss lives on the last stage). Otherwise
+    DDP's `no_sync` on all but the last micro-batch keeps it to one gradient all-reduce per step.
     """
+    if dims.pp_enabled:
+        return model.run(micro, loss_fn, autocast, train=train)
+    tracer = tracer or Tracer(False)
     loss_sum = torch.zeros((), device=device)
     for i, (x, y) in enumerate(micro):
         last = i == len(micro) - 1
-        no_sync = model.no_sync() if dims.dp_enabled and not last else nullcontext()
-        with no_sync, autocast:
-            loss = loss_fn(model(x.to(device)), y.to(device)) / len(micro)
-        loss.backward()
+        no_sync = model.no_sync() if train and dims.dp_enabled and not last else nullcontext()
+        with no_sync:
+            with tracer.span(f"F{i}", "compute"), torch.set_grad_enabled(train), autocast:
+                loss = loss_fn(model(x.to(device)), y.to(device)) / len(micro)
+            if train:
+                with tracer.span(f"B{i}", "compute"):
+                    loss.backward()
         loss_sum += loss.detach()
-    tp_group = mesh["tp"].get_group() if dims.tp_enabled else None
-    if sequence_parallel:
-        sync_sequence_parallel_grads(model, tp_group)
-    grad_norm = clip_grad_norm(model.parameters(), grad_clip if grad_clip > 0 else math.inf,
-                               tp_group)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return _dp_mean(loss_sum, dims, mesh), grad_norm.item()
+    return loss_sum
+
+
+def train_step(model, optimizer, micro, loss_fn, dims, mesh, device, autocast, grad_clip,
+               sequence_parallel, tracer):
+    """One optimizer step over this rank's micro-batches; (global mean loss, grad norm before
+    clipping)."""
+    loss = forward_backward(model, micro, loss_fn, dims, device, autocast, tracer)
+    with tracer.span("gradients: dp average, clip", "comm"):
+        if dims.pp_enabled and dims.dp_enabled:
+            average_gradients(model.parameters(), mesh["dp"].get_group())
+        tp_group = mesh["tp"].get_group() if dims.tp_enabled else None
+        if sequence_parallel:
+            sync_sequence_parallel_grads(model, tp_group)
+        grad_norm = clip_grad_norm(model.parameters(), grad_clip if grad_clip > 0 else math.inf,
+                                   tp_group, mesh["pp"].get_group() if dims.pp_enabled else None)
+    with tracer.span("optimizer", "compute"):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return _global_mean(loss, dims, mesh), grad_norm.item()
 
 
 def evaluate(model, splits, loss_fn, cfg, dims, mesh, coords, device, autocast) -> float:
@@ -104,15 +127,14 @@ def evaluate(model, splits, loss_fn, cfg, dims, mesh, coords, device, autocast) 
     t = cfg.train
     model.eval()
     total = torch.zeros((), device=device)
-    with torch.no_grad(), autocast:
-        for i in range(t.eval_batches):
-            for x, y in rank_micro_batches(
-                    splits.val, i, global_batch_size=t.global_batch_size,
-                    micro_batch_size=t.micro_batch_size, dp=dims.dp, dp_rank=coords["dp"],
-                    seq_len=t.seq_len, seed=t.seed, split="val"):
-                total += loss_fn(model(x.to(device)), y.to(device))
+    for i in range(t.eval_batches):
+        micro = rank_micro_batches(
+            splits.val, i, global_batch_size=t.global_batch_size,
+            micro_batch_size=t.micro_batch_size, dp=dims.dp, dp_rank=coords["dp"],
+            seq_len=t.seq_len, seed=t.seed, split="val")
+        total += forward_backward(model, micro, loss_fn, dims, device, autocast, train=False)
     model.train()
-    return _dp_mean(total / (t.eval_batches * t.micro_batches), dims, mesh)
+    return _global_mean(total / t.eval_batches, dims, mesh)
 
 
 def train(cfg, run_dir: Path, device: torch.device) -> None:
@@ -125,12 +147,21 @@ def train(cfg, run_dir: Path, device: torch.device) -> None:
 
     # The full model from the seed, identical for every layout; wrappers then take it apart in
     # the order TP -> PP -> DP/ZeRO (each sees what the one before produced).
+    tracer = Tracer(t.trace)
     model = build_model(cfg.model, t.seed).to(device)
     n_params = sum(q.numel() for q in model.parameters())
     if dims.tp_enabled:
         model = apply_tensor_parallel(model, mesh["tp"], p)
     sequence_parallel = dims.tp_enabled and p.sequence_parallel
-    if dims.dp_enabled:
+    if dims.pp_enabled:
+        # What flows between stages: the residual stream of one micro-batch (a sequence shard
+        # of it under sequence parallelism).
+        seq = t.seq_len // dims.tp if sequence_parallel else t.seq_len
+        model = apply_pipeline_parallel(model, mesh["pp"], p,
+                                        (t.micro_batch_size, seq, cfg.model.dim), tracer)
+    elif dims.dp_enabled:
+        # Under pp the executor runs forward and backward; gradients are averaged over dp
+        # after the schedule (train_step) instead.
         model = apply_data_parallel(model, mesh["dp"])
     optimizer = build_optimizer(model, cfg.optim)
     loss_fn = loss_function(dims, mesh)
@@ -165,9 +196,11 @@ def train(cfg, run_dir: Path, device: torch.device) -> None:
                 splits.train, step, global_batch_size=t.global_batch_size,
                 micro_batch_size=t.micro_batch_size, dp=dims.dp, dp_rank=coords["dp"],
                 seq_len=t.seq_len, seed=t.seed)
-            loss_value, grad_norm = train_step(model, optimizer, micro, loss_fn, dims, mesh,
-                                               device, autocast, cfg.optim.grad_clip,
-                                               sequence_parallel)
+            tracer.at_step(step)
+            with tracer.span(f"step {step}", "step"):
+                loss_value, grad_norm = train_step(model, optimizer, micro, loss_fn, dims, mesh,
+                                                   device, autocast, cfg.optim.grad_clip,
+                                                   sequence_parallel, tracer)
             step_time = time.perf_counter() - step_start
             rec = {"step": step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
                    "tokens": step * tokens_per_step, "tokens_per_s": tokens_per_step / step_time,
@@ -181,6 +214,7 @@ def train(cfg, run_dir: Path, device: torch.device) -> None:
                 log.info(format_step(rec))
 
             if (t.eval_every and step % t.eval_every == 0) or step == t.max_steps:
+                tracer.recording = False
                 val_loss = evaluate(model, splits, loss_fn, cfg, dims, mesh, coords, device, autocast)
                 metrics.write({"step": step, "val_loss": val_loss})
                 val_losses.append((step, val_loss))
@@ -190,6 +224,13 @@ def train(cfg, run_dir: Path, device: torch.device) -> None:
         # Also on a failure: a live display left running would leave the terminal's cursor hidden.
         display.stop()
         metrics.close()
+    if t.trace:
+        gathered = [None] * dims.world_size if rank == 0 else None
+        dist.gather_object(tracer.spans, gathered, dst=0)
+        if rank == 0:
+            labels = [f"rank {r} (pp {c['pp']}, dp {c['dp']}, tp {c['tp']})"
+                      for r, c in ((r, dims.coords(r)) for r in range(dims.world_size))]
+            write_trace(run_dir / "trace.json", gathered, labels)
     if rank == 0:
         display.console.print(summary_table(history, val_losses, time.perf_counter() - started,
                                             run_dir))

@@ -5,7 +5,7 @@ key or a value of the wrong type fails at compose time, before anything starts.
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import List, Any, Optional
 
 from hydra.core.config_store import ConfigStore
 
@@ -34,6 +34,7 @@ class ParallelConfig:
     zero_stage: int = 0  # 0 = DDP; 1, 2, 3 = DeepSpeed ZeRO over the dp dimension
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
     pp_virtual_stages: int = 1  # model chunks per pp rank (interleaved_1f1b)
+    pp_layers: Optional[List[int]] = None  # blocks per stage (pp * pp_virtual_stages numbers); null = balanced
     sequence_parallel: bool = False  # Megatron sequence parallelism inside tp groups
 
 
@@ -70,6 +71,7 @@ class TrainConfig:
     eval_every: int = 50  # steps between validation passes; 0 = only at the end
     eval_batches: int = 4  # global batches of the validation split per pass
     log_every: int = 10  # steps between lines in the rank logs (and on a non-terminal stdout)
+    trace: bool = False  # write trace.json (Chrome trace events, one track per rank) to the run dir
 
 
 @dataclass

@@ -182,16 +182,32 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
             f"output head are split over the vocabulary); pad the vocabulary to a multiple of "
             f"{p.tp}")
     chunks = p.pp * p.pp_virtual_stages
-    if m.n_layers % chunks:
+    if p.pp_layers is not None:
+        given = list(p.pp_layers)
+        shown = "[" + ", ".join(map(str, given)) + "]"
+        if len(given) != chunks:
+            raise ConfigError(
+                f"parallel.pp_layers={shown} must list {chunks} stage sizes, one per pp rank and "
+                f"virtual stage: pp({p.pp}) * pp_virtual_stages({p.pp_virtual_stages})")
+        if min(given) < 1 or sum(given) != m.n_layers:
+            raise ConfigError(
+                f"parallel.pp_layers={shown} must be positive block counts summing to "
+                f"model.n_layers={m.n_layers} (they sum to {sum(given)})")
+    elif m.n_layers % chunks:
         raise ConfigError(
             f"model.n_layers={m.n_layers} must be divisible by pp({p.pp}) * "
-            f"pp_virtual_stages({p.pp_virtual_stages}) = {chunks}"
+            f"pp_virtual_stages({p.pp_virtual_stages}) = {chunks}, or give the stage sizes "
+            "in parallel.pp_layers"
         )
     if p.pp_virtual_stages > 1 and p.pp_schedule != "interleaved_1f1b":
         raise ConfigError(
             f"parallel.pp_virtual_stages={p.pp_virtual_stages} needs "
             f"parallel.pp_schedule=interleaved_1f1b (got {p.pp_schedule})"
         )
+    if p.pp > 1 and p.pp_schedule == "interleaved_1f1b" and p.pp_virtual_stages < 2:
+        raise ConfigError(
+            "parallel.pp_schedule=interleaved_1f1b needs parallel.pp_virtual_stages >= 2 "
+            f"(got {p.pp_virtual_stages}); with one chunk per rank use 1f1b")
 
     dp = _resolve_dp(p, world)
     product = p.pp * dp * p.tp
@@ -208,6 +224,10 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
             f"train.micro_batches={mb} must be at least parallel.pp={p.pp}, "
             "or the pipeline never fills"
         )
+    if p.pp > 1 and p.pp_schedule == "interleaved_1f1b" and mb % p.pp:
+        raise ConfigError(
+            f"parallel.pp_schedule=interleaved_1f1b runs micro-batches in groups of pp: "
+            f"train.micro_batches={mb} must be divisible by parallel.pp={p.pp}")
     if p.sequence_parallel and t.seq_len % p.tp:
         raise ConfigError(
             f"parallel.sequence_parallel=true splits the sequence over tp: train.seq_len="
@@ -244,11 +264,10 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
 def check_supported(cfg: DictConfig) -> None:
     """Layouts that validate and plan but that this version cannot run yet."""
     p = cfg.parallel
-    pending = [(p.pp > 1, f"parallel.pp={p.pp}", "pipeline parallelism"),
-               (p.zero_stage > 0, f"parallel.zero_stage={p.zero_stage}", "DeepSpeed ZeRO")]
+    pending = [(p.zero_stage > 0, f"parallel.zero_stage={p.zero_stage}", "DeepSpeed ZeRO")]
     for unsupported, setting, what in pending:
         if unsupported:
             raise ConfigError(
                 f"{setting}: {what} is not implemented in this version of partrain yet; "
-                "`partrain plan` shows the layout, `partrain launch` runs dp (DDP) and tp only"
+                "`partrain plan` shows the layout, `partrain launch` runs dp (DDP), tp and pp"
             )

@@ -83,7 +83,10 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x (batch, seq, dim); cos/sin the full rotary tables, cut here to x's sequence (under
+        sequence parallelism x is already gathered to the full sequence at this point)."""
         bsz, seq, _ = x.shape
+        cos, sin = cos[:seq], sin[:seq]
         q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim)
         k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
@@ -158,13 +161,29 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits (batch, seq, vocab) for token ids (batch, seq); under tensor parallelism the
-        last dimension is this rank's vocabulary shard."""
-        seq = tokens.shape[1]
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
-        h = self.tok_embeddings(tokens)
+        last dimension is this rank's vocabulary shard. A pipeline chunk without the embedding
+        takes hidden states, one without the head returns them."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for block in self.layers.values():
-            h = block(h, cos, sin)
+            h = block(h, self.rope_cos, self.rope_sin)
+        if self.output is None:
+            return h
         return self.output(self.norm(h))
+
+    def pipeline_chunk(self, layer_ids: list[int], first: bool, last: bool) -> "Transformer":
+        """A pipeline stage sharing this model's modules: the given blocks (names kept), the
+        embedding if first (else it takes hidden states), norm and head if last (else it returns
+        hidden states). Parameter names stay those of the full model."""
+        chunk = Transformer.__new__(Transformer)
+        nn.Module.__init__(chunk)
+        chunk.cfg = self.cfg
+        chunk.tok_embeddings = self.tok_embeddings if first else None
+        chunk.layers = nn.ModuleDict({str(i): self.layers[str(i)] for i in layer_ids})
+        chunk.norm = self.norm if last else None
+        chunk.output = self.output if last else None
+        chunk.register_buffer("rope_cos", self.rope_cos, persistent=False)
+        chunk.register_buffer("rope_sin", self.rope_sin, persistent=False)
+        return chunk
 
 
 @torch.no_grad()

@@ -1,8 +1,10 @@
-"""Gradient-norm clipping that counts every parameter of the sharded model exactly once.
+"""Gradients after backward: averaging over dp where DDP is not used, and gradient-norm clipping
+that counts every parameter of the sharded model exactly once.
 
 A tensor-parallel shard (`tp_sharded`) holds a different slice of a weight on each tp rank, so
 its squared norm is summed over tp; a replicated parameter (norm gains) has the same gradient on
-every tp rank and is counted once. Gradients are already averaged over dp by DDP.
+every tp rank and is counted once. Pipeline stages hold disjoint parameters, so their sums add
+over pp.
 """
 
 import math
@@ -19,7 +21,11 @@ def _sum_of_squares(grads: list[torch.Tensor], device) -> torch.Tensor:
     return torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
 
 
-def clip_grad_norm(parameters, max_norm: float, tp_group=None) -> torch.Tensor:
+def _spans(group) -> bool:
+    return group is not None and dist.get_world_size(group) > 1
+
+
+def clip_grad_norm(parameters, max_norm: float, tp_group=None, pp_group=None) -> torch.Tensor:
     """Scale gradients so that their global norm is at most max_norm (inf: no clipping);
     return the norm before clipping, as torch.nn.utils.clip_grad_norm_ does."""
     params = [p for p in parameters if p.grad is not None]
@@ -27,11 +33,25 @@ def clip_grad_norm(parameters, max_norm: float, tp_group=None) -> torch.Tensor:
     sharded = [p.grad for p in params if getattr(p, "tp_sharded", False)]
     replicated = [p.grad for p in params if not getattr(p, "tp_sharded", False)]
     sharded_sq = _sum_of_squares(sharded, device)
-    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+    if _spans(tp_group):
         note_collective("all_reduce", sharded_sq)
         dist.all_reduce(sharded_sq, group=tp_group)
-    total = (sharded_sq + _sum_of_squares(replicated, device)).sqrt()
+    total_sq = sharded_sq + _sum_of_squares(replicated, device)
+    if _spans(pp_group):
+        dist.all_reduce(total_sq, group=pp_group)
+    total = total_sq.sqrt()
     if math.isfinite(max_norm):
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_([p.grad for p in params], coef)
     return total
+
+
+def average_gradients(parameters, dp_group) -> None:
+    """Average gradients over dp in one flat all-reduce: the data-parallel step when the pipeline
+    executor, not DDP, runs forward and backward."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat, group=dp_group)
+    flat /= dist.get_world_size(dp_group)
+    for grad, chunk in zip(grads, flat.split([g.numel() for g in grads])):
+        grad.copy_(chunk.view_as(grad))

@@ -1,0 +1,136 @@
+"""Pipeline parallelism (parallel.pp): the model cut into stages along the "pp" mesh dimension, each
+optimizer step run as micro-batches through a schedule.
+
+`apply_pipeline_parallel` takes the (possibly tensor-parallel) full model and keeps this rank's
+chunks: stage s = chunk * pp + pp_rank owns a run of consecutive blocks (balanced by count, or
+`parallel.pp_layers`), the first stage also the embedding, the last the final norm, the head and
+the loss. The Llama model does not tie its embedding and head, so nothing is shared across stages.
+
+`PipelineModel.run` executes this rank's action list from partrain.parallel.schedules: compute
+F/B, sends posted asynchronously, receives waited on where the schedule needs them, as the
+schedule's simulation assumes. Messages carry a tag naming (direction, stage, micro-batch), so
+they match whatever order two ranks post them in. Each micro-batch's loss is scaled by
+1/micro_batches, so the accumulated gradient is that of the mean loss, as without pp.
+
+Every compute and communication span goes to the tracer (partrain.trace), if one is recording.
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from partrain.parallel.schedules import build_schedule, message_key
+from partrain.trace import Tracer
+
+
+def stage_layers(n_layers: int, pp: int, v: int = 1, pp_layers=None) -> list[list[int]]:
+    """Block ids of every stage s = 0..pp*v-1, consecutive; pp_layers gives the counts."""
+    stages = pp * v
+    counts = list(pp_layers) if pp_layers else [n_layers // stages] * stages
+    if len(counts) != stages or sum(counts) != n_layers:
+        raise ValueError(f"stage sizes {counts} must be {stages} numbers summing to {n_layers}")
+    ids, start = [], 0
+    for count in counts:
+        ids.append(list(range(start, start + count)))
+        start += count
+    return ids
+
+
+class PipelineModel(nn.Module):
+    """This rank's chunks of the model and the executor of its schedule."""
+
+    def __init__(self, chunks: list[nn.Module], group, schedule: str, activation_shape,
+                 tracer: Tracer | None = None):
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+        self.group, self.schedule = group, schedule
+        self.pp, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.peers = [dist.get_global_rank(group, r) for r in range(self.pp)]
+        self.last_stage = self.pp * len(chunks) - 1
+        self.activation_shape = tuple(activation_shape)
+        self.tracer = tracer or Tracer(False)
+        self._plans: dict[tuple[int, bool], list] = {}
+
+    def _actions(self, m: int, train: bool):
+        if (m, train) not in self._plans:
+            actions = build_schedule(self.schedule, self.pp, m, len(self.chunks))[self.rank]
+            if not train:
+                # Forward only (evaluation): the same order without backwards cannot deadlock,
+                # since forward messages only flow to later stages.
+                actions = [a for a in actions if a.op in ("F", "RECV_F", "SEND_F")]
+            self._plans[(m, train)] = actions
+        return self._plans[(m, train)]
+
+    def _tag(self, action) -> int:
+        direction, stage, mb = message_key(action, self.rank, self.pp)
+        return (stage * 2 + (direction == "B")) * 100_000 + mb
+
+    def _send(self, tensor: torch.Tensor, action, sends: list) -> None:
+        # Kept alive with its request until the end of the step: isend must not lose its buffer.
+        payload = tensor.float().contiguous()
+        sends.append((dist.isend(payload, dst=self.peers[action.peer], tag=self._tag(action)),
+                      payload))
+
+    def run(self, micro, loss_fn, autocast, train: bool = True) -> torch.Tensor:
+        """One pass of the schedule over this dp rank's micro-batches [(tokens, targets)];
+        backward too when `train`. Returns the mean loss over micro-batches on the last
+        stage's ranks, zero elsewhere."""
+        m = len(micro)
+        device = next(self.parameters()).device
+        total = torch.zeros((), device=device)
+        inputs, outputs, grads, losses, sends = {}, {}, {}, {}, []
+        for a in self._actions(m, train):
+            stage, key = a.chunk * self.pp + self.rank, (a.chunk, a.mb)
+            name = f"{a.op}{a.chunk}.{a.mb}" if a.op in ("F", "B") else f"{a.op.lower()} {a.chunk}.{a.mb}"
+            with self.tracer.span(name, "compute" if a.op in ("F", "B") else "comm"):
+                if a.op == "RECV_F":
+                    buf = torch.empty(self.activation_shape, device=device)
+                    dist.recv(buf, src=self.peers[a.peer], tag=self._tag(a))
+                    inputs[key] = buf.requires_grad_(train)
+                elif a.op == "F":
+                    tokens, targets = micro[a.mb]
+                    x = tokens.to(device) if stage == 0 else inputs[key]
+                    with torch.set_grad_enabled(train), autocast:
+                        out = self.chunks[a.chunk](x)
+                        if stage == self.last_stage:
+                            loss = loss_fn(out, targets.to(device)) / m
+                            total += loss.detach()
+                            if train:
+                                losses[key] = loss
+                        else:
+                            outputs[key] = out
+                    if not train:
+                        inputs.pop(key, None)
+                elif a.op == "SEND_F":
+                    out = outputs[key] if train else outputs.pop(key)
+                    self._send(out.detach(), a, sends)
+                elif a.op == "RECV_B":
+                    buf = torch.empty(self.activation_shape, device=device)
+                    dist.recv(buf, src=self.peers[a.peer], tag=self._tag(a))
+                    grads[key] = buf
+                elif a.op == "B":
+                    if stage == self.last_stage:
+                        losses.pop(key).backward()
+                    else:
+                        out = outputs.pop(key)
+                        torch.autograd.backward(out, grads.pop(key).to(out.dtype))
+                elif a.op == "SEND_B":
+                    self._send(inputs.pop(key).grad, a, sends)
+        with self.tracer.span("wait sends", "comm"):
+            for work, _ in sends:
+                work.wait()
+        return total
+
+
+def apply_pipeline_parallel(model: nn.Module, pp_mesh, cfg, activation_shape,
+                            tracer: Tracer | None = None) -> PipelineModel:
+    """Keep this pp rank's chunks of `model` (cfg: the `parallel` section: pp_schedule,
+    pp_virtual_stages, pp_layers); activation_shape is what flows between stages:
+    (micro_batch_size, seq_len, or seq_len / tp under sequence parallelism, dim)."""
+    pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    v = cfg.pp_virtual_stages
+    layers = stage_layers(len(model.layers), pp, v, cfg.get("pp_layers"))
+    last = pp * v - 1
+    chunks = [model.pipeline_chunk(layers[c * pp + rank], first=c * pp + rank == 0,
+                                   last=c * pp + rank == last) for c in range(v)]
+    return PipelineModel(chunks, pp_mesh.get_group(), cfg.pp_schedule, activation_shape, tracer)

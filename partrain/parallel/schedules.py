@@ -1,0 +1,178 @@
+"""Pipeline schedules as data: for each pp rank, the ordered list of actions it performs in one
+optimizer step. No processes and no torch here: `partrain plan`, the unit tests and the executor
+in partrain.parallel.pipeline all read the same lists.
+
+Stages and chunks. The model is cut into S = pp * v consecutive stages (v = pp_virtual_stages).
+Stage s runs on pp rank s % pp as that rank's local chunk s // pp, so with v > 1 a rank holds v
+non-adjacent pieces of the model (Megatron's interleaving) and the last stage's output wraps from
+rank pp-1 back to rank 0.
+
+Actions. F and B compute a micro-batch through a chunk; RECV_F/SEND_F move activations to the
+next stage, RECV_B/SEND_B gradients to the previous one. The executor posts sends without waiting
+and blocks on receives, which is exactly what `simulate` models, so a schedule that simulates to
+the end cannot deadlock.
+"""
+
+from dataclasses import dataclass
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+COMPUTE = ("F", "B")
+
+
+@dataclass(frozen=True)
+class Action:
+    op: str  # F, B, SEND_F, RECV_F, SEND_B, RECV_B
+    chunk: int  # local chunk on this rank (0..v-1)
+    mb: int  # micro-batch
+    peer: int = -1  # pp rank at the other end of a send/recv
+
+    def __str__(self) -> str:
+        return f"{self.op}{self.chunk}.{self.mb}" + (f"->{self.peer}" if self.peer >= 0 else "")
+
+
+def bubble_theory(schedule: str, pp: int, m: int, v: int = 1) -> float:
+    """Idle fraction of a step with equal micro-batch times and free communication:
+    (p-1)/(m+p-1), interleaved (p-1)/(v*m+p-1)."""
+    scale = v if schedule == "interleaved_1f1b" else 1
+    return (pp - 1) / (scale * m + pp - 1)
+
+
+def _compute_order(schedule: str, pp: int, m: int, v: int, rank: int) -> list[tuple[str, int, int]]:
+    """(op, local chunk, micro-batch) in the order this rank computes them."""
+    if schedule == "gpipe":
+        return [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]
+    if schedule == "1f1b":
+        warmup = min(pp - rank - 1, m)
+        order = [("F", 0, i) for i in range(warmup)]
+        for i in range(m - warmup):
+            order += [("F", 0, warmup + i), ("B", 0, i)]
+        return order + [("B", 0, i) for i in range(m - warmup, m)]
+    if schedule == "interleaved_1f1b":
+        # Megatron-LM's interleaved 1F1B: micro-batches go through the chunks in groups of pp;
+        # the k-th forward of this rank is chunk (k // pp) % v of micro-batch
+        # (k // (pp * v)) * pp + k % pp, and backwards walk the chunks in reverse.
+        total = m * v
+
+        def forward(k):
+            return ("F", (k // pp) % v, (k // (pp * v)) * pp + k % pp)
+
+        def backward(k):
+            return ("B", v - 1 - (k // pp) % v, (k // (pp * v)) * pp + k % pp)
+
+        warmup = total if m == pp else min((pp - rank - 1) * 2 + (v - 1) * pp, total)
+        order = [forward(k) for k in range(warmup)]
+        for k in range(total - warmup):
+            order += [forward(warmup + k), backward(k)]
+        return order + [backward(k) for k in range(total - warmup, total)]
+    raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+
+
+def check_shape(schedule: str, pp: int, m: int, v: int) -> None:
+    """The rules a (schedule, pp, m, v) must meet; ValueError names the broken one."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+    if pp < 1 or m < 1 or v < 1:
+        raise ValueError(f"pp={pp}, micro_batches={m}, virtual stages={v} must all be >= 1")
+    if schedule == "interleaved_1f1b":
+        if v < 2:
+            raise ValueError("interleaved_1f1b needs pp_virtual_stages >= 2")
+        if m % pp:
+            raise ValueError(f"interleaved_1f1b needs micro_batches ({m}) divisible by pp ({pp})")
+    elif v != 1:
+        raise ValueError(f"{schedule} runs one chunk per rank; pp_virtual_stages={v} needs "
+                         "interleaved_1f1b")
+
+
+def build_schedule(schedule: str, pp: int, m: int, v: int = 1) -> list[list[Action]]:
+    """For each pp rank, its actions for one step: compute with the sends and receives it needs."""
+    check_shape(schedule, pp, m, v)
+    last = pp * v - 1
+    ranks = []
+    for rank in range(pp):
+        actions = []
+        for op, chunk, mb in _compute_order(schedule, pp, m, v, rank):
+            stage = chunk * pp + rank
+            nxt, prev = (stage + 1) % pp, (stage - 1) % pp
+            if op == "F":
+                if stage > 0:
+                    actions.append(Action("RECV_F", chunk, mb, prev))
+                actions.append(Action("F", chunk, mb))
+                if stage < last:
+                    actions.append(Action("SEND_F", chunk, mb, nxt))
+            else:
+                if stage < last:
+                    actions.append(Action("RECV_B", chunk, mb, nxt))
+                actions.append(Action("B", chunk, mb))
+                if stage > 0:
+                    actions.append(Action("SEND_B", chunk, mb, prev))
+        ranks.append(actions)
+    return ranks
+
+
+def message_key(action: Action, rank: int, pp: int) -> tuple[str, int, int]:
+    """What a send carries or a receive waits for: (direction, receiving stage, micro-batch)."""
+    stage = action.chunk * pp + rank
+    if action.op == "SEND_F":
+        return ("F", stage + 1, action.mb)
+    if action.op == "RECV_F":
+        return ("F", stage, action.mb)
+    if action.op == "SEND_B":
+        return ("B", stage - 1, action.mb)
+    if action.op == "RECV_B":
+        return ("B", stage, action.mb)
+    raise ValueError(f"{action} is not a send or receive")
+
+
+@dataclass
+class Simulation:
+    spans: list[list[tuple[Action, float, float]]]  # per rank: compute action, start, end
+    makespan: float
+    peak_in_flight: list[int]  # per rank: most micro-batch chunks forwarded and not yet backwarded
+
+    def bubble(self) -> float:
+        """Mean idle fraction over ranks."""
+        busy = [sum(end - start for _, start, end in spans) for spans in self.spans]
+        return sum(1 - b / self.makespan for b in busy) / len(busy)
+
+
+def simulate(ranks: list[list[Action]], f_time: float = 1.0, b_time: float = 2.0) -> Simulation:
+    """Run the lists as the executor does (sends never wait, receives block until the matching
+    send happened) with fixed compute times and free communication. Raises RuntimeError on a
+    deadlock or an unmatched message."""
+    pp = len(ranks)
+    pos, now = [0] * pp, [0.0] * pp
+    sent: dict[tuple, float] = {}
+    received: set = set()
+    spans = [[] for _ in range(pp)]
+    in_flight, peak = [0] * pp, [0] * pp
+    while any(pos[r] < len(ranks[r]) for r in range(pp)):
+        progressed = False
+        for r in range(pp):
+            while pos[r] < len(ranks[r]):
+                action = ranks[r][pos[r]]
+                if action.op.startswith("SEND"):
+                    key = message_key(action, r, pp)
+                    if key in sent:
+                        raise RuntimeError(f"rank {r}: {action} sends {key} twice")
+                    sent[key] = now[r]
+                elif action.op.startswith("RECV"):
+                    key = message_key(action, r, pp)
+                    if key not in sent:
+                        break
+                    received.add(key)
+                    now[r] = max(now[r], sent[key])
+                else:
+                    duration = f_time if action.op == "F" else b_time
+                    spans[r].append((action, now[r], now[r] + duration))
+                    now[r] += duration
+                    in_flight[r] += 1 if action.op == "F" else -1
+                    peak[r] = max(peak[r], in_flight[r])
+                pos[r] += 1
+                progressed = True
+        if not progressed:
+            stuck = {r: str(ranks[r][pos[r]]) for r in range(pp) if pos[r] < len(ranks[r])}
+            raise RuntimeError(f"deadlock: ranks wait on {stuck}")
+    unmatched = set(sent) - received
+    if unmatched:
+        raise RuntimeError(f"sent but never received: {sorted(unmatched)[:5]}")
+    return Simulation(spans, max(now), peak)

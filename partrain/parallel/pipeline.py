@@ -7,9 +7,11 @@ chunks: stage s = chunk * pp + pp_rank owns a run of consecutive blocks (balance
 the loss. The Llama model does not tie its embedding and head, so nothing is shared across stages.
 
 `PipelineModel.run` executes this rank's action list from partrain.parallel.schedules: compute
-F/B, sends posted asynchronously, receives waited on where the schedule needs them, as the
-schedule's simulation assumes. Messages carry a tag naming (direction, stage, micro-batch), so
-they match whatever order two ranks post them in. Each micro-batch's loss is scaled by
+F/B; each run of consecutive sends/receives posted together (batch_isend_irecv), receives waited
+on where the schedule needs them, sends never, as the schedule's simulation assumes. Messages
+carry a tag naming (direction, stage, micro-batch) for gloo; NCCL ignores tags and matches in
+order, which the schedules also satisfy (sends from a to b in the order b receives them; a unit
+test checks it). Each micro-batch's loss is scaled by
 1/micro_batches, so the accumulated gradient is that of the mean loss, as without pp.
 
 Every compute and communication span goes to the tracer (partrain.trace), if one is recording.
@@ -65,11 +67,41 @@ class PipelineModel(nn.Module):
         direction, stage, mb = message_key(action, self.rank, self.pp)
         return (stage * 2 + (direction == "B")) * 100_000 + mb
 
-    def _send(self, tensor: torch.Tensor, action, sends: list) -> None:
-        # Kept alive with its request until the end of the step: isend must not lose its buffer.
-        payload = tensor.float().contiguous()
-        sends.append((dist.isend(payload, dst=self.peers[action.peer], tag=self._tag(action)),
-                      payload))
+    def _communicate(self, batch, device, inputs, outputs, grads, sends, train) -> None:
+        """Post a run of consecutive sends and receives together (batch_isend_irecv: one NCCL
+        group, so a send and a receive between the same two ranks cannot wait on each other),
+        then wait for the receives. Sends stay in flight, their buffers held, until the end of
+        the step: the executor never waits on a send, as the schedule's simulation assumes."""
+        ops, received = [], []
+        for a in batch:
+            key = (a.chunk, a.mb)
+            if a.op.startswith("SEND"):
+                if a.op == "SEND_F":
+                    out = outputs[key] if train else outputs.pop(key)
+                    tensor = out.detach().float().contiguous()
+                else:
+                    tensor = inputs.pop(key).grad.float().contiguous()
+                ops.append(dist.P2POp(dist.isend, tensor, self.peers[a.peer], tag=self._tag(a)))
+            else:
+                tensor = torch.empty(self.activation_shape, device=device)
+                ops.append(dist.P2POp(dist.irecv, tensor, self.peers[a.peer], tag=self._tag(a)))
+                received.append((a, tensor))
+        works = dist.batch_isend_irecv(ops)
+        if len(works) == len(ops):
+            for op, work in zip(ops, works):
+                if op.op is dist.isend:
+                    sends.append((work, op.tensor))
+                else:
+                    work.wait()
+        else:  # coalesced (NCCL): the batch completes as one
+            for work in works:
+                work.wait()
+        for a, tensor in received:
+            key = (a.chunk, a.mb)
+            if a.op == "RECV_F":
+                inputs[key] = tensor.requires_grad_(train)
+            else:
+                grads[key] = tensor
 
     def run(self, micro, loss_fn, autocast, train: bool = True) -> torch.Tensor:
         """One pass of the schedule over this dp rank's micro-batches [(tokens, targets)];
@@ -79,15 +111,22 @@ class PipelineModel(nn.Module):
         device = next(self.parameters()).device
         total = torch.zeros((), device=device)
         inputs, outputs, grads, losses, sends = {}, {}, {}, {}, []
-        for a in self._actions(m, train):
+        actions, i = self._actions(m, train), 0
+        while i < len(actions):
+            a = actions[i]
+            if a.op not in ("F", "B"):
+                j = i
+                while j < len(actions) and actions[j].op not in ("F", "B"):
+                    j += 1
+                batch = actions[i:j]
+                with self.tracer.span(" ".join(f"{b.op.lower()} {b.chunk}.{b.mb}" for b in batch),
+                                      "comm"):
+                    self._communicate(batch, device, inputs, outputs, grads, sends, train)
+                i = j
+                continue
             stage, key = a.chunk * self.pp + self.rank, (a.chunk, a.mb)
-            name = f"{a.op}{a.chunk}.{a.mb}" if a.op in ("F", "B") else f"{a.op.lower()} {a.chunk}.{a.mb}"
-            with self.tracer.span(name, "compute" if a.op in ("F", "B") else "comm"):
-                if a.op == "RECV_F":
-                    buf = torch.empty(self.activation_shape, device=device)
-                    dist.recv(buf, src=self.peers[a.peer], tag=self._tag(a))
-                    inputs[key] = buf.requires_grad_(train)
-                elif a.op == "F":
+            with self.tracer.span(f"{a.op}{a.chunk}.{a.mb}", "compute"):
+                if a.op == "F":
                     tokens, targets = micro[a.mb]
                     x = tokens.to(device) if stage == 0 else inputs[key]
                     with torch.set_grad_enabled(train), autocast:
@@ -101,21 +140,12 @@ class PipelineModel(nn.Module):
                             outputs[key] = out
                     if not train:
                         inputs.pop(key, None)
-                elif a.op == "SEND_F":
-                    out = outputs[key] if train else outputs.pop(key)
-                    self._send(out.detach(), a, sends)
-                elif a.op == "RECV_B":
-                    buf = torch.empty(self.activation_shape, device=device)
-                    dist.recv(buf, src=self.peers[a.peer], tag=self._tag(a))
-                    grads[key] = buf
-                elif a.op == "B":
-                    if stage == self.last_stage:
-                        losses.pop(key).backward()
-                    else:
-                        out = outputs.pop(key)
-                        torch.autograd.backward(out, grads.pop(key).to(out.dtype))
-                elif a.op == "SEND_B":
-                    self._send(inputs.pop(key).grad, a, sends)
+                elif stage == self.last_stage:
+                    losses.pop(key).backward()
+                else:
+                    out = outputs.pop(key)
+                    torch.autograd.backward(out, grads.pop(key).to(out.dtype))
+            i += 1
         with self.tracer.span("wait sends", "comm"):
             for work, _ in sends:
                 work.wait()

@@ -71,8 +71,8 @@ def test_existing_run_dir_is_refused(cli, tmp_path):
 
 def test_not_yet_supported_layout_exits_2(cli, tmp_path):
     run_dir = tmp_path / "run"
-    res = cli.run("launch", "parallel.pp=2", "parallel.dp=auto", "--run-dir", str(run_dir))
-    assert res.returncode == 2 and "parallel.pp=2" in res.stderr and "not implemented" in res.stderr
+    res = cli.run("launch", "parallel.zero_stage=1", "--run-dir", str(run_dir))
+    assert res.returncode == 2 and "parallel.zero_stage=1" in res.stderr and "not implemented" in res.stderr
     assert not run_dir.exists()
 
 

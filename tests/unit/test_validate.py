@@ -65,6 +65,32 @@ RULES = [
     ("n_layers-pp", ["parallel.pp=3", "parallel.dp=1"], (None, 3),
      ["model.n_layers=4 must be divisible by pp(3) * pp_virtual_stages(1) = 3"],
      ["parallel.pp=2", "parallel.dp=1"], (None, 2)),
+    ("pp_layers-sum", ["parallel.pp=2", "parallel.dp=1", "parallel.pp_layers=[1,2]"], (None, 2),
+     ["parallel.pp_layers=[1, 2] must be positive block counts summing to model.n_layers=4",
+      "sum to 3"],
+     ["parallel.pp=2", "parallel.dp=1", "parallel.pp_layers=[1,3]"], (None, 2)),
+    ("pp_layers-length", ["parallel.pp=2", "parallel.dp=1", "parallel.pp_layers=[1,1,2]"],
+     (None, 2), ["parallel.pp_layers=[1, 1, 2] must list 2 stage sizes", "pp(2)"],
+     ["parallel.pp=2", "parallel.dp=1", "parallel.pp_layers=[2,2]"], (None, 2)),
+    ("pp_layers-zero", ["parallel.pp=2", "parallel.dp=1", "parallel.pp_layers=[0,4]"], (None, 2),
+     ["parallel.pp_layers=[0, 4] must be positive"],
+     ["parallel.pp=2", "parallel.dp=1", "parallel.pp_layers=[3,1]"], (None, 2)),
+    ("pp_layers-uneven-ok", ["parallel.pp=3", "parallel.dp=1"], (None, 3),
+     ["model.n_layers=4 must be divisible by pp(3)", "parallel.pp_layers"],
+     ["parallel.pp=3", "parallel.dp=1", "parallel.pp_layers=[1,2,1]",
+      "train.micro_batch_size=2"], (None, 3)),
+    ("interleaved-needs-v", ["parallel.pp=2", "parallel.dp=1",
+                             "parallel.pp_schedule=interleaved_1f1b"], (None, 2),
+     ["parallel.pp_schedule=interleaved_1f1b needs parallel.pp_virtual_stages >= 2"],
+     ["parallel.pp=2", "parallel.dp=1", "parallel.pp_schedule=interleaved_1f1b",
+      "parallel.pp_virtual_stages=2"], (None, 2)),
+    ("interleaved-groups", ["parallel.pp=2", "parallel.dp=1", "parallel.pp_schedule=interleaved_1f1b",
+                            "parallel.pp_virtual_stages=2", "train.micro_batch_size=16",
+                            "train.global_batch_size=48"], (None, 2),
+     ["train.micro_batches=3 must be divisible by parallel.pp=2"],
+     ["parallel.pp=2", "parallel.dp=1", "parallel.pp_schedule=interleaved_1f1b",
+      "parallel.pp_virtual_stages=2", "train.micro_batch_size=16", "train.global_batch_size=64"],
+     (None, 2)),
     ("n_layers-virtual", ["parallel.pp=2", "parallel.dp=1", "parallel.pp_virtual_stages=4",
                           "parallel.pp_schedule=interleaved_1f1b"], (None, 2),
      ["model.n_layers=4 must be divisible by pp(2) * pp_virtual_stages(4) = 8"],
@@ -198,7 +224,9 @@ def test_batch_triple_any_two_fix_the_third(g, b, m, expected):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
 def test_every_pp_schedule_is_accepted(schedule):
-    cfg, _, _ = validated("parallel.pp=2", "parallel.dp=1", f"parallel.pp_schedule={schedule}")
+    virtual = 2 if schedule == "interleaved_1f1b" else 1
+    cfg, _, _ = validated("parallel.pp=2", "parallel.dp=1", f"parallel.pp_schedule={schedule}",
+                          f"parallel.pp_virtual_stages={virtual}")
     assert cfg.parallel.pp_schedule == schedule
 
 
@@ -231,7 +259,6 @@ def test_tp_within_node_is_no_warning():
 
 
 @pytest.mark.parametrize("overrides, world, setting", [
-    (["parallel.pp=2", "parallel.dp=1"], (1, 2), "parallel.pp=2"),
     (["parallel.zero_stage=1"], (1, 2), "parallel.zero_stage=1"),
     (["parallel.zero_stage=3"], (1, 2), "parallel.zero_stage=3"),
 ])
@@ -283,7 +310,7 @@ CLI_CASES = [
     (["show", "model.foo=1"], "Key 'foo' not in 'ModelConfig'"),
     (["show", "parallel.tp=abc"], "parallel.tp=abc"),
     (["show", "nosuch"], "unknown recipe 'nosuch'; known recipes: llama-1b-dp8, llama-7b-tp4-pp2"),
-    (["launch", "parallel.pp=2", "parallel.dp=1", "--dry-run"], "parallel.pp=2: pipeline parallelism"),
+    (["launch", "parallel.zero_stage=2", "--dry-run"], "parallel.zero_stage=2: DeepSpeed ZeRO"),
     (["launch", "--node-rank", "1", "--dry-run"], "--node-rank=1 must be in 0..0"),
     (["launch", "--nnodes", "2", "parallel.dp=4", "--dry-run"], "--rdzv-endpoint"),
 ]

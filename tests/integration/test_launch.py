@@ -1,6 +1,7 @@
 """`partrain launch` end to end: the run dir, metrics, logs, a falling loss, clean exits."""
 
 import json
+from collections import Counter
 
 from omegaconf import OmegaConf
 
@@ -99,3 +100,23 @@ def test_bad_data_dir_exits_2(cli, tmp_path):
                   str(tmp_path / "run"))
     assert res.returncode == 2 and "meta.json" in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_trace_json_shows_every_rank_and_microbatch(cli, tmp_path):
+    run_dir = tmp_path / "run"
+    res = cli.run("launch", "parallel.dp=1", "parallel.pp=2", "train.max_steps=3",
+                  "train.eval_every=0", "train.trace=true", "--run-dir", str(run_dir))
+    assert res.returncode == 0, res.stderr
+    trace = json.loads((run_dir / "trace.json").read_text())
+    events = trace["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert names == {0: "rank 0 (pp 0, dp 0, tp 0)", 1: "rank 1 (pp 1, dp 0, tp 0)"}
+    spans = [e for e in events if e["ph"] == "X"]
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+    # quickstart: 16 sequences, micro_batch_size 4, dp 1 -> 4 micro-batches per step.
+    for rank in (0, 1):
+        compute = Counter(e["name"] for e in spans if e["tid"] == rank and e["cat"] == "compute")
+        assert all(compute[f"{op}0.{mb}"] == 3 for op in "FB" for mb in range(4)), compute
+    comm = [e for e in spans if e["cat"] == "comm"]
+    assert any("send_f" in e["name"] for e in comm if e["tid"] == 0)
+    assert any("recv_f" in e["name"] for e in comm if e["tid"] == 1)

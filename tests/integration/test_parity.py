@@ -86,3 +86,23 @@ def test_tensor_parallel_parity(cli, tmp_path, references, label, overrides, mod
     steps = _run(cli, tmp_path, "run", *overrides, *model)
     _assert_parity(steps, references(model), label)
     assert steps[-1]["loss"] < steps[0]["loss"]
+
+
+@pytest.mark.parametrize("label,overrides", [
+    ("pp2 gpipe", ("parallel.dp=1", "parallel.pp=2", "parallel.pp_schedule=gpipe",
+                   "train.micro_batch_size=4")),
+    ("pp2 1f1b", ("parallel.dp=1", "parallel.pp=2", "parallel.pp_schedule=1f1b",
+                  "train.micro_batch_size=4")),
+    ("pp2 interleaved v2", ("parallel.dp=1", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
+                            "parallel.pp_virtual_stages=2", "train.micro_batch_size=4")),
+    ("pp4 1f1b", ("parallel.dp=1", "parallel.pp=4", "train.micro_batch_size=2",
+                  "--nproc-per-node", "4")),
+    ("pp2 uneven [1, 3]", ("parallel.dp=1", "parallel.pp=2", "parallel.pp_layers=[1,3]",
+                           "train.micro_batch_size=4")),
+    ("dp2 x tp2 x pp2", ("parallel.dp=2", "parallel.tp=2", "parallel.pp=2",
+                         "train.micro_batch_size=4", "--nproc-per-node", "8")),
+])
+def test_pipeline_parallel_parity(cli, tmp_path, single_process, label, overrides):
+    steps = _run(cli, tmp_path, "run", *overrides)
+    _assert_parity(steps, single_process, label)
+    assert steps[-1]["loss"] < steps[0]["loss"]

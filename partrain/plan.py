@@ -12,13 +12,18 @@ from rich.table import Table
 from partrain.config.validate import World
 from partrain.mesh import DIM_NAMES, ParallelDims
 from partrain.models.llama import count_params, count_params_per_rank, flops_per_token
+from partrain.parallel.pipeline import stage_layers
+from partrain.parallel.schedules import bubble_theory, build_schedule, simulate
 from partrain.parallel.tensor import tp_collectives, tp_step_collectives
+
+TIMELINE_MAX_MICRO_BATCHES = 16  # wider timelines are drawn for fewer (labels stay 2 digits)
 
 
 def build_plan(cfg: DictConfig, world: World, warnings: list[str]) -> dict:
     """The plan as plain data (what --json prints); cfg must be resolved and validated."""
     p, t = cfg.parallel, cfg.train
     dims = ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp)
+    stages = _stages(cfg, dims)
     ranks = []
     for rank in range(dims.world_size):
         node, local_rank = divmod(rank, world.nproc_per_node)
@@ -42,22 +47,84 @@ def build_plan(cfg: DictConfig, world: World, warnings: list[str]) -> dict:
             "tokens_per_step": t.global_batch_size * t.seq_len,
         },
         "model": {"name": cfg.model.name, "params": count_params(cfg.model),
-                  "params_per_rank": count_params_per_rank(cfg.model, dims.tp),
+                  "params_per_rank": max(s["params_per_rank"] for s in stages),
                   "flops_per_token": flops_per_token(cfg.model, t.seq_len)},
-        "tp_collectives": _tp_collectives(cfg, dims),
+        "tp_collectives": _tp_collectives(cfg, dims, stages),
+        "pipeline": _pipeline(cfg, dims, stages) if dims.pp > 1 else None,
         "warnings": warnings,
     }
 
 
-def _tp_collectives(cfg: DictConfig, dims: ParallelDims) -> dict:
+def _stages(cfg: DictConfig, dims: ParallelDims) -> list[dict]:
+    """Every pipeline stage: its pp rank, local chunk, blocks and parameters per rank."""
+    p = cfg.parallel
+    v = p.pp_virtual_stages if dims.pp > 1 else 1
+    layers = stage_layers(cfg.model.n_layers, dims.pp, v, p.pp_layers if dims.pp > 1 else None)
+    last = len(layers) - 1
+    return [{"stage": s, "pp_rank": s % dims.pp, "chunk": s // dims.pp,
+             "blocks": [ids[0], ids[-1]] if ids else [],
+             "embedding": s == 0, "head": s == last,
+             "params_per_rank": count_params_per_rank(cfg.model, dims.tp, len(ids), s == 0,
+                                                      s == last)}
+            for s, ids in enumerate(layers)]
+
+
+def _pipeline(cfg: DictConfig, dims: ParallelDims, stages: list[dict]) -> dict:
+    """Schedule, bubble (theory and simulated with backward = 2 x forward) and a timeline."""
+    p, m = cfg.parallel, cfg.train.micro_batches
+    v, schedule = p.pp_virtual_stages, p.pp_schedule
+    shown = m
+    if m * v > TIMELINE_MAX_MICRO_BATCHES:
+        shown = max(dims.pp, (TIMELINE_MAX_MICRO_BATCHES // v) // dims.pp * dims.pp)
+    sim = simulate(build_schedule(schedule, dims.pp, shown, v))
+    timeline = [[{"op": a.op, "chunk": a.chunk, "mb": a.mb, "start": start, "end": end}
+                 for a, start, end in spans] for spans in sim.spans]
+    return {
+        "schedule": schedule, "virtual_stages": v, "micro_batches": m, "stages": stages,
+        "bubble_theory": bubble_theory(schedule, dims.pp, m, v),
+        "rule": ("(p-1)/(v*m+p-1)" if schedule == "interleaved_1f1b" else "(p-1)/(m+p-1)"),
+        "peak_in_flight": simulate(build_schedule(schedule, dims.pp, m, v)).peak_in_flight
+        if m * v <= 4096 else None,
+        "timeline_micro_batches": shown, "timeline": timeline,
+    }
+
+
+_F_STYLES = ("white on blue", "white on dark_cyan", "white on magenta")
+_B_STYLES = ("black on green", "black on yellow", "black on red")
+
+
+def _timeline_rows(timeline: list[list[dict]]) -> list[str]:
+    """One line per pp rank: three characters per time unit (F = 1, B = 2 units)."""
+    end = max(span["end"] for spans in timeline for span in spans)
+    rows = []
+    for rank, spans in enumerate(timeline):
+        cells, t = [], 0.0
+        for span in spans:
+            if span["start"] > t:
+                cells.append("[dim]" + "···" * round(span["start"] - t) + "[/dim]")
+            styles = _F_STYLES if span["op"] == "F" else _B_STYLES
+            style = styles[span["chunk"] % len(styles)]
+            width = 3 * round(span["end"] - span["start"])
+            cells.append(f"[{style}]{span['op']}{span['mb']}".ljust(len(style) + 2 + width) + "[/]")
+            t = span["end"]
+        if end > t:
+            cells.append("[dim]" + "···" * round(end - t) + "[/dim]")
+        rows.append(f"pp {rank:>2} " + "".join(cells))
+    return rows
+
+
+def _tp_collectives(cfg: DictConfig, dims: ParallelDims, stages: list[dict]) -> dict:
     """The collectives of one tp group per optimizer step: each micro-batch's, times the number
     of micro-batches, plus the per-step ones."""
     p, t = cfg.parallel, cfg.train
     sp = bool(p.sequence_parallel) and dims.tp > 1
     low = t.dtype == "bf16" or (t.dtype == "auto" and cfg.launcher.device != "cpu")
-    # A tp group in a pipeline stage runs that stage's share of the blocks; the embedding and
-    # loss rows belong to the first and last stage.
-    stage = OmegaConf.merge(cfg.model, {"n_layers": cfg.model.n_layers // dims.pp})
+    # A tp group in a pipeline stage runs that rank's blocks (the busiest rank's, if uneven);
+    # the embedding and loss rows belong to the first and last stage.
+    per_rank = [0] * dims.pp
+    for s in stages:
+        per_rank[s["pp_rank"]] += s["blocks"][1] - s["blocks"][0] + 1
+    stage = OmegaConf.merge(cfg.model, {"n_layers": max(per_rank)})
     per_micro = tp_collectives(stage, t.micro_batch_size * t.seq_len, dims.tp, sp, low)
     rows = [{**r, **{k: r[k] * t.micro_batches for k in ("calls", "bytes", "wire_bytes")}}
             for r in per_micro] + tp_step_collectives(stage, dims.tp, sp)
@@ -102,6 +169,28 @@ def print_plan(plan: dict, console: Console) -> None:
 
     console.print(f"batch: global_batch_size {b['rule']}; seq_len {b['seq_len']}; "
                   f"{b['tokens_per_step']:,} tokens per step")
+    pipe = plan["pipeline"]
+    if pipe:
+        stage_table = Table(title="pipeline stages")
+        for col in ("stage", "pp rank", "chunk", "blocks", "also", "params per rank"):
+            stage_table.add_column(col, justify="right")
+        for s in pipe["stages"]:
+            also = ", ".join(x for x, on in (("embedding", s["embedding"]),
+                                             ("norm + head + loss", s["head"])) if on)
+            stage_table.add_row(str(s["stage"]), str(s["pp_rank"]), str(s["chunk"]),
+                                f"{s['blocks'][0]}-{s['blocks'][1]}", also,
+                                f"{s['params_per_rank']:,}")
+        console.print(stage_table)
+        m, shown = pipe["micro_batches"], pipe["timeline_micro_batches"]
+        note = "" if shown == m else f" (drawn for {shown} micro-batches; the run has {m})"
+        console.print(f"schedule {pipe['schedule']}, {m} micro-batches"
+                      f"{', ' + str(pipe['virtual_stages']) + ' chunks per rank' if pipe['virtual_stages'] > 1 else ''}"
+                      f"; timeline{note}: F/B = forward/backward of micro-batch n, a backward "
+                      "taking twice a forward, ··· = idle")
+        for row in _timeline_rows(pipe["timeline"]):
+            console.print(row, soft_wrap=True, highlight=False)
+        console.print(f"bubble {pipe['rule']} = {pipe['bubble_theory']:.3f} of each step idle; "
+                      f"peak activations in flight per rank: {pipe['peak_in_flight']}")
     tpc = plan["tp_collectives"]
     if tpc["per_step"]:
         stages = (f"; a pp stage's {tpc['layers_per_tp_group']} blocks, embedding rows on the "

@@ -30,10 +30,15 @@ def count_params(cfg) -> int:
     return cfg.n_layers * per_block + 2 * cfg.vocab_size * cfg.dim + cfg.dim
 
 
-def count_params_per_rank(cfg, tp: int) -> int:
-    """Parameters held by one tensor-parallel rank: everything but the norm gains is split."""
-    replicated = (2 * cfg.n_layers + 1) * cfg.dim
-    return (count_params(cfg) - replicated) // tp + replicated
+def count_params_per_rank(cfg, tp: int = 1, blocks: int | None = None, first: bool = True,
+                          last: bool = True) -> int:
+    """Parameters held by one rank: `blocks` blocks (all by default), the embedding if first,
+    final norm and head if last; tensor parallelism splits everything but the norm gains."""
+    blocks = cfg.n_layers if blocks is None else blocks
+    head_dim = cfg.dim // cfg.n_heads
+    block_split = cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * cfg.dim * ffn_dim(cfg)
+    split = blocks * block_split + (first + last) * cfg.vocab_size * cfg.dim
+    return split // tp + 2 * blocks * cfg.dim + (cfg.dim if last else 0)
 
 
 def flops_per_token(cfg, seq_len: int) -> float:

@@ -13,8 +13,7 @@ import typer
 from omegaconf import OmegaConf
 from rich.console import Console
 
-from partrain.config import (check_supported, compose_config, resolve_and_validate,
-                             resolve_world)
+from partrain.config import compose_config, resolve_and_validate, resolve_world
 from partrain.errors import ConfigError
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False,
@@ -85,7 +84,6 @@ def launch(
     from partrain.plan import build_plan, print_plan
 
     cfg, world, warnings = _resolve(args, nnodes, nproc_per_node, probe_cuda=True)
-    check_supported(cfg)
     if not 0 <= node_rank < world.nnodes:
         raise ConfigError(f"--node-rank={node_rank} must be in 0..{world.nnodes - 1} "
                           f"for {world.nnodes} node(s)")

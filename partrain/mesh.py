@@ -15,6 +15,11 @@ class ParallelDims:
     pp: int
     dp: int
     tp: int
+    zero_stage: int = 0  # 0 = DDP over dp; 1-3 = DeepSpeed ZeRO over dp
+
+    @property
+    def zero_enabled(self) -> bool:
+        return self.zero_stage > 0
 
     @property
     def world_size(self) -> int:

@@ -29,9 +29,10 @@ from partrain.models import build_model, flops_per_token
 from partrain.parallel.data import apply_data_parallel
 from partrain.parallel.grads import average_gradients, clip_grad_norm
 from partrain.parallel.pipeline import apply_pipeline_parallel
-from partrain.trace import Tracer, write_trace
 from partrain.parallel.tensor import (apply_tensor_parallel, sync_sequence_parallel_grads,
                                       vocab_parallel_cross_entropy)
+from partrain.parallel.zero import apply_zero, deepspeed_config
+from partrain.trace import Tracer, write_trace
 
 log = logging.getLogger("partrain")
 
@@ -39,13 +40,17 @@ log = logging.getLogger("partrain")
 FAULT_ENV = "PARTRAIN_TEST_FAULT"
 
 
-def build_optimizer(model: torch.nn.Module, optim_cfg) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices and embeddings only, never on norm gains."""
+def param_groups(model: torch.nn.Module, optim_cfg) -> list[dict]:
+    """Weight decay on matrices and embeddings only, never on norm gains."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim_cfg.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=optim_cfg.lr, betas=(optim_cfg.beta1, optim_cfg.beta2),
-                             eps=optim_cfg.eps)
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim_cfg.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def build_optimizer(model: torch.nn.Module, optim_cfg) -> torch.optim.Optimizer:
+    """AdamW over param_groups (under ZeRO, DeepSpeed builds the same from its config)."""
+    return torch.optim.AdamW(param_groups(model, optim_cfg), lr=optim_cfg.lr,
+                             betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps)
 
 
 def lr_at(step: int, optim_cfg, max_steps: int) -> float:
@@ -83,22 +88,28 @@ def forward_backward(model, micro, loss_fn, dims, device, autocast, tracer=None,
     """This rank's mean loss over its micro-batches, with gradients accumulated when `train`.
 
     Each micro-batch's loss is scaled by 1/micro_batches, so the gradient is that of the mean.
-    Under pp the pipeline executor runs the schedule (the loss lives on the last stage). Otherwise
-    DDP's `no_sync` on all but the last micro-batch keeps it to one gradient all-reduce per step.
+    Under pp the pipeline executor runs the schedule (the loss lives on the last stage). Under
+    ZeRO the engine's backward accumulates (it reduces in `engine.step()`, once per step).
+    Otherwise DDP's `no_sync` on all but the last micro-batch keeps it to one gradient all-reduce
+    per step.
     """
     if dims.pp_enabled:
-        return model.run(micro, loss_fn, autocast, train=train)
+        pipeline = model.module if dims.zero_enabled else model
+        return pipeline.run(micro, loss_fn, autocast, train=train)
     tracer = tracer or Tracer(False)
     loss_sum = torch.zeros((), device=device)
     for i, (x, y) in enumerate(micro):
         last = i == len(micro) - 1
-        no_sync = model.no_sync() if train and dims.dp_enabled and not last else nullcontext()
-        with no_sync:
+        ddp = train and dims.dp_enabled and not dims.zero_enabled
+        with model.no_sync() if ddp and not last else nullcontext():
             with tracer.span(f"F{i}", "compute"), torch.set_grad_enabled(train), autocast:
                 loss = loss_fn(model(x.to(device)), y.to(device)) / len(micro)
             if train:
                 with tracer.span(f"B{i}", "compute"):
-                    loss.backward()
+                    if dims.zero_enabled:
+                        model.backward(loss, scale_wrt_gas=False)
+                    else:
+                        loss.backward()
         loss_sum += loss.detach()
     return loss_sum
 
@@ -108,6 +119,14 @@ def train_step(model, optimizer, micro, loss_fn, dims, mesh, device, autocast, g
     """One optimizer step over this rank's micro-batches; (global mean loss, grad norm before
     clipping)."""
     loss = forward_backward(model, micro, loss_fn, dims, device, autocast, tracer)
+    if dims.zero_enabled:
+        # DeepSpeed reduces over dp (and syncs sequence-parallel norms first, at stage 1), clips
+        # and steps; its norm is the one before clipping, summed over the replica (pp x tp).
+        with tracer.span("zero: reduce, clip, step", "comm"):
+            if sequence_parallel:
+                sync_sequence_parallel_grads(model.module, mesh["tp"].get_group())
+            model.step()
+        return _global_mean(loss, dims, mesh), float(model.get_global_grad_norm())
     with tracer.span("gradients: dp average, clip", "comm"):
         if dims.pp_enabled and dims.dp_enabled:
             average_gradients(model.parameters(), mesh["dp"].get_group())
@@ -140,7 +159,7 @@ def evaluate(model, splits, loss_fn, cfg, dims, mesh, coords, device, autocast) 
 def train(cfg, run_dir: Path, device: torch.device) -> None:
     p, t = cfg.parallel, cfg.train
     rank = dist.get_rank()
-    dims = ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp)
+    dims = ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp, zero_stage=p.zero_stage)
     mesh = dims.build_mesh(device.type)
     coords = dims.coords(rank)
     log.info("rank %d of %d: mesh coordinates %s on %s", rank, dims.world_size, coords, device)
@@ -159,16 +178,26 @@ def train(cfg, run_dir: Path, device: torch.device) -> None:
         seq = t.seq_len // dims.tp if sequence_parallel else t.seq_len
         model = apply_pipeline_parallel(model, mesh["pp"], p,
                                         (t.micro_batch_size, seq, cfg.model.dim), tracer)
-    elif dims.dp_enabled:
-        # Under pp the executor runs forward and backward; gradients are averaged over dp
-        # after the schedule (train_step) instead.
-        model = apply_data_parallel(model, mesh["dp"])
-    optimizer = build_optimizer(model, cfg.optim)
+    if dims.zero_enabled:
+        # ZeRO replaces DDP and the optimizer: DeepSpeed shards over dp and builds AdamW from
+        # the derived config (over the same parameter groups).
+        ds_config = deepspeed_config(cfg, n_params, on_cuda=device.type == "cuda")
+        model, optimizer = apply_zero(model, mesh, dims, ds_config,
+                                      param_groups(model, cfg.optim))
+    else:
+        if dims.dp_enabled and not dims.pp_enabled:
+            # Under pp the executor runs forward and backward; gradients are averaged over dp
+            # after the schedule (train_step) instead.
+            model = apply_data_parallel(model, mesh["dp"])
+        optimizer = build_optimizer(model, cfg.optim)
     loss_fn = loss_function(dims, mesh)
-    rank_params = sum(q.numel() for q in model.parameters())
+    # ZeRO-3 leaves each parameter empty and keeps this rank's shard in `ds_tensor`.
+    rank_params = sum(getattr(q, "ds_tensor", q).numel() for q in model.parameters())
 
+    # Under ZeRO, DeepSpeed keeps bf16/fp16 weights with fp32 master copies itself.
     use_bf16 = t.dtype == "bf16" or (t.dtype == "auto" and device.type == "cuda")
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16,
+                              enabled=use_bf16 and p.zero_stage == 0)
     splits = load_tokens(cfg.data)
     tokens_per_step = t.global_batch_size * t.seq_len
     flops_per_step = flops_per_token(cfg.model, t.seq_len) * tokens_per_step

@@ -5,7 +5,7 @@ key or a value of the wrong type fails at compose time, before anything starts.
 """
 
 from dataclasses import dataclass, field
-from typing import List, Any, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 
@@ -36,6 +36,10 @@ class ParallelConfig:
     pp_virtual_stages: int = 1  # model chunks per pp rank (interleaved_1f1b)
     pp_layers: Optional[List[int]] = None  # blocks per stage (pp * pp_virtual_stages numbers); null = balanced
     sequence_parallel: bool = False  # Megatron sequence parallelism inside tp groups
+    offload_optimizer: str = "none"  # none | cpu | nvme: ZeRO-Offload of optimizer state and step (zero_stage >= 1)
+    offload_params: str = "none"  # none | cpu | nvme: ZeRO-Infinity parameter offload (zero_stage 3)
+    offload_nvme_path: Optional[str] = None  # directory for offload to nvme
+    deepspeed: Dict[str, Any] = field(default_factory=dict)  # raw DeepSpeed keys merged over the derived config
 
 
 @dataclass
@@ -67,7 +71,7 @@ class TrainConfig:
     seq_len: int = 128  # tokens per sequence
     max_steps: int = 200  # optimizer steps
     seed: int = 0  # seeds the weights and the batch order (same for every layout)
-    dtype: str = "auto"  # auto = bf16 autocast on CUDA, fp32 on CPU; or fp32 | bf16
+    dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU; or fp32 | bf16 | fp16 (fp16: ZeRO only, loss scaling)
     eval_every: int = 50  # steps between validation passes; 0 = only at the end
     eval_batches: int = 4  # global batches of the validation split per pass
     log_every: int = 10  # steps between lines in the rank logs (and on a non-terminal stdout)

@@ -13,7 +13,8 @@ from partrain.errors import ConfigError
 from partrain.models.llama import ffn_dim
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-DTYPES = ("auto", "fp32", "bf16")
+DTYPES = ("auto", "fp32", "bf16", "fp16")
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 DEVICES = ("auto", "cpu", "cuda")
 DATA_SOURCES = ("stdlib", "tokens")
 
@@ -156,6 +157,7 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
     _choice("data.source", cfg.data.source, DATA_SOURCES)
     if p.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero_stage={p.zero_stage} must be 0 (DDP), 1, 2 or 3")
+    _check_zero(cfg)
 
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
@@ -249,8 +251,15 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
         p.dp = dp
         t.global_batch_size, t.micro_batch_size, t.micro_batches = g, b, mb
         cfg.launcher.nnodes, cfg.launcher.nproc_per_node = world.nnodes, world.nproc_per_node
+    if p.zero_stage > 0:
+        from partrain.parallel.zero import deepspeed_config
+
+        deepspeed_config(cfg)  # raises on a raw key that contradicts a derived one
 
     warnings = []
+    if p.zero_stage > 0 and dp == 1:
+        warnings.append(f"parallel.zero_stage={p.zero_stage} with dp=1 shards over one rank: "
+                        "nothing is saved")
     if p.sequence_parallel and p.tp == 1:
         warnings.append("parallel.sequence_parallel=true has no effect with parallel.tp=1")
     if cfg.launcher.device != "cpu" and p.tp > world.nproc_per_node:
@@ -261,13 +270,39 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
     return warnings
 
 
-def check_supported(cfg: DictConfig) -> None:
-    """Layouts that validate and plan but that this version cannot run yet."""
-    p = cfg.parallel
-    pending = [(p.zero_stage > 0, f"parallel.zero_stage={p.zero_stage}", "DeepSpeed ZeRO")]
-    for unsupported, setting, what in pending:
-        if unsupported:
-            raise ConfigError(
-                f"{setting}: {what} is not implemented in this version of partrain yet; "
-                "`partrain plan` shows the layout, `partrain launch` runs dp (DDP), tp and pp"
-            )
+def _check_zero(cfg: DictConfig) -> None:
+    """ZeRO's rules: which stages compose with what, offload targets, fp16."""
+    p, stage = cfg.parallel, cfg.parallel.zero_stage
+    _choice("parallel.offload_optimizer", p.offload_optimizer, OFFLOAD_DEVICES)
+    _choice("parallel.offload_params", p.offload_params, OFFLOAD_DEVICES)
+    if stage >= 2 and p.pp > 1:
+        raise ConfigError(
+            f"parallel.zero_stage={stage} with parallel.pp={p.pp}: ZeRO-2/3 shard gradients "
+            "(and parameters) as each micro-batch's backward runs, which fights the pipeline's "
+            "gradient accumulation over micro-batches (DeepSpeed refuses it too); use "
+            "parallel.zero_stage=1 with pp, or pp=1")
+    if stage >= 2 and p.sequence_parallel and p.tp > 1:
+        raise ConfigError(
+            f"parallel.zero_stage={stage} with parallel.sequence_parallel=true: the norm "
+            "gradients that sequence parallelism sums over tp are sharded away during backward "
+            "at stage 2/3; use parallel.zero_stage=1, or sequence_parallel=false")
+    if p.offload_optimizer != "none" and stage == 0:
+        raise ConfigError(
+            f"parallel.offload_optimizer={p.offload_optimizer} needs parallel.zero_stage >= 1 "
+            "(ZeRO-Offload moves the sharded optimizer state)")
+    if p.offload_params != "none" and stage != 3:
+        raise ConfigError(
+            f"parallel.offload_params={p.offload_params} needs parallel.zero_stage=3 (only "
+            f"stage 3 shards parameters; got zero_stage={stage})")
+    if "nvme" in (p.offload_optimizer, p.offload_params) and not p.offload_nvme_path:
+        raise ConfigError(
+            "offload to nvme needs parallel.offload_nvme_path (a directory on a local NVMe drive)")
+    if cfg.train.dtype == "fp16" and stage == 0:
+        raise ConfigError(
+            "train.dtype=fp16 needs loss scaling, which partrain does through DeepSpeed: use "
+            "parallel.zero_stage >= 1, or train.dtype=bf16")
+    if stage == 0 and p.get("deepspeed"):
+        raise ConfigError(
+            "parallel.deepspeed sets raw DeepSpeed keys, but parallel.zero_stage=0 runs DDP, not "
+            "DeepSpeed; set parallel.zero_stage to 1, 2 or 3")
+

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+import yaml
 from omegaconf import OmegaConf
 
 from partrain.config import compose_config, resolve_and_validate, resolve_world
@@ -33,9 +34,14 @@ def _composed_once(config: str | None):
 def quick(*overrides: str, config: str | None = None):
     """Like compose(), for `key=value` overrides only, without a Hydra compose per call: the
     recipe is composed once and the overrides merged into a copy of its typed config (which still
-    rejects unknown keys and wrong types). The validation tests use it to stay fast."""
+    rejects unknown keys and wrong types). `+key=value` adds a key, as in Hydra's grammar. The
+    validation tests use it to stay fast."""
     cfg = copy.deepcopy(_composed_once(config))
-    return OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
+    cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist([o for o in overrides if o[0] != "+"]))
+    for added in (o[1:] for o in overrides if o[0] == "+"):
+        key, value = added.split("=", 1)
+        OmegaConf.update(cfg, key, yaml.safe_load(value), force_add=True)
+    return cfg
 
 
 def validated(*overrides: str, config: str | None = None, nnodes: int | None = None,

@@ -3,7 +3,6 @@ key, the value and the rule; the good neighbour passes. A handful go through the
 
 import pytest
 
-from partrain.config import check_supported
 from partrain.errors import ConfigError
 from tests.unit.helpers import compose, finish, quick, start_cli, validated
 
@@ -132,8 +131,54 @@ RULES = [
     ("pp_schedule", ["parallel.pp_schedule=zigzag"], (None, None),
      ["parallel.pp_schedule=zigzag is not one of: gpipe, 1f1b, interleaved_1f1b"],
      ["parallel.pp_schedule=gpipe"], (None, None)),
-    ("dtype", ["train.dtype=fp16"], (None, None),
-     ["train.dtype=fp16 is not one of: auto, fp32, bf16"], ["train.dtype=bf16"], (None, None)),
+    ("dtype", ["train.dtype=fp8"], (None, None),
+     ["train.dtype=fp8 is not one of: auto, fp32, bf16, fp16"], ["train.dtype=bf16"], (None, None)),
+    # ZeRO (partrain/parallel/zero.py)
+    ("zero-pp", ["parallel.zero_stage=2", "parallel.pp=2", "parallel.dp=1"], (None, 2),
+     ["parallel.zero_stage=2 with parallel.pp=2", "use parallel.zero_stage=1 with pp"],
+     ["parallel.zero_stage=1", "parallel.pp=2", "parallel.dp=1"], (None, 2)),
+    ("zero3-pp", ["parallel.zero_stage=3", "parallel.pp=2", "parallel.dp=1"], (None, 2),
+     ["parallel.zero_stage=3 with parallel.pp=2"], ["parallel.zero_stage=3"], (None, None)),
+    ("zero-sp", ["parallel.zero_stage=2", "parallel.tp=2", "parallel.dp=1",
+                 "parallel.sequence_parallel=true"], (None, 2),
+     ["parallel.zero_stage=2 with parallel.sequence_parallel=true"],
+     ["parallel.zero_stage=1", "parallel.tp=2", "parallel.dp=1", "parallel.sequence_parallel=true"],
+     (None, 2)),
+    ("offload-device", ["parallel.zero_stage=2", "parallel.offload_optimizer=gpu"], (None, None),
+     ["parallel.offload_optimizer=gpu is not one of: none, cpu, nvme"],
+     ["parallel.zero_stage=2", "parallel.offload_optimizer=cpu"], (None, None)),
+    ("offload-stage0", ["parallel.offload_optimizer=cpu"], (None, None),
+     ["parallel.offload_optimizer=cpu needs parallel.zero_stage >= 1"],
+     ["parallel.offload_optimizer=cpu", "parallel.zero_stage=1"], (None, None)),
+    ("offload-params", ["parallel.zero_stage=2", "parallel.offload_params=cpu"], (None, None),
+     ["parallel.offload_params=cpu needs parallel.zero_stage=3", "got zero_stage=2"],
+     ["parallel.zero_stage=3", "parallel.offload_params=cpu"], (None, None)),
+    ("offload-nvme", ["parallel.zero_stage=3", "parallel.offload_params=nvme"], (None, None),
+     ["offload to nvme needs parallel.offload_nvme_path"],
+     ["parallel.zero_stage=3", "parallel.offload_params=nvme", "parallel.offload_nvme_path=/nvme"],
+     (None, None)),
+    ("fp16-ddp", ["train.dtype=fp16"], (None, None),
+     ["train.dtype=fp16 needs loss scaling", "parallel.zero_stage >= 1"],
+     ["train.dtype=fp16", "parallel.zero_stage=1"], (None, None)),
+    ("deepspeed-contradiction", ["parallel.zero_stage=1", "+parallel.deepspeed.train_batch_size=32"],
+     (None, None), ["parallel.deepspeed.train_batch_size=32 contradicts the derived "
+                    "train_batch_size=16 (from train.global_batch_size)"],
+     ["parallel.zero_stage=1", "+parallel.deepspeed.train_batch_size=16"], (None, None)),
+    ("deepspeed-section-clash", ["parallel.zero_stage=1", "+parallel.deepspeed.optimizer=sgd"],
+     (None, None), ["parallel.deepspeed.optimizer clashes with the derived optimizer.type"],
+     ["parallel.zero_stage=1", "+parallel.deepspeed.optimizer.params.amsgrad=false"], (None, None)),
+    ("deepspeed-offload", ["parallel.zero_stage=2",
+                           "+parallel.deepspeed.zero_optimization.offload_optimizer.device=cpu"],
+     (None, None), ["contradicts the derived zero_optimization.offload_optimizer.device='none'",
+                    "parallel.offload_optimizer"],
+     ["parallel.zero_stage=2",
+      "+parallel.deepspeed.zero_optimization.reduce_bucket_size=1000"], (None, None)),
+    ("deepspeed-scheduler", ["parallel.zero_stage=1", "+parallel.deepspeed.scheduler.type=WarmupLR"],
+     (None, None), ["parallel.deepspeed.scheduler is not allowed", "optim.lr"],
+     ["parallel.zero_stage=1"], (None, None)),
+    ("deepspeed-without-zero", ["+parallel.deepspeed.steps_per_print=10"], (None, None),
+     ["parallel.deepspeed sets raw DeepSpeed keys, but parallel.zero_stage=0 runs DDP"],
+     ["parallel.zero_stage=1", "+parallel.deepspeed.steps_per_print=10"], (None, None)),
     ("device", ["launcher.device=tpu"], (None, None),
      ["launcher.device=tpu is not one of: auto, cpu, cuda"], ["launcher.device=cuda"], (None, None)),
     ("data-source", ["data.source=web"], (None, None),
@@ -258,28 +303,6 @@ def test_tp_within_node_is_no_warning():
     assert warnings == []
 
 
-@pytest.mark.parametrize("overrides, world, setting", [
-    (["parallel.zero_stage=1"], (1, 2), "parallel.zero_stage=1"),
-    (["parallel.zero_stage=3"], (1, 2), "parallel.zero_stage=3"),
-])
-def test_check_supported_rejects_what_launch_cannot_run(overrides, world, setting):
-    cfg, _, _ = validated(*overrides, nnodes=world[0], nproc=world[1])  # validates: plan shows it
-    with pytest.raises(ConfigError) as info:
-        check_supported(cfg)
-    assert setting in str(info.value)
-    assert "not implemented" in str(info.value)
-
-
-@pytest.mark.parametrize("overrides, world", [
-    ([], (1, 2)),
-    (["parallel.dp=auto", "train.micro_batch_size=2"], (2, 4)),
-    (["parallel.dp=1", "train.global_batch_size=8"], (1, 1)),
-])
-def test_check_supported_accepts_dp_only(overrides, world):
-    cfg, _, _ = validated(*overrides, nnodes=world[0], nproc=world[1])
-    assert check_supported(cfg) is None
-
-
 def test_validate_fills_in_place_and_is_idempotent():
     from partrain.config import resolve_and_validate
 
@@ -310,7 +333,11 @@ CLI_CASES = [
     (["show", "model.foo=1"], "Key 'foo' not in 'ModelConfig'"),
     (["show", "parallel.tp=abc"], "parallel.tp=abc"),
     (["show", "nosuch"], "unknown recipe 'nosuch'; known recipes: llama-1b-dp8, llama-7b-tp4-pp2"),
-    (["launch", "parallel.zero_stage=2", "--dry-run"], "parallel.zero_stage=2: DeepSpeed ZeRO"),
+    (["launch", "parallel.zero_stage=2", "parallel.pp=2", "parallel.dp=1", "--dry-run"],
+     "parallel.zero_stage=2 with parallel.pp=2"),
+    (["show", "parallel.zero_stage=1", "+parallel.deepspeed.gradient_clipping=0.5"],
+     "parallel.deepspeed.gradient_clipping=0.5 contradicts the derived gradient_clipping=1.0 "
+     "(from optim.grad_clip)"),
     (["launch", "--node-rank", "1", "--dry-run"], "--node-rank=1 must be in 0..0"),
     (["launch", "--nnodes", "2", "parallel.dp=4", "--dry-run"], "--rdzv-endpoint"),
 ]

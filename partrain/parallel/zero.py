@@ -1,0 +1,230 @@
+"""DeepSpeed ZeRO (parallel.zero_stage = 1, 2, 3): optimizer state, gradients and parameters
+sharded over the "dp" mesh dimension, instead of DDP.
+
+`deepspeed_config(cfg)` derives the whole DeepSpeed JSON from partrain's config in one place
+(pure, no DeepSpeed import, so `partrain show` and validation use it); `parallel.deepspeed` adds
+raw keys on top, and one that contradicts a derived key is a config error. `apply_zero` hands the
+(possibly tensor- or pipeline-parallel) model to `deepspeed.initialize` with partrain's mesh as
+its `mpu`, so ZeRO partitions over dp replicas of the same tp shard / pp stage and the gradient
+norm is summed over the rest of the model.
+
+Choices that keep layout parity: gradient accumulation is ours (`managed_gradient_accumulation`
+off: each micro-batch's backward accumulates, `engine.step()` reduces and steps once per
+optimizer step), the learning rate follows partrain's warmup + cosine (set on the optimizer's
+groups each step, as for every other layout) and weight decay skips norm gains (two parameter
+groups). DeepSpeed clips and reports the norm before clipping.
+"""
+
+import logging
+import os
+
+import torch.distributed as dist
+from torch import nn
+
+from partrain.errors import ConfigError
+
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+# DeepSpeed's default bucket is 5e8 elements (2 GB in fp32, allocated whole); partrain caps it by
+# the model size so that a small model on a laptop does not pay for a 7B model's bucket.
+MAX_BUCKET = 500_000_000
+
+
+def _offload(device: str, path) -> dict:
+    section = {"device": device, "pin_memory": False}
+    if device == "nvme":
+        section["nvme_path"] = str(path)
+    return section
+
+
+def derived_config(cfg, n_params: int | None = None, on_cuda: bool = False) -> dict:
+    """The DeepSpeed config that partrain's keys fix; cfg must be resolved (batch triple filled)."""
+    p, t, o = cfg.parallel, cfg.train, cfg.optim
+    bucket = min(MAX_BUCKET, max(1_000_000, n_params or MAX_BUCKET))
+    zero = {"stage": p.zero_stage, "contiguous_gradients": p.zero_stage >= 2,
+            "overlap_comm": on_cuda and p.zero_stage >= 2,
+            "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
+    zero["offload_optimizer"] = _offload(p.offload_optimizer, p.offload_nvme_path)
+    zero["offload_param"] = _offload(p.offload_params, p.offload_nvme_path)
+    if p.zero_stage == 3:
+        # Gather every parameter each time it is used: what is resident is exactly the shard.
+        zero.update({"stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": bucket,
+                     "stage3_prefetch_bucket_size": bucket})
+    dtype = t.dtype if t.dtype != "auto" else ("bf16" if on_cuda else "fp32")
+    return {
+        "train_batch_size": t.global_batch_size,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.micro_batches,
+        "managed_gradient_accumulation": False,
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == "bf16"},
+        "fp16": {"enabled": dtype == "fp16", "loss_scale": 0, "initial_scale_power": 16,
+                 "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+        "gradient_clipping": o.grad_clip,
+        "optimizer": {"type": "AdamW", "params": {
+            "lr": o.lr, "betas": [o.beta1, o.beta2], "eps": o.eps, "weight_decay": o.weight_decay,
+            # Plain torch AdamW unless the optimizer runs on the CPU anyway (ZeRO-Offload's
+            # DeepSpeedCPUAdam) or on a GPU (FusedAdam): on a CPU-only run the fused op only
+            # costs a 30 s JIT build.
+            "torch_adam": p.offload_optimizer == "none" and not on_cuda}},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flatten(value, path + "."))
+        else:
+            flat[path] = value
+    return flat
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    merged = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+# Raw keys that would break what partrain does around the engine, with the reason.
+FORBIDDEN = {
+    "scheduler": "the learning rate follows optim.lr / warmup_steps / min_lr_ratio (partrain's "
+                 "warmup + cosine, the same for every layout)",
+    "managed_gradient_accumulation": "partrain accumulates gradients over train.micro_batches "
+                                     "itself and steps the engine once per optimizer step",
+}
+
+# Derived keys that partrain's own config fixes, and which key that is. Other derived keys are
+# partrain's defaults (bucket sizes, overlap, torch_adam, ...): raw keys may override those.
+SOURCES = {
+    "train_batch_size": "train.global_batch_size",
+    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.micro_batches",
+    "zero_optimization.stage": "parallel.zero_stage",
+    "zero_optimization.offload_optimizer.device": "parallel.offload_optimizer",
+    "zero_optimization.offload_param.device": "parallel.offload_params",
+    "bf16.enabled": "train.dtype",
+    "fp16.enabled": "train.dtype",
+    "gradient_clipping": "optim.grad_clip",
+    "optimizer.type": "optim.name",
+    "optimizer.params.lr": "optim.lr",
+    "optimizer.params.betas": "optim.beta1 / optim.beta2",
+    "optimizer.params.eps": "optim.eps",
+    "optimizer.params.weight_decay": "optim.weight_decay",
+}
+
+
+def deepspeed_config(cfg, n_params: int | None = None, on_cuda: bool = False) -> dict:
+    """The derived config with `parallel.deepspeed`'s raw keys merged in. Raises ConfigError when a
+    raw key contradicts one that partrain's config fixes (both named) or is one partrain owns."""
+    from omegaconf import OmegaConf
+
+    derived = derived_config(cfg, n_params, on_cuda)
+    raw = cfg.parallel.get("deepspeed") or {}
+    raw = OmegaConf.to_container(raw, resolve=True) if not isinstance(raw, dict) else raw
+    for key, why in FORBIDDEN.items():
+        if key in raw:
+            raise ConfigError(f"parallel.deepspeed.{key} is not allowed: {why}")
+    fixed = {k: v for k, v in _flatten(derived).items() if k in SOURCES}
+    for key, value in _flatten(raw).items():
+        if key in fixed and fixed[key] != value:
+            raise ConfigError(
+                f"parallel.deepspeed.{key}={value!r} contradicts the derived {key}={fixed[key]!r} "
+                f"(from {SOURCES[key]}); set {SOURCES[key]} instead, or drop the raw key")
+        # A raw value where partrain derives a section (or the reverse) contradicts it too.
+        for other in fixed:
+            if other.startswith(key + ".") or key.startswith(other + "."):
+                raise ConfigError(
+                    f"parallel.deepspeed.{key} clashes with the derived {other} (from "
+                    f"{SOURCES[other]}); set {SOURCES[other]} instead")
+    return _merge(derived, raw)
+
+
+class MeshMPU:
+    """DeepSpeed's `mpu` interface over partrain's (pp, dp, tp) mesh.
+
+    ZeRO partitions over the data-parallel group. DeepSpeed's "model parallel" group is every
+    rank holding a different piece of one replica (pp x tp), over which it sums the gradient
+    norm; parameters not marked `tensor_model_parallel` count only on tp rank 0, so replicated
+    norm gains are counted once per pipeline stage."""
+
+    def __init__(self, mesh, dims):
+        self.dims = dims
+        self.coords = dims.coords(dist.get_rank())
+        self._dp = mesh["dp"].get_group()
+        self._tp = mesh["tp"].get_group()
+        self._pp = mesh["pp"].get_group()
+        # One group per replica (the ranks sharing a dp coordinate); every rank takes part in
+        # creating every group, as new_group requires, and keeps its own.
+        for d in range(dims.dp):
+            ranks = [dims.rank(pp, d, tp) for pp in range(dims.pp) for tp in range(dims.tp)]
+            group = dist.new_group(ranks)
+            if d == self.coords["dp"]:
+                self._model, self._model_rank = group, ranks.index(dist.get_rank())
+
+    def get_data_parallel_group(self):
+        return self._dp
+
+    def get_data_parallel_rank(self):
+        return self.coords["dp"]
+
+    def get_data_parallel_world_size(self):
+        return self.dims.dp
+
+    def get_model_parallel_group(self):
+        return self._model
+
+    def get_model_parallel_rank(self):
+        return self._model_rank
+
+    def get_model_parallel_world_size(self):
+        return self.dims.pp * self.dims.tp
+
+    def get_tensor_model_parallel_group(self):
+        return self._tp
+
+    def get_tensor_model_parallel_rank(self):
+        return self.coords["tp"]
+
+    def get_tensor_model_parallel_world_size(self):
+        return self.dims.tp
+
+    def get_tensor_model_parallel_src_rank(self):
+        return self.dims.rank(self.coords["pp"], self.coords["dp"], 0)
+
+    def get_pipeline_model_parallel_group(self):
+        return self._pp
+
+    def get_pipeline_model_parallel_world_size(self):
+        return self.dims.pp
+
+
+def _quiet_deepspeed() -> None:
+    """DeepSpeed logs at INFO on every rank's stdout; rank 0's stdout is the progress display."""
+    from deepspeed.utils import logger
+
+    logger.setLevel(logging.WARNING)
+
+
+def apply_zero(model: nn.Module, mesh, dims, ds_config: dict, param_groups: list[dict]):
+    """Wrap `model` in a DeepSpeed engine; returns (engine, optimizer). `param_groups` are the
+    optimizer's groups (weight decay on matrices only); the dp group comes from the mesh."""
+    if mesh.device_type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    _quiet_deepspeed()
+    for param in model.parameters():
+        # DeepSpeed's name for a tensor-parallel shard: its norm sums these over tp.
+        if getattr(param, "tp_sharded", False):
+            param.tensor_model_parallel = True
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=model, model_parameters=param_groups, config=ds_config, mpu=MeshMPU(mesh, dims),
+        dist_init_required=False)
+    return engine, optimizer

@@ -150,6 +150,13 @@ def show(args: Optional[List[str]] = typer.Argument(None, help=ARGS_HELP, show_d
     """Print the resolved config as YAML (what config.yaml in the run dir would hold)."""
     cfg, _, warnings = _resolve(args)
     sys.stdout.write(OmegaConf.to_yaml(cfg))
+    if cfg.parallel.zero_stage > 0:
+        from partrain.parallel.zero import deepspeed_config
+
+        on_cuda = cfg.launcher.device == "cuda" or (cfg.launcher.device == "auto" and _has_cuda())
+        text = json.dumps(deepspeed_config(cfg, on_cuda), indent=2)
+        sys.stdout.write("# The DeepSpeed config the workers derive (partrain/parallel/zero.py):\n"
+                         + "".join(f"# {line}\n" for line in text.splitlines()))
     for warning in warnings:
         err.print(f"[yellow]warning:[/yellow] {warning}")
 

@@ -15,6 +15,7 @@ from partrain.models.llama import count_params, count_params_per_rank, flops_per
 from partrain.parallel.pipeline import stage_layers
 from partrain.parallel.schedules import bubble_theory, build_schedule, simulate
 from partrain.parallel.tensor import tp_collectives, tp_step_collectives
+from partrain.parallel.zero import zero_memory
 
 TIMELINE_MAX_MICRO_BATCHES = 16  # wider timelines are drawn for fewer (labels stay 2 digits)
 
@@ -49,6 +50,7 @@ def build_plan(cfg: DictConfig, world: World, warnings: list[str]) -> dict:
         "model": {"name": cfg.model.name, "params": count_params(cfg.model),
                   "params_per_rank": max(s["params_per_rank"] for s in stages),
                   "flops_per_token": flops_per_token(cfg.model, t.seq_len)},
+        "memory": _memory(cfg, dims, max(s["params_per_rank"] for s in stages)),
         "tp_collectives": _tp_collectives(cfg, dims, stages),
         "pipeline": _pipeline(cfg, dims, stages) if dims.pp > 1 else None,
         "warnings": warnings,
@@ -67,6 +69,17 @@ def _stages(cfg: DictConfig, dims: ParallelDims) -> list[dict]:
              "params_per_rank": count_params_per_rank(cfg.model, dims.tp, len(ids), s == 0,
                                                       s == last)}
             for s, ids in enumerate(layers)]
+
+
+def _memory(cfg: DictConfig, dims: ParallelDims, psi: int) -> dict:
+    """Bytes per rank of parameters, gradients and optimizer state at the chosen zero_stage, for
+    the busiest rank's Ψ parameters (activations and buffers not included)."""
+    stage = cfg.parallel.zero_stage
+    on_cuda = cfg.launcher.device == "cuda"
+    dtype = cfg.train.dtype if cfg.train.dtype != "auto" else ("bf16" if on_cuda else "fp32")
+    per_stage = {s: zero_memory(s, psi, dims.dp, dtype, on_cuda)["total"] for s in range(4)}
+    return {"zero_stage": stage, "params_per_rank": psi, "dp": dims.dp, "dtype": dtype,
+            **zero_memory(stage, psi, dims.dp, dtype, on_cuda), "total_by_stage": per_stage}
 
 
 def _pipeline(cfg: DictConfig, dims: ParallelDims, stages: list[dict]) -> dict:
@@ -169,6 +182,15 @@ def print_plan(plan: dict, console: Console) -> None:
 
     console.print(f"batch: global_batch_size {b['rule']}; seq_len {b['seq_len']}; "
                   f"{b['tokens_per_step']:,} tokens per step")
+    mem = plan["memory"]
+    name = "DDP" if mem["zero_stage"] == 0 else f"ZeRO-{mem['zero_stage']}"
+    others = ", ".join(f"{'DDP' if int(s) == 0 else f'ZeRO-{s}'} {_size(total)}"
+                       for s, total in mem["total_by_stage"].items() if int(s) != mem["zero_stage"])
+    console.print(f"memory per rank ({name}, {mem['dtype']}, Ψ = {mem['params_per_rank']:,} "
+                  f"parameters, Nd = {mem['dp']}): parameters {_size(mem['param_bytes'])} + "
+                  f"gradients {_size(mem['grad_bytes'])} + optimizer state "
+                  f"{_size(mem['optim_bytes'])} = {mem['formula']} = {_size(mem['total'])}; "
+                  f"other stages: {others}; activations not included")
     pipe = plan["pipeline"]
     if pipe:
         stage_table = Table(title="pipeline stages")

@@ -181,7 +181,7 @@ def train(cfg, run_dir: Path, device: torch.device) -> None:
     if dims.zero_enabled:
         # ZeRO replaces DDP and the optimizer: DeepSpeed shards over dp and builds AdamW from
         # the derived config (over the same parameter groups).
-        ds_config = deepspeed_config(cfg, n_params, on_cuda=device.type == "cuda")
+        ds_config = deepspeed_config(cfg, on_cuda=device.type == "cuda")
         model, optimizer = apply_zero(model, mesh, dims, ds_config,
                                       param_groups(model, cfg.optim))
     else:

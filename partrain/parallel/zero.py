@@ -23,12 +23,6 @@ from torch import nn
 
 from partrain.errors import ConfigError
 
-OFFLOAD_DEVICES = ("none", "cpu", "nvme")
-# DeepSpeed's default bucket is 5e8 elements (2 GB in fp32, allocated whole); partrain caps it by
-# the model size so that a small model on a laptop does not pay for a 7B model's bucket.
-MAX_BUCKET = 500_000_000
-
-
 def _offload(device: str, path) -> dict:
     section = {"device": device, "pin_memory": False}
     if device == "nvme":
@@ -36,19 +30,22 @@ def _offload(device: str, path) -> dict:
     return section
 
 
-def derived_config(cfg, n_params: int | None = None, on_cuda: bool = False) -> dict:
-    """The DeepSpeed config that partrain's keys fix; cfg must be resolved (batch triple filled)."""
+def derived_config(cfg, on_cuda: bool = False) -> dict:
+    """The DeepSpeed config that partrain's keys fix; cfg must be resolved (batch triple filled).
+
+    Bucket sizes follow HF Accelerate's "auto" rule, hidden size squared (DeepSpeed's fixed 5e8
+    elements is 2 GB in fp32, allocated whole, whatever the model's size); parameters under
+    10 x hidden (norm gains) stay whole under ZeRO-3 rather than gathered at every use."""
     p, t, o = cfg.parallel, cfg.train, cfg.optim
-    bucket = min(MAX_BUCKET, max(1_000_000, n_params or MAX_BUCKET))
+    bucket = cfg.model.dim ** 2
     zero = {"stage": p.zero_stage, "contiguous_gradients": p.zero_stage >= 2,
             "overlap_comm": on_cuda and p.zero_stage >= 2,
             "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
     zero["offload_optimizer"] = _offload(p.offload_optimizer, p.offload_nvme_path)
     zero["offload_param"] = _offload(p.offload_params, p.offload_nvme_path)
     if p.zero_stage == 3:
-        # Gather every parameter each time it is used: what is resident is exactly the shard.
-        zero.update({"stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": bucket,
-                     "stage3_prefetch_bucket_size": bucket})
+        zero.update({"stage3_param_persistence_threshold": 10 * cfg.model.dim,
+                     "stage3_prefetch_bucket_size": int(0.9 * bucket)})
     dtype = t.dtype if t.dtype != "auto" else ("bf16" if on_cuda else "fp32")
     return {
         "train_batch_size": t.global_batch_size,
@@ -120,12 +117,12 @@ SOURCES = {
 }
 
 
-def deepspeed_config(cfg, n_params: int | None = None, on_cuda: bool = False) -> dict:
+def deepspeed_config(cfg, on_cuda: bool = False) -> dict:
     """The derived config with `parallel.deepspeed`'s raw keys merged in. Raises ConfigError when a
     raw key contradicts one that partrain's config fixes (both named) or is one partrain owns."""
     from omegaconf import OmegaConf
 
-    derived = derived_config(cfg, n_params, on_cuda)
+    derived = derived_config(cfg, on_cuda)
     raw = cfg.parallel.get("deepspeed") or {}
     raw = OmegaConf.to_container(raw, resolve=True) if not isinstance(raw, dict) else raw
     for key, why in FORBIDDEN.items():
@@ -228,3 +225,30 @@ def apply_zero(model: nn.Module, mesh, dims, ds_config: dict, param_groups: list
         model=model, model_parameters=param_groups, config=ds_config, mpu=MeshMPU(mesh, dims),
         dist_init_required=False)
     return engine, optimizer
+
+
+def zero_memory(stage: int, psi: int, nd: int, dtype: str = "auto", on_cuda: bool = False) -> dict:
+    """Bytes per rank of parameters, gradients and optimizer state for Ψ = `psi` parameters per
+    model replica shard and Nd = `nd` dp ranks (ZeRO paper, section 3):
+
+    - stage 0 (partrain's DDP): fp32 weights and gradients, AdamW's two fp32 moments: 4+4+8 = 16Ψ
+      (autocast computes in bf16 but keeps fp32 weights, so there is no master copy).
+    - stages 1-3 (DeepSpeed): w bytes of weights and of gradients per parameter and K = 12 bytes
+      of optimizer state (fp32 master weights + two moments): with bf16/fp16 w = 2, the paper's
+      4Ψ + 12Ψ/Nd, 2Ψ + 14Ψ/Nd, 16Ψ/Nd; in fp32 (CPU) w = 4 and DeepSpeed still keeps its own
+      fp32 master copy, so 8Ψ + 12Ψ/Nd, 4Ψ + 16Ψ/Nd, 20Ψ/Nd.
+    """
+    if stage == 0:
+        w, k = 4, 8
+    else:
+        dtype = dtype if dtype != "auto" else ("bf16" if on_cuda else "fp32")
+        w, k = (4 if dtype == "fp32" else 2), 12
+    shard = {"param": stage >= 3, "grad": stage >= 2, "optim": stage >= 1}
+    per = {"param": w, "grad": w, "optim": k}
+    out = {f"{kind}_bytes": per[kind] * psi / (nd if shard[kind] else 1) for kind in per}
+    out["total"] = sum(out.values())
+    whole = sum(per[kind] for kind in per if not shard[kind])
+    parts = sum(per[kind] for kind in per if shard[kind])
+    out["formula"] = " + ".join(x for x in (f"{whole}Ψ" if whole else "",
+                                            f"{parts}Ψ/Nd" if parts else "") if x)
+    return out

@@ -72,3 +72,20 @@ def assert_no_abort(run_dir: Path, *outputs: str) -> None:
         assert ABORT_MESSAGE not in log.read_text(), log
     for text in outputs:
         assert ABORT_MESSAGE not in text
+
+
+@pytest.fixture(scope="session")
+def deepspeed_ops():
+    """DeepSpeed's CPU ops (the shared-memory collective, ZeRO-Offload's CPU Adam), built once in
+    the one extension cache that every run shares (TORCH_EXTENSIONS_DIR, default
+    ~/.cache/torch_extensions): on a fresh machine each takes 20-100 s on 2 cores, and ranks
+    building the same op at once would only wait for each other. Cached, this takes seconds."""
+    code = ("from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, ShareMemCommBuilder\n"
+            "import time\n"
+            "for b in (ShareMemCommBuilder(), CPUAdamBuilder()):\n"
+            "    t = time.perf_counter(); b.load(verbose=False)\n"
+            "    print(f'{b.name}: {time.perf_counter() - t:.1f} s')\n")
+    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DS_ACCELERATOR": "cpu"},
+                          capture_output=True, text=True, timeout=600, start_new_session=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout

@@ -1,0 +1,121 @@
+"""The DeepSpeed config partrain derives (partrain/parallel/zero.py), raw keys over it, and the
+ZeRO memory formulas that `plan` prints and scripts/bench_zero.py measures against."""
+
+import json
+
+import pytest
+import yaml
+
+from partrain.errors import ConfigError
+from partrain.parallel.zero import deepspeed_config, zero_memory
+from tests.unit.helpers import validated
+
+
+def _ds(*overrides, on_cuda=False, nproc=None):
+    cfg, _, _ = validated("parallel.zero_stage=1", *overrides, nproc=nproc)
+    return deepspeed_config(cfg, on_cuda=on_cuda)
+
+
+def test_derived_from_partrain_keys():
+    ds = _ds("parallel.zero_stage=2", "train.global_batch_size=32", "train.micro_batch_size=4",
+             "optim.lr=0.01", "optim.grad_clip=0.5", "optim.beta2=0.99", "optim.weight_decay=0.2")
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"],
+            ds["gradient_accumulation_steps"]) == (32, 4, 4)  # 32 = 4 * 4 micro-batches * dp 2
+    assert ds["zero_optimization"]["stage"] == 2
+    assert ds["gradient_clipping"] == 0.5
+    assert ds["optimizer"]["type"] == "AdamW"
+    assert ds["optimizer"]["params"]["lr"] == 0.01
+    assert ds["optimizer"]["params"]["betas"] == [0.9, 0.99]
+    assert ds["optimizer"]["params"]["weight_decay"] == 0.2
+    # partrain owns accumulation and the schedule.
+    assert ds["managed_gradient_accumulation"] is False and "scheduler" not in ds
+
+
+@pytest.mark.parametrize("dtype, on_cuda, bf16, fp16", [
+    ("auto", False, False, False), ("auto", True, True, False), ("bf16", False, True, False),
+    ("fp16", True, False, True), ("fp32", True, False, False)])
+def test_dtype(dtype, on_cuda, bf16, fp16):
+    ds = _ds(f"train.dtype={dtype}", on_cuda=on_cuda)
+    assert (ds["bf16"]["enabled"], ds["fp16"]["enabled"]) == (bf16, fp16)
+    assert ds["fp16"]["loss_scale"] == 0  # dynamic loss scaling when fp16 is on
+
+
+def test_offload_and_optimizer_choice():
+    plain = _ds("parallel.zero_stage=2")
+    assert plain["zero_optimization"]["offload_optimizer"]["device"] == "none"
+    assert plain["optimizer"]["params"]["torch_adam"] is True  # no 30 s JIT build on a CPU run
+    off = _ds("parallel.zero_stage=3", "parallel.offload_optimizer=cpu",
+              "parallel.offload_params=nvme", "parallel.offload_nvme_path=/local/nvme")
+    zero = off["zero_optimization"]
+    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": False}
+    assert zero["offload_param"] == {"device": "nvme", "pin_memory": False,
+                                     "nvme_path": "/local/nvme"}
+    assert off["optimizer"]["params"]["torch_adam"] is False  # ZeRO-Offload's CPU Adam
+    assert _ds(on_cuda=True)["optimizer"]["params"]["torch_adam"] is False  # FusedAdam
+
+
+def test_buckets_follow_the_hidden_size():
+    ds = _ds("parallel.zero_stage=3", "model.dim=256", "model.n_heads=4", "model.n_kv_heads=2")
+    zero = ds["zero_optimization"]
+    assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == 256 ** 2
+    assert zero["stage3_param_persistence_threshold"] == 2560
+
+
+def test_raw_keys_pass_through_and_override_defaults():
+    ds = _ds("+parallel.deepspeed.zero_optimization.reduce_bucket_size=1000",
+             "+parallel.deepspeed.optimizer.params.amsgrad=true",
+             "+parallel.deepspeed.train_batch_size=16")  # equal to the derived: no conflict
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 1000
+    assert ds["zero_optimization"]["stage"] == 1  # siblings kept
+    assert ds["optimizer"]["params"]["amsgrad"] is True and ds["optimizer"]["params"]["lr"] == 0.003
+
+
+def test_contradicting_raw_key_names_both():
+    with pytest.raises(ConfigError) as info:
+        _ds("+parallel.deepspeed.zero_optimization.stage=3")
+    message = str(info.value)
+    assert "parallel.deepspeed.zero_optimization.stage=3" in message
+    assert "derived zero_optimization.stage=1" in message and "parallel.zero_stage" in message
+
+
+GB = 1e9
+
+
+@pytest.mark.parametrize("stage, total_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_paper_figures_in_mixed_precision(stage, total_gb):
+    """ZeRO paper, Figure 1: a 7.5B model on 64 GPUs. Stage 0 is partrain's DDP (fp32 weights,
+    AdamW moments: also 16 bytes per parameter)."""
+    memory = zero_memory(stage, 7.5e9, 64, "bf16")
+    assert round(memory["total"] / GB, 1) == total_gb
+
+
+@pytest.mark.parametrize("stage, formula, per_param", [
+    (0, "16Ψ", 16), (1, "8Ψ + 12Ψ/Nd", 8 + 12 / 4), (2, "4Ψ + 16Ψ/Nd", 4 + 16 / 4),
+    (3, "20Ψ/Nd", 20 / 4)])
+def test_fp32_constants(stage, formula, per_param):
+    memory = zero_memory(stage, 1000, 4, "fp32")
+    assert memory["formula"] == formula
+    assert memory["total"] == pytest.approx(1000 * per_param)
+    assert memory["total"] == memory["param_bytes"] + memory["grad_bytes"] + memory["optim_bytes"]
+
+
+def test_plan_memory_json(run_main):
+    result = run_main("plan", "parallel.zero_stage=2", "--json")
+    assert result.code == 0, result.stderr
+    memory = json.loads(result.stdout)["memory"]
+    psi = memory["params_per_rank"]
+    assert memory["zero_stage"] == 2 and memory["dp"] == 2 and memory["formula"] == "4Ψ + 16Ψ/Nd"
+    assert memory["grad_bytes"] == 4 * psi / 2 and memory["param_bytes"] == 4 * psi
+    assert sorted(memory["total_by_stage"].values(), reverse=True) == list(
+        memory["total_by_stage"].values())  # each stage saves more
+
+
+def test_show_prints_the_deepspeed_json_and_stays_yaml(run_main):
+    result = run_main("show", "parallel.zero_stage=3", "parallel.offload_optimizer=cpu")
+    assert result.code == 0, result.stderr
+    assert yaml.safe_load(result.stdout)["parallel"]["zero_stage"] == 3  # comments are ignored
+    block = [line[2:] for line in result.stdout.splitlines() if line.startswith("# ")][1:]
+    ds = json.loads("\n".join(block))
+    assert ds["zero_optimization"]["stage"] == 3
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert "DeepSpeed" not in run_main("show").stdout  # stage 0 runs DDP: no DeepSpeed config

@@ -26,6 +26,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from partrain.launch.netif import split_endpoint, wait_for_endpoint
+
 EXIT_OK, EXIT_RANK_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
 
@@ -72,15 +74,16 @@ class ElasticLaunch:
 def _quiet_agent_logs(run_dir: Path, spec: ElasticLaunch) -> Path:
     """The agent's own chatter goes to logs/launcher.log (one per node when nodes share the run
     dir: launcher-node-R.log); the launcher prints what matters."""
-    name = f"launcher-node-{spec.node_rank}.log" if spec.multi_node else "launcher.log"
-    handler = logging.FileHandler(run_dir / "logs" / name)
+    path = run_dir / "logs" / (f"launcher-node-{spec.node_rank}.log" if spec.multi_node
+                               else "launcher.log")
+    handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
         logger = logging.getLogger(name)
         logger.handlers[:] = [handler]
         logger.setLevel(logging.INFO)
         logger.propagate = False
-    return run_dir / "logs" / name
+    return path
 
 
 def _describe_failure(err: ChildFailedError) -> tuple[int, str]:
@@ -96,10 +99,9 @@ def _describe_failure(err: ChildFailedError) -> tuple[int, str]:
 
 def _first_line(err: Exception) -> str:
     """The error and its cause in one line (c10d wraps the socket error it met)."""
-    parts = [str(err).strip()]
-    if err.__cause__ is not None and str(err.__cause__).strip():
-        parts.append(str(err.__cause__).strip().splitlines()[0])
-    return ": ".join(parts)
+    parts = [text.strip().splitlines()[0] for text in (str(err), str(err.__cause__ or ""))
+             if text.strip()]
+    return ": ".join(parts) or f"{type(err).__name__}: not all nodes joined in time"
 
 
 def launch_workers(run_dir: Path, spec: ElasticLaunch, console_print=print) -> int:
@@ -112,6 +114,18 @@ def launch_workers(run_dir: Path, spec: ElasticLaunch, console_print=print) -> i
     if spec.cpu_threads:
         os.environ.setdefault("OMP_NUM_THREADS", str(spec.cpu_threads))
     rdzv_configs = {"join_timeout": spec.rdzv_timeout_s, "timeout": spec.rdzv_timeout_s}
+    if spec.multi_node and spec.node_rank != 0:
+        # Wait for node 0's store here, in Python: c10d's own retries print C++ stack traces and
+        # take more than twice the timeout before giving up.
+        host, port = split_endpoint(spec.rdzv_endpoint)
+        problem = wait_for_endpoint(host, port, spec.rdzv_timeout_s)
+        if problem:
+            console_print(f"rendezvous at {spec.rdzv_endpoint} failed: node {spec.node_rank} "
+                          f"could not reach it within launcher.rdzv_timeout_s="
+                          f"{spec.rdzv_timeout_s} s ({problem})")
+            console_print("  is node 0 running `partrain launch` with --rdzv-endpoint "
+                          f"{spec.rdzv_endpoint}, and is that address reachable from here?")
+            return EXIT_RANK_FAILED
     if spec.multi_node:
         # read_timeout bounds the connection to the store, so an unreachable endpoint fails in
         # time; only node 0 hosts the store.
@@ -145,9 +159,9 @@ def launch_workers(run_dir: Path, spec: ElasticLaunch, console_print=print) -> i
         return EXIT_RANK_FAILED
     except RendezvousError as err:
         console_print(f"rendezvous at {spec.rdzv_endpoint} failed: {_first_line(err)}")
-        console_print(f"  {spec.nnodes} node(s) must join within launcher.rdzv_timeout_s="
-                      f"{spec.rdzv_timeout_s} s: is node 0 running `partrain launch` with "
-                      f"--rdzv-endpoint {spec.rdzv_endpoint}, and can this node reach it? "
+        console_print(f"  all {spec.nnodes} nodes must join within launcher.rdzv_timeout_s="
+                      f"{spec.rdzv_timeout_s} s: is `partrain launch` running on every node with "
+                      f"--nnodes {spec.nnodes} and --rdzv-endpoint {spec.rdzv_endpoint}? "
                       f"The agent's log: {agent_log}")
         return EXIT_RANK_FAILED
     except (SignalException, KeyboardInterrupt):

@@ -14,6 +14,7 @@ import ipaddress
 import os
 import socket
 import struct
+import time
 from dataclasses import dataclass
 
 from partrain.errors import ConfigError
@@ -129,3 +130,19 @@ def set_ifname_variables(network: NodeNetwork, env=os.environ) -> list[str]:
             env[name] = network.ifname
             lines.append(f"{name}={network.ifname}")
     return lines
+
+
+def wait_for_endpoint(host: str, port: int, timeout_s: float) -> str | None:
+    """Try to open a TCP connection to the rendezvous store until timeout_s has passed; None once
+    it opens, else the last error (connection refused, no route, timed out)."""
+    deadline = time.monotonic() + timeout_s
+    problem = "timed out"
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(
+                    5.0, deadline - time.monotonic()))):
+                return None
+        except OSError as e:
+            problem = e.strerror or str(e) or type(e).__name__
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+    return problem

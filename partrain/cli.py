@@ -149,7 +149,8 @@ def launch(
         rdzv_endpoint=rdzv_endpoint, run_id=f"slurm-{place.job_id}" if place.job_id else cfg.name,
         rdzv_timeout_s=cfg.launcher.rdzv_timeout_s, local_addr=network and network.addr,
         cpu_threads=_cpu_threads(world.nproc_per_node) if cpu else None)
-    code = launch_workers(run_dir, spec, console_print=err.print)
+    # markup=False: a rank's error may hold brackets (gloo's `[.../pair.cc:537]`), not rich markup.
+    code = launch_workers(run_dir, spec, console_print=lambda text: err.print(text, markup=False))
     if code == 0:
         out.print(f"done: metrics in {run_dir / 'metrics.jsonl'}")
     raise typer.Exit(code)

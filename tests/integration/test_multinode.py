@@ -115,3 +115,31 @@ def test_losing_a_node_ends_the_other_with_exit_1(cli, tmp_path, two_nodes):
     assert elapsed < 45, f"node 0 took {elapsed:.0f} s to notice (collective timeout 30 s)"
     print(f"node 0 ended {elapsed:.1f} s after node 1 was lost")
     assert processes_mentioning(str(run_dir)) == []
+
+
+def test_missing_nodes_fail_within_the_rendezvous_timeout(cli, tmp_path, two_nodes):
+    """Node 1 points at an endpoint where nobody listens; node 0 waits for a node that never
+    comes. Both stop after launcher.rdzv_timeout_s, exit 1, name the endpoint; no hang."""
+    names, _ = two_nodes
+    timeout_s = 5
+    common = ("launcher.device=cpu", "parallel.dp=2", f"launcher.rdzv_timeout_s={timeout_s}",
+              "--nnodes", "2", "--nproc-per-node", "1")
+    started = time.monotonic()
+    alone = cli.start("launch", *common, "--node-rank", "0", "--rdzv-endpoint",
+                      f"{SUBNET}.1:{PORT + 1}", "--run-dir", str(tmp_path / "node0"),
+                      prefix=("ip", "netns", "exec", names[0]))
+    lost = cli.start("launch", *common, "--node-rank", "1", "--rdzv-endpoint",
+                     f"{SUBNET}.1:{PORT + 2}", "--run-dir", str(tmp_path / "node1"),
+                     prefix=("ip", "netns", "exec", names[1]))
+    for proc, endpoint, message in (
+            (lost, f"{SUBNET}.1:{PORT + 2}", f"node 1 could not reach it within "
+                                             f"launcher.rdzv_timeout_s={timeout_s} s"),
+            (alone, f"{SUBNET}.1:{PORT + 1}", f"all 2 nodes must join within "
+                                              f"launcher.rdzv_timeout_s={timeout_s} s")):
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 1, stderr
+        assert f"rendezvous at {endpoint} failed" in stderr and message in stderr, stderr
+        assert "Traceback" not in stderr
+    elapsed = time.monotonic() - started
+    assert elapsed < timeout_s + 25, f"{elapsed:.0f} s for a {timeout_s} s rendezvous timeout"
+    print(f"both nodes gave up {elapsed:.1f} s after the start (timeout {timeout_s} s)")

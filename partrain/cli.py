@@ -1,4 +1,4 @@
-"""The `partrain` command: launch, plan, show, data prepare.
+"""The `partrain` command: launch, slurm, plan, show, data prepare.
 
 Every command composes and validates the config before it does anything; a ConfigError becomes
 one message on stderr and exit code 2, with nothing started and nothing written.
@@ -36,9 +36,15 @@ def _split_args(args: Optional[List[str]]) -> tuple[Optional[str], list[str]]:
     return None, args
 
 
-def _resolve(args, nnodes=None, nproc_per_node=None, world_size=None, probe_cuda=False):
+def _resolve(args, nnodes=None, nproc_per_node=None, world_size=None, probe_cuda=False,
+             gpus_on_node=None):
+    from partrain.launch.rundir import is_frozen_config, load_frozen_config
+
     config, overrides = _split_args(args)
-    cfg = compose_config(config, overrides)
+    if is_frozen_config(config):  # a run dir's config.yaml: run as it is, never re-composed
+        cfg = load_frozen_config(config, overrides)
+    else:
+        cfg = compose_config(config, overrides)
     if world_size is not None:
         nnodes, nproc_per_node = _split_world(cfg, world_size)
     cuda_devices = 0
@@ -46,6 +52,8 @@ def _resolve(args, nnodes=None, nproc_per_node=None, world_size=None, probe_cuda
         import torch
 
         cuda_devices = torch.cuda.device_count()
+        if gpus_on_node and cuda_devices:  # the scheduler's share of the node, if it says
+            cuda_devices = min(cuda_devices, gpus_on_node)
         if cfg.launcher.device == "cuda" and cuda_devices == 0:
             raise ConfigError("launcher.device=cuda but no CUDA device is visible; "
                               "use launcher.device=cpu")
@@ -73,47 +81,138 @@ def launch(
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Default: runs/<name>-<time>"),
     nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node"),
     nnodes: Optional[int] = typer.Option(None, "--nnodes"),
-    node_rank: int = typer.Option(0, "--node-rank"),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="0 on the node that hosts "
+                                            "the rendezvous; default 0 (SLURM: SLURM_NODEID)"),
     rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of node 0"),
+    local_addr: Optional[str] = typer.Option(None, "--local-addr", help="This node's address for "
+                                             "the others; default: the route to the endpoint"),
+    ifname: Optional[str] = typer.Option(None, "--ifname", help="Network interface for gloo/NCCL; "
+                                         "default: the one that routes to the endpoint"),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate and show the plan; start nothing"),
 ) -> None:
     """Compose, validate, write the run dir and train on this node's ranks."""
     from partrain.data import check_data
     from partrain.launch import ElasticLaunch, default_run_dir, launch_workers, write_run_dir
+    from partrain.launch.cluster import detect_place
+    from partrain.launch.netif import pick_network, set_ifname_variables
     from partrain.launch.rundir import check_run_dir
     from partrain.plan import build_plan, print_plan
 
-    cfg, world, warnings = _resolve(args, nnodes, nproc_per_node, probe_cuda=True)
+    # Inside SLURM the node count, this node's rank and the endpoint come from the job (flags
+    # win); under torchrun, or with one srun task per GPU, this refuses to start.
+    place = detect_place(nproc_per_node)
+    nnodes = nnodes if nnodes is not None else place.nnodes
+    node_rank = node_rank if node_rank is not None else (place.node_rank or 0)
+    cfg, world, warnings = _resolve(args, nnodes, nproc_per_node, probe_cuda=True,
+                                    gpus_on_node=place.gpus_on_node)
     if not 0 <= node_rank < world.nnodes:
         raise ConfigError(f"--node-rank={node_rank} must be in 0..{world.nnodes - 1} "
                           f"for {world.nnodes} node(s)")
-    if world.nnodes > 1 and not rdzv_endpoint:
-        raise ConfigError(f"--nnodes={world.nnodes} needs --rdzv-endpoint HOST:PORT "
-                          "(node 0's address), the same on every node")
+    if world.nnodes > 1:
+        rdzv_endpoint = rdzv_endpoint or place.rdzv_endpoint
+        if not rdzv_endpoint:
+            raise ConfigError(f"--nnodes={world.nnodes} needs --rdzv-endpoint HOST:PORT "
+                              "(node 0's address), the same on every node")
+    network = pick_network(rdzv_endpoint, local_addr, ifname) if rdzv_endpoint else None
+    if network is None and (local_addr or ifname):
+        warnings.append("--local-addr / --ifname only matter for a multi-node job "
+                        "(--rdzv-endpoint); this run stays on 127.0.0.1")
     data_description = check_data(cfg)
-    run_dir = run_dir or default_run_dir(cfg.name)
-    check_run_dir(run_dir)
+    run_dir = run_dir or default_run_dir(cfg.name, place.job_id)
+    check_run_dir(run_dir, cfg)
     for warning in warnings:
         err.print(f"[yellow]warning:[/yellow] {warning}")
     if dry_run:
         print_plan(build_plan(cfg, world, []), out)
         out.print(f"data: {data_description}")
+        if network:
+            out.print(f"network: {network.addr} on {network.ifname or '?'} ({network.how})")
         out.print(f"dry run: would write {run_dir} and start {world.nproc_per_node} worker(s) on "
                   "this node; nothing started")
         return
 
     write_run_dir(cfg, run_dir)
     out.print(f"partrain: run dir {run_dir}; {world.size} rank(s), {world.nproc_per_node} on this "
-              f"node (node {node_rank} of {world.nnodes}); logs in {run_dir / 'logs'}")
+              f"node (node {node_rank} of {world.nnodes}, {place.source}); logs in "
+              f"{run_dir / 'logs'}")
+    if network:
+        variables = set_ifname_variables(network)
+        out.print(f"network: rendezvous {rdzv_endpoint}; this node is {network.addr} on "
+                  f"{network.ifname or 'an unknown interface'} ({network.how}); "
+                  f"{', '.join(variables) or 'set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME yourself'}",
+                  soft_wrap=True)
     cpu = cfg.launcher.device == "cpu" or (cfg.launcher.device == "auto" and not _has_cuda())
     spec = ElasticLaunch(
         nnodes=world.nnodes, nproc_per_node=world.nproc_per_node, node_rank=node_rank,
-        rdzv_endpoint=rdzv_endpoint, run_id=cfg.name, rdzv_timeout_s=cfg.launcher.rdzv_timeout_s,
+        rdzv_endpoint=rdzv_endpoint, run_id=f"slurm-{place.job_id}" if place.job_id else cfg.name,
+        rdzv_timeout_s=cfg.launcher.rdzv_timeout_s, local_addr=network and network.addr,
         cpu_threads=_cpu_threads(world.nproc_per_node) if cpu else None)
-    code = launch_workers(run_dir, spec, console_print=err.print)
+    # markup=False: a rank's error may hold brackets (gloo's `[.../pair.cc:537]`), not rich markup.
+    code = launch_workers(run_dir, spec, console_print=lambda text: err.print(text, markup=False))
     if code == 0:
         out.print(f"done: metrics in {run_dir / 'metrics.jsonl'}")
     raise typer.Exit(code)
+
+
+@app.command()
+def slurm(
+    args: Optional[List[str]] = typer.Argument(None, help=ARGS_HELP, show_default=False),
+    nodes: int = typer.Option(..., "--nodes", help="Nodes to ask for"),
+    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node"),
+    nproc_per_node: Optional[int] = typer.Option(
+        None, "--nproc-per-node", help="Ranks per node; default: --gpus-per-node, else "
+        "launcher.nproc_per_node (a CPU cluster gives this alone)"),
+    partition: Optional[str] = typer.Option(None, "--partition"),
+    time_limit: Optional[str] = typer.Option(None, "--time", help="SLURM time limit, e.g. 04:00:00"),
+    account: Optional[str] = typer.Option(None, "--account"),
+    qos: Optional[str] = typer.Option(None, "--qos"),
+    sbatch_args: Optional[List[str]] = typer.Option(
+        None, "--sbatch-arg", help="Another #SBATCH option, e.g. --sbatch-arg=--exclusive (repeatable)"),
+    run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Default: runs/<name>-<time>"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Write the run dir and print the script "
+                                 "(`> job.sh` gives a runnable script); submit nothing"),
+) -> None:
+    """Validate for nodes x ranks, write the run dir and its sbatch script, and submit it."""
+    from partrain.data import check_data
+    from partrain.launch import default_run_dir, write_run_dir
+    from partrain.launch.rundir import check_run_dir
+    from partrain.launch.slurm import (SlurmJob, partrain_command, passed_through_env,
+                                       remove_prepared, render_script, submit, write_script)
+
+    for flag, value in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node),
+                        ("--nproc-per-node", nproc_per_node)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag}={value} must be at least 1")
+    cfg, world, warnings = _resolve(args, nodes, nproc_per_node or gpus_per_node)
+    check_data(cfg)
+    run_dir = (run_dir or default_run_dir(cfg.name)).absolute()
+    check_run_dir(run_dir)
+    job = SlurmJob(run_dir=run_dir, job_name=cfg.name, nodes=world.nnodes,
+                   nproc_per_node=world.nproc_per_node, partrain=partrain_command(),
+                   gpus_per_node=gpus_per_node, partition=partition, time=time_limit,
+                   account=account, qos=qos, sbatch_args=tuple(sbatch_args or ()),
+                   env=passed_through_env())
+    script_text = render_script(job)  # refuses unsafe values before anything is written
+    for warning in warnings:
+        err.print(f"[yellow]warning:[/yellow] {warning}")
+    created = not run_dir.exists()
+    write_run_dir(cfg, run_dir)
+    script = write_script(job)
+    if dry_run:
+        sys.stdout.write(script_text)
+        err.print(f"dry run: wrote {run_dir / 'config.yaml'} and {script}; nothing submitted "
+                  f"(submit with: sbatch {script})")
+        return
+    try:
+        job_id = submit(script)
+    except ConfigError:
+        remove_prepared(run_dir, created)
+        raise
+    out.print(f"submitted job {job_id}: {world.nnodes} node(s) x {world.nproc_per_node} rank(s); "
+              f"run dir {run_dir}", soft_wrap=True)
+    out.print(f"logs: {run_dir / 'logs' / f'slurm-{job_id}.out'} (the job), "
+              f"{run_dir / 'logs'}/rank-N.log (each rank); metrics: {run_dir / 'metrics.jsonl'}",
+              soft_wrap=True)
 
 
 def _has_cuda() -> bool:

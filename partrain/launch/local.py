@@ -1,7 +1,13 @@
 """Run the workers under torch's elastic agent (torch.distributed.launcher API, as torchrun does).
 
 One node: a c10d rendezvous on 127.0.0.1 with port 0, so the store takes a free port and two
-runs can share a machine. Many nodes: every node names the same --rdzv-endpoint and job id.
+runs can share a machine. Many nodes: every node names the same --rdzv-endpoint and job id; node 0
+hosts the rendezvous store there (`is_host`: c10d's own guess from the hostname fails behind NAT,
+in containers and for 127.0.0.1), and every node advertises its own address on the interface that
+reaches the endpoint (netif.py), so that workers never offer 127.0.0.1 to another machine. A node
+that cannot reach the endpoint, or nodes that do not all arrive, fail after
+launcher.rdzv_timeout_s with a message naming the endpoint (exit 1), not a hang. c10d numbers the
+nodes in the order of their addresses: --node-rank picks the host of the store, not the ranks.
 Each worker is `python -m partrain.train RUN_DIR`. If one rank fails, the agent stops the others
 within its monitor interval and shutdown timeout; we read the failed rank's elastic error file
 and exit 1. SIGINT/SIGTERM reach the agent, which stops all workers; we exit 130.
@@ -10,13 +16,17 @@ and exit 1. SIGINT/SIGTERM reach the agent, which stops all workers; we exit 130
 import dataclasses
 import logging
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from partrain.launch.netif import split_endpoint, wait_for_endpoint
 
 EXIT_OK, EXIT_RANK_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
@@ -54,17 +64,26 @@ class ElasticLaunch:
     run_id: str = "partrain"
     rdzv_timeout_s: int = 120
     cpu_threads: int | None = None  # OMP threads per worker on CPU
+    local_addr: str | None = None  # this node's address as the other nodes reach it
+
+    @property
+    def multi_node(self) -> bool:
+        return self.rdzv_endpoint is not None
 
 
-def _quiet_agent_logs(run_dir: Path) -> None:
-    """The agent's own chatter goes to logs/launcher.log; the launcher prints what matters."""
-    handler = logging.FileHandler(run_dir / "logs" / "launcher.log")
+def _quiet_agent_logs(run_dir: Path, spec: ElasticLaunch) -> Path:
+    """The agent's own chatter goes to logs/launcher.log (one per node when nodes share the run
+    dir: launcher-node-R.log); the launcher prints what matters."""
+    path = run_dir / "logs" / (f"launcher-node-{spec.node_rank}.log" if spec.multi_node
+                               else "launcher.log")
+    handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
         logger = logging.getLogger(name)
         logger.handlers[:] = [handler]
         logger.setLevel(logging.INFO)
         logger.propagate = False
+    return path
 
 
 def _describe_failure(err: ChildFailedError) -> tuple[int, str]:
@@ -78,12 +97,39 @@ def _describe_failure(err: ChildFailedError) -> tuple[int, str]:
     return rank, message.strip()
 
 
+def _first_line(err: Exception) -> str:
+    """The error and its cause in one line (c10d wraps the socket error it met)."""
+    parts = [text.strip().splitlines()[0] for text in (str(err), str(err.__cause__ or ""))
+             if text.strip()]
+    return ": ".join(parts) or f"{type(err).__name__}: not all nodes joined in time"
+
+
 def launch_workers(run_dir: Path, spec: ElasticLaunch, console_print=print) -> int:
     """Run every local rank to the end; return the launcher's exit code (0, 1 or 130)."""
-    _quiet_agent_logs(run_dir)
+    agent_log = _quiet_agent_logs(run_dir, spec)
+    # SLURM sends SIGUSR2 shortly before the time limit (`partrain slurm` asks for it) so that a
+    # run can checkpoint and requeue. Until it does, the signal must not kill the launcher or the
+    # workers (they inherit the disposition).
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     if spec.cpu_threads:
         os.environ.setdefault("OMP_NUM_THREADS", str(spec.cpu_threads))
-    single_node = spec.rdzv_endpoint is None
+    rdzv_configs = {"join_timeout": spec.rdzv_timeout_s, "timeout": spec.rdzv_timeout_s}
+    if spec.multi_node and spec.node_rank != 0:
+        # Wait for node 0's store here, in Python: c10d's own retries print C++ stack traces and
+        # take more than twice the timeout before giving up.
+        host, port = split_endpoint(spec.rdzv_endpoint)
+        problem = wait_for_endpoint(host, port, spec.rdzv_timeout_s)
+        if problem:
+            console_print(f"rendezvous at {spec.rdzv_endpoint} failed: node {spec.node_rank} "
+                          f"could not reach it within launcher.rdzv_timeout_s="
+                          f"{spec.rdzv_timeout_s} s ({problem})")
+            console_print("  is node 0 running `partrain launch` with --rdzv-endpoint "
+                          f"{spec.rdzv_endpoint}, and is that address reachable from here?")
+            return EXIT_RANK_FAILED
+    if spec.multi_node:
+        # read_timeout bounds the connection to the store, so an unreachable endpoint fails in
+        # time; only node 0 hosts the store.
+        rdzv_configs.update(read_timeout=spec.rdzv_timeout_s, is_host=spec.node_rank == 0)
     options = dict(
         min_nodes=spec.nnodes,
         max_nodes=spec.nnodes,
@@ -91,13 +137,13 @@ def launch_workers(run_dir: Path, spec: ElasticLaunch, console_print=print) -> i
         run_id=spec.run_id,
         role="partrain",
         rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0" if single_node else spec.rdzv_endpoint,
-        rdzv_configs={"timeout": spec.rdzv_timeout_s, "rank": spec.node_rank},
+        rdzv_endpoint=spec.rdzv_endpoint if spec.multi_node else "127.0.0.1:0",
+        rdzv_configs=rdzv_configs,
         max_restarts=0,
         monitor_interval=0.2,
         start_method="spawn",
         logs_specs=RunDirLogsSpecs(run_dir / "logs"),
-        local_addr="127.0.0.1" if single_node else None,
+        local_addr=spec.local_addr if spec.multi_node else "127.0.0.1",
         shutdown_timeout=5,  # seconds between SIGTERM and SIGKILL for the surviving ranks
     )
     # Older torch releases lack some of these fields (shutdown_timeout came in 2.12).
@@ -110,6 +156,13 @@ def launch_workers(run_dir: Path, spec: ElasticLaunch, console_print=print) -> i
         console_print(f"rank {rank} failed: {message}")
         console_print(f"  its log: {run_dir / 'logs' / f'rank-{rank}.log'}; every other rank "
                       "was stopped")
+        return EXIT_RANK_FAILED
+    except RendezvousError as err:
+        console_print(f"rendezvous at {spec.rdzv_endpoint} failed: {_first_line(err)}")
+        console_print(f"  all {spec.nnodes} nodes must join within launcher.rdzv_timeout_s="
+                      f"{spec.rdzv_timeout_s} s: is `partrain launch` running on every node with "
+                      f"--nnodes {spec.nnodes} and --rdzv-endpoint {spec.rdzv_endpoint}? "
+                      f"The agent's log: {agent_log}")
         return EXIT_RANK_FAILED
     except (SignalException, KeyboardInterrupt):
         console_print("interrupted: all workers stopped")

@@ -13,13 +13,19 @@ import pytest
 ABORT_MESSAGE = "terminate called without an active exception"
 
 
+def pytest_configure(config):
+    # Run by default (CI runs plain `pytest`); `-m "not slow"` leaves them out for a quick pass.
+    config.addinivalue_line("markers", "slow: real SLURM daemons or network namespaces (~1 min)")
+
+
 class CLI:
     def __init__(self):
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, *args: str, env: dict | None = None) -> subprocess.Popen:
+    def start(self, *args: str, env: dict | None = None, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+        """prefix: a command that runs partrain, e.g. ("ip", "netns", "exec", NS)."""
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        proc = subprocess.Popen([sys.executable, "-m", "partrain", *args], env=full_env,
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", "partrain", *args], env=full_env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True)
         self.procs.append(proc)
@@ -89,3 +95,42 @@ def deepspeed_ops():
                           capture_output=True, text=True, timeout=600, start_new_session=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
+
+
+# Layout parity (DESIGN.md) for the multi-node tests (test_multinode, test_slurm): the same rule
+# and reference run as test_parity.py.
+PARITY_STEPS = 10
+PARITY_RTOL = 1e-4
+PARITY_COMMON = ("launcher.device=cpu", f"train.max_steps={PARITY_STEPS}", "train.eval_every=0",
+                 "train.global_batch_size=16")
+REFERENCE = ("parallel.dp=1", "--nproc-per-node", "1", "train.micro_batch_size=16")
+
+
+def assert_parity(steps, reference, label):
+    assert len(steps) == PARITY_STEPS, f"{label}: {len(steps)} steps"
+    worst = {"loss": 0.0, "grad_norm": 0.0}
+    for got, ref in zip(steps, reference):
+        for key in worst:
+            rel = abs(got[key] - ref[key]) / abs(ref[key])
+            assert rel <= PARITY_RTOL, (f"{label}: step {got['step']} {key} {got[key]} vs "
+                                        f"{ref[key]} (rel {rel:.2e})")
+            worst[key] = max(worst[key], rel)
+    # Shown with `pytest -s`: the measured gap, for notes and for spotting drift before it fails.
+    print(f"parity {label}: max relative gap loss {worst['loss']:.1e}, grad_norm {worst['grad_norm']:.1e}")
+    # The run really trained: a parity test on a flat loss would prove nothing.
+    assert steps[-1]["loss"] < steps[0]["loss"]
+
+
+@pytest.fixture(scope="session")
+def single_process_reference(tmp_path_factory):
+    """The single-process run's steps, made once for the session."""
+    cli = CLI()
+    run_dir = tmp_path_factory.mktemp("ref") / "dp1"
+    try:
+        res = cli.run("launch", *PARITY_COMMON, *REFERENCE, "--run-dir", str(run_dir))
+    finally:
+        cli.kill_all()
+    assert res.returncode == 0, res.stderr
+    steps, _ = read_metrics(run_dir)
+    assert len(steps) == PARITY_STEPS
+    return steps

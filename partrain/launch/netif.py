@@ -1,0 +1,148 @@
+"""Which network interface and address this node uses to reach the other nodes.
+
+Across machines, every process advertises an address that the others connect back to: the
+elastic agent its rendezvous address (local_addr; rank 0's also becomes MASTER_ADDR), gloo and NCCL
+the address of their socket interface. Left alone, they take the hostname's address, often
+127.0.1.1 or a management network that the other nodes cannot reach, and the job fails or hangs
+("wrong interface" is the most common NCCL complaint). So partrain asks the kernel which interface
+routes to the rendezvous endpoint, uses that interface's address, and sets GLOO_SOCKET_IFNAME and
+NCCL_SOCKET_IFNAME to it unless the user set them. `--local-addr` and `--ifname` override it.
+"""
+
+import fcntl
+import ipaddress
+import os
+import socket
+import struct
+import time
+from dataclasses import dataclass
+
+from partrain.errors import ConfigError
+
+SIOCGIFADDR = 0x8915  # Linux ioctl: the IPv4 address of an interface
+IFNAME_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+
+
+@dataclass(frozen=True)
+class NodeNetwork:
+    """This node's interface and address, and how they were found (printed for the user)."""
+
+    ifname: str | None
+    addr: str
+    how: str
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """HOST:PORT (IPv6 as [ADDR]:PORT) -> (host, port), or a ConfigError naming the flag."""
+    host, sep, port = endpoint.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--rdzv-endpoint {endpoint} must be HOST:PORT with a port in 1..65535 "
+                          "(node 0's address and a free port, the same on every node)")
+    return host, int(port)
+
+
+def _ipv4_of(ifname: str) -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", ifname[:15].encode()))
+        except OSError:
+            return None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def _ipv6_addresses() -> dict[str, str]:
+    """address -> interface, from /proc/net/if_inet6 (the kernel's own table)."""
+    table = {}
+    try:
+        with open("/proc/net/if_inet6") as f:
+            for line in f:
+                fields = line.split()
+                table[str(ipaddress.IPv6Address(bytes.fromhex(fields[0])))] = fields[-1]
+    except OSError:
+        pass
+    return table
+
+
+def interface_of(addr: str) -> str | None:
+    """The interface that holds a local address, or None if no interface does."""
+    if ipaddress.ip_address(addr).version == 6:
+        return _ipv6_addresses().get(str(ipaddress.ip_address(addr)))
+    for _, name in socket.if_nameindex():
+        if _ipv4_of(name) == addr:
+            return name
+    return None
+
+
+def address_of(ifname: str) -> str | None:
+    """An interface's IPv4 address (else its first IPv6 one), or None if it has none."""
+    v4 = _ipv4_of(ifname)
+    if v4:
+        return v4
+    return next((a for a, name in _ipv6_addresses().items() if name == ifname), None)
+
+
+def route_to(host: str, port: int) -> str:
+    """The source address the kernel would use to reach host: a UDP connect() picks the route
+    and sends no packet."""
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    except socket.gaierror as e:
+        raise ConfigError(f"--rdzv-endpoint {host}:{port}: the host does not resolve ({e.strerror}); "
+                          "give node 0's address or a name every node can resolve") from None
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(sockaddr)
+        except OSError as e:
+            raise ConfigError(f"--rdzv-endpoint {host}:{port}: no route from this node "
+                              f"({e.strerror}); give an address this node can reach, or "
+                              "--local-addr / --ifname") from None
+        return s.getsockname()[0]
+
+
+def pick_network(endpoint: str, local_addr: str | None, ifname: str | None) -> NodeNetwork:
+    """The interface and address for a multi-node job: the user's, or the route to the endpoint."""
+    if ifname and ifname not in {name for _, name in socket.if_nameindex()}:
+        known = ", ".join(sorted(name for _, name in socket.if_nameindex()))
+        raise ConfigError(f"--ifname {ifname}: no such interface on this node (it has: {known})")
+    if local_addr and ifname:
+        return NodeNetwork(ifname, local_addr, "given by --local-addr and --ifname")
+    if ifname:
+        addr = address_of(ifname)
+        if addr is None:
+            raise ConfigError(f"--ifname {ifname} has no address; give --local-addr too")
+        return NodeNetwork(ifname, addr, f"given by --ifname, its address {addr}")
+    if local_addr:
+        return NodeNetwork(interface_of(local_addr), local_addr, "given by --local-addr")
+    host, port = split_endpoint(endpoint)
+    addr = route_to(host, port)
+    return NodeNetwork(interface_of(addr), addr, f"the route to {endpoint}")
+
+
+def set_ifname_variables(network: NodeNetwork, env=os.environ) -> list[str]:
+    """GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME for the workers; a user's own setting stays.
+    Returns `NAME=value (how)` lines to print."""
+    lines = []
+    for name in IFNAME_VARIABLES:
+        if env.get(name):
+            lines.append(f"{name}={env[name]} (already set, kept)")
+        elif network.ifname:
+            env[name] = network.ifname
+            lines.append(f"{name}={network.ifname}")
+    return lines
+
+
+def wait_for_endpoint(host: str, port: int, timeout_s: float) -> str | None:
+    """Try to open a TCP connection to the rendezvous store until timeout_s has passed; None once
+    it opens, else the last error (connection refused, no route, timed out)."""
+    deadline = time.monotonic() + timeout_s
+    problem = "timed out"
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(
+                    5.0, deadline - time.monotonic()))):
+                return None
+        except OSError as e:
+            problem = e.strerror or str(e) or type(e).__name__
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+    return problem

@@ -1,0 +1,158 @@
+"""`partrain slurm`: the sbatch script for a run dir, and its submission.
+
+The script asks for N nodes with one task each; `srun` starts `partrain launch` on the frozen
+config.yaml once per node, and each launcher starts that node's workers under the elastic agent
+(c10d rendezvous on the head node, port from the job id). One task per GPU would be a double
+launch (see cluster.py). `--signal=USR2@120` and `--requeue` are there so that checkpointing can
+later save and requeue before the time limit.
+
+Every value that comes from the user (run name, paths, partition, extra sbatch arguments, the
+NCCL variables passed through) is quoted: shlex.quote in the shell body, and sbatch's own quoting
+in `#SBATCH` lines, which sbatch parses itself (it takes backslash as an escape even inside
+quotes, so shlex.quote is not right there). Control characters are refused: a newline in an
+`#SBATCH` comment would end the comment and run the rest as a command.
+"""
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from partrain.errors import ConfigError
+from partrain.launch.cluster import SLURM_BASE_PORT, SLURM_PORT_SPAN
+
+SCRIPT = "job.sbatch"
+PASSED_THROUGH = ("NCCL_", "TORCH_NCCL_", "GLOO_")  # network settings the workers need as set here
+SIGNAL_BEFORE_END_S = 120
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """Everything the script says: where, how big, and the user's sbatch options."""
+
+    run_dir: Path  # absolute: the job may start in another directory
+    job_name: str
+    nodes: int
+    nproc_per_node: int
+    partrain: tuple[str, ...]  # how to run partrain on the nodes (this install's, absolute)
+    gpus_per_node: int | None = None
+    partition: str | None = None
+    time: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    sbatch_args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = field(default=())  # exported before srun
+
+
+def partrain_command() -> tuple[str, ...]:
+    """This install of partrain, so that the nodes run the same code as the submitting shell."""
+    script = Path(sys.executable).parent / "partrain"
+    return (str(script),) if script.is_file() else (sys.executable, "-m", "partrain")
+
+
+def passed_through_env(env=os.environ) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((k, v) for k, v in env.items() if k.startswith(PASSED_THROUGH)))
+
+
+def _check_printable(what: str, value: str) -> None:
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise ConfigError(f"{what}={value!r} contains a control character (newline, tab, ...); "
+                          "it would break the sbatch script: use printable characters only")
+
+
+def _sbatch_quote(value: str) -> str:
+    """Quoting for `#SBATCH` lines as sbatch reads them: double quotes, backslash escapes."""
+    if re.fullmatch(r"[A-Za-z0-9_.,:=/@%+-]+", value):
+        return value
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def check_job(job: SlurmJob) -> None:
+    """Refuse values that no quoting makes safe, naming the flag that carried them."""
+    values = [("name", job.job_name), ("--run-dir", str(job.run_dir)),
+              ("--partition", job.partition), ("--time", job.time), ("--account", job.account),
+              ("--qos", job.qos), *(("--sbatch-arg", a) for a in job.sbatch_args),
+              *((name, value) for name, value in job.env)]
+    for what, value in values:
+        if value is not None:
+            _check_printable(what, value)
+    for arg in job.sbatch_args:
+        if not arg.startswith("-"):
+            raise ConfigError(f"--sbatch-arg {arg!r} must be an sbatch option starting with '-', "
+                              "e.g. --sbatch-arg=--exclusive or --sbatch-arg=--mem=0")
+
+
+def render_script(job: SlurmJob) -> str:
+    """The sbatch script, exactly as submitted (and as `--dry-run` prints it)."""
+    check_job(job)
+    run_dir, q = job.run_dir, shlex.quote
+    log_pattern = str(run_dir / "logs").replace("%", "%%") + "/slurm-%j.out"
+    options = [("job-name", job.job_name), ("nodes", str(job.nodes)), ("ntasks-per-node", "1"),
+               ("gpus-per-node", job.gpus_per_node and str(job.gpus_per_node)),
+               ("partition", job.partition), ("time", job.time), ("account", job.account),
+               ("qos", job.qos), ("output", log_pattern),
+               ("signal", f"USR2@{SIGNAL_BEFORE_END_S}")]
+    lines = ["#!/bin/bash",
+             f"# Written by `partrain slurm`: {job.nodes} node(s) x {job.nproc_per_node} rank(s) "
+             f"= {job.nodes * job.nproc_per_node} ranks.",
+             f"# Run dir {q(str(run_dir))}; submit again with: sbatch {q(str(run_dir / SCRIPT))}"]
+    lines += [f"#SBATCH --{key}={_sbatch_quote(value)}" for key, value in options if value]
+    lines += ["#SBATCH --requeue"]
+    lines += [f"#SBATCH {_sbatch_quote(arg)}" for arg in job.sbatch_args]
+    lines += ["", "set -euo pipefail", ""]
+    if job.env:
+        lines += ["# NCCL and gloo settings of the shell that ran `partrain slurm`"]
+        lines += [f"export {name}={q(value)}" for name, value in job.env] + [""]
+    lines += [
+        "# Node 0 hosts the rendezvous; the port follows from the job id as in `partrain launch`.",
+        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        'head_addr=$(scontrol show node -o "$head_node" | sed -n \'s/.*NodeAddr=\\([^ ]*\\).*/\\1/p\')',
+        f"rdzv_port=$(({SLURM_BASE_PORT} + SLURM_JOB_ID % {SLURM_PORT_SPAN}))",
+        "",
+        "# One task per node: each `partrain launch` starts its node's ranks itself.",
+        f"srun --kill-on-bad-exit=1 --nodes={job.nodes} --ntasks-per-node=1 --export=ALL \\",
+        f"    {' '.join(q(part) for part in job.partrain)} launch "
+        f"{q(str(run_dir / 'config.yaml'))} --run-dir {q(str(run_dir))} \\",
+        f"    --nnodes {job.nodes} --nproc-per-node {job.nproc_per_node} "
+        '--rdzv-endpoint "${head_addr:-$head_node}:$rdzv_port"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_script(job: SlurmJob) -> Path:
+    path = job.run_dir / SCRIPT
+    path.write_text(render_script(job))
+    path.chmod(0o755)
+    return path
+
+
+def submit(script: Path) -> str:
+    """Submit with sbatch and return the job id; sbatch's own message if it is missing or fails."""
+    try:
+        result = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True,
+                                text=True, timeout=120)
+    except FileNotFoundError:
+        raise ConfigError("sbatch not found on PATH: `partrain slurm` submits through SLURM's "
+                          "sbatch; run it on the cluster's login node, or use --dry-run to "
+                          "print the script") from None
+    except subprocess.TimeoutExpired:
+        raise ConfigError("sbatch did not answer within 120 s; is slurmctld reachable?") from None
+    if result.returncode != 0:
+        message = (result.stderr.strip() or result.stdout.strip() or "(no message)")
+        raise ConfigError(f"sbatch refused the job (exit {result.returncode}): {message}")
+    return result.stdout.strip().split(";")[0]
+
+
+def remove_prepared(run_dir: Path, created: bool) -> None:
+    """After a failed submission, take back what `partrain slurm` wrote: nothing half-done stays."""
+    if created:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return
+    for name in (SCRIPT, "config.yaml"):
+        (run_dir / name).unlink(missing_ok=True)
+    if (run_dir / "logs").is_dir() and not any((run_dir / "logs").iterdir()):
+        (run_dir / "logs").rmdir()

@@ -1,0 +1,145 @@
+"""Two nodes by hand, emulated by two network namespaces joined by a veth pair (10.77.0.1 and
+10.77.0.2, addresses that exist only inside them): `partrain launch --nnodes 2` in each, as a user
+types it on two machines. Each node sees only its own interface and loopback, so the test fails
+if a worker advertises 127.0.0.1 or the wrong interface. Only GPUs and NCCL are missing: the
+ranks use gloo on CPU. Needs root (`ip netns add`); skipped, with the reason, where not permitted.
+"""
+
+import os
+import signal
+import subprocess
+import time
+import uuid
+
+import pytest
+
+from tests.integration.conftest import (PARITY_COMMON, assert_parity, processes_mentioning,
+                                        read_metrics)
+
+pytestmark = pytest.mark.slow
+
+SUBNET = "10.77.0"
+PORT = 29400  # inside the namespaces: nothing else listens there
+FAST_FAIL = ("launcher.rdzv_timeout_s=30", "launcher.collective_timeout_s=30")
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """Two namespaces, node 0 at 10.77.0.1 and node 1 at 10.77.0.2; deleted at the end."""
+    tag = uuid.uuid4().hex[:6]
+    names = (f"pt{tag}a", f"pt{tag}b")
+    result = _ip("netns", "add", names[0])
+    if result.returncode != 0:
+        pytest.skip(f"cannot create network namespaces here (`ip netns add`: "
+                    f"{result.stderr.strip()}); needs root")
+    try:
+        _ip("netns", "add", names[1]).check_returncode()
+        _ip("link", "add", f"v{tag}a", "netns", names[0], "type", "veth",
+            "peer", "name", f"v{tag}b", "netns", names[1]).check_returncode()
+        for i, (ns, dev) in enumerate(zip(names, (f"v{tag}a", f"v{tag}b"))):
+            for command in (["addr", "add", f"{SUBNET}.{i + 1}/24", "dev", dev],
+                            ["link", "set", dev, "up"], ["link", "set", "lo", "up"]):
+                _ip("-n", ns, *command).check_returncode()
+        yield names, (f"v{tag}a", f"v{tag}b")
+    finally:
+        for ns in names:
+            _ip("netns", "del", ns)
+
+
+def _start_nodes(cli, names, run_dir, *overrides):
+    env = {"OMP_NUM_THREADS": "1"}  # two "machines" share these 2 cores
+    return [cli.start("launch", *overrides, *FAST_FAIL, "--nnodes", "2", "--nproc-per-node", "2",
+                      "--node-rank", str(rank), "--rdzv-endpoint", f"{SUBNET}.1:{PORT}",
+                      "--run-dir", str(run_dir), env=env, prefix=("ip", "netns", "exec", ns))
+            for rank, ns in enumerate(names)]
+
+
+def _processes_in(namespace: str) -> list[int]:
+    """Every process in a network namespace: what runs on that emulated node."""
+    ns_inode = os.stat(f"/run/netns/{namespace}").st_ino
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.stat(f"/proc/{entry}/ns/net").st_ino == ns_inode:
+                    pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+def test_two_nodes_dp2_tp2_match_one_process(cli, tmp_path, two_nodes, single_process_reference):
+    names, devices = two_nodes
+    run_dir = tmp_path / "run"  # both nodes write to one run dir, as on a shared file system
+    procs = _start_nodes(cli, names, run_dir, *PARITY_COMMON, "parallel.dp=2", "parallel.tp=2",
+                         "train.micro_batch_size=4")
+    outputs = [proc.communicate(timeout=240) for proc in procs]
+    for proc, (stdout, stderr) in zip(procs, outputs):
+        assert proc.returncode == 0, stdout + stderr
+    # Each node found, and said, the interface that reaches the endpoint.
+    for i, (stdout, _) in enumerate(outputs):
+        assert f"this node is {SUBNET}.{i + 1} on {devices[i]} (the route to {SUBNET}.1:{PORT})" \
+            in stdout, stdout
+        assert f"GLOO_SOCKET_IFNAME={devices[i]}" in stdout
+    assert sorted(p.name for p in (run_dir / "logs").glob("rank-*.log")) == \
+        [f"rank-{r}.log" for r in range(4)]
+    steps, _ = read_metrics(run_dir)
+    assert_parity(steps, single_process_reference, "2 namespaces x 2 ranks, dp2 x tp2")
+
+
+def test_losing_a_node_ends_the_other_with_exit_1(cli, tmp_path, two_nodes):
+    names, _ = two_nodes
+    run_dir = tmp_path / "run"
+    node0, node1 = _start_nodes(cli, names, run_dir, "launcher.device=cpu",
+                                "train.max_steps=100000", "train.eval_every=0",
+                                "parallel.dp=4", "train.micro_batch_size=4")
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert time.monotonic() < deadline, "training never started"
+        assert node0.poll() is None and node1.poll() is None, node0.communicate()
+        time.sleep(0.2)
+
+    # Node 1 goes away: its launcher and its workers (each in a session of its own) are killed.
+    lost = time.monotonic()
+    for pid in _processes_in(names[1]):
+        os.kill(pid, signal.SIGKILL)
+    _, stderr = node0.communicate(timeout=90)
+    elapsed = time.monotonic() - lost
+    assert node0.returncode == 1, stderr
+    assert "failed" in stderr and "every other rank was stopped" in stderr, stderr
+    assert elapsed < 45, f"node 0 took {elapsed:.0f} s to notice (collective timeout 30 s)"
+    print(f"node 0 ended {elapsed:.1f} s after node 1 was lost")
+    assert processes_mentioning(str(run_dir)) == []
+
+
+def test_missing_nodes_fail_within_the_rendezvous_timeout(cli, tmp_path, two_nodes):
+    """Node 1 points at an endpoint where nobody listens; node 0 waits for a node that never
+    comes. Both stop after launcher.rdzv_timeout_s, exit 1, name the endpoint; no hang."""
+    names, _ = two_nodes
+    timeout_s = 5
+    common = ("launcher.device=cpu", "parallel.dp=2", f"launcher.rdzv_timeout_s={timeout_s}",
+              "--nnodes", "2", "--nproc-per-node", "1")
+    started = time.monotonic()
+    alone = cli.start("launch", *common, "--node-rank", "0", "--rdzv-endpoint",
+                      f"{SUBNET}.1:{PORT + 1}", "--run-dir", str(tmp_path / "node0"),
+                      prefix=("ip", "netns", "exec", names[0]))
+    lost = cli.start("launch", *common, "--node-rank", "1", "--rdzv-endpoint",
+                     f"{SUBNET}.1:{PORT + 2}", "--run-dir", str(tmp_path / "node1"),
+                     prefix=("ip", "netns", "exec", names[1]))
+    for proc, endpoint, message in (
+            (lost, f"{SUBNET}.1:{PORT + 2}", f"node 1 could not reach it within "
+                                             f"launcher.rdzv_timeout_s={timeout_s} s"),
+            (alone, f"{SUBNET}.1:{PORT + 1}", f"all 2 nodes must join within "
+                                              f"launcher.rdzv_timeout_s={timeout_s} s")):
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 1, stderr
+        assert f"rendezvous at {endpoint} failed" in stderr and message in stderr, stderr
+        assert "Traceback" not in stderr
+    elapsed = time.monotonic() - started
+    assert elapsed < timeout_s + 25, f"{elapsed:.0f} s for a {timeout_s} s rendezvous timeout"
+    print(f"both nodes gave up {elapsed:.1f} s after the start (timeout {timeout_s} s)")

@@ -1,0 +1,213 @@
+"""Cluster environments read from environment variables (no cluster needed), SLURM node lists,
+the rendezvous port of a job, the network interface choice, and the run-dir join rule; through
+the CLI where a user would meet them (exit 2, one message, nothing started)."""
+
+import socket
+
+import pytest
+
+from partrain.errors import ConfigError
+from partrain.launch.cluster import (SlurmEnvironment, TorchElasticEnvironment, detect_place,
+                                     expand_nodelist, slurm_port)
+from partrain.launch.netif import (interface_of, pick_network, route_to, set_ifname_variables,
+                                   split_endpoint, wait_for_endpoint)
+
+
+@pytest.mark.parametrize("nodelist, hosts", [
+    ("node7", ["node7"]),
+    ("gpu[01-04,07],cpu3", ["gpu01", "gpu02", "gpu03", "gpu04", "gpu07", "cpu3"]),
+    ("n[8-11]", ["n8", "n9", "n10", "n11"]),
+    ("n[098-101]", ["n098", "n099", "n100", "n101"]),
+    ("a[1-2],b[05,10-11],c", ["a1", "a2", "b05", "b10", "b11", "c"]),
+    ("rack[1-2]-gpu[1-2]", ["rack1-gpu1", "rack1-gpu2", "rack2-gpu1", "rack2-gpu2"]),
+    ("gpu-[3]-ib", ["gpu-3-ib"]),
+])
+def test_nodelist_expansion(nodelist, hosts):
+    assert expand_nodelist(nodelist) == hosts
+
+
+@pytest.mark.parametrize("nodelist, fragment", [
+    ("gpu[01-04", "'[' without ']'"),
+    ("gpu01]", "']' without '['"),
+    ("gpu[4-1]", "range 4-1 runs backwards"),
+    ("gpu[a-b]", "'a-b' is not a number or a range"),
+    ("", "names no node"),
+])
+def test_bad_nodelist_names_it(nodelist, fragment):
+    with pytest.raises(ConfigError, match="SLURM node list") as info:
+        expand_nodelist(nodelist)
+    assert fragment in str(info.value)
+
+
+def test_port_from_job_id_is_stable_and_in_range():
+    assert slurm_port("123456") == 29500 + 456
+    assert slurm_port("999") == 30499
+    assert slurm_port("1000") == 29500
+    assert slurm_port("123456") == slurm_port("123456")
+
+
+SLURM_TASK = {  # what srun sets for task 1 of `srun -N 4 --ntasks-per-node=1` in job 4711
+    "SLURM_JOB_ID": "4711", "SLURM_NNODES": "4", "SLURM_NODEID": "1", "SLURM_STEP_ID": "0",
+    "SLURM_JOB_NODELIST": "gpu[01-02,07],cpu3", "SLURM_NTASKS": "4", "SLURM_GPUS_ON_NODE": "8",
+    "SLURM_TASKS_PER_NODE": "1(x4)",
+}
+
+
+def test_slurm_task_gives_the_node_its_place():
+    assert SlurmEnvironment.detect(SLURM_TASK)
+    place = detect_place(None, SLURM_TASK)
+    assert (place.nnodes, place.node_rank, place.job_id, place.gpus_on_node) == (4, 1, "4711", 8)
+    assert place.rdzv_endpoint == "gpu01:30211"  # the head node, port from the job id
+    assert place.source == "SLURM job 4711"
+
+
+def test_slurm_step_variables_win_over_the_job_ones():
+    env = {**SLURM_TASK, "SLURM_STEP_NUM_NODES": "2", "SLURM_STEP_NODELIST": "gpu[02,07]",
+           "SLURM_STEP_NUM_TASKS": "2"}
+    place = detect_place(None, env)
+    assert (place.nnodes, place.rdzv_endpoint) == (2, "gpu02:30211")
+
+
+@pytest.mark.parametrize("missing", ["SLURM_JOB_ID", "SLURM_NODEID", "SLURM_STEP_ID"])
+def test_outside_an_srun_task_slurm_is_not_detected(missing):
+    # The batch script itself and an salloc shell have no SLURM_STEP_ID: flags decide there.
+    env = {k: v for k, v in SLURM_TASK.items() if k != missing}
+    assert not SlurmEnvironment.detect(env)
+    assert detect_place(None, env).nnodes is None
+
+
+@pytest.mark.parametrize("extra", [
+    {"SLURM_NTASKS": "32"},  # srun -N 4 -n 32
+    {"SLURM_NTASKS_PER_NODE": "8"},
+    {"SLURM_TASKS_PER_NODE": "8(x4)", "SLURM_NTASKS": "32"},
+    {"SLURM_STEP_TASKS_PER_NODE": "8(x4)"},
+])
+def test_one_srun_task_per_gpu_is_a_double_launch(extra):
+    env = {**SLURM_TASK, **extra}
+    with pytest.raises(ConfigError) as info:
+        detect_place(8, env)
+    message = str(info.value)
+    assert "SLURM runs 8 tasks of `partrain launch` per node" in message
+    assert "each would start 8 workers itself: a double launch" in message
+    assert "--ntasks-per-node=1" in message
+
+
+def test_under_torchrun_launch_is_refused_with_the_command_to_use():
+    env = {"TORCHELASTIC_RUN_ID": "abc", "LOCAL_RANK": "3", "WORLD_SIZE": "8", **SLURM_TASK}
+    assert TorchElasticEnvironment.detect(env)
+    with pytest.raises(ConfigError, match="started by torchrun") as info:
+        detect_place(None, env)  # torchrun inside srun: torchrun is named, it comes first
+    assert "TORCHELASTIC_RUN_ID=abc, LOCAL_RANK=3" in str(info.value)
+    assert "--rdzv-endpoint HOST:PORT" in str(info.value)
+
+
+def test_plain_machine_has_no_place():
+    place = detect_place(None, {"PATH": "/usr/bin"})
+    assert (place.nnodes, place.node_rank, place.rdzv_endpoint, place.source) == \
+        (None, None, None, "this machine")
+
+
+@pytest.mark.parametrize("endpoint, expected", [
+    ("10.0.0.1:29400", ("10.0.0.1", 29400)), ("head:1", ("head", 1)),
+    ("[fd00::1]:29400", ("fd00::1", 29400)),
+])
+def test_split_endpoint(endpoint, expected):
+    assert split_endpoint(endpoint) == expected
+
+
+@pytest.mark.parametrize("endpoint", ["head", "head:", ":29400", "head:port", "head:70000"])
+def test_bad_endpoint_names_the_flag(endpoint):
+    with pytest.raises(ConfigError, match=f"--rdzv-endpoint {endpoint} must be HOST:PORT"):
+        split_endpoint(endpoint)
+
+
+def test_route_to_loopback_is_lo():
+    network = pick_network("127.0.0.1:29400", None, None)
+    assert (network.ifname, network.addr) == ("lo", "127.0.0.1")
+    assert network.how == "the route to 127.0.0.1:29400"
+    assert interface_of("127.0.0.1") == "lo"
+
+
+def test_given_interface_and_address_win():
+    assert pick_network("10.9.9.9:1", None, "lo").addr == "127.0.0.1"
+    assert pick_network("10.9.9.9:1", "127.0.0.1", None).ifname == "lo"
+    with pytest.raises(ConfigError, match="--ifname nosuch0: no such interface on this node"):
+        pick_network("127.0.0.1:1", None, "nosuch0")
+
+
+def test_unresolvable_endpoint_is_a_config_error():
+    with pytest.raises(ConfigError, match="--rdzv-endpoint no-such-host.invalid:29400: the host "
+                                          "does not resolve"):
+        route_to("no-such-host.invalid", 29400)
+
+
+def test_ifname_variables_set_unless_the_user_set_them():
+    network = pick_network("127.0.0.1:29400", None, None)
+    env = {"NCCL_SOCKET_IFNAME": "ib0"}
+    lines = set_ifname_variables(network, env)
+    assert env == {"NCCL_SOCKET_IFNAME": "ib0", "GLOO_SOCKET_IFNAME": "lo"}
+    assert lines == ["GLOO_SOCKET_IFNAME=lo", "NCCL_SOCKET_IFNAME=ib0 (already set, kept)"]
+
+
+def test_wait_for_endpoint_gives_up_with_the_reason():
+    with socket.socket() as s:  # a port that nobody listens on: bound, not listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        assert wait_for_endpoint("127.0.0.1", port, 0.5) == "Connection refused"
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        assert wait_for_endpoint("127.0.0.1", server.getsockname()[1], 5) is None
+
+
+# Through the CLI, in-process: exit 2, the message on stderr, nothing started or written.
+def test_launch_under_torchrun_exits_2(run_main, monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "xyz")
+    result = run_main("launch", "--run-dir", str(tmp_path / "run"))
+    assert result.code == 2 and "started by torchrun" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_launch_double_launch_in_slurm_exits_2(run_main, monkeypatch, tmp_path):
+    for key, value in {**SLURM_TASK, "SLURM_NTASKS": "8", "SLURM_NNODES": "1"}.items():
+        monkeypatch.setenv(key, value)
+    result = run_main("launch", "--run-dir", str(tmp_path / "run"))
+    assert result.code == 2 and "double launch" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_launch_in_slurm_takes_the_job_place(run_main, monkeypatch):
+    for key, value in {**SLURM_TASK, "SLURM_JOB_NODELIST": "localhost,n2", "SLURM_NNODES": "2",
+                       "SLURM_NTASKS": "2", "SLURM_NODEID": "0"}.items():
+        monkeypatch.setenv(key, value)
+    result = run_main("launch", "parallel.dp=4", "--dry-run")
+    assert result.code == 0, result.stderr
+    assert "would write runs/quickstart-job4711" in result.stdout  # same dir on every node
+    assert "network: 127.0.0.1 on lo (the route to localhost:30211)" in result.stdout
+
+
+def test_launch_rejects_unreachable_endpoint_host(run_main):
+    result = run_main("launch", "--nnodes", "2", "parallel.dp=4", "--rdzv-endpoint",
+                      "no-such-host.invalid:29400", "--dry-run")
+    assert result.code == 2 and "the host does not resolve" in result.stderr
+
+
+def test_frozen_config_runs_as_is_and_refuses_overrides(run_main, tmp_path):
+    from partrain.launch.rundir import check_run_dir, write_run_dir
+    from tests.unit.helpers import resolved
+
+    cfg, _, _ = resolved("train.max_steps=7")
+    run_dir = write_run_dir(cfg, tmp_path / "run")
+    frozen = str(run_dir / "config.yaml")
+    result = run_main("launch", frozen, "--run-dir", str(run_dir), "--dry-run")
+    assert result.code == 0, result.stderr  # the run dir holds this very config: joined
+    result = run_main("launch", frozen, "train.max_steps=8", "--dry-run")
+    assert result.code == 2 and "frozen config and takes no overrides" in result.stderr
+    # Another config, or a run dir that has trained, is refused.
+    other, _, _ = resolved("train.max_steps=8")
+    with pytest.raises(ConfigError, match="already exists and is not empty"):
+        check_run_dir(run_dir, other)
+    (run_dir / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match="already exists and is not empty"):
+        check_run_dir(run_dir, cfg)

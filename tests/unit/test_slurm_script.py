@@ -1,0 +1,173 @@
+"""The sbatch script of `partrain slurm`: rendered against a stored expected file, hostile values
+run through bash with stub `srun`/`scontrol` (stubs, because these tests need no cluster; the
+real daemons run in tests/integration/test_slurm.py), and the CLI around it: --dry-run, sbatch
+missing or refusing the job (exit 2 with sbatch's own message, nothing left behind)."""
+
+import dataclasses
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from partrain.errors import ConfigError
+from partrain.launch.cluster import slurm_port
+from partrain.launch.slurm import SlurmJob, render_script, write_script
+
+EXPECTED = Path(__file__).parent / "data" / "llama-2x8.sbatch"
+
+FULL_JOB = SlurmJob(
+    run_dir=Path("/shared/runs/llama-7b-tp4-pp2"), job_name="llama-7b-tp4-pp2", nodes=2,
+    nproc_per_node=8, partrain=("/opt/venv/bin/partrain",), gpus_per_node=8, partition="gpu",
+    time="04:00:00", account="proj-42", qos="high", sbatch_args=("--exclusive", "--mem=0"),
+    env=(("NCCL_DEBUG", "WARN"), ("NCCL_IB_HCA", "mlx5_0,mlx5_1")))
+
+
+def test_rendered_script_matches_the_stored_file():
+    # To update after a deliberate change: python -c "from tests.unit.test_slurm_script import *;
+    # EXPECTED.write_text(render_script(FULL_JOB))", then read the diff.
+    assert render_script(FULL_JOB) == EXPECTED.read_text()
+
+
+def test_script_has_what_the_issue_asks():
+    script = render_script(FULL_JOB)
+    for line in ("#SBATCH --ntasks-per-node=1", "#SBATCH --signal=USR2@120", "#SBATCH --requeue",
+                 "#SBATCH --output=/shared/runs/llama-7b-tp4-pp2/logs/slurm-%j.out",
+                 'scontrol show hostnames "$SLURM_JOB_NODELIST"', "srun --kill-on-bad-exit=1",
+                 "/opt/venv/bin/partrain launch /shared/runs/llama-7b-tp4-pp2/config.yaml"):
+        assert line in script
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+def _stubs(bin_dir: Path, record: Path) -> None:
+    """srun records its arguments (NUL-separated) and one passed-through variable; scontrol
+    answers like a two-node job on n1, n2 with n1 at 10.0.0.5."""
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(
+        f'#!/bin/bash\nprintf "%s\\0" "$@" > {record}\nprintf "%s" "$NCCL_DEBUG" > {record}.env\n')
+    (bin_dir / "scontrol").write_text(
+        '#!/bin/bash\nif [ "$2" = hostnames ]; then echo n1; echo n2; '
+        'else echo "NodeName=$4 Arch=x86_64 NodeAddr=10.0.0.5 NodeHostName=$4"; fi\n')
+    for stub in bin_dir.iterdir():
+        stub.chmod(0o755)
+
+
+HOSTILE = "x'; touch {canary}; '"
+
+
+def test_hostile_values_stay_literal(tmp_path):
+    canary = tmp_path / "pwned"
+    hostile = HOSTILE.format(canary=canary)
+    run_dir = tmp_path / f"run $(touch {canary}) `touch {canary}` {hostile}"
+    run_dir.mkdir(parents=True)
+    job = SlurmJob(run_dir=run_dir, job_name=hostile, nodes=2, nproc_per_node=2,
+                   partrain=(str(tmp_path / "bin" / "partrain"),), partition=f"$(touch {canary})",
+                   account=hostile, sbatch_args=(f"--comment={hostile}",),
+                   env=(("NCCL_DEBUG", hostile),))
+    script = write_script(job)
+    record = tmp_path / "srun-args"
+    _stubs(tmp_path / "bin", record)
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+           "SLURM_JOB_ID": "1234", "SLURM_JOB_NODELIST": "n[1-2]"}
+    result = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
+                            timeout=30)
+    assert result.returncode == 0, result.stderr
+    argv = record.read_text().split("\0")[:-1]
+    assert argv == ["--kill-on-bad-exit=1", "--nodes=2", "--ntasks-per-node=1", "--export=ALL",
+                    str(tmp_path / "bin" / "partrain"), "launch", str(run_dir / "config.yaml"),
+                    "--run-dir", str(run_dir), "--nnodes", "2", "--nproc-per-node", "2",
+                    "--rdzv-endpoint", f"10.0.0.5:{slurm_port('1234')}"]
+    assert Path(f"{record}.env").read_text() == hostile
+    assert not canary.exists()
+
+
+def test_sbatch_lines_quote_for_sbatchs_parser():
+    job = SlurmJob(run_dir=Path("/r/100%"), job_name='a "b" \\c', nodes=1, nproc_per_node=1,
+                   partrain=("partrain",))
+    script = render_script(job)
+    assert '#SBATCH --job-name="a \\"b\\" \\\\c"' in script
+    assert "#SBATCH --output=/r/100%%/logs/slurm-%j.out" in script  # % is sbatch's pattern sign
+
+
+@pytest.mark.parametrize("field, value, fragment", [
+    ("job_name", "a\nsrun rm -rf /", "name='a\\nsrun rm -rf /' contains a control character"),
+    ("partition", "gpu\r", "--partition='gpu\\r' contains a control character"),
+    ("sbatch_args", ("exclusive",), "--sbatch-arg 'exclusive' must be an sbatch option"),
+])
+def test_values_no_quoting_makes_safe_are_refused(field, value, fragment):
+    job = dataclasses.replace(FULL_JOB, **{field: value})
+    with pytest.raises(ConfigError) as info:
+        render_script(job)
+    assert fragment in str(info.value)
+
+
+SLURM_ARGS = ("slurm", "parallel.dp=auto", "--nodes", "2", "--nproc-per-node", "2")
+
+
+def test_dry_run_prints_the_script_it_wrote(run_main, tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_main(*SLURM_ARGS, "--partition", "cpu", "--run-dir", str(run_dir), "--dry-run")
+    assert result.code == 0, result.stderr
+    assert result.stdout == (run_dir / "job.sbatch").read_text()
+    assert result.stdout.startswith("#!/bin/bash\n")
+    assert "#SBATCH --partition=cpu" in result.stdout and "--nproc-per-node 2" in result.stdout
+    assert "nothing submitted" in result.stderr
+    assert "nnodes: 2" in (run_dir / "config.yaml").read_text()
+
+
+@pytest.fixture
+def sbatch_stub(tmp_path, monkeypatch):
+    """An `sbatch` on PATH that answers as told (a stub: the real one is in test_slurm.py)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", str(bin_dir))
+
+    def make(body: str) -> Path:
+        stub = bin_dir / "sbatch"
+        stub.write_text(f"#!/bin/sh\n{body}\n")
+        stub.chmod(0o755)
+        return stub
+    return make
+
+
+def test_submission_prints_job_id_and_logs(run_main, tmp_path, sbatch_stub):
+    sbatch_stub(f'echo "$@" > {tmp_path}/sbatch-args; echo "4242;cluster"')
+    run_dir = tmp_path / "run"
+    result = run_main(*SLURM_ARGS, "--run-dir", str(run_dir))
+    assert result.code == 0, result.stderr
+    assert f"submitted job 4242: 2 node(s) x 2 rank(s); run dir {run_dir}" in result.stdout
+    assert f"{run_dir}/logs/slurm-4242.out" in result.stdout
+    assert (tmp_path / "sbatch-args").read_text().split() == ["--parsable", str(run_dir / "job.sbatch")]
+
+
+def test_sbatch_refusing_exits_2_with_its_message_and_takes_back_the_run_dir(
+        run_main, tmp_path, sbatch_stub):
+    sbatch_stub('echo "sbatch: error: invalid partition specified: nope" >&2; exit 1')
+    run_dir = tmp_path / "run"
+    result = run_main(*SLURM_ARGS, "--partition", "nope", "--run-dir", str(run_dir))
+    assert result.code == 2
+    assert "sbatch refused the job (exit 1): sbatch: error: invalid partition specified: nope" \
+        in result.stderr
+    assert "Traceback" not in result.stderr and result.stdout == ""
+    assert not run_dir.exists()
+
+
+def test_sbatch_missing_exits_2(run_main, tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    run_dir = tmp_path / "run"
+    result = run_main(*SLURM_ARGS, "--run-dir", str(run_dir))
+    assert result.code == 2 and "sbatch not found on PATH" in result.stderr
+    assert "--dry-run" in result.stderr
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("slurm", "--nodes", "0"), "--nodes=0 must be at least 1"),
+    (("slurm", "--nodes", "2", "--gpus-per-node", "4"),
+     "pp(1) * dp(2) * tp(1) = 2 != world size 8 (nnodes 2 * nproc_per_node 4)"),
+    (("slurm", *SLURM_ARGS[1:], "--sbatch-arg", "exclusive"), "must be an sbatch option"),
+])
+def test_bad_slurm_flags_exit_2_and_write_nothing(run_main, tmp_path, args, fragment):
+    result = run_main(*args, "--run-dir", str(tmp_path / "run"), "--dry-run")
+    assert result.code == 2 and fragment in result.stderr, result.stderr
+    assert not (tmp_path / "run").exists()

@@ -86,15 +86,30 @@ def _quiet_agent_logs(run_dir: Path, spec: ElasticLaunch) -> Path:
     return path
 
 
-def _describe_failure(err: ChildFailedError) -> tuple[int, str]:
-    """The rank that failed first and its error: the exception message from its error file."""
-    rank, failure = err.get_first_failure()
+# A rank whose peer died fails too, often first (its collective breaks at once); these are the
+# words gloo and NCCL use for that. The launcher names the rank with the real error instead.
+PEER_LOST = ("Connection closed", "Connection reset", "Broken pipe", "NCCL communicator was aborted",
+             "remote process exited")
+
+
+def _message(failure) -> str:
     message = failure.message
     if isinstance(message, dict):
         message = message.get("message", str(message))
     if not message or message.startswith("To enable traceback"):
         message = f"exited with code {failure.exitcode} (no Python error recorded)"
-    return rank, message.strip()
+    return message.strip()
+
+
+def _describe_failure(err: ChildFailedError) -> tuple[int, str]:
+    """The rank that failed first with an error of its own (not a lost peer, which is a symptom)
+    and its message from its error file; the first failure if every one is a lost peer."""
+    by_time = sorted(err.failures.items(), key=lambda item: item[1].timestamp)
+    for rank, failure in by_time:
+        if not any(words in _message(failure) for words in PEER_LOST):
+            return rank, _message(failure)
+    rank, failure = err.get_first_failure()
+    return rank, _message(failure)
 
 
 def _first_line(err: Exception) -> str:

@@ -14,22 +14,20 @@ One run, P=2 stages on 2 processes (each with a core of its own here), one model
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _spawn import run_workers  # noqa: E402
 from partrain.models import build_model  # noqa: E402
 from partrain.parallel.pipeline import apply_pipeline_parallel  # noqa: E402
 from partrain.parallel.schedules import bubble_theory  # noqa: E402
@@ -180,11 +178,7 @@ def worker(rank, a, store_path, out_path):
 
 def main(argv=None):
     a = parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        mp.start_processes(worker, args=(a, os.path.join(tmp, "store"), out), nprocs=PP,
-                           join=True, start_method="spawn")
-        result = json.loads(Path(out).read_text())
+    result = run_workers(worker, a, PP)
     if a.json:
         print(json.dumps(result, indent=2))
         return

@@ -22,18 +22,17 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+from _spawn import run_workers  # noqa: E402
 from partrain.config import compose_config, resolve_and_validate  # noqa: E402
 from partrain.config.validate import World  # noqa: E402
 from partrain.data import load_tokens, rank_micro_batches  # noqa: E402
@@ -124,6 +123,7 @@ def held_bytes(model, optimizer) -> tuple[dict, dict]:
 
 
 def worker(rank, a, store_path, out_path):
+    sys.stdout = sys.stderr  # DeepSpeed prints op-build lines; stdout is for the table or JSON
     torch.set_num_threads(1)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(DP))
     store = dist.FileStore(store_path, DP)
@@ -193,11 +193,7 @@ def worker(rank, a, store_path, out_path):
 
 def main(argv=None):
     a = parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        mp.start_processes(worker, args=(a, os.path.join(tmp, "store"), out), nprocs=DP,
-                           join=True, start_method="spawn")
-        result = json.loads(Path(out).read_text())
+    result = run_workers(worker, a, DP)
     if a.json:
         print(json.dumps({"dp": result["dp"], "stages": [
             {k: s[k] for k in ("stage", "param_bytes", "grad_bytes", "optim_bytes",

@@ -32,3 +32,27 @@ def run_distributed(fn, world_size: int, *args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_entry, args=(fn, world_size, os.path.join(tmp, "store"), args),
                            nprocs=world_size, join=True, start_method="spawn")
+
+
+def run_script_json(name: str, *args: str, timeout: float = 300):
+    """`python scripts/NAME ARGS... --json` in its own process group, killed at the end so its
+    spawned ranks never outlive the test; its JSON output."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / name
+    proc = subprocess.Popen([sys.executable, str(script), *args, "--json"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, err[-3000:]
+    return json.loads(out)

@@ -141,7 +141,7 @@ def launch(
                   f"{network.ifname or 'an unknown interface'} ({network.how}); "
                   f"{', '.join(variables) or 'set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME yourself'}",
                   soft_wrap=True)
-    cpu = cfg.launcher.device == "cpu" or (cfg.launcher.device == "auto" and not _has_cuda())
+    cpu = not _runs_on_cuda(cfg)
     spec = ElasticLaunch(
         nnodes=world.nnodes, nproc_per_node=world.nproc_per_node, node_rank=node_rank,
         rdzv_endpoint=rdzv_endpoint, run_id=f"slurm-{place.job_id}" if place.job_id else cfg.name,
@@ -221,6 +221,11 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _runs_on_cuda(cfg) -> bool:
+    """Where this machine's workers will run: launcher.device, `auto` = CUDA when visible."""
+    return cfg.launcher.device == "cuda" or (cfg.launcher.device == "auto" and _has_cuda())
+
+
 def _cpu_threads(nproc: int) -> int:
     import os
 
@@ -252,8 +257,7 @@ def show(args: Optional[List[str]] = typer.Argument(None, help=ARGS_HELP, show_d
     if cfg.parallel.zero_stage > 0:
         from partrain.parallel.zero import deepspeed_config
 
-        on_cuda = cfg.launcher.device == "cuda" or (cfg.launcher.device == "auto" and _has_cuda())
-        text = json.dumps(deepspeed_config(cfg, on_cuda), indent=2)
+        text = json.dumps(deepspeed_config(cfg, _runs_on_cuda(cfg)), indent=2)
         sys.stdout.write("# The DeepSpeed config the workers derive (partrain/parallel/zero.py):\n"
                          + "".join(f"# {line}\n" for line in text.splitlines()))
     for warning in warnings:

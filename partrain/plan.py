@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from partrain.config.validate import World
+from partrain.dist import compute_dtype
 from partrain.mesh import DIM_NAMES, ParallelDims
 from partrain.models.llama import count_params, count_params_per_rank, flops_per_token
 from partrain.parallel.pipeline import stage_layers
@@ -25,6 +26,9 @@ def build_plan(cfg: DictConfig, world: World, warnings: list[str]) -> dict:
     p, t = cfg.parallel, cfg.train
     dims = ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp)
     stages = _stages(cfg, dims)
+    params_per_rank = max(s["params_per_rank"] for s in stages)
+    # A plan is for the machine the config names; `auto` is planned as GPUs.
+    dtype = compute_dtype(t.dtype, cfg.launcher.device != "cpu")
     ranks = []
     for rank in range(dims.world_size):
         node, local_rank = divmod(rank, world.nproc_per_node)
@@ -48,10 +52,10 @@ def build_plan(cfg: DictConfig, world: World, warnings: list[str]) -> dict:
             "tokens_per_step": t.global_batch_size * t.seq_len,
         },
         "model": {"name": cfg.model.name, "params": count_params(cfg.model),
-                  "params_per_rank": max(s["params_per_rank"] for s in stages),
+                  "params_per_rank": params_per_rank,
                   "flops_per_token": flops_per_token(cfg.model, t.seq_len)},
-        "memory": _memory(cfg, dims, max(s["params_per_rank"] for s in stages)),
-        "tp_collectives": _tp_collectives(cfg, dims, stages),
+        "memory": _memory(p.zero_stage, params_per_rank, dims.dp, dtype),
+        "tp_collectives": _tp_collectives(cfg, dims, stages, low_precision=dtype != "fp32"),
         "pipeline": _pipeline(cfg, dims, stages) if dims.pp > 1 else None,
         "warnings": warnings,
     }
@@ -71,15 +75,12 @@ def _stages(cfg: DictConfig, dims: ParallelDims) -> list[dict]:
             for s, ids in enumerate(layers)]
 
 
-def _memory(cfg: DictConfig, dims: ParallelDims, psi: int) -> dict:
+def _memory(stage: int, psi: int, dp: int, dtype: str) -> dict:
     """Bytes per rank of parameters, gradients and optimizer state at the chosen zero_stage, for
     the busiest rank's Ψ parameters (activations and buffers not included)."""
-    stage = cfg.parallel.zero_stage
-    on_cuda = cfg.launcher.device == "cuda"
-    dtype = cfg.train.dtype if cfg.train.dtype != "auto" else ("bf16" if on_cuda else "fp32")
-    per_stage = {s: zero_memory(s, psi, dims.dp, dtype, on_cuda)["total"] for s in range(4)}
-    return {"zero_stage": stage, "params_per_rank": psi, "dp": dims.dp, "dtype": dtype,
-            **zero_memory(stage, psi, dims.dp, dtype, on_cuda), "total_by_stage": per_stage}
+    per_stage = {s: zero_memory(s, psi, dp, dtype)["total"] for s in range(4)}
+    return {"zero_stage": stage, "params_per_rank": psi, "dp": dp, "dtype": dtype,
+            **zero_memory(stage, psi, dp, dtype), "total_by_stage": per_stage}
 
 
 def _pipeline(cfg: DictConfig, dims: ParallelDims, stages: list[dict]) -> dict:
@@ -126,19 +127,19 @@ def _timeline_rows(timeline: list[list[dict]]) -> list[str]:
     return rows
 
 
-def _tp_collectives(cfg: DictConfig, dims: ParallelDims, stages: list[dict]) -> dict:
+def _tp_collectives(cfg: DictConfig, dims: ParallelDims, stages: list[dict],
+                    low_precision: bool) -> dict:
     """The collectives of one tp group per optimizer step: each micro-batch's, times the number
-    of micro-batches, plus the per-step ones."""
+    of micro-batches, plus the per-step ones; activations of 2 bytes under `low_precision`."""
     p, t = cfg.parallel, cfg.train
     sp = bool(p.sequence_parallel) and dims.tp > 1
-    low = t.dtype == "bf16" or (t.dtype == "auto" and cfg.launcher.device != "cpu")
     # A tp group in a pipeline stage runs that rank's blocks (the busiest rank's, if uneven);
     # the embedding and loss rows belong to the first and last stage.
     per_rank = [0] * dims.pp
     for s in stages:
         per_rank[s["pp_rank"]] += s["blocks"][1] - s["blocks"][0] + 1
     stage = OmegaConf.merge(cfg.model, {"n_layers": max(per_rank)})
-    per_micro = tp_collectives(stage, t.micro_batch_size * t.seq_len, dims.tp, sp, low)
+    per_micro = tp_collectives(stage, t.micro_batch_size * t.seq_len, dims.tp, sp, low_precision)
     rows = [{**r, **{k: r[k] * t.micro_batches for k in ("calls", "bytes", "wire_bytes")}}
             for r in per_micro] + tp_step_collectives(stage, dims.tp, sp)
     return {"sequence_parallel": sp, "layers_per_tp_group": stage.n_layers, "per_step": rows,
@@ -184,8 +185,8 @@ def print_plan(plan: dict, console: Console) -> None:
                   f"{b['tokens_per_step']:,} tokens per step")
     mem = plan["memory"]
     name = "DDP" if mem["zero_stage"] == 0 else f"ZeRO-{mem['zero_stage']}"
-    others = ", ".join(f"{'DDP' if int(s) == 0 else f'ZeRO-{s}'} {_size(total)}"
-                       for s, total in mem["total_by_stage"].items() if int(s) != mem["zero_stage"])
+    others = ", ".join(f"{'DDP' if s == 0 else f'ZeRO-{s}'} {_size(total)}"
+                       for s, total in mem["total_by_stage"].items() if s != mem["zero_stage"])
     console.print(f"memory per rank ({name}, {mem['dtype']}, Ψ = {mem['params_per_rank']:,} "
                   f"parameters, Nd = {mem['dp']}): parameters {_size(mem['param_bytes'])} + "
                   f"gradients {_size(mem['grad_bytes'])} + optimizer state "

@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from partrain.data import load_tokens, rank_micro_batches
-from partrain.dist import end_distributed, env_rank, init_distributed, pick_device
+from partrain.dist import compute_dtype, end_distributed, env_rank, init_distributed, pick_device
 from partrain.mesh import ParallelDims
 from partrain.metrics import MetricsLog, ProgressDisplay, format_step, peak_flops, summary_table
 from partrain.models import build_model, flops_per_token
@@ -195,9 +195,9 @@ def train(cfg, run_dir: Path, device: torch.device) -> None:
     rank_params = sum(getattr(q, "ds_tensor", q).numel() for q in model.parameters())
 
     # Under ZeRO, DeepSpeed keeps bf16/fp16 weights with fp32 master copies itself.
-    use_bf16 = t.dtype == "bf16" or (t.dtype == "auto" and device.type == "cuda")
+    use_bf16 = compute_dtype(t.dtype, device.type == "cuda") == "bf16"
     autocast = torch.autocast(device.type, dtype=torch.bfloat16,
-                              enabled=use_bf16 and p.zero_stage == 0)
+                              enabled=use_bf16 and not dims.zero_enabled)
     splits = load_tokens(cfg.data)
     tokens_per_step = t.global_batch_size * t.seq_len
     flops_per_step = flops_per_token(cfg.model, t.seq_len) * tokens_per_step

@@ -36,6 +36,7 @@ from _spawn import run_workers  # noqa: E402
 from partrain.config import compose_config, resolve_and_validate  # noqa: E402
 from partrain.config.validate import World  # noqa: E402
 from partrain.data import load_tokens, rank_micro_batches  # noqa: E402
+from partrain.dist import compute_dtype  # noqa: E402
 from partrain.mesh import ParallelDims  # noqa: E402
 from partrain.models import build_model  # noqa: E402
 from partrain.parallel.data import apply_data_parallel  # noqa: E402
@@ -170,7 +171,7 @@ def worker(rank, a, store_path, out_path):
         forward_backward(model, micro(a.steps + 1), loss_fn, dims, device, autocast)
         gc.collect()
         totals, paths = held_bytes(model, optimizer)
-        predicted = zero_memory(stage, n_params, DP, cfg.train.dtype, on_cuda=False)
+        predicted = zero_memory(stage, n_params, DP, compute_dtype(cfg.train.dtype, False))
         results.append({"stage": stage, "n_params": n_params, "param_bytes": totals["param"],
                         "grad_bytes": totals["grad"], "optim_bytes": totals["optim"],
                         "predicted": predicted,

@@ -21,7 +21,9 @@ import os
 import torch.distributed as dist
 from torch import nn
 
+from partrain.dist import compute_dtype
 from partrain.errors import ConfigError
+
 
 def _offload(device: str, path) -> dict:
     section = {"device": device, "pin_memory": False}
@@ -40,13 +42,13 @@ def derived_config(cfg, on_cuda: bool = False) -> dict:
     bucket = cfg.model.dim ** 2
     zero = {"stage": p.zero_stage, "contiguous_gradients": p.zero_stage >= 2,
             "overlap_comm": on_cuda and p.zero_stage >= 2,
-            "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
-    zero["offload_optimizer"] = _offload(p.offload_optimizer, p.offload_nvme_path)
-    zero["offload_param"] = _offload(p.offload_params, p.offload_nvme_path)
+            "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+            "offload_optimizer": _offload(p.offload_optimizer, p.offload_nvme_path),
+            "offload_param": _offload(p.offload_params, p.offload_nvme_path)}
     if p.zero_stage == 3:
         zero.update({"stage3_param_persistence_threshold": 10 * cfg.model.dim,
                      "stage3_prefetch_bucket_size": int(0.9 * bucket)})
-    dtype = t.dtype if t.dtype != "auto" else ("bf16" if on_cuda else "fp32")
+    dtype = compute_dtype(t.dtype, on_cuda)
     return {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
@@ -227,9 +229,10 @@ def apply_zero(model: nn.Module, mesh, dims, ds_config: dict, param_groups: list
     return engine, optimizer
 
 
-def zero_memory(stage: int, psi: int, nd: int, dtype: str = "auto", on_cuda: bool = False) -> dict:
+def zero_memory(stage: int, psi: int, nd: int, dtype: str) -> dict:
     """Bytes per rank of parameters, gradients and optimizer state for Ψ = `psi` parameters per
-    model replica shard and Nd = `nd` dp ranks (ZeRO paper, section 3):
+    model replica shard, Nd = `nd` dp ranks and compute dtype fp32, bf16 or fp16 (ZeRO paper,
+    section 3):
 
     - stage 0 (partrain's DDP): fp32 weights and gradients, AdamW's two fp32 moments: 4+4+8 = 16Ψ
       (autocast computes in bf16 but keeps fp32 weights, so there is no master copy).
@@ -238,11 +241,7 @@ def zero_memory(stage: int, psi: int, nd: int, dtype: str = "auto", on_cuda: boo
       4Ψ + 12Ψ/Nd, 2Ψ + 14Ψ/Nd, 16Ψ/Nd; in fp32 (CPU) w = 4 and DeepSpeed still keeps its own
       fp32 master copy, so 8Ψ + 12Ψ/Nd, 4Ψ + 16Ψ/Nd, 20Ψ/Nd.
     """
-    if stage == 0:
-        w, k = 4, 8
-    else:
-        dtype = dtype if dtype != "auto" else ("bf16" if on_cuda else "fp32")
-        w, k = (4 if dtype == "fp32" else 2), 12
+    w, k = (4, 8) if stage == 0 else ((4 if dtype == "fp32" else 2), 12)
     shard = {"param": stage >= 3, "grad": stage >= 2, "optim": stage >= 1}
     per = {"param": w, "grad": w, "optim": k}
     out = {f"{kind}_bytes": per[kind] * psi / (nd if shard[kind] else 1) for kind in per}

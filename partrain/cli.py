@@ -12,6 +12,7 @@ from typing import List, Optional
 import typer
 from omegaconf import OmegaConf
 from rich.console import Console
+from rich.text import Text
 
 from partrain.config import compose_config, resolve_and_validate, resolve_world
 from partrain.errors import ConfigError
@@ -22,10 +23,29 @@ app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions
 data_app = typer.Typer(add_completion=False, help="Prepare training data.")
 app.add_typer(data_app, name="data")
 
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+# markup=False: what partrain prints holds the user's own text (paths, names, values), and a
+# `[run1]` or `[/x]` in it must come out as typed, not be read as rich markup.
+out = Console(highlight=False, markup=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
 
 ARGS_HELP = "[CONFIG] [OVERRIDE...]: a recipe name or YAML path, then Hydra overrides (key=value)"
+
+
+def _warn(text: str) -> None:
+    err.print(Text.assemble(("warning:", "yellow"), " ", text))
+
+
+def _whole(flag: str, minimum: int = 1):
+    """A parser for an integer flag whose message echoes what was given."""
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise typer.BadParameter(f"{flag}={value!r} is not a whole number") from None
+        if number < minimum:
+            raise typer.BadParameter(f"{flag}={number} must be at least {minimum}")
+        return number
+    return parse
 
 
 def _split_args(args: Optional[List[str]]) -> tuple[Optional[str], list[str]]:
@@ -64,8 +84,6 @@ def _resolve(args, nnodes=None, nproc_per_node=None, world_size=None, probe_cuda
 
 def _split_world(cfg, world_size: int) -> tuple[int, int]:
     """--world-size N for `plan`: keep the GPUs per node if the config has them, else the nodes."""
-    if world_size < 1:
-        raise ConfigError(f"--world-size={world_size} must be at least 1")
     per_node = cfg.launcher.nproc_per_node
     if per_node and world_size % per_node == 0:
         return world_size // per_node, per_node
@@ -79,10 +97,13 @@ def _split_world(cfg, world_size: int) -> tuple[int, int]:
 def launch(
     args: Optional[List[str]] = typer.Argument(None, help=ARGS_HELP, show_default=False),
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Default: runs/<name>-<time>"),
-    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node"),
-    nnodes: Optional[int] = typer.Option(None, "--nnodes"),
-    node_rank: Optional[int] = typer.Option(None, "--node-rank", help="0 on the node that hosts "
-                                            "the rendezvous; default 0 (SLURM: SLURM_NODEID)"),
+    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", metavar="N",
+                                                 parser=_whole("--nproc-per-node")),
+    nnodes: Optional[int] = typer.Option(None, "--nnodes", metavar="N", parser=_whole("--nnodes")),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", metavar="R",
+                                            parser=_whole("--node-rank", 0),
+                                            help="0 on the node that hosts the rendezvous; "
+                                            "default 0 (SLURM: SLURM_NODEID)"),
     rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of node 0"),
     local_addr: Optional[str] = typer.Option(None, "--local-addr", help="This node's address for "
                                              "the others; default: the route to the endpoint"),
@@ -102,11 +123,12 @@ def launch(
     # win); under torchrun, or with one srun task per GPU, this refuses to start.
     place = detect_place(nproc_per_node)
     nnodes = nnodes if nnodes is not None else place.nnodes
+    rank_source = "--node-rank" if node_rank is not None else "SLURM_NODEID"
     node_rank = node_rank if node_rank is not None else (place.node_rank or 0)
     cfg, world, warnings = _resolve(args, nnodes, nproc_per_node, probe_cuda=True,
                                     gpus_on_node=place.gpus_on_node)
     if not 0 <= node_rank < world.nnodes:
-        raise ConfigError(f"--node-rank={node_rank} must be in 0..{world.nnodes - 1} "
+        raise ConfigError(f"{rank_source}={node_rank} must be in 0..{world.nnodes - 1} "
                           f"for {world.nnodes} node(s)")
     if world.nnodes > 1:
         rdzv_endpoint = rdzv_endpoint or place.rdzv_endpoint
@@ -121,14 +143,14 @@ def launch(
     run_dir = run_dir or default_run_dir(cfg.name, place.job_id)
     check_run_dir(run_dir, cfg)
     for warning in warnings:
-        err.print(f"[yellow]warning:[/yellow] {warning}")
+        _warn(warning)
     if dry_run:
         print_plan(build_plan(cfg, world, []), out)
         out.print(f"data: {data_description}")
         if network:
             out.print(f"network: {network.addr} on {network.ifname or '?'} ({network.how})")
-        out.print(f"dry run: would write {run_dir} and start {world.nproc_per_node} worker(s) on "
-                  "this node; nothing started")
+        out.print(f"dry run: would write {run_dir} (checked: it can be made) and start "
+                  f"{world.nproc_per_node} worker(s) on this node; nothing started")
         return
 
     write_run_dir(cfg, run_dir)
@@ -147,8 +169,7 @@ def launch(
         rdzv_endpoint=rdzv_endpoint, run_id=f"slurm-{place.job_id}" if place.job_id else cfg.name,
         rdzv_timeout_s=cfg.launcher.rdzv_timeout_s, local_addr=network and network.addr,
         cpu_threads=_cpu_threads(world.nproc_per_node) if cpu else None)
-    # markup=False: a rank's error may hold brackets (gloo's `[.../pair.cc:537]`), not rich markup.
-    code = launch_workers(run_dir, spec, console_print=lambda text: err.print(text, markup=False))
+    code = launch_workers(run_dir, spec, console_print=err.print)
     if code == 0:
         out.print(f"done: metrics in {run_dir / 'metrics.jsonl'}")
     raise typer.Exit(code)
@@ -157,11 +178,14 @@ def launch(
 @app.command()
 def slurm(
     args: Optional[List[str]] = typer.Argument(None, help=ARGS_HELP, show_default=False),
-    nodes: int = typer.Option(..., "--nodes", help="Nodes to ask for"),
-    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node"),
+    nodes: int = typer.Option(..., "--nodes", metavar="N", parser=_whole("--nodes"),
+                              help="Nodes to ask for"),
+    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", metavar="G",
+                                                parser=_whole("--gpus-per-node")),
     nproc_per_node: Optional[int] = typer.Option(
-        None, "--nproc-per-node", help="Ranks per node; default: --gpus-per-node, else "
-        "launcher.nproc_per_node (a CPU cluster gives this alone)"),
+        None, "--nproc-per-node", metavar="N", parser=_whole("--nproc-per-node"),
+        help="Ranks per node; default: --gpus-per-node, else launcher.nproc_per_node, else the "
+        "degrees' product over the nodes"),
     partition: Optional[str] = typer.Option(None, "--partition"),
     time_limit: Optional[str] = typer.Option(None, "--time", help="SLURM time limit, e.g. 04:00:00"),
     account: Optional[str] = typer.Option(None, "--account"),
@@ -179,10 +203,6 @@ def slurm(
     from partrain.launch.slurm import (SlurmJob, partrain_command, passed_through_env,
                                        remove_prepared, render_script, submit, write_script)
 
-    for flag, value in (("--nodes", nodes), ("--gpus-per-node", gpus_per_node),
-                        ("--nproc-per-node", nproc_per_node)):
-        if value is not None and value < 1:
-            raise ConfigError(f"{flag}={value} must be at least 1")
     cfg, world, warnings = _resolve(args, nodes, nproc_per_node or gpus_per_node)
     check_data(cfg)
     run_dir = (run_dir or default_run_dir(cfg.name)).absolute()
@@ -194,10 +214,14 @@ def slurm(
                    env=passed_through_env())
     script_text = render_script(job)  # refuses unsafe values before anything is written
     for warning in warnings:
-        err.print(f"[yellow]warning:[/yellow] {warning}")
+        _warn(warning)
     created = not run_dir.exists()
     write_run_dir(cfg, run_dir)
-    script = write_script(job)
+    try:
+        script = write_script(job)
+    except OSError as e:
+        remove_prepared(run_dir, created)
+        raise ConfigError(f"--run-dir {run_dir} cannot be written: {e.strerror}") from None
     if dry_run:
         sys.stdout.write(script_text)
         err.print(f"dry run: wrote {run_dir / 'config.yaml'} and {script}; nothing submitted "
@@ -235,7 +259,10 @@ def _cpu_threads(nproc: int) -> int:
 @app.command()
 def plan(
     args: Optional[List[str]] = typer.Argument(None, help=ARGS_HELP, show_default=False),
-    world_size: Optional[int] = typer.Option(None, "--world-size", help="Plan for N ranks"),
+    world_size: Optional[int] = typer.Option(None, "--world-size", metavar="N",
+                                             parser=_whole("--world-size"),
+                                             help="Plan for N ranks; default: the config's "
+                                             "nodes x ranks per node, else the degrees' product"),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON"),
 ) -> None:
     """Show every rank's place in the mesh, the groups and the batch arithmetic; start nothing."""
@@ -261,7 +288,7 @@ def show(args: Optional[List[str]] = typer.Argument(None, help=ARGS_HELP, show_d
         sys.stdout.write("# The DeepSpeed config the workers derive (partrain/parallel/zero.py):\n"
                          + "".join(f"# {line}\n" for line in text.splitlines()))
     for warning in warnings:
-        err.print(f"[yellow]warning:[/yellow] {warning}")
+        _warn(warning)
 
 
 @data_app.command("prepare")
@@ -279,12 +306,28 @@ def data_prepare(
               f"data.path={out_dir}")
 
 
+def _error(message: str) -> None:
+    err.print(Text.assemble(("error:", "bold red"), " ", message))
+
+
 def main() -> None:
+    """The console script: every usage, config or data error is one `error:` line and exit 2."""
     try:
-        app()
+        code = app(standalone_mode=False)
     except ConfigError as e:
-        err.print(f"[bold red]error:[/bold red] {e}")
-        sys.exit(2)
+        _error(str(e))
+        code = 2
+    except typer.exceptions.TyperException as e:
+        if not hasattr(e, "format_message"):  # not a usage error: a bug, keep its traceback
+            raise
+        ctx = getattr(e, "ctx", None)
+        hint = f" (see: {ctx.command_path} --help)" if ctx is not None else ""
+        _error(e.format_message() + hint)
+        code = getattr(e, "exit_code", 2)
+    except typer.Abort:
+        _error("aborted")
+        code = 130
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

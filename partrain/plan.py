@@ -8,6 +8,7 @@ collectives of one step with their sizes, as rich tables or as JSON.
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from partrain.config.validate import World
 from partrain.dist import compute_dtype
@@ -157,10 +158,11 @@ def _size(n: float) -> str:
 
 def print_plan(plan: dict, console: Console) -> None:
     d, b, m = plan["degrees"], plan["batch"], plan["model"]
-    console.print(
-        f"[bold]{plan['name']}[/bold]: {plan['world_size']} ranks = {plan['nnodes']} node(s) x "
+    console.print(Text.assemble(
+        (plan["name"], "bold"),
+        f": {plan['world_size']} ranks = {plan['nnodes']} node(s) x "
         f"{plan['nproc_per_node']} per node; pp({d['pp']}) * dp({d['dp']}) * tp({d['tp']}) = "
-        f"{d['pp'] * d['dp'] * d['tp']}; zero_stage {d['zero_stage']}")
+        f"{d['pp'] * d['dp'] * d['tp']}; zero_stage {d['zero_stage']}"))
     console.print(f"model {m['name']}: {m['params']:,} parameters, {m['params_per_rank']:,} per "
                   f"rank (tp={d['tp']} splits all but the norms), "
                   f"{m['flops_per_token'] / 1e9:.2f} GFLOP per token (training)")
@@ -211,7 +213,7 @@ def print_plan(plan: dict, console: Console) -> None:
                       f"; timeline{note}: F/B = forward/backward of micro-batch n, a backward "
                       "taking twice a forward, ··· = idle")
         for row in _timeline_rows(pipe["timeline"]):
-            console.print(row, soft_wrap=True, highlight=False)
+            console.print(row, soft_wrap=True, highlight=False, markup=True)  # generated text only
         console.print(f"bubble {pipe['rule']} = {pipe['bubble_theory']:.3f} of each step idle; "
                       f"peak activations in flight per rank: {pipe['peak_in_flight']}")
     tpc = plan["tp_collectives"]
@@ -230,4 +232,4 @@ def print_plan(plan: dict, console: Console) -> None:
                       _size(tpc["wire_bytes_per_step"]))
         console.print(table)
     for warning in plan["warnings"]:
-        console.print(f"[yellow]warning:[/yellow] {warning}")
+        console.print(Text.assemble(("warning:", "yellow"), " ", warning))

@@ -23,6 +23,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from partrain.data import load_tokens, rank_micro_batches
 from partrain.dist import compute_dtype, end_distributed, env_rank, init_distributed, pick_device
+from partrain.launch.lifeline import hold_lifeline
 from partrain.mesh import ParallelDims
 from partrain.metrics import MetricsLog, ProgressDisplay, format_step, peak_flops, summary_table
 from partrain.models import build_model, flops_per_token
@@ -296,6 +297,8 @@ def main(run_dir: str) -> None:
 
 
 if __name__ == "__main__":
+    # First of all: from here on, a launcher killed with SIGKILL takes this rank along.
+    hold_lifeline()
     try:
         main(sys.argv[1])
     except BaseException:

@@ -15,11 +15,62 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from partrain.config.keys import check_defaults_list, check_overrides, check_tree
 from partrain.config.schema import register
 from partrain.errors import ConfigError
 from partrain.paths import configs_dir, recipes_dir
 
 DEFAULT_RECIPE = "quickstart"
+MAX_CONFIG_BYTES = 1 << 20  # a config is a page of YAML; anything larger is the wrong file
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML keeps the last of two equal keys without a word; OmegaConf (inside Hydra) refuses
+    them with a traceback. Refuse them here, naming the key and both lines."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key (a list or mapping): not a config key
+                raise yaml.constructor.ConstructorError(
+                    None, None, "a key that is a list or mapping", key_node.start_mark) from None
+            if first != key_node.start_mark.line + 1:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first on line {first})",
+                    key_node.start_mark)
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(path: Path, what: str = "config file"):
+    """A YAML file that partrain reads, parsed; or a ConfigError naming the file and what is
+    wrong: not a regular file, unreadable, too large, not UTF-8, not YAML, a key given twice."""
+    if path.is_dir():
+        raise ConfigError(f"{what} {path} is a directory; give a YAML file")
+    if not path.is_file():
+        raise ConfigError(f"{what} {path} is not a regular file")
+    try:
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{what} {path} has {size:,} bytes; a config is at most "
+                              f"{MAX_CONFIG_BYTES:,} bytes of YAML (is it the right file?)")
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{what} {path} cannot be read: {e.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at "
+                          f"offset {e.start}); save it as UTF-8") from None
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"{what} {path} is not valid YAML{where}: {problem}") from None
 
 
 def known_recipes() -> list[str]:
@@ -31,12 +82,12 @@ def find_recipe(config: str | None) -> Path:
     config = config or DEFAULT_RECIPE
     as_path = Path(config)
     if as_path.suffix in (".yaml", ".yml") or as_path.exists():
-        if not as_path.is_file():
+        if not as_path.exists():
             raise ConfigError(
                 f"config file {config} does not exist; give a YAML path or one of the recipes: "
                 f"{', '.join(known_recipes())}"
             )
-        return as_path.resolve()
+        return as_path.absolute()
     recipe = recipes_dir() / f"{config}.yaml"
     if not recipe.is_file():
         raise ConfigError(
@@ -46,47 +97,52 @@ def find_recipe(config: str | None) -> Path:
     return recipe
 
 
-def _check_has_defaults(path: Path) -> None:
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"config file {path} is not readable YAML: {e}") from None
+def _check_recipe_file(path: Path) -> None:
+    """Readable YAML, a defaults list over partrain's defaults, and only the schema's keys."""
+    raw = read_yaml(path)
     if not isinstance(raw, dict) or "defaults" not in raw:
         raise ConfigError(
             f"config file {path} has no defaults list; start it like the recipes do with\n"
             "defaults:\n  - config\n  - _self_\n"
             "so that it is a diff over partrain's defaults"
         )
+    check_defaults_list(raw["defaults"], f"config file {path}")
+    check_tree(raw, f"in the config file {path}")
 
 
 def _explain(e: Exception) -> str:
-    # Hydra wraps the useful OmegaConf message (key, value, type) as the cause; show both, once.
-    parts = [str(e).strip()]
-    cause = e.__cause__
-    while cause is not None:
-        # Drop OmegaConf's trailing "full_key: / reference_type= / object_type=" lines.
-        text = "\n".join(line for line in str(cause).strip().splitlines()
-                         if not line.strip().startswith(("full_key:", "reference_type=",
-                                                         "object_type=")))
-        if text and text not in parts[-1]:
-            parts.append(text)
-        cause = cause.__cause__
-    return "\n".join(parts)
+    """Hydra wraps the useful OmegaConf message (key, value, type) as the cause: show each
+    message once, with OmegaConf's `full_key:` put in front and its type lines dropped."""
+    parts, key = [], None
+    while e is not None:
+        for line in str(e).strip().splitlines():
+            line = line.strip()
+            if line.startswith("full_key:"):
+                key = key or line.removeprefix("full_key:").strip()
+            elif line and not line.startswith(("reference_type=", "object_type=")) and \
+                    not any(line in part for part in parts):
+                parts.append(line)
+        e = e.__cause__
+    return (f"{key}: " if key else "") + " ".join(parts)
 
 
-def _compose(path: Path, overrides: list[str]) -> DictConfig:
+def _compose(path: Path, overrides: list[str], shown_as: Path) -> DictConfig:
     search = f"hydra.searchpath=[file://{configs_dir()}]"
     try:
         with initialize_config_dir(config_dir=str(path.parent), version_base=None):
             return compose(config_name=path.stem, overrides=[search, *overrides])
     except (HydraException, OmegaConfBaseException, ValueError) as e:
-        raise ConfigError(f"invalid config or override: {_explain(e)}") from None
+        # Name the user's file, never the private copy it was composed from.
+        text = _explain(e).replace(str(path), str(shown_as)).replace(f"'{path.stem}'",
+                                                                       f"'{shown_as}'")
+        raise ConfigError(f"invalid config or override: {text}") from None
 
 
 def compose_config(config: str | None, overrides: list[str]) -> DictConfig:
     """The resolved, typed config for a recipe or YAML file plus Hydra-grammar overrides."""
     path = find_recipe(config)
-    _check_has_defaults(path)
+    _check_recipe_file(path)
+    check_overrides(overrides)
     register()
     # A user's file is composed from a private copy under a neutral name: Hydra finds a primary
     # config only as <name>.yaml, and a config.yaml beside it (or the file itself, if so named)
@@ -95,11 +151,13 @@ def compose_config(config: str | None, overrides: list[str]) -> DictConfig:
         with tempfile.TemporaryDirectory(prefix="partrain-recipe-") as tmp:
             copy = Path(tmp) / "user_recipe.yaml"
             shutil.copyfile(path, copy)
-            cfg = _compose(copy, overrides)
+            cfg = _compose(copy, overrides, path)
     else:
-        cfg = _compose(path, overrides)
+        cfg = _compose(path, overrides, path)
     try:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as e:
         raise ConfigError(f"invalid config: {_explain(e)}") from None
+    # Hydra opens the config for `+key=value`; what it added must still be in the schema.
+    check_tree(OmegaConf.to_container(cfg), "in the composed config")
     return cfg

@@ -5,10 +5,13 @@ triple) and raises ConfigError with a message naming the keys, the values and th
 (allowed but probably not what the user wants) come back as strings.
 """
 
+import math
+import re
 from dataclasses import dataclass
 
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
+from partrain.config.keys import float_keys
 from partrain.errors import ConfigError
 from partrain.models.llama import ffn_dim
 
@@ -17,6 +20,13 @@ DTYPES = ("auto", "fp32", "bf16", "fp16")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 DEVICES = ("auto", "cpu", "cuda")
 DATA_SOURCES = ("stdlib", "tokens")
+# Bounds on what can exist, so that validation and `plan` cost the same for any input: the
+# largest training jobs run ~10^5 GPUs, and a node holds at most a few dozen.
+MAX_WORLD_SIZE = 1 << 20
+MAX_NPROC_PER_NODE = 1024
+MAX_SEED = (1 << 63) - 1
+MAX_TIMEOUT_S = 7 * 24 * 3600
+NAME_RULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 @dataclass(frozen=True)
@@ -32,30 +42,60 @@ class World:
 
 
 def _divisors(n: int) -> str:
-    return "{" + ", ".join(str(d) for d in range(1, n + 1) if n % d == 0) + "}"
+    """n's divisors, found up to sqrt(n) so that any n costs the same; a long list is cut."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    found = sorted(set(small + [n // d for d in small]))
+    shown = found if len(found) <= 12 else found[:6] + ["..."] + found[-3:]
+    return "{" + ", ".join(map(str, shown)) + "}"
+
+
+def _value(cfg: DictConfig, key: str):
+    section, name = key.split(".")
+    return cfg[section][name]
 
 
 def _positive(cfg: DictConfig, keys: list[str]) -> None:
     for key in keys:
-        section, name = key.split(".")
-        value = cfg[section][name]
+        value = _value(cfg, key)
         if value is not None and value < 1:
             raise ConfigError(f"{key}={value} must be at least 1")
 
 
 def _at_least_zero(cfg: DictConfig, keys: list[str]) -> None:
+    # Written as `not value >= 0` so that NaN (a float key) fails too; every comparison below is.
     for key in keys:
-        section, name = key.split(".")
-        value = cfg[section][name]
-        if value < 0:
+        value = _value(cfg, key)
+        if not value >= 0:
             raise ConfigError(f"{key}={value} must be >= 0")
 
 
 def _in_range(cfg: DictConfig, key: str, low: float, high: float, shown: str) -> None:
-    section, name = key.split(".")
-    value = cfg[section][name]
+    value = _value(cfg, key)
     if not low <= value < high:
         raise ConfigError(f"{key}={value} must be in {shown}")
+
+
+def _finite(cfg: DictConfig) -> None:
+    """Every float key is a finite number: NaN passes any `x <= 0` check and inf trains to NaN."""
+    for key in float_keys():
+        value = OmegaConf.select(cfg, key)
+        if value is not None and not math.isfinite(value):
+            raise ConfigError(f"{key}={value} must be a finite number")
+
+
+def check_degrees(p: DictConfig) -> None:
+    """dp, tp and pp are whole and at least 1 (dp may be auto): checked before anything derives
+    a world size from them, so that a bad degree is named as itself."""
+    if p.dp != "auto" and (isinstance(p.dp, bool) or not isinstance(p.dp, int)):
+        raise ConfigError(f"parallel.dp={p.dp} must be a positive integer or 'auto'")
+    for key in ("dp", "tp", "pp"):
+        value = p[key]
+        if value != "auto" and value < 1:
+            raise ConfigError(f"parallel.{key}={value} must be at least 1"
+                              + (" (or 'auto')" if key == "dp" else ""))
+        if value != "auto" and value > MAX_WORLD_SIZE:
+            raise ConfigError(f"parallel.{key}={value} exceeds {MAX_WORLD_SIZE:,}, the most ranks "
+                              "partrain plans for (no machine has more)")
 
 
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -66,23 +106,38 @@ def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
 def resolve_world(cfg: DictConfig, nnodes: int | None, nproc_per_node: int | None,
                   cuda_devices: int) -> World:
     """CLI flags win over launcher.* keys; nproc_per_node defaults to the GPUs, else the degrees."""
+    p = cfg.parallel
+    check_degrees(p)
+    nodes_from = "--nnodes" if nnodes is not None else "launcher.nnodes"
     nnodes = nnodes if nnodes is not None else cfg.launcher.nnodes
+    nproc_from = "--nproc-per-node" if nproc_per_node is not None else "launcher.nproc_per_node"
     nproc = nproc_per_node if nproc_per_node is not None else cfg.launcher.nproc_per_node
     if nnodes < 1:
-        raise ConfigError(f"--nnodes / launcher.nnodes={nnodes} must be at least 1")
+        raise ConfigError(f"{nodes_from}={nnodes} must be at least 1")
     if nproc is None:
-        p = cfg.parallel
         if cuda_devices > 0 and cfg.launcher.device != "cpu":
             nproc = cuda_devices
-        elif isinstance(p.dp, int):
-            nproc = p.pp * p.dp * p.tp // nnodes
+        elif p.dp != "auto":
+            # On CPU the degrees say how many processes: spread evenly over the nodes.
+            product = p.pp * p.dp * p.tp
+            if product % nnodes:
+                raise ConfigError(
+                    f"pp({p.pp}) * dp({p.dp}) * tp({p.tp}) = {product} ranks cannot be spread "
+                    f"evenly over {nodes_from}={nnodes} nodes; change the degrees or the nodes, "
+                    "or give --nproc-per-node")
+            nproc, nproc_from = product // nnodes, "the degrees' product"
         else:
             raise ConfigError(
-                "parallel.dp=auto needs a world size: give --nproc-per-node N "
-                "(or set launcher.nproc_per_node)"
-            )
+                "parallel.dp=auto needs a world size: give --nproc-per-node N (or set "
+                "launcher.nproc_per_node), or set parallel.dp to a number")
     if nproc < 1:
-        raise ConfigError(f"--nproc-per-node / launcher.nproc_per_node={nproc} must be at least 1")
+        raise ConfigError(f"{nproc_from}={nproc} must be at least 1")
+    if nproc > MAX_NPROC_PER_NODE:
+        raise ConfigError(f"{nproc_from}={nproc} ranks on one node exceeds "
+                          f"{MAX_NPROC_PER_NODE}, the most partrain starts on a node")
+    if nnodes * nproc > MAX_WORLD_SIZE:
+        raise ConfigError(f"nnodes({nnodes}) * nproc_per_node({nproc}) = {nnodes * nproc:,} "
+                          f"ranks exceeds {MAX_WORLD_SIZE:,}, the most partrain plans for")
     return World(nnodes=nnodes, nproc_per_node=nproc)
 
 
@@ -95,10 +150,7 @@ def _resolve_dp(p: DictConfig, world: World) -> int:
                 f"pp({p.pp}) * tp({p.tp}) = {inner}"
             )
         return world.size // inner
-    if isinstance(p.dp, bool) or not isinstance(p.dp, int):
-        raise ConfigError(f"parallel.dp={p.dp} must be a positive integer or 'auto'")
-    if p.dp < 1:
-        raise ConfigError(f"parallel.dp={p.dp} must be at least 1 (or 'auto')")
+    check_degrees(p)
     return p.dp
 
 
@@ -135,6 +187,12 @@ def _resolve_batch(t: DictConfig, dp: int) -> tuple[int, int, int]:
 def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
     """Fill in dp and the batch triple in place; raise ConfigError on the first broken rule."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
+    if not isinstance(cfg.name, str) or not NAME_RULE.fullmatch(cfg.name):
+        raise ConfigError(
+            f"name={cfg.name!r} must be a plain name of letters, digits, '.', '_' and '-' "
+            "(at most 128, starting with a letter or digit): it names the run dir under runs/ "
+            "and the SLURM job")
+    _finite(cfg)
     _positive(cfg, ["parallel.tp", "parallel.pp", "parallel.pp_virtual_stages",
                     "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.dim",
                     "model.vocab_size", "model.max_seq_len", "train.seq_len", "train.max_steps",
@@ -142,15 +200,16 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
                     "train.log_every", "train.eval_batches", "model.multiple_of",
                     "model.ffn_dim"])
     _at_least_zero(cfg, ["train.seed", "train.eval_every", "optim.warmup_steps",
-                         "optim.weight_decay"])
+                         "optim.weight_decay", "data.stdlib_max_bytes"])
+    if t.seed > MAX_SEED:
+        raise ConfigError(f"train.seed={t.seed} must be at most 2**63 - 1 = {MAX_SEED}")
     _in_range(cfg, "optim.beta1", 0.0, 1.0, "[0, 1)")
     _in_range(cfg, "optim.beta2", 0.0, 1.0, "[0, 1)")
     if not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
         raise ConfigError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must be in [0, 1]")
-    for key in ("model.rope_theta", "model.norm_eps", "optim.eps"):
-        section, name = key.split(".")
-        if cfg[section][name] <= 0:
-            raise ConfigError(f"{key}={cfg[section][name]} must be positive")
+    for key in ("model.rope_theta", "model.norm_eps", "optim.eps", "model.init_std"):
+        if not _value(cfg, key) > 0:
+            raise ConfigError(f"{key}={_value(cfg, key)} must be positive")
     _choice("parallel.pp_schedule", p.pp_schedule, PP_SCHEDULES)
     _choice("train.dtype", t.dtype, DTYPES)
     _choice("launcher.device", cfg.launcher.device, DEVICES)
@@ -239,13 +298,16 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
             f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
     if not 0.0 < cfg.data.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={cfg.data.val_fraction} must be between 0 and 1")
-    if cfg.optim.lr <= 0:
+    if not cfg.optim.lr > 0:
         raise ConfigError(f"optim.lr={cfg.optim.lr} must be positive")
-    if cfg.optim.grad_clip < 0:
+    if not cfg.optim.grad_clip >= 0:
         raise ConfigError(f"optim.grad_clip={cfg.optim.grad_clip} must be >= 0 (0 disables it)")
-    if cfg.launcher.collective_timeout_s < 1:
-        raise ConfigError(
-            f"launcher.collective_timeout_s={cfg.launcher.collective_timeout_s} must be at least 1")
+    for key in ("launcher.collective_timeout_s", "launcher.rdzv_timeout_s"):
+        if _value(cfg, key) < 1:
+            raise ConfigError(f"{key}={_value(cfg, key)} must be at least 1")
+        if _value(cfg, key) > MAX_TIMEOUT_S:
+            raise ConfigError(f"{key}={_value(cfg, key)} must be at most {MAX_TIMEOUT_S} "
+                              "seconds (a week)")
 
     with open_dict(cfg):
         p.dp = dp

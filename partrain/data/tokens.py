@@ -2,11 +2,21 @@
 
 A token dir holds `train.bin` and `val.bin` (raw little-endian integers) and `meta.json`:
 {"format": "partrain-tokens/1", "tokenizer": "bytes", "dtype": "uint8", "vocab_size": 256,
- "train_tokens": N, "val_tokens": M}. `partrain data prepare` writes one from text files.
+ "train_tokens": N, "val_tokens": M, "max_token_id": K}. `partrain data prepare` writes one from
+text files. `max_token_id` (the largest id in either split) is optional: dirs written before it
+existed, or by other tools, are still read.
+
+A token dir is checked before any process starts, cheaply and for any file size: meta.json
+against the file sizes and the dtype's range, and the ids themselves against a bounded sample
+(`sample_max_token_id`), so that a dir whose meta.json lies is refused here rather than failing
+later on a rank with an IndexError in the embedding.
 """
 
 import json
+import math
 import os
+import secrets
+import shutil
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +28,15 @@ from partrain.errors import ConfigError
 FORMAT = "partrain-tokens/1"
 DTYPES = ("uint8", "uint16", "uint32")
 BYTE_VOCAB = 256
+# The ids of a split are checked over at most SAMPLE_BLOCKS contiguous blocks of SAMPLE_BLOCK
+# ids, spread evenly from the first id to the last: at most 256 Ki ids (1 MiB of uint32) and 64
+# seeks per split, whatever the file's size. Contiguous blocks read whole pages, where single
+# strided ids would each fault in a page of their own. A split that fits in the sample is read
+# whole, so the check is exact for it.
+SAMPLE_BLOCKS = 64
+SAMPLE_BLOCK = 4096
+# A meta.json is a few hundred bytes; a bigger one is the wrong file, and is not read whole.
+META_MAX_BYTES = 16 << 20
 
 
 @dataclass
@@ -48,15 +67,59 @@ def _stdlib_splits(max_bytes: int, val_fraction: float) -> TokenSplits:
                        f"{len(stream):,} bytes")
 
 
+def _kind(value) -> str:
+    """What a JSON value is, in the file's own terms, for messages about a value of a wrong type."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, float):
+        return "a non-finite number" if not math.isfinite(value) else "a decimal number"
+    return {str: "a string", list: "a list", dict: "an object", type(None): "null"}.get(
+        type(value), type(value).__name__)
+
+
+def _reason(e: OSError) -> str:
+    return e.strerror or str(e)
+
+
+def _is_int(value) -> bool:
+    # bool is an int in Python, but `"vocab_size": true` is not a vocabulary size.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _regular_file(path: Path, file: Path, name: str) -> None:
+    """Refuse a split file or meta.json that is a directory, a pipe or a device (a missing one
+    is left to the caller, which says what it expected)."""
+    if file.is_dir():
+        raise ConfigError(f"data.path={path}: {name} is a directory, not a file")
+    if file.exists() and not file.is_file():
+        raise ConfigError(f"data.path={path}: {name} is not a regular file (a pipe, socket or device)")
+
+
 def _read_meta(path: Path) -> dict:
     meta_path = path / "meta.json"
-    if not meta_path.is_file():
+    if not meta_path.exists():
         raise ConfigError(
             f"data.path={path}: no meta.json there; make a token dir with "
             "`partrain data prepare FILES... --out DIR`")
+    _regular_file(path, meta_path, "meta.json")
     try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        with open(meta_path, "rb") as f:
+            raw = f.read(META_MAX_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"data.path={path}: meta.json cannot be read: {_reason(e)}") from None
+    if len(raw) > META_MAX_BYTES:
+        raise ConfigError(
+            f"data.path={path}: meta.json is over {META_MAX_BYTES >> 20} MiB; a token dir's "
+            "meta.json is a small JSON object, is this the right file?")
+    try:
+        text = raw.decode("utf-8-sig")  # a byte-order mark, as some editors write, is harmless
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"data.path={path}: meta.json is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset "
+            f"{e.start}); it must be JSON in UTF-8") from None
+    try:
+        meta = json.loads(text)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
         raise ConfigError(f"data.path={path}: meta.json is not valid JSON ({e})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ConfigError(
@@ -70,12 +133,38 @@ def _read_meta(path: Path) -> dict:
             f"data.path={path}: meta.json tokenizer={meta.get('tokenizer')!r} must be a string "
             "naming the tokenizer (e.g. \"bytes\")")
     for key in ("vocab_size", "train_tokens", "val_tokens"):
-        if not isinstance(meta.get(key), int) or meta[key] < 1:
-            raise ConfigError(f"data.path={path}: meta.json {key}={meta.get(key)!r} must be a positive integer")
+        value = meta.get(key)
+        if not _is_int(value):
+            raise ConfigError(f"data.path={path}: meta.json {key}={value!r} must be a positive "
+                              f"integer, not {_kind(value)}")
+        if value < 1:
+            raise ConfigError(f"data.path={path}: meta.json {key}={value!r} must be a positive integer")
+    dtype = np.dtype(meta["dtype"])
+    ids = int(np.iinfo(dtype).max) + 1
+    if meta["vocab_size"] > ids:
+        fits = next((d for d in DTYPES if np.iinfo(d).max + 1 >= meta["vocab_size"]), None)
+        raise ConfigError(
+            f"data.path={path}: meta.json vocab_size={meta['vocab_size']} does not fit "
+            f"dtype={meta['dtype']}, which holds ids 0..{ids - 1} (vocab_size <= {ids})"
+            + (f"; ids of this vocabulary need {fits}" if fits else ""))
+    if "max_token_id" in meta:
+        value = meta["max_token_id"]
+        if not _is_int(value) or value < 0:
+            raise ConfigError(
+                f"data.path={path}: meta.json max_token_id={value!r} must be a non-negative "
+                "integer" + ("" if _is_int(value) else f", not {_kind(value)}"))
+        if value >= meta["vocab_size"]:
+            raise ConfigError(
+                f"data.path={path}: meta.json max_token_id={value} is not below vocab_size="
+                f"{meta['vocab_size']}; every token id must be < vocab_size")
     for split in ("train", "val"):
         file = path / f"{split}.bin"
-        expected = meta[f"{split}_tokens"] * np.dtype(meta["dtype"]).itemsize
-        size = file.stat().st_size if file.is_file() else None
+        _regular_file(path, file, f"{split}.bin")
+        expected = meta[f"{split}_tokens"] * dtype.itemsize
+        try:
+            size = file.stat().st_size if file.is_file() else None
+        except OSError as e:
+            raise ConfigError(f"data.path={path}: {split}.bin cannot be read: {_reason(e)}") from None
         if size != expected:
             raise ConfigError(
                 f"data.path={path}: {split}.bin has {size if size is not None else 'no file'} bytes, "
@@ -83,14 +172,58 @@ def _read_meta(path: Path) -> dict:
     return meta
 
 
+def sample_max_token_id(tokens: np.ndarray) -> tuple[int, int]:
+    """(largest id, its index) over a bounded sample of `tokens`: SAMPLE_BLOCKS contiguous blocks
+    of SAMPLE_BLOCK ids spread evenly over the array, first and last ids included; the whole
+    array when it is no longer than the sample. Reads at most SAMPLE_BLOCKS * SAMPLE_BLOCK ids."""
+    n = len(tokens)
+    if n <= SAMPLE_BLOCKS * SAMPLE_BLOCK:
+        starts, block = [0], n
+    else:
+        starts, block = np.linspace(0, n - SAMPLE_BLOCK, SAMPLE_BLOCKS).astype(np.int64), SAMPLE_BLOCK
+    best, where = -1, -1
+    for start in starts:
+        chunk = np.asarray(tokens[int(start):int(start) + block])
+        i = int(chunk.argmax())
+        if int(chunk[i]) > best:
+            best, where = int(chunk[i]), int(start) + i
+    return best, where
+
+
+def _check_token_ids(path: Path, meta: dict, splits: dict[str, np.ndarray]) -> None:
+    """The sampled ids against meta.json: a wrong dtype reads the bytes as other ids, and an id
+    at or above vocab_size would index past the model's embedding."""
+    recorded = meta.get("max_token_id")
+    for split, tokens in splits.items():
+        try:
+            top, where = sample_max_token_id(tokens)
+        except OSError as e:
+            raise ConfigError(f"data.path={path}: {split}.bin cannot be read: {_reason(e)}") from None
+        if recorded is not None and top > recorded:
+            raise ConfigError(
+                f"data.path={path}: {split}.bin holds token id {top} (at index {where}), above "
+                f"meta.json max_token_id={recorded}; every id must be <= max_token_id, so "
+                f"meta.json does not describe these bytes (is dtype={meta['dtype']} right?)")
+        if top >= meta["vocab_size"]:
+            raise ConfigError(
+                f"data.path={path}: {split}.bin holds token id {top} (at index {where}), not "
+                f"below meta.json vocab_size={meta['vocab_size']}; every id must be < vocab_size "
+                f"(is dtype={meta['dtype']} right?)")
+
+
 def load_tokens(data_cfg) -> TokenSplits:
     if data_cfg.source == "stdlib":
         return _stdlib_splits(data_cfg.stdlib_max_bytes, data_cfg.val_fraction)
     path = Path(data_cfg.path)
     meta = _read_meta(path)
-    train = np.memmap(path / "train.bin", dtype=meta["dtype"], mode="r")
-    val = np.memmap(path / "val.bin", dtype=meta["dtype"], mode="r")
-    return TokenSplits(train, val, meta["vocab_size"],
+    splits = {}
+    for split in ("train", "val"):
+        try:
+            splits[split] = np.memmap(path / f"{split}.bin", dtype=meta["dtype"], mode="r")
+        except OSError as e:
+            raise ConfigError(f"data.path={path}: {split}.bin cannot be read: {_reason(e)}") from None
+    _check_token_ids(path, meta, splits)
+    return TokenSplits(splits["train"], splits["val"], meta["vocab_size"],
                        f"{path} ({meta['tokenizer']}, {meta['train_tokens']:,} train tokens)")
 
 
@@ -101,6 +234,8 @@ def check_data(cfg) -> str:
             raise ConfigError("data.source=tokens needs data.path=DIR (made by `partrain data prepare`)")
         if not Path(cfg.data.path).is_dir():
             raise ConfigError(f"data.path={cfg.data.path} is not a directory")
+    # load_tokens has checked every (sampled) id against the data's vocab_size, so this check
+    # also keeps every id below model.vocab_size.
     splits = load_tokens(cfg.data)
     if splits.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
@@ -114,36 +249,102 @@ def check_data(cfg) -> str:
     return splits.description
 
 
-def prepare_token_dir(files: list[Path], out: Path, val_fraction: float) -> dict:
-    """Byte-tokenize text files into a token dir; written to a temp dir, then renamed into place."""
-    if not 0.0 < val_fraction < 1.0:
-        raise ConfigError(f"--val-fraction={val_fraction} must be between 0 and 1")
+def _check_out(out: Path) -> None:
+    """--out must be a new or empty directory, reachable through directories."""
+    if out.name in ("", ".", ".."):
+        raise ConfigError(f"--out {out} must name a new directory, not the current or a parent one")
+    if out.is_symlink():
+        raise ConfigError(f"--out {out} is a symbolic link (to {os.readlink(out)}); give a new "
+                          "directory, not a link")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is an existing file; give a new directory")
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--out {out} exists and is not empty; give a new directory")
+    for parent in Path(os.path.abspath(out)).parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"--out {out}: {parent} is a file, not a directory")
+            break
+
+
+def _read_inputs(files: list[Path]) -> np.ndarray:
     chunks = []
     for file in files:
-        if not file.is_file():
+        if file.is_dir():
+            raise ConfigError(f"input file {file} is a directory; give text files")
+        if not file.exists():
             raise ConfigError(f"input file {file} does not exist")
+        if not file.is_file():
+            # A pipe or device could be endless or read only once; a file can be read again.
+            raise ConfigError(f"input file {file} is not a regular file (a pipe, socket or "
+                              "device); save its contents to a file first")
         try:
             chunks.append(file.read_bytes())
         except OSError as e:
-            raise ConfigError(f"input file {file} cannot be read: {e.strerror}") from None
-    stream = np.frombuffer(b"\n".join(chunks), dtype=np.uint8)
+            raise ConfigError(f"input file {file} cannot be read: {_reason(e)}") from None
+    return np.frombuffer(b"\n".join(chunks), dtype=np.uint8)
+
+
+def prepare_token_dir(files: list[Path], out: Path, val_fraction: float) -> dict:
+    """Byte-tokenize text files into a token dir. Missing parents of `out` are created. Written to
+    a temp dir beside `out`, then renamed into place; on any failure the temp dir and the parents
+    made here are removed, so a failed run leaves nothing behind."""
+    if not (math.isfinite(val_fraction) and 0.0 < val_fraction < 1.0):
+        raise ConfigError(f"--val-fraction={val_fraction} must be between 0 and 1 (exclusive)")
+    try:
+        _check_out(out)
+    except OSError as e:
+        raise ConfigError(f"--out {out} cannot be inspected: {_reason(e)}") from None
+    stream = _read_inputs(files)
     cut = int(len(stream) * (1 - val_fraction))
     if cut < 2 or len(stream) - cut < 2:
         raise ConfigError(
-            f"the input files hold {len(stream)} bytes: too few for a train and a validation split")
+            f"the input files hold {len(stream)} bytes; --val-fraction={val_fraction} splits them "
+            f"into {cut} train and {len(stream) - cut} val tokens, and each split needs at least 2")
     meta = {"format": FORMAT, "tokenizer": "bytes", "dtype": "uint8", "vocab_size": BYTE_VOCAB,
             "train_tokens": cut, "val_tokens": len(stream) - cut,
-            "sources": [str(f) for f in files]}
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    tmp.mkdir(parents=True)
-    stream[:cut].tofile(tmp / "train.bin")
-    stream[cut:].tofile(tmp / "val.bin")
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-    if out.exists():
-        out.rmdir()
-    tmp.rename(out)
+            "max_token_id": int(stream.max()), "sources": [str(f) for f in files]}
+    _write_token_dir(out, stream, cut, meta)
     return meta
+
+
+def _write_token_dir(out: Path, stream: np.ndarray, cut: int, meta: dict) -> None:
+    target = Path(os.path.abspath(out))  # messages name `out` as given
+    missing = [p for p in reversed(target.parents) if not p.exists()]  # outermost first
+    made = []  # those created here, removed again on a failure
+    tmp = target.with_name(f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp_made = False
+    step = "creating its parent directories"
+    try:
+        for parent in missing:
+            parent.mkdir()
+            made.append(parent)
+        step = f"creating {tmp}"
+        tmp.mkdir()
+        tmp_made = True
+        for name, data in (("train.bin", stream[:cut]), ("val.bin", stream[cut:]),
+                           ("meta.json", (json.dumps(meta, indent=2) + "\n").encode())):
+            step = f"writing {name}"
+            with open(tmp / name, "wb") as f:  # close() inside the try: it reports a full disk too
+                f.write(data)
+        step = "renaming the temporary directory into place"
+        tmp.rename(target)  # atomic, and replaces an empty `out` directory
+    except BaseException as e:
+        # Ctrl-C included: whatever was started here goes, then the error goes on.
+        left = []
+        if tmp_made:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if tmp.exists():
+                left.append(str(tmp))
+        for parent in reversed(made):
+            try:
+                parent.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                left.append(str(parent))
+        if not isinstance(e, OSError):
+            raise
+        raise ConfigError(
+            f"--out {out} cannot be written: {_reason(e)} ({step}); "
+            + (f"could not remove {', '.join(left)}" if left else "nothing was left behind")) from None

@@ -10,7 +10,8 @@ launcher.rdzv_timeout_s with a message naming the endpoint (exit 1), not a hang.
 nodes in the order of their addresses: --node-rank picks the host of the store, not the ranks.
 Each worker is `python -m partrain.train RUN_DIR`. If one rank fails, the agent stops the others
 within its monitor interval and shutdown timeout; we read the failed rank's elastic error file
-and exit 1. SIGINT/SIGTERM reach the agent, which stops all workers; we exit 130.
+and exit 1. SIGINT/SIGTERM reach the agent, which stops all workers; we exit 130. A launcher
+killed outright (SIGKILL) takes its workers with it through their lifeline (lifeline.py).
 """
 
 import dataclasses
@@ -26,6 +27,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from partrain.launch.lifeline import LAUNCHER_PID_ENV
 from partrain.launch.netif import split_endpoint, wait_for_endpoint
 
 EXIT_OK, EXIT_RANK_FAILED, EXIT_INTERRUPTED = 0, 1, 130
@@ -164,6 +166,8 @@ def launch_workers(run_dir: Path, spec: ElasticLaunch, console_print=print) -> i
     # Older torch releases lack some of these fields (shutdown_timeout came in 2.12).
     known = {f.name for f in dataclasses.fields(LaunchConfig)}
     config = LaunchConfig(**{k: v for k, v in options.items() if k in known})
+    # The agent copies this environment into every worker, which then dies with this process.
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     try:
         elastic_launch(config, sys.executable)("-u", "-m", "partrain.train", str(run_dir))
     except ChildFailedError as err:

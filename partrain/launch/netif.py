@@ -102,6 +102,13 @@ def route_to(host: str, port: int) -> str:
 
 def pick_network(endpoint: str, local_addr: str | None, ifname: str | None) -> NodeNetwork:
     """The interface and address for a multi-node job: the user's, or the route to the endpoint."""
+    if local_addr:
+        try:
+            ipaddress.ip_address(local_addr)
+        except ValueError:
+            raise ConfigError(f"--local-addr {local_addr} is not an IP address (IPv4 like "
+                              "10.0.0.2, or IPv6); give this node's address as the other nodes "
+                              "reach it") from None
     if ifname and ifname not in {name for _, name in socket.if_nameindex()}:
         known = ", ".join(sorted(name for _, name in socket.if_nameindex()))
         raise ConfigError(f"--ifname {ifname}: no such interface on this node (it has: {known})")

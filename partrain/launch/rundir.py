@@ -7,6 +7,7 @@ new or empty, so that the results of two runs never mix.
 """
 
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 from partrain.errors import ConfigError
 
 CONFIG = "config.yaml"
+MIN_FREE_BYTES = 1 << 20  # a run dir with less room fails at its first write of metrics
 
 
 def default_run_dir(name: str, job_id: str | None = None) -> Path:
@@ -32,39 +34,101 @@ def _trained_in(run_dir: Path) -> bool:
 def _same_config(path: Path, cfg: DictConfig) -> bool:
     try:
         return OmegaConf.to_container(OmegaConf.load(path)) == OmegaConf.to_container(cfg)
-    except (OSError, yaml.YAMLError, OmegaConfBaseException):
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, OmegaConfBaseException):
         return False
 
 
+def _prepared_by_partrain(run_dir: Path) -> bool:
+    """Holds only what `partrain slurm` or another node's launcher writes before training: the
+    frozen config (or its temporary file, mid-rename), logs/, the sbatch script."""
+    from partrain.launch.slurm import SCRIPT
+
+    return all(entry.name in (CONFIG, "logs", SCRIPT) or
+               (entry.name.startswith(f".{CONFIG}.") and entry.name.endswith(".tmp"))
+               for entry in run_dir.iterdir())
+
+
+def _nearest_existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def check_run_dir(run_dir: Path, cfg: DictConfig | None = None) -> None:
-    """A run dir is new, empty, or prepared for this very run (see the module docstring)."""
-    if not run_dir.exists() or (run_dir.is_dir() and not any(run_dir.iterdir())):
-        return
-    frozen = run_dir / CONFIG
-    joinable = (cfg is not None and run_dir.is_dir() and not _trained_in(run_dir)
-                and (not frozen.exists() or _same_config(frozen, cfg)))
-    if not joinable:
-        raise ConfigError(f"--run-dir {run_dir} already exists and is not empty; give a new one")
+    """A run dir is new, empty, or prepared for this very run (see the module docstring), and can
+    be made: checked before anything is written, and by --dry-run."""
+    def refuse(rule: str) -> ConfigError:
+        return ConfigError(f"--run-dir {run_dir} {rule}")
+
+    try:
+        if run_dir.exists() and not run_dir.is_dir():
+            raise refuse("is an existing file; give a new directory")
+        if run_dir.is_dir() and any(run_dir.iterdir()):
+            frozen = run_dir / CONFIG
+            joinable = (cfg is not None and not _trained_in(run_dir) and
+                        _prepared_by_partrain(run_dir) and
+                        (not frozen.exists() or _same_config(frozen, cfg)))
+            if not joinable:
+                raise refuse("already exists and is not empty; give a new one (a run dir holds "
+                             "one run: partrain writes only into a new or empty directory)")
+        parent = _nearest_existing(run_dir)
+        if not parent.is_dir():
+            raise refuse(f"cannot be made: {parent} is a file, not a directory")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            problem = "read-only file system" if _read_only_fs(parent) else "permission denied"
+            raise refuse(f"cannot be written: {parent} is not writable ({problem})")
+        free = shutil.disk_usage(parent).free
+        if free < MIN_FREE_BYTES:
+            raise refuse(f"cannot be written: {parent} has {free:,} bytes free (at least "
+                         f"{MIN_FREE_BYTES:,} needed for the config, metrics and logs)")
+    except OSError as e:  # a path too long, a name the file system refuses, an I/O error
+        raise refuse(f"cannot be used: {e.strerror}") from None
+
+
+def _read_only_fs(path: Path) -> bool:
+    return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
 
 
 def write_run_dir(cfg: DictConfig, run_dir: Path) -> Path:
     """Create the run dir with its frozen config.yaml (written whole, then renamed into place, so
-    that nodes writing the same file at once never see half of it)."""
+    that nodes writing the same file at once never see half of it). If the disk refuses any of
+    it, what this call made is removed and the error names --run-dir."""
     check_run_dir(run_dir, cfg)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    made = _nearest_existing(run_dir)
     tmp = run_dir / f".{CONFIG}.{os.getpid()}.tmp"
-    tmp.write_text(OmegaConf.to_yaml(cfg))
-    tmp.rename(run_dir / CONFIG)
+    try:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        tmp.write_text(OmegaConf.to_yaml(cfg))
+        tmp.rename(run_dir / CONFIG)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        _remove_made(run_dir, made)
+        raise ConfigError(f"--run-dir {run_dir} cannot be written: {e.strerror}") from None
     return run_dir
+
+
+def _remove_made(run_dir: Path, existed: Path) -> None:
+    """Remove the directories from run_dir up to (not including) `existed`, the nearest one that
+    was there before; only empty ones, so nothing of anyone else's goes."""
+    for path in (run_dir.absolute() / "logs", *[run_dir.absolute(), *run_dir.absolute().parents]):
+        if path == existed or existed not in path.parents:
+            break
+        try:
+            path.rmdir()
+        except OSError:
+            break
 
 
 def is_frozen_config(config: str | None) -> bool:
     """A run dir's config.yaml: a resolved config (every section, no defaults list)."""
+    from partrain.config.compose import read_yaml
+
     if not config or not config.endswith((".yaml", ".yml")) or not Path(config).is_file():
         return False
     try:
-        raw = yaml.safe_load(Path(config).read_text())
-    except (OSError, yaml.YAMLError):
+        raw = read_yaml(Path(config))
+    except ConfigError:  # compose_config reads it again and says what is wrong
         return False
     return (isinstance(raw, dict) and "defaults" not in raw
             and {"model", "parallel", "train", "launcher"} <= raw.keys())
@@ -73,6 +137,8 @@ def is_frozen_config(config: str | None) -> bool:
 def load_frozen_config(config: str, overrides: list[str]) -> DictConfig:
     """Run a frozen config again as it is: typed against the schema, never re-composed. It takes
     no overrides: what the workers run must be exactly what the file says."""
+    from partrain.config.compose import read_yaml
+    from partrain.config.keys import check_tree
     from partrain.config.schema import Config
 
     if overrides:
@@ -80,7 +146,9 @@ def load_frozen_config(config: str, overrides: list[str]) -> DictConfig:
             f"{config} is a run dir's frozen config and takes no overrides (got "
             f"{' '.join(overrides)}); compose from the recipe instead, e.g. "
             f"`partrain launch RECIPE {' '.join(overrides)}`")
+    raw = read_yaml(Path(config), "frozen config")
+    check_tree(raw, f"in the frozen config {config}")
     try:
-        return OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(config))
-    except (OSError, yaml.YAMLError, OmegaConfBaseException) as e:
+        return OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(raw))
+    except OmegaConfBaseException as e:
         raise ConfigError(f"frozen config {config} does not match partrain's schema: {e}") from None

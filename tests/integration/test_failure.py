@@ -1,9 +1,11 @@
 """A rank that fails ends the whole job (exit 1, the rank named, its error printed), and Ctrl-C /
-SIGTERM stop every worker (exit 130); no process outlives the launcher either way."""
+SIGTERM stop every worker (exit 130); no process outlives the launcher either way, not even when
+the launcher is killed with SIGKILL."""
 
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +23,30 @@ def _wait_for_steps(run_dir, proc, timeout=120):
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.2)
     raise AssertionError("training never started")
+
+
+def running(pids) -> set[int]:
+    """Those of pids still running: a zombie has ended and only waits for its parent."""
+    alive = set()
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        if "\nState:\tZ" not in status:
+            alive.add(pid)
+    return alive
+
+
+def survivors(find, within_s: float) -> set[int]:
+    """The processes find() names that still run after within_s seconds (or none, as soon as
+    none does). Those are then killed: a failed test must not leave them training."""
+    deadline = time.monotonic() + within_s
+    while (left := running(find())) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
 
 
 def test_failing_rank_stops_the_job(cli, tmp_path):
@@ -54,3 +80,18 @@ def test_interrupt_stops_all_workers(cli, tmp_path, how):
     assert proc.returncode == 130, stderr
     assert "interrupted" in stderr
     assert processes_mentioning(str(run_dir)) == []
+
+
+def test_sigkilled_launcher_takes_its_workers_along(cli, tmp_path):
+    """SIGKILL leaves the launcher no chance to stop anyone; each worker's lifeline ends it."""
+    run_dir = tmp_path / "run"
+    proc = cli.start("launch", *LONG, "--run-dir", str(run_dir))
+    _wait_for_steps(run_dir, proc)
+    workers = set(processes_mentioning(str(run_dir))) - {proc.pid}
+    assert len(workers) >= 2, workers
+    killed = time.monotonic()
+    os.kill(proc.pid, signal.SIGKILL)  # the launcher alone, not its process group
+    proc.wait()
+    left = survivors(lambda: workers | set(processes_mentioning(str(run_dir))), within_s=10)
+    assert not left, f"workers {sorted(left)} still ran 10 s after their launcher was killed"
+    print(f"workers gone {time.monotonic() - killed:.1f} s after the launcher was killed")

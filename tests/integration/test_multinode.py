@@ -15,6 +15,7 @@ import pytest
 
 from tests.integration.conftest import (PARITY_COMMON, assert_parity, processes_mentioning,
                                         read_metrics)
+from tests.integration.test_failure import running, survivors
 
 pytestmark = pytest.mark.slow
 
@@ -72,6 +73,16 @@ def _processes_in(namespace: str) -> list[int]:
     return pids
 
 
+def _wait_for_steps(run_dir, *nodes):
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert time.monotonic() < deadline, "training never started"
+        for node in nodes:
+            assert node.poll() is None, node.communicate()
+        time.sleep(0.2)
+
+
 def test_two_nodes_dp2_tp2_match_one_process(cli, tmp_path, two_nodes, single_process_reference):
     names, devices = two_nodes
     run_dir = tmp_path / "run"  # both nodes write to one run dir, as on a shared file system
@@ -97,12 +108,7 @@ def test_losing_a_node_ends_the_other_with_exit_1(cli, tmp_path, two_nodes):
     node0, node1 = _start_nodes(cli, names, run_dir, "launcher.device=cpu",
                                 "train.max_steps=100000", "train.eval_every=0",
                                 "parallel.dp=4", "train.micro_batch_size=4")
-    metrics = run_dir / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
-        assert time.monotonic() < deadline, "training never started"
-        assert node0.poll() is None and node1.poll() is None, node0.communicate()
-        time.sleep(0.2)
+    _wait_for_steps(run_dir, node0, node1)
 
     # Node 1 goes away: its launcher and its workers (each in a session of its own) are killed.
     lost = time.monotonic()
@@ -115,6 +121,45 @@ def test_losing_a_node_ends_the_other_with_exit_1(cli, tmp_path, two_nodes):
     assert elapsed < 45, f"node 0 took {elapsed:.0f} s to notice (collective timeout 30 s)"
     print(f"node 0 ended {elapsed:.1f} s after node 1 was lost")
     assert processes_mentioning(str(run_dir)) == []
+
+
+# Not node 0's launcher alone: it hosts the rendezvous store, whose loss makes node 1's agent stop
+# every rank of the job, lifeline or not, so that case could not fail.
+@pytest.mark.parametrize("killed", [(0, 1), (1,)], ids=["both-launchers", "node-1-launcher"])
+def test_sigkilled_launchers_take_their_workers_along(cli, tmp_path, two_nodes, killed):
+    """The launchers of `killed` die by SIGKILL: their workers die with them (their lifeline)
+    within 10 s, those of the other node too (their peers are gone), and a surviving launcher
+    stops what is left and exits 1."""
+    names, _ = two_nodes
+    run_dir = tmp_path / "run"
+    nodes = _start_nodes(cli, names, run_dir, "launcher.device=cpu", "train.max_steps=100000",
+                         "train.eval_every=0", "parallel.dp=4", "train.micro_batch_size=4")
+    _wait_for_steps(run_dir, *nodes)
+    workers = set()
+    for ns, node in zip(names, nodes):
+        # `ip netns exec` execs partrain: the pid that cli started is the launcher itself.
+        assert b"partrain\0launch" in open(f"/proc/{node.pid}/cmdline", "rb").read()
+        on_node = running(_processes_in(ns)) - {node.pid}
+        assert len(on_node) >= 2, (ns, on_node)
+        workers |= on_node
+    survivor = next((node for rank, node in enumerate(nodes) if rank not in killed), None)
+
+    started = time.monotonic()
+    for rank in killed:
+        os.kill(nodes[rank].pid, signal.SIGKILL)
+        nodes[rank].wait()
+    left = survivors(lambda: (workers | set(processes_mentioning(str(run_dir))))
+                     - {node.pid for node in nodes}, within_s=10)
+    gone = time.monotonic() - started
+    assert not left, f"workers {sorted(left)} still ran 10 s after launchers {killed} were killed"
+    print(f"launchers {killed} killed: every worker gone after {gone:.1f} s")
+    if survivor:
+        _, stderr = survivor.communicate(timeout=60)
+        ended = time.monotonic() - started
+        assert survivor.returncode == 1, stderr
+        assert "every other rank was stopped" in stderr, stderr
+        assert ended < 20, f"the surviving launcher took {ended:.0f} s to end"
+        print(f"  the surviving launcher ended after {ended:.1f} s")
 
 
 def test_missing_nodes_fail_within_the_rendezvous_timeout(cli, tmp_path, two_nodes):

@@ -12,7 +12,7 @@ from tests.unit.helpers import compose, finish, quick, start_cli, validated
 # (id, bad overrides, world for the bad case, fragments of the message, good overrides, its world)
 # world = (nnodes, nproc_per_node); None keeps the config's.
 RULES = [
-    ("world-size", ["parallel.dp=3"], (None, None),
+    ("world-size", ["parallel.dp=3"], (None, 2),
      ["pp(1) * dp(3) * tp(1) = 3 != world size 2"], ["parallel.dp=2"], (None, None)),
     ("world-size-tp", ["parallel.dp=2", "parallel.tp=2"], (None, 2),
      ["pp(1) * dp(2) * tp(2) = 4 != world size 2", "nnodes 1 * nproc_per_node 2"],
@@ -206,6 +206,9 @@ RULES = [
     ("collective_timeout", ["launcher.collective_timeout_s=0"], (None, None),
      ["launcher.collective_timeout_s=0 must be at least 1"],
      ["launcher.collective_timeout_s=1"], (None, None)),
+    ("collective_timeout-huge", ["launcher.collective_timeout_s=100000000"], (None, None),
+     ["launcher.collective_timeout_s=100000000 must be at most 604800"],
+     ["launcher.collective_timeout_s=604800"], (None, None)),
 ]
 
 
@@ -317,7 +320,7 @@ def test_validate_fills_in_place_and_is_idempotent():
 # The same rules through the CLI, in-process (main() with sys.argv): exit 2, the message on
 # stderr, no traceback, nothing on stdout.
 CLI_CASES = [
-    (["plan", "parallel.dp=3"], "pp(1) * dp(3) * tp(1) = 3 != world size 2"),
+    (["plan", "parallel.dp=3", "--world-size", "2"], "pp(1) * dp(3) * tp(1) = 3 != world size 2"),
     (["plan", "parallel.tp=3", "parallel.dp=1", "--world-size", "3"],
      "parallel.tp=3 must divide model.n_heads=4 (try tp in {1, 2, 4})"),
     (["plan", "parallel.pp=3", "parallel.dp=1"], "model.n_layers=4 must be divisible by pp(3)"),
@@ -330,7 +333,7 @@ CLI_CASES = [
     (["show", "train.seq_len=4096"], "train.seq_len=4096 exceeds model.max_seq_len=512"),
     (["show", "parallel.zero_stage=5"], "parallel.zero_stage=5 must be 0 (DDP), 1, 2 or 3"),
     (["show", "parallel.pp_schedule=zb"], "parallel.pp_schedule=zb is not one of"),
-    (["show", "model.foo=1"], "Key 'foo' not in 'ModelConfig'"),
+    (["show", "model.foo=1"], "unknown config key model.foo"),
     (["show", "parallel.tp=abc"], "parallel.tp=abc"),
     (["show", "nosuch"], "unknown recipe 'nosuch'; known recipes: llama-1b-dp8, llama-7b-tp4-pp2"),
     (["launch", "parallel.zero_stage=2", "parallel.pp=2", "parallel.dp=1", "--dry-run"],
@@ -362,7 +365,8 @@ def test_cli_show_prints_the_tp_warning_on_stderr(run_main):
 
 # A few through a real subprocess, started together to keep the suite fast.
 SUBPROCESS_CASES = [
-    (["show", "parallel.dp=3"], "pp(1) * dp(3) * tp(1) = 3 != world size 2"),
+    (["show", "parallel.dp=3", "launcher.nproc_per_node=2"],
+     "pp(1) * dp(3) * tp(1) = 3 != world size 2"),
     (["show", "parallel.tp=3", "parallel.dp=1", "launcher.nproc_per_node=3"],
      "parallel.tp=3 must divide model.n_heads=4 (try tp in {1, 2, 4})"),
     (["show", "train.global_batch_size=18"],

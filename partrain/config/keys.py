@@ -1,0 +1,127 @@
+"""Which keys and group options exist, and the nearest real one to a typo.
+
+Hydra lets `+key=value` add any key (it opens the config for it), and its own messages for a
+misspelt key advise exactly that. partrain's config is closed: every key is declared in the
+schema, and only `parallel.deepspeed` takes free keys. So overrides, a user's YAML and the composed
+result are all checked here against the schema, and a wrong key is named with a suggestion.
+"""
+
+import dataclasses
+import difflib
+import typing
+
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+
+from partrain.config.schema import Config
+from partrain.errors import ConfigError
+from partrain.paths import configs_dir
+
+OPEN_KEYS = ("parallel.deepspeed",)  # raw DeepSpeed keys: free by design
+
+
+def _leaves(cls, prefix: str = "") -> dict[str, object]:
+    """Every key of a schema dataclass, by its dotted name, with its declared type."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.type):
+            out.update(_leaves(f.type, f"{prefix}{f.name}."))
+        else:
+            out[f"{prefix}{f.name}"] = f.type
+    return out
+
+
+SCHEMA_KEYS = _leaves(Config)
+SECTIONS = {f.name for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.type)}
+
+
+def float_keys() -> list[str]:
+    """Keys declared as (optional) floats: each must be a finite number."""
+    def is_float(t) -> bool:
+        return t is float or float in typing.get_args(t)
+    return [key for key, t in SCHEMA_KEYS.items() if is_float(t)]
+
+
+def groups() -> dict[str, list[str]]:
+    """Config groups (configs/<group>/) and their options (<option>.yaml)."""
+    return {d.name: sorted(p.stem for p in d.glob("*.yaml"))
+            for d in sorted(configs_dir().iterdir()) if d.is_dir()}
+
+
+def _is_open(key: str) -> bool:
+    return any(key == k or key.startswith(k + ".") for k in OPEN_KEYS)
+
+
+def suggest(key: str, candidates) -> str:
+    """' (did you mean X?)' for the nearest candidate, or '' when none is near."""
+    candidates = list(candidates)
+    best = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    if not best:  # a right key in the wrong section, or no section: match the last part alone
+        leaf = key.rsplit(".", 1)[-1]
+        by_leaf = {c.rsplit(".", 1)[-1]: c for c in candidates}
+        best = [by_leaf[m] for m in difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.8)]
+    return f" (did you mean {best[0]}?)" if best else ""
+
+
+def _unknown_key(key: str, where: str) -> ConfigError:
+    return ConfigError(
+        f"unknown config key {key} {where}"
+        f"{suggest(key, SCHEMA_KEYS if '.' in key else [*SCHEMA_KEYS, *groups()])}; "
+        f"partrain's keys are declared in partrain/config/schema.py, and only "
+        f"{', '.join(OPEN_KEYS)} takes keys of your own")
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """Each override is Hydra grammar, names a real key or group option, and is no sweep."""
+    parser = OverridesParser.create()
+    known_groups = groups()
+    for text in overrides:
+        try:
+            override = parser.parse_override(text)
+        except HydraException as e:
+            raise ConfigError(
+                f"override {text} is not understood ({e}); write key=value, and quote a value "
+                "with special characters inside the argument, e.g. \"data.path='/x/[run1]'\"") \
+                from None
+        key = override.key_or_group
+        if override.is_sweep_override():
+            raise ConfigError(f"override {text} is a sweep (several values); partrain runs one "
+                              "config at a time: quote a value that holds commas, key='a,b'")
+        if key in known_groups and override.package is None:
+            value = override.value()
+            options = known_groups[key]
+            if not override.is_delete() and value not in options:
+                raise ConfigError(
+                    f"{key}={value} is not an option of the config group {key}"
+                    f"{suggest(str(value), options)} (options: {', '.join(options)})")
+            continue
+        if key in SCHEMA_KEYS or _is_open(key):
+            continue
+        raise _unknown_key(key, f"in the override {text}")
+
+
+def check_tree(tree: dict, where: str, prefix: str = "") -> None:
+    """Every key of a nested mapping (a YAML file, a composed config) is in the schema."""
+    for name, value in tree.items():
+        key = f"{prefix}{name}"
+        if key in SCHEMA_KEYS or _is_open(key) or (not prefix and name == "defaults"):
+            continue
+        if not prefix and name in SECTIONS and isinstance(value, dict):
+            check_tree(value, where, f"{key}.")
+            continue
+        raise _unknown_key(key, where)
+
+
+def check_defaults_list(defaults, where: str) -> None:
+    """`override GROUP: OPTION` entries of a YAML's defaults list name real options."""
+    known_groups = groups()
+    for entry in defaults if isinstance(defaults, list) else []:
+        if not isinstance(entry, dict) or len(entry) != 1:
+            continue
+        (head, option), = entry.items()
+        group = str(head).removeprefix("override ").strip()
+        if group in known_groups and isinstance(option, str) and option not in known_groups[group]:
+            raise ConfigError(
+                f"{where}: defaults list entry `{head}: {option}`: {option} is not an option of "
+                f"the config group {group}{suggest(option, known_groups[group])} (options: "
+                f"{', '.join(known_groups[group])})")

@@ -1,0 +1,83 @@
+"""Fixtures shared by every test directory: real file systems that refuse writes.
+
+Root ignores permission bits (CI runs the tests as root), so `chmod` cannot make a directory
+that root cannot write. These fixtures mount a small tmpfs instead: the kernel refuses the
+writes whoever asks. Each yields a Path on its own mount, inside the test's tmp_path, and
+unmounts and removes it at the end of the test, whatever the test did. They skip, with the
+reason, where mounting is not permitted (not root, or a container without CAP_SYS_ADMIN).
+"""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, timeout=60)
+
+
+def _mounted_tmpfs(mount_point: Path, options: str):
+    """Mount a tmpfs on mount_point (made here) or skip the test; returns the unmount callback."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs the tests as root)")
+    if shutil.which("mount") is None or shutil.which("umount") is None:
+        pytest.skip("mount/umount are not installed")
+    mount_point.mkdir()
+    done = _run("mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount_point))
+    if done.returncode != 0:
+        mount_point.rmdir()
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip() or done.returncode}")
+
+    def unmount():
+        done = _run("umount", str(mount_point))
+        if done.returncode != 0:  # busy (a file left open): detach now, freed when closed
+            done = _run("umount", "-l", str(mount_point))
+        assert done.returncode == 0, f"umount {mount_point}: {done.stderr.strip()}"
+        mount_point.rmdir()
+
+    return unmount
+
+
+@pytest.fixture
+def readonly_fs(tmp_path):
+    """An empty directory on a read-only file system (a tmpfs remounted `ro`): creating anything
+    in it, a file or a directory, fails with EROFS ("Read-only file system"), even for root.
+    Reading and listing work. Use it as a parent, e.g. `readonly_fs / "out"`."""
+    mount_point = tmp_path / "readonly-fs"
+    unmount = _mounted_tmpfs(mount_point, "size=64k,mode=0755")
+    try:
+        done = _run("mount", "-o", "remount,ro", str(mount_point))
+        if done.returncode != 0:
+            pytest.skip(f"cannot remount a tmpfs read-only here: {done.stderr.strip()}")
+        yield mount_point
+    finally:
+        unmount()
+
+
+@pytest.fixture
+def full_fs(request, tmp_path):
+    """An empty directory on a full file system (a 64 KiB tmpfs filled by a file outside that
+    directory): creating directories and empty files works (tmpfs gives them no data blocks),
+    but writing data fails with ENOSPC ("No space left on device") as soon as it needs a block.
+    Leave some room with indirect parametrization, bytes rounded down to whole 4 KiB pages:
+    `@pytest.mark.parametrize("full_fs", [8192], indirect=True)`; default 0. The directory
+    starts empty, so a test can assert that nothing was left in it."""
+    free = getattr(request, "param", 0)
+    mount_point = tmp_path / "full-fs"
+    unmount = _mounted_tmpfs(mount_point, "size=64k,mode=0755")
+    try:
+        left = shutil.disk_usage(mount_point).total - free
+        with open(mount_point / "filler", "wb", buffering=0) as f:
+            while left > 0:
+                try:
+                    left -= f.write(bytes(min(4096, left)))
+                except OSError:  # ENOSPC: full a little early is still full
+                    break
+        root = mount_point / "root"
+        root.mkdir()
+        yield root
+    finally:
+        unmount()

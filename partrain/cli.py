@@ -14,7 +14,8 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.text import Text
 
-from partrain.config import compose_config, resolve_and_validate, resolve_world
+from partrain.config import (check_startable, compose_config, resolve_and_validate,
+                             resolve_world)
 from partrain.errors import ConfigError
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False,
@@ -127,6 +128,7 @@ def launch(
     node_rank = node_rank if node_rank is not None else (place.node_rank or 0)
     cfg, world, warnings = _resolve(args, nnodes, nproc_per_node, probe_cuda=True,
                                     gpus_on_node=place.gpus_on_node)
+    check_startable(world)
     if not 0 <= node_rank < world.nnodes:
         raise ConfigError(f"{rank_source}={node_rank} must be in 0..{world.nnodes - 1} "
                           f"for {world.nnodes} node(s)")
@@ -204,6 +206,7 @@ def slurm(
                                        remove_prepared, render_script, submit, write_script)
 
     cfg, world, warnings = _resolve(args, nodes, nproc_per_node or gpus_per_node)
+    check_startable(world)
     check_data(cfg)
     run_dir = (run_dir or default_run_dir(cfg.name)).absolute()
     check_run_dir(run_dir)

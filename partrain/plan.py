@@ -20,6 +20,10 @@ from partrain.parallel.tensor import tp_collectives, tp_step_collectives
 from partrain.parallel.zero import zero_memory
 
 TIMELINE_MAX_MICRO_BATCHES = 16  # wider timelines are drawn for fewer (labels stay 2 digits)
+# Worlds up to this size are listed rank by rank; larger ones by their first and last ranks and
+# the pattern of each dimension's groups, so a plan costs the same for any world size.
+FULL_LISTING_RANKS = 4096
+SHOWN_AT_EACH_END = 8
 
 
 def build_plan(cfg: DictConfig, world: World, warnings: list[str]) -> dict:
@@ -30,8 +34,12 @@ def build_plan(cfg: DictConfig, world: World, warnings: list[str]) -> dict:
     params_per_rank = max(s["params_per_rank"] for s in stages)
     # A plan is for the machine the config names; `auto` is planned as GPUs.
     dtype = compute_dtype(t.dtype, cfg.launcher.device != "cpu")
+    full = dims.world_size <= FULL_LISTING_RANKS
+    listed = (range(dims.world_size) if full else
+              [*range(SHOWN_AT_EACH_END),
+               *range(dims.world_size - SHOWN_AT_EACH_END, dims.world_size)])
     ranks = []
-    for rank in range(dims.world_size):
+    for rank in listed:
         node, local_rank = divmod(rank, world.nproc_per_node)
         ranks.append({"rank": rank, "node": node, "local_rank": local_rank, **dims.coords(rank)})
     return {
@@ -40,8 +48,10 @@ def build_plan(cfg: DictConfig, world: World, warnings: list[str]) -> dict:
         "nnodes": world.nnodes,
         "nproc_per_node": world.nproc_per_node,
         "degrees": {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp, "zero_stage": p.zero_stage},
-        "ranks": ranks,
-        "groups": {dim: dims.groups(dim) for dim in DIM_NAMES},
+        "ranks": ranks,  # every rank, or the first and last SHOWN_AT_EACH_END of a large world
+        "ranks_complete": full,
+        "groups": {dim: dims.groups(dim) for dim in DIM_NAMES} if full else None,
+        "group_pattern": {dim: _group_pattern(dims, dim) for dim in DIM_NAMES},
         "batch": {
             "global_batch_size": t.global_batch_size,
             "micro_batch_size": t.micro_batch_size,
@@ -60,6 +70,18 @@ def build_plan(cfg: DictConfig, world: World, warnings: list[str]) -> dict:
         "pipeline": _pipeline(cfg, dims, stages) if dims.pp > 1 else None,
         "warnings": warnings,
     }
+
+
+def _group_pattern(dims: ParallelDims, dim: str) -> dict:
+    """One dimension's groups without listing them: how many, their size, the stride between
+    members, and the first and last group."""
+    size = dict(zip(DIM_NAMES, dims.shape))
+    stride = {"pp": dims.dp * dims.tp, "dp": dims.tp, "tp": 1}[dim]
+    count = dims.world_size // size[dim]
+    last_start = dims.rank(**{d: size[d] - 1 for d in DIM_NAMES if d != dim}, **{dim: 0})
+    return {"groups": count, "size": size[dim], "stride": stride,
+            "first": [stride * i for i in range(min(size[dim], SHOWN_AT_EACH_END))],
+            "last": [last_start + stride * i for i in range(min(size[dim], SHOWN_AT_EACH_END))]}
 
 
 def _stages(cfg: DictConfig, dims: ParallelDims) -> list[dict]:
@@ -156,6 +178,13 @@ def _size(n: float) -> str:
     return ""
 
 
+TABLE_END_ROWS = 8  # a ranks table longer than twice this shows its ends
+
+
+def _group_text(first_members: list[int], size: int) -> str:
+    return "[" + ",".join(map(str, first_members)) + (",...]" if size > len(first_members) else "]")
+
+
 def print_plan(plan: dict, console: Console) -> None:
     d, b, m = plan["degrees"], plan["batch"], plan["model"]
     console.print(Text.assemble(
@@ -167,20 +196,30 @@ def print_plan(plan: dict, console: Console) -> None:
                   f"rank (tp={d['tp']} splits all but the norms), "
                   f"{m['flops_per_token'] / 1e9:.2f} GFLOP per token (training)")
 
-    ranks = Table(title="ranks")
+    shown = plan["ranks"] if plan["world_size"] <= 2 * TABLE_END_ROWS else (
+        plan["ranks"][:TABLE_END_ROWS] + [None] + plan["ranks"][-TABLE_END_ROWS:])
+    ranks = Table(title="ranks" if shown is plan["ranks"] else
+                  f"ranks (the first and last {TABLE_END_ROWS} of {plan['world_size']:,})")
     for col in ("rank", "node", "local_rank", "pp", "dp", "tp"):
         ranks.add_column(col, justify="right")
-    for r in plan["ranks"]:
-        ranks.add_row(*(str(r[c]) for c in ("rank", "node", "local_rank", "pp", "dp", "tp")))
+    for r in shown:
+        ranks.add_row(*(["..."] * 6 if r is None else
+                        [str(r[c]) for c in ("rank", "node", "local_rank", "pp", "dp", "tp")]))
     console.print(ranks)
 
     groups = Table(title="process groups (ranks that communicate along each dimension)")
     groups.add_column("dim")
     groups.add_column("groups", justify="right")
     groups.add_column("ranks")
-    for dim, members in plan["groups"].items():
-        groups.add_row(dim, str(len(members)), "  ".join(
-            "[" + ",".join(map(str, g)) + "]" for g in members))
+    for dim, pattern in plan["group_pattern"].items():
+        members = (plan["groups"] or {}).get(dim)
+        if members is not None and len(members) * pattern["size"] <= 64:
+            text = "  ".join("[" + ",".join(map(str, g)) + "]" for g in members)
+        else:
+            text = (f"{pattern['groups']:,} groups of {pattern['size']:,} ranks, stride "
+                    f"{pattern['stride']:,}: {_group_text(pattern['first'], pattern['size'])} "
+                    f"... {_group_text(pattern['last'], pattern['size'])}")
+        groups.add_row(dim, f"{pattern['groups']:,}", text)
     console.print(groups)
 
     console.print(f"batch: global_batch_size {b['rule']}; seq_len {b['seq_len']}; "
@@ -214,8 +253,10 @@ def print_plan(plan: dict, console: Console) -> None:
                       "taking twice a forward, ··· = idle")
         for row in _timeline_rows(pipe["timeline"]):
             console.print(row, soft_wrap=True, highlight=False, markup=True)  # generated text only
+        peak = pipe["peak_in_flight"]
         console.print(f"bubble {pipe['rule']} = {pipe['bubble_theory']:.3f} of each step idle; "
-                      f"peak activations in flight per rank: {pipe['peak_in_flight']}")
+                      "peak activations in flight per rank: "
+                      f"{peak if peak is not None else 'not simulated (too many micro-batches)'}")
     tpc = plan["tp_collectives"]
     if tpc["per_step"]:
         stages = (f"; a pp stage's {tpc['layers_per_tp_group']} blocks, embedding rows on the "

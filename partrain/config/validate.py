@@ -125,20 +125,28 @@ def resolve_world(cfg: DictConfig, nnodes: int | None, nproc_per_node: int | Non
                     f"pp({p.pp}) * dp({p.dp}) * tp({p.tp}) = {product} ranks cannot be spread "
                     f"evenly over {nodes_from}={nnodes} nodes; change the degrees or the nodes, "
                     "or give --nproc-per-node")
-            nproc, nproc_from = product // nnodes, "the degrees' product"
+            nproc = product // nnodes
+            nproc_from = (f"pp({p.pp}) * dp({p.dp}) * tp({p.tp})" +
+                          (f" / nnodes({nnodes})" if nnodes > 1 else "")) + " ranks per node"
         else:
             raise ConfigError(
                 "parallel.dp=auto needs a world size: give --nproc-per-node N (or set "
                 "launcher.nproc_per_node), or set parallel.dp to a number")
     if nproc < 1:
         raise ConfigError(f"{nproc_from}={nproc} must be at least 1")
-    if nproc > MAX_NPROC_PER_NODE:
-        raise ConfigError(f"{nproc_from}={nproc} ranks on one node exceeds "
-                          f"{MAX_NPROC_PER_NODE}, the most partrain starts on a node")
     if nnodes * nproc > MAX_WORLD_SIZE:
         raise ConfigError(f"nnodes({nnodes}) * nproc_per_node({nproc}) = {nnodes * nproc:,} "
                           f"ranks exceeds {MAX_WORLD_SIZE:,}, the most partrain plans for")
     return World(nnodes=nnodes, nproc_per_node=nproc)
+
+
+def check_startable(world: World) -> None:
+    """What `launch` and `slurm` start on one node (`plan` and `show` may go larger)."""
+    if world.nproc_per_node > MAX_NPROC_PER_NODE:
+        raise ConfigError(
+            f"{world.nproc_per_node:,} ranks per node (nnodes {world.nnodes}) exceeds "
+            f"{MAX_NPROC_PER_NODE}, the most partrain starts on one node; use more nodes "
+            "(--nnodes) or smaller degrees")
 
 
 def _resolve_dp(p: DictConfig, world: World) -> int:

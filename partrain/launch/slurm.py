@@ -28,6 +28,9 @@ from partrain.launch.cluster import SLURM_BASE_PORT, SLURM_PORT_SPAN
 SCRIPT = "job.sbatch"
 PASSED_THROUGH = ("NCCL_", "TORCH_NCCL_", "GLOO_")  # network settings the workers need as set here
 SIGNAL_BEFORE_END_S = 120
+# The formats sbatch's --time takes (man sbatch), and its words for no limit.
+SLURM_TIME = re.compile(r"\d+|\d+:\d+|\d+:\d+:\d+|\d+-\d+|\d+-\d+:\d+|\d+-\d+:\d+:\d+|"
+                        r"UNLIMITED|INFINITE", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,10 @@ def check_job(job: SlurmJob) -> None:
     for what, value in values:
         if value is not None:
             _check_printable(what, value)
+    if job.time is not None and not SLURM_TIME.fullmatch(job.time):
+        raise ConfigError(
+            f"--time {job.time!r} is not a SLURM time limit: give minutes, MM:SS, HH:MM:SS, "
+            "D-HH, D-HH:MM or D-HH:MM:SS (e.g. 04:00:00 or 2-00:00:00), or UNLIMITED")
     for arg in job.sbatch_args:
         if not arg.startswith("-"):
             raise ConfigError(f"--sbatch-arg {arg!r} must be an sbatch option starting with '-', "

@@ -121,6 +121,14 @@ def _first_line(err: Exception) -> str:
     return ": ".join(parts) or f"{type(err).__name__}: not all nodes joined in time"
 
 
+def _workers_started(agent_log: Path) -> bool:
+    """Whether the agent got past the rendezvous and started this node's workers (it logs that)."""
+    try:
+        return "Starting worker group" in agent_log.read_text(errors="replace")
+    except OSError:
+        return False
+
+
 def launch_workers(run_dir: Path, spec: ElasticLaunch, console_print=print) -> int:
     """Run every local rank to the end; return the launcher's exit code (0, 1 or 130)."""
     agent_log = _quiet_agent_logs(run_dir, spec)
@@ -177,6 +185,12 @@ def launch_workers(run_dir: Path, spec: ElasticLaunch, console_print=print) -> i
                       "was stopped")
         return EXIT_RANK_FAILED
     except RendezvousError as err:
+        if _workers_started(agent_log):
+            # The store on node 0 went away mid-run: node 0's launcher ended or its node is gone.
+            console_print(f"lost the rendezvous store at {spec.rdzv_endpoint} during the run "
+                          f"({_first_line(err)}): node 0 ended or cannot be reached; this node's "
+                          f"workers were stopped. The agent's log: {agent_log}")
+            return EXIT_RANK_FAILED
         console_print(f"rendezvous at {spec.rdzv_endpoint} failed: {_first_line(err)}")
         console_print(f"  all {spec.nnodes} nodes must join within launcher.rdzv_timeout_s="
                       f"{spec.rdzv_timeout_s} s: is `partrain launch` running on every node with "

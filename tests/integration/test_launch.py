@@ -3,6 +3,7 @@
 import json
 from collections import Counter
 
+import pytest
 from omegaconf import OmegaConf
 
 from tests.integration.conftest import assert_no_abort, processes_mentioning, read_metrics
@@ -46,6 +47,24 @@ def test_clean_exit_at_four_ranks_repeatedly(cli, tmp_path):
                    for r in range(4))
 
 
+@pytest.mark.parametrize("degrees, ranks", [
+    (("parallel.dp=1",), 1),
+    (("parallel.tp=2", "parallel.dp=1"), 2),
+])
+def test_degrees_on_the_command_line_set_the_processes(cli, tmp_path, degrees, ranks):
+    """On CPU with nothing pinning launcher.nproc_per_node, the processes follow the degrees:
+    no --nproc-per-node needed (the README's short commands)."""
+    run_dir = tmp_path / "run"
+    res = cli.run("launch", *degrees, "train.max_steps=2", "train.eval_every=0",
+                  "train.seq_len=64", "--run-dir", str(run_dir))
+    assert res.returncode == 0, res.stderr
+    assert f"{ranks} rank(s), {ranks} on this node" in " ".join(res.stdout.split())
+    assert OmegaConf.load(run_dir / "config.yaml").launcher.nproc_per_node == ranks
+    assert sorted(p.name for p in (run_dir / "logs").glob("rank-*.log")) == \
+        [f"rank-{r}.log" for r in range(ranks)]
+    assert len(read_metrics(run_dir)[0]) == 2
+
+
 def test_dry_run_starts_and_writes_nothing(cli, tmp_path):
     run_dir = tmp_path / "run"
     res = cli.run("launch", "--dry-run", "--run-dir", str(run_dir))
@@ -56,7 +75,7 @@ def test_dry_run_starts_and_writes_nothing(cli, tmp_path):
 
 def test_bad_config_exits_2_and_writes_nothing(cli, tmp_path):
     run_dir = tmp_path / "run"
-    res = cli.run("launch", "parallel.dp=3", "--run-dir", str(run_dir))
+    res = cli.run("launch", "parallel.dp=3", "--nproc-per-node", "2", "--run-dir", str(run_dir))
     assert res.returncode == 2
     assert "pp(1) * dp(3) * tp(1) = 3 != world size 2" in res.stderr
     assert "Traceback" not in res.stderr + res.stdout

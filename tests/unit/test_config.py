@@ -104,6 +104,39 @@ def test_plan_world_size_keeps_gpus_per_node(run_main):
     assert plan["batch"]["micro_batches"] == 1024 // 2
 
 
+@pytest.mark.parametrize("args, world", [
+    (("parallel.pp=2", "parallel.tp=2", "parallel.dp=2"), (8, 2, 2, 2)),
+    (("parallel.dp=1",), (1, 1, 1, 1)),
+    (("parallel.tp=2",), (4, 1, 2, 2)),
+])
+def test_plan_follows_the_degrees_without_world_size(run_main, args, world):
+    """The quickstart pins no process count: plan (and launch on CPU) take the degrees' product."""
+    result = run_main("plan", *args, "--json")
+    assert result.code == 0, result.stderr
+    plan = json.loads(result.stdout)
+    d = plan["degrees"]
+    assert (plan["world_size"], d["pp"], d["dp"], d["tp"]) == world
+    assert plan["nproc_per_node"] == world[0] and plan["ranks_complete"]
+
+
+def test_plan_of_a_large_world_is_compact_and_fast(run_main):
+    """A million ranks: the ends of the rank list and each dimension's group pattern."""
+    result = run_main("plan", "--json", "--world-size", str(1 << 20), "parallel.dp=auto",
+                      "parallel.tp=2", "parallel.pp=2", "train.global_batch_size=null",
+                      "train.micro_batches=2")
+    assert result.code == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert not plan["ranks_complete"] and plan["groups"] is None
+    assert [r["rank"] for r in plan["ranks"]] == [*range(8), *range((1 << 20) - 8, 1 << 20)]
+    tp, pp = plan["group_pattern"]["tp"], plan["group_pattern"]["pp"]
+    assert (tp["groups"], tp["size"], tp["stride"], tp["first"]) == (1 << 19, 2, 1, [0, 1])
+    assert (pp["size"], pp["stride"], pp["last"]) == (2, 1 << 19, [(1 << 19) - 1, (1 << 20) - 1])
+    human = run_main("plan", "--world-size", str(1 << 20), "parallel.dp=auto", "parallel.tp=2",
+                     "parallel.pp=2", "train.global_batch_size=null", "train.micro_batches=2")
+    assert human.code == 0 and "the first and last 8 of 1,048,576" in human.stdout
+    assert "524,288 groups of 2 ranks, stride 1" in " ".join(human.stdout.split())
+
+
 def test_plan_human_output_spells_the_product(run_main):
     result = run_main("plan")
     assert result.code == 0, result.stderr

@@ -49,6 +49,17 @@ def _whole(flag: str, minimum: int = 1):
     return parse
 
 
+def _fraction(flag: str):
+    """A parser for a flag that takes a number strictly between 0 and 1, echoing what was given."""
+    def parse(value: str) -> float:
+        try:
+            number = float(value)
+        except ValueError:
+            raise typer.BadParameter(f"{flag}={value!r} is not a number") from None
+        return number  # the range (and NaN) is checked where the value is used
+    return parse
+
+
 def _split_args(args: Optional[List[str]]) -> tuple[Optional[str], list[str]]:
     """CONFIG is the first argument that is not an override (overrides hold '=' or start with ~)."""
     args = list(args or [])
@@ -85,6 +96,11 @@ def _resolve(args, nnodes=None, nproc_per_node=None, world_size=None, probe_cuda
 
 def _split_world(cfg, world_size: int) -> tuple[int, int]:
     """--world-size N for `plan`: keep the GPUs per node if the config has them, else the nodes."""
+    from partrain.config.validate import MAX_WORLD_SIZE
+
+    if world_size > MAX_WORLD_SIZE:
+        raise ConfigError(f"--world-size={world_size:,} exceeds {MAX_WORLD_SIZE:,} ranks, the "
+                          "most partrain plans for")
     per_node = cfg.launcher.nproc_per_node
     if per_node and world_size % per_node == 0:
         return world_size // per_node, per_node
@@ -116,7 +132,7 @@ def launch(
     from partrain.data import check_data
     from partrain.launch import ElasticLaunch, default_run_dir, launch_workers, write_run_dir
     from partrain.launch.cluster import detect_place
-    from partrain.launch.netif import pick_network, set_ifname_variables
+    from partrain.launch.netif import check_local_addr, pick_network, set_ifname_variables
     from partrain.launch.rundir import check_run_dir
     from partrain.plan import build_plan, print_plan
 
@@ -132,12 +148,17 @@ def launch(
     if not 0 <= node_rank < world.nnodes:
         raise ConfigError(f"{rank_source}={node_rank} must be in 0..{world.nnodes - 1} "
                           f"for {world.nnodes} node(s)")
-    if world.nnodes > 1:
-        rdzv_endpoint = rdzv_endpoint or place.rdzv_endpoint
+    endpoint_from = "--rdzv-endpoint"
+    if world.nnodes > 1 and not rdzv_endpoint:
+        rdzv_endpoint, endpoint_from = (place.rdzv_endpoint,
+                                        "the SLURM job's first node (SLURM_JOB_NODELIST)")
         if not rdzv_endpoint:
             raise ConfigError(f"--nnodes={world.nnodes} needs --rdzv-endpoint HOST:PORT "
                               "(node 0's address), the same on every node")
-    network = pick_network(rdzv_endpoint, local_addr, ifname) if rdzv_endpoint else None
+    if local_addr:
+        check_local_addr(local_addr)
+    network = (pick_network(rdzv_endpoint, local_addr, ifname, endpoint_from) if rdzv_endpoint
+               else None)
     if network is None and (local_addr or ifname):
         warnings.append("--local-addr / --ifname only matter for a multi-node job "
                         "(--rdzv-endpoint); this run stays on 127.0.0.1")
@@ -298,7 +319,9 @@ def show(args: Optional[List[str]] = typer.Argument(None, help=ARGS_HELP, show_d
 def data_prepare(
     files: List[Path] = typer.Argument(..., help="Text files, concatenated in the given order"),
     out_dir: Path = typer.Option(..., "--out", help="New directory for train.bin, val.bin, meta.json"),
-    val_fraction: float = typer.Option(0.05, "--val-fraction"),
+    val_fraction: float = typer.Option(0.05, "--val-fraction", metavar="F",
+                                       parser=_fraction("--val-fraction"),
+                                       help="Share of the bytes held out for validation, in (0, 1)"),
 ) -> None:
     """Byte-tokenize text files into a token dir for data=tokens data.path=DIR."""
     from partrain.data import prepare_token_dir

@@ -22,6 +22,10 @@ from partrain.paths import configs_dir, recipes_dir
 
 DEFAULT_RECIPE = "quickstart"
 MAX_CONFIG_BYTES = 1 << 20  # a config is a page of YAML; anything larger is the wrong file
+# YAML aliases let a small file expand to any size (an "alias bomb"), and Hydra copies what they
+# expand to: bound the values and the depth that a config may hold once expanded.
+MAX_CONFIG_VALUES = 100_000
+MAX_CONFIG_DEPTH = 32
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -65,12 +69,34 @@ def read_yaml(path: Path, what: str = "config file"):
         raise ConfigError(f"{what} {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at "
                           f"offset {e.start}); save it as UTF-8") from None
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)
+    except RecursionError:
+        raise ConfigError(f"{what} {path} is nested too deeply to be a config") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(e, "problem", None) or str(e)
         raise ConfigError(f"{what} {path} is not valid YAML{where}: {problem}") from None
+    _check_expanded_size(raw, f"{what} {path}")
+    return raw
+
+
+def _check_expanded_size(raw, where: str) -> None:
+    """Count the values as Hydra will see them (an alias counts each time it is used), stopping
+    at the bound, so the check itself costs little for any file."""
+    count, stack = 0, [(raw, 0)]
+    while stack:
+        node, depth = stack.pop()
+        count += 1
+        if count > MAX_CONFIG_VALUES:
+            raise ConfigError(f"{where} expands to more than {MAX_CONFIG_VALUES:,} values (YAML "
+                              "aliases?); a config is much smaller")
+        if depth > MAX_CONFIG_DEPTH:
+            raise ConfigError(f"{where} nests values more than {MAX_CONFIG_DEPTH} levels deep; "
+                              "a config is much flatter")
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) \
+            else ()
+        stack.extend((child, depth + 1) for child in children)
 
 
 def known_recipes() -> list[str]:
@@ -79,7 +105,12 @@ def known_recipes() -> list[str]:
 
 def find_recipe(config: str | None) -> Path:
     """A recipe name (`quickstart`) or a path to a YAML file; none means the quickstart recipe."""
-    config = config or DEFAULT_RECIPE
+    if config is None:
+        config = DEFAULT_RECIPE
+    if not config.strip():
+        raise ConfigError(f"CONFIG {config!r} is empty (an unset shell variable?); give a recipe "
+                          f"name ({', '.join(known_recipes())}) or a YAML path, or leave it out "
+                          "for the quickstart")
     as_path = Path(config)
     if as_path.suffix in (".yaml", ".yml") or as_path.exists():
         if not as_path.exists():
@@ -110,13 +141,16 @@ def _check_recipe_file(path: Path) -> None:
     check_tree(raw, f"in the config file {path}")
 
 
-def _explain(e: Exception) -> str:
+def explain(e: Exception) -> str:
     """Hydra wraps the useful OmegaConf message (key, value, type) as the cause: show each
-    message once, with OmegaConf's `full_key:` put in front and its type lines dropped."""
+    message once, with OmegaConf's `full_key:` put in front, its type lines and Hydra's dump of
+    its search path dropped."""
     parts, key = [], None
     while e is not None:
         for line in str(e).strip().splitlines():
             line = line.strip()
+            if line.startswith("Config search path"):
+                break
             if line.startswith("full_key:"):
                 key = key or line.removeprefix("full_key:").strip()
             elif line and not line.startswith(("reference_type=", "object_type=")) and \
@@ -133,9 +167,21 @@ def _compose(path: Path, overrides: list[str], shown_as: Path) -> DictConfig:
             return compose(config_name=path.stem, overrides=[search, *overrides])
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         # Name the user's file, never the private copy it was composed from.
-        text = _explain(e).replace(str(path), str(shown_as)).replace(f"'{path.stem}'",
+        text = explain(e).replace(str(path), str(shown_as)).replace(f"'{path.stem}'",
                                                                        f"'{shown_as}'")
         raise ConfigError(f"invalid config or override: {text}") from None
+
+
+def _failing_key(cfg: DictConfig) -> str:
+    """'KEY: ' for the first key whose interpolation (${...}) cannot be resolved, '' if none."""
+    from partrain.config.keys import SCHEMA_KEYS
+
+    for key in SCHEMA_KEYS:
+        try:
+            OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
+        except OmegaConfBaseException:
+            return f"{key}: "
+    return ""
 
 
 def compose_config(config: str | None, overrides: list[str]) -> DictConfig:
@@ -157,7 +203,9 @@ def compose_config(config: str | None, overrides: list[str]) -> DictConfig:
     try:
         OmegaConf.resolve(cfg)
     except OmegaConfBaseException as e:
-        raise ConfigError(f"invalid config: {_explain(e)}") from None
+        text, key = explain(e), _failing_key(cfg)
+        raise ConfigError(f"invalid config (composed from {path} and the overrides): "
+                          f"{'' if text.startswith(key) else key}{text}") from None
     # Hydra opens the config for `+key=value`; what it added must still be in the schema.
     check_tree(OmegaConf.to_container(cfg), "in the composed config")
     return cfg

@@ -48,6 +48,15 @@ def groups() -> dict[str, list[str]]:
             for d in sorted(configs_dir().iterdir()) if d.is_dir()}
 
 
+def shown(value) -> str:
+    """A value as the user wrote it in YAML or an override (null, true), not Python's None/True."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
 def _is_open(key: str) -> bool:
     return any(key == k or key.startswith(k + ".") for k in OPEN_KEYS)
 
@@ -84,15 +93,20 @@ def check_overrides(overrides: list[str]) -> None:
                 "with special characters inside the argument, e.g. \"data.path='/x/[run1]'\"") \
                 from None
         key = override.key_or_group
+        if not key:
+            raise ConfigError(f"override {text} names no key; write key=value")
+        if override.is_delete() and not _is_open(key):
+            raise ConfigError(f"override {text} deletes {key}; partrain's keys cannot be "
+                              "removed (every key has a default): set a value instead")
         if override.is_sweep_override():
             raise ConfigError(f"override {text} is a sweep (several values); partrain runs one "
                               "config at a time: quote a value that holds commas, key='a,b'")
         if key in known_groups and override.package is None:
             value = override.value()
             options = known_groups[key]
-            if not override.is_delete() and value not in options:
+            if value not in options:
                 raise ConfigError(
-                    f"{key}={value} is not an option of the config group {key}"
+                    f"{key}={shown(value)} is not an option of the config group {key}"
                     f"{suggest(str(value), options)} (options: {', '.join(options)})")
             continue
         if key in SCHEMA_KEYS or _is_open(key):
@@ -106,22 +120,40 @@ def check_tree(tree: dict, where: str, prefix: str = "") -> None:
         key = f"{prefix}{name}"
         if key in SCHEMA_KEYS or _is_open(key) or (not prefix and name == "defaults"):
             continue
-        if not prefix and name in SECTIONS and isinstance(value, dict):
+        if not prefix and name in SECTIONS:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key}: {shown(value)} {where}: {key} is a section, a mapping "
+                                  f"of its keys (e.g. {key}: {{{next(_keys_of(key))}: ...}})")
             check_tree(value, where, f"{key}.")
             continue
         raise _unknown_key(key, where)
 
 
+def _keys_of(section: str):
+    return (k.split(".", 1)[1] for k in SCHEMA_KEYS if k.startswith(section + "."))
+
+
 def check_defaults_list(defaults, where: str) -> None:
     """`override GROUP: OPTION` entries of a YAML's defaults list name real options."""
     known_groups = groups()
-    for entry in defaults if isinstance(defaults, list) else []:
-        if not isinstance(entry, dict) or len(entry) != 1:
+    if not isinstance(defaults, list):
+        raise ConfigError(f"{where}: defaults must be a list, like `defaults: [config, _self_]`")
+    for entry in defaults:
+        if entry in ("config", "_self_"):
             continue
+        if not isinstance(entry, dict) or len(entry) != 1:
+            raise ConfigError(
+                f"{where}: defaults list entry {shown(entry)!r} is not one partrain knows: use "
+                "`config`, `_self_` and `override GROUP: OPTION` (groups: "
+                f"{', '.join(known_groups)})")
         (head, option), = entry.items()
         group = str(head).removeprefix("override ").strip()
-        if group in known_groups and isinstance(option, str) and option not in known_groups[group]:
+        if group not in known_groups:
             raise ConfigError(
-                f"{where}: defaults list entry `{head}: {option}`: {option} is not an option of "
+                f"{where}: defaults list entry `{head}: {shown(option)}`: {group} is not a config "
+                f"group{suggest(group, known_groups)} (groups: {', '.join(known_groups)})")
+        if not isinstance(option, str) or option not in known_groups[group]:
+            raise ConfigError(
+                f"{where}: defaults list entry `{head}: {shown(option)}`: {shown(option)} is not an option of "
                 f"the config group {group}{suggest(option, known_groups[group])} (options: "
                 f"{', '.join(known_groups[group])})")

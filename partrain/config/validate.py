@@ -7,11 +7,11 @@ triple) and raises ConfigError with a message naming the keys, the values and th
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from partrain.config.keys import float_keys
+from partrain.config.keys import SCHEMA_KEYS, float_keys, shown
 from partrain.errors import ConfigError
 from partrain.models.llama import ffn_dim
 
@@ -20,6 +20,7 @@ DTYPES = ("auto", "fp32", "bf16", "fp16")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 DEVICES = ("auto", "cpu", "cuda")
 DATA_SOURCES = ("stdlib", "tokens")
+OPTIMIZERS = ("adamw",)
 # Bounds on what can exist, so that validation and `plan` cost the same for any input: the
 # largest training jobs run ~10^5 GPUs, and a node holds at most a few dozen.
 MAX_WORLD_SIZE = 1 << 20
@@ -35,6 +36,8 @@ class World:
 
     nnodes: int
     nproc_per_node: int
+    # Where nproc_per_node came from, for messages: a flag, a key, or the degrees' product.
+    nproc_from: str = field(default="--nproc-per-node", compare=False)
 
     @property
     def size(self) -> int:
@@ -76,18 +79,23 @@ def _in_range(cfg: DictConfig, key: str, low: float, high: float, shown: str) ->
 
 
 def _finite(cfg: DictConfig) -> None:
-    """Every float key is a finite number: NaN passes any `x <= 0` check and inf trains to NaN."""
+    """Every float key is a finite number (NaN passes any `x <= 0` check, inf trains to NaN), and
+    every whole number fits in 64 bits (torch's and numpy's integers)."""
     for key in float_keys():
         value = OmegaConf.select(cfg, key)
         if value is not None and not math.isfinite(value):
             raise ConfigError(f"{key}={value} must be a finite number")
+    for key in SCHEMA_KEYS:
+        value = OmegaConf.select(cfg, key)
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_SEED:
+            raise ConfigError(f"{key}={value} does not fit in 64 bits (at most {MAX_SEED})")
 
 
 def check_degrees(p: DictConfig) -> None:
     """dp, tp and pp are whole and at least 1 (dp may be auto): checked before anything derives
     a world size from them, so that a bad degree is named as itself."""
     if p.dp != "auto" and (isinstance(p.dp, bool) or not isinstance(p.dp, int)):
-        raise ConfigError(f"parallel.dp={p.dp} must be a positive integer or 'auto'")
+        raise ConfigError(f"parallel.dp={shown(p.dp)} must be a positive integer or 'auto'")
     for key in ("dp", "tp", "pp"):
         value = p[key]
         if value != "auto" and value < 1:
@@ -100,7 +108,7 @@ def check_degrees(p: DictConfig) -> None:
 
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
-        raise ConfigError(f"{key}={value} is not one of: {', '.join(allowed)}")
+        raise ConfigError(f"{key}={shown(value)} is not one of: {', '.join(allowed)}")
 
 
 def resolve_world(cfg: DictConfig, nnodes: int | None, nproc_per_node: int | None,
@@ -116,7 +124,7 @@ def resolve_world(cfg: DictConfig, nnodes: int | None, nproc_per_node: int | Non
         raise ConfigError(f"{nodes_from}={nnodes} must be at least 1")
     if nproc is None:
         if cuda_devices > 0 and cfg.launcher.device != "cpu":
-            nproc = cuda_devices
+            nproc, nproc_from = cuda_devices, "the visible GPUs"
         elif p.dp != "auto":
             # On CPU the degrees say how many processes: spread evenly over the nodes.
             product = p.pp * p.dp * p.tp
@@ -126,25 +134,28 @@ def resolve_world(cfg: DictConfig, nnodes: int | None, nproc_per_node: int | Non
                     f"evenly over {nodes_from}={nnodes} nodes; change the degrees or the nodes, "
                     "or give --nproc-per-node")
             nproc = product // nnodes
-            nproc_from = (f"pp({p.pp}) * dp({p.dp}) * tp({p.tp})" +
-                          (f" / nnodes({nnodes})" if nnodes > 1 else "")) + " ranks per node"
+            nproc_from = (f"parallel.pp({p.pp}) * parallel.dp({p.dp}) * parallel.tp({p.tp})"
+                          + (f" / nnodes({nnodes})" if nnodes > 1 else ""))
         else:
             raise ConfigError(
                 "parallel.dp=auto needs a world size: give --nproc-per-node N (or set "
                 "launcher.nproc_per_node), or set parallel.dp to a number")
     if nproc < 1:
         raise ConfigError(f"{nproc_from}={nproc} must be at least 1")
+    if nproc > MAX_WORLD_SIZE:
+        raise ConfigError(f"{nproc_from}={nproc:,} exceeds {MAX_WORLD_SIZE:,} ranks, the most "
+                          "partrain plans for")
     if nnodes * nproc > MAX_WORLD_SIZE:
         raise ConfigError(f"nnodes({nnodes}) * nproc_per_node({nproc}) = {nnodes * nproc:,} "
                           f"ranks exceeds {MAX_WORLD_SIZE:,}, the most partrain plans for")
-    return World(nnodes=nnodes, nproc_per_node=nproc)
+    return World(nnodes=nnodes, nproc_per_node=nproc, nproc_from=nproc_from)
 
 
 def check_startable(world: World) -> None:
     """What `launch` and `slurm` start on one node (`plan` and `show` may go larger)."""
     if world.nproc_per_node > MAX_NPROC_PER_NODE:
         raise ConfigError(
-            f"{world.nproc_per_node:,} ranks per node (nnodes {world.nnodes}) exceeds "
+            f"{world.nproc_per_node:,} ranks per node (from {world.nproc_from}) exceed "
             f"{MAX_NPROC_PER_NODE}, the most partrain starts on one node; use more nodes "
             "(--nnodes) or smaller degrees")
 
@@ -206,9 +217,9 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
                     "model.vocab_size", "model.max_seq_len", "train.seq_len", "train.max_steps",
                     "train.global_batch_size", "train.micro_batch_size", "train.micro_batches",
                     "train.log_every", "train.eval_batches", "model.multiple_of",
-                    "model.ffn_dim"])
+                    "model.ffn_dim", "data.stdlib_max_bytes"])
     _at_least_zero(cfg, ["train.seed", "train.eval_every", "optim.warmup_steps",
-                         "optim.weight_decay", "data.stdlib_max_bytes"])
+                         "optim.weight_decay"])
     if t.seed > MAX_SEED:
         raise ConfigError(f"train.seed={t.seed} must be at most 2**63 - 1 = {MAX_SEED}")
     _in_range(cfg, "optim.beta1", 0.0, 1.0, "[0, 1)")
@@ -222,6 +233,7 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
     _choice("train.dtype", t.dtype, DTYPES)
     _choice("launcher.device", cfg.launcher.device, DEVICES)
     _choice("data.source", cfg.data.source, DATA_SOURCES)
+    _choice("optim.name", cfg.optim.name, OPTIMIZERS)
     if p.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero_stage={p.zero_stage} must be 0 (DDP), 1, 2 or 3")
     _check_zero(cfg)

@@ -165,10 +165,13 @@ def _read_meta(path: Path) -> dict:
             size = file.stat().st_size if file.is_file() else None
         except OSError as e:
             raise ConfigError(f"data.path={path}: {split}.bin cannot be read: {_reason(e)}") from None
+        if size is None:
+            raise ConfigError(f"data.path={path}: {split}.bin is missing; a token dir holds "
+                              "train.bin, val.bin and meta.json")
         if size != expected:
             raise ConfigError(
-                f"data.path={path}: {split}.bin has {size if size is not None else 'no file'} bytes, "
-                f"meta.json says {meta[f'{split}_tokens']} tokens of {meta['dtype']} = {expected} bytes")
+                f"data.path={path}: {split}.bin has {size:,} bytes, but meta.json says "
+                f"{meta[f'{split}_tokens']:,} tokens of {meta['dtype']} = {expected:,} bytes")
     return meta
 
 
@@ -237,15 +240,18 @@ def check_data(cfg) -> str:
     # load_tokens has checked every (sampled) id against the data's vocab_size, so this check
     # also keeps every id below model.vocab_size.
     splits = load_tokens(cfg.data)
+    source = (f"data.path={cfg.data.path}" if cfg.data.source == "tokens" else
+              f"data.source=stdlib with data.stdlib_max_bytes={cfg.data.stdlib_max_bytes}")
     if splits.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
-            f"the data's vocab_size={splits.vocab_size} exceeds model.vocab_size="
+            f"{source}: the data's vocab_size={splits.vocab_size} exceeds model.vocab_size="
             f"{cfg.model.vocab_size}; token ids would fall outside the embedding")
     need = cfg.train.seq_len + 1
     for name, split in (("train", splits.train), ("val", splits.val)):
         if len(split) < need:
             raise ConfigError(
-                f"the {name} split has {len(split)} tokens, fewer than train.seq_len + 1 = {need}")
+                f"{source}: the {name} split has {len(split):,} tokens, fewer than "
+                f"train.seq_len + 1 = {need}")
     return splits.description
 
 

@@ -76,9 +76,10 @@ def expand_nodelist(nodelist: str) -> list[str]:
         hosts = [h for item in _split_top_level(nodelist.strip()) if item
                  for h in _expand_host(item.strip())]
     except ValueError as e:
-        raise ConfigError(f"SLURM node list '{nodelist}' is not understood: {e}") from None
+        raise ConfigError(f"SLURM_JOB_NODELIST={nodelist!r} is not a SLURM node list: {e}") \
+            from None
     if not hosts:
-        raise ConfigError(f"SLURM node list '{nodelist}' names no node")
+        raise ConfigError(f"SLURM_JOB_NODELIST={nodelist!r} names no node")
     return hosts
 
 

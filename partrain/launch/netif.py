@@ -32,12 +32,13 @@ class NodeNetwork:
     how: str
 
 
-def split_endpoint(endpoint: str) -> tuple[str, int]:
-    """HOST:PORT (IPv6 as [ADDR]:PORT) -> (host, port), or a ConfigError naming the flag."""
+def split_endpoint(endpoint: str, source: str = "--rdzv-endpoint") -> tuple[str, int]:
+    """HOST:PORT (IPv6 as [ADDR]:PORT) -> (host, port), or a ConfigError naming where the
+    endpoint came from (the flag, or the SLURM job)."""
     host, sep, port = endpoint.rpartition(":")
     host = host.strip("[]")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"--rdzv-endpoint {endpoint} must be HOST:PORT with a port in 1..65535 "
+        raise ConfigError(f"{source} {endpoint} must be HOST:PORT with a port in 1..65535 "
                           "(node 0's address and a free port, the same on every node)")
     return host, int(port)
 
@@ -82,33 +83,40 @@ def address_of(ifname: str) -> str | None:
     return next((a for a, name in _ipv6_addresses().items() if name == ifname), None)
 
 
-def route_to(host: str, port: int) -> str:
+def route_to(host: str, port: int, source: str = "--rdzv-endpoint") -> str:
     """The source address the kernel would use to reach host: a UDP connect() picks the route
     and sends no packet."""
     try:
         family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
     except socket.gaierror as e:
-        raise ConfigError(f"--rdzv-endpoint {host}:{port}: the host does not resolve ({e.strerror}); "
+        raise ConfigError(f"{source} {host}:{port}: the host does not resolve ({e.strerror}); "
                           "give node 0's address or a name every node can resolve") from None
     with socket.socket(family, socket.SOCK_DGRAM) as s:
         try:
             s.connect(sockaddr)
         except OSError as e:
-            raise ConfigError(f"--rdzv-endpoint {host}:{port}: no route from this node "
+            raise ConfigError(f"{source} {host}:{port}: no route from this node "
                               f"({e.strerror}); give an address this node can reach, or "
                               "--local-addr / --ifname") from None
         return s.getsockname()[0]
 
 
-def pick_network(endpoint: str, local_addr: str | None, ifname: str | None) -> NodeNetwork:
-    """The interface and address for a multi-node job: the user's, or the route to the endpoint."""
+def check_local_addr(local_addr: str) -> None:
+    try:
+        ipaddress.ip_address(local_addr)
+    except ValueError:
+        raise ConfigError(f"--local-addr {local_addr} is not an IP address (IPv4 like 10.0.0.2, "
+                          "or IPv6); give this node's address as the other nodes reach it") \
+            from None
+
+
+def pick_network(endpoint: str, local_addr: str | None, ifname: str | None,
+                 source: str = "--rdzv-endpoint") -> NodeNetwork:
+    """The interface and address for a multi-node job: the user's, or the route to the endpoint
+    (`source` says where the endpoint came from, for messages)."""
+    host, port = split_endpoint(endpoint, source)
     if local_addr:
-        try:
-            ipaddress.ip_address(local_addr)
-        except ValueError:
-            raise ConfigError(f"--local-addr {local_addr} is not an IP address (IPv4 like "
-                              "10.0.0.2, or IPv6); give this node's address as the other nodes "
-                              "reach it") from None
+        check_local_addr(local_addr)
     if ifname and ifname not in {name for _, name in socket.if_nameindex()}:
         known = ", ".join(sorted(name for _, name in socket.if_nameindex()))
         raise ConfigError(f"--ifname {ifname}: no such interface on this node (it has: {known})")
@@ -121,8 +129,7 @@ def pick_network(endpoint: str, local_addr: str | None, ifname: str | None) -> N
         return NodeNetwork(ifname, addr, f"given by --ifname, its address {addr}")
     if local_addr:
         return NodeNetwork(interface_of(local_addr), local_addr, "given by --local-addr")
-    host, port = split_endpoint(endpoint)
-    addr = route_to(host, port)
+    addr = route_to(host, port, source)
     return NodeNetwork(interface_of(addr), addr, f"the route to {endpoint}")
 
 

@@ -137,7 +137,7 @@ def is_frozen_config(config: str | None) -> bool:
 def load_frozen_config(config: str, overrides: list[str]) -> DictConfig:
     """Run a frozen config again as it is: typed against the schema, never re-composed. It takes
     no overrides: what the workers run must be exactly what the file says."""
-    from partrain.config.compose import read_yaml
+    from partrain.config.compose import explain, read_yaml
     from partrain.config.keys import check_tree
     from partrain.config.schema import Config
 
@@ -151,4 +151,5 @@ def load_frozen_config(config: str, overrides: list[str]) -> DictConfig:
     try:
         return OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(raw))
     except OmegaConfBaseException as e:
-        raise ConfigError(f"frozen config {config} does not match partrain's schema: {e}") from None
+        raise ConfigError(f"frozen config {config} does not match partrain's schema: "
+                          f"{explain(e)}") from None

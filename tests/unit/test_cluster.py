@@ -34,7 +34,7 @@ def test_nodelist_expansion(nodelist, hosts):
     ("", "names no node"),
 ])
 def test_bad_nodelist_names_it(nodelist, fragment):
-    with pytest.raises(ConfigError, match="SLURM node list") as info:
+    with pytest.raises(ConfigError, match="SLURM_JOB_NODELIST") as info:
         expand_nodelist(nodelist)
     assert fragment in str(info.value)
 

@@ -239,7 +239,7 @@ def _edit_meta(path, **changes):
     (lambda p: _edit_meta(p, dtype="float32"), "dtype='float32'"),
     (lambda p: _edit_meta(p, vocab_size=0), "vocab_size=0"),
     (lambda p: _edit_meta(p, train_tokens="many"), "train_tokens='many'"),
-    (lambda p: (p / "val.bin").unlink(), "val.bin has no file"),
+    (lambda p: (p / "val.bin").unlink(), "val.bin is missing"),
     (lambda p: (p / "train.bin").write_bytes((p / "train.bin").read_bytes()[:-1]),
      "train.bin has"),
     (lambda p: _edit_meta(p, dtype="uint16"), "of uint16"),
@@ -302,7 +302,7 @@ def test_check_data_rejects_too_short_train_split(token_dir):
     meta = json.loads((token_dir / "meta.json").read_text())
     with pytest.raises(ConfigError) as info:
         check_data(_tokens_cfg(token_dir, f"train.seq_len={meta['train_tokens']}"))
-    assert f"the train split has {meta['train_tokens']} tokens" in str(info.value)
+    assert f"the train split has {meta['train_tokens']:,} tokens" in str(info.value)
 
 
 # `partrain data prepare` through the CLI (in-process).

@@ -4,7 +4,9 @@ Every command composes and validates the config before it does anything; a Confi
 one message on stderr and exit code 2, with nothing started and nothing written.
 """
 
+import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -26,9 +28,10 @@ app.add_typer(data_app, name="data")
 
 # markup=False: what partrain prints holds the user's own text (paths, names, values), and a
 # `[run1]` or `[/x]` in it must come out as typed, not be read as rich markup.
-out = Console(highlight=False, markup=False)
-err = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
+out = Console(highlight=False, markup=False, emoji=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True, markup=False, emoji=False)
 
+OVERRIDE_SHAPE = re.compile(r"[~+]|[A-Za-z_][\w.@+-]*=|=")
 ARGS_HELP = "[CONFIG] [OVERRIDE...]: a recipe name or YAML path, then Hydra overrides (key=value)"
 
 
@@ -61,9 +64,10 @@ def _fraction(flag: str):
 
 
 def _split_args(args: Optional[List[str]]) -> tuple[Optional[str], list[str]]:
-    """CONFIG is the first argument that is not an override (overrides hold '=' or start with ~)."""
+    """CONFIG is the first argument unless it has an override's shape (`key=`, `+key=`, `~key`):
+    a path may hold '=' (`runs/lr=1e-3/config.yaml`) where a key cannot."""
     args = list(args or [])
-    if args and "=" not in args[0] and not args[0].startswith("~"):
+    if args and not OVERRIDE_SHAPE.match(args[0]):
         return args[0], args[1:]
     return None, args
 
@@ -90,6 +94,8 @@ def _resolve(args, nnodes=None, nproc_per_node=None, world_size=None, probe_cuda
             raise ConfigError("launcher.device=cuda but no CUDA device is visible; "
                               "use launcher.device=cpu")
     world = resolve_world(cfg, nnodes, nproc_per_node, cuda_devices)
+    if world_size is not None:
+        world = dataclasses.replace(world, nproc_from=f"--world-size={world_size}")
     warnings = resolve_and_validate(cfg, world)
     return cfg, world, warnings
 
@@ -353,6 +359,9 @@ def main() -> None:
     except typer.Abort:
         _error("aborted")
         code = 130
+    except OSError as e:  # a path the system refuses (too long, a symlink loop) as input
+        _error(f"{str(e.filename or '')[:200]}: {e.strerror or e}")
+        code = 2
     sys.exit(code if isinstance(code, int) else 0)
 
 

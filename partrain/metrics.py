@@ -42,7 +42,8 @@ class ProgressDisplay:
 
     def __init__(self, max_steps: int, log_every: int, enabled: bool):
         self.enabled, self.log_every, self.max_steps = enabled, log_every, max_steps
-        self.console = Console(file=sys.stdout, markup=False)  # paths and names print as typed
+        # Paths and names print as typed: no markup, no :emoji: codes.
+        self.console = Console(file=sys.stdout, markup=False, emoji=False)
         self.live = enabled and self.console.is_terminal
         self.progress = None
 

@@ -20,6 +20,8 @@ from partrain.parallel.tensor import tp_collectives, tp_step_collectives
 from partrain.parallel.zero import zero_memory
 
 TIMELINE_MAX_MICRO_BATCHES = 16  # wider timelines are drawn for fewer (labels stay 2 digits)
+TIMELINE_MAX_RANKS = 32  # a deeper pipeline is not drawn (one line per pp rank)
+SIMULATED_MAX_ACTIONS = 1 << 16  # peak activations are simulated up to this many actions
 # Worlds up to this size are listed rank by rank; larger ones by their first and last ranks and
 # the pattern of each dimension's groups, so a plan costs the same for any world size.
 FULL_LISTING_RANKS = 4096
@@ -113,15 +115,18 @@ def _pipeline(cfg: DictConfig, dims: ParallelDims, stages: list[dict]) -> dict:
     shown = m
     if m * v > TIMELINE_MAX_MICRO_BATCHES:
         shown = max(dims.pp, (TIMELINE_MAX_MICRO_BATCHES // v) // dims.pp * dims.pp)
-    sim = simulate(build_schedule(schedule, dims.pp, shown, v))
-    timeline = [[{"op": a.op, "chunk": a.chunk, "mb": a.mb, "start": start, "end": end}
-                 for a, start, end in spans] for spans in sim.spans]
+    timeline = None
+    if dims.pp <= TIMELINE_MAX_RANKS:
+        sim = simulate(build_schedule(schedule, dims.pp, shown, v))
+        timeline = [[{"op": a.op, "chunk": a.chunk, "mb": a.mb, "start": start, "end": end}
+                     for a, start, end in spans] for spans in sim.spans]
+    actions = 2 * m * v * dims.pp
     return {
         "schedule": schedule, "virtual_stages": v, "micro_batches": m, "stages": stages,
         "bubble_theory": bubble_theory(schedule, dims.pp, m, v),
         "rule": ("(p-1)/(v*m+p-1)" if schedule == "interleaved_1f1b" else "(p-1)/(m+p-1)"),
         "peak_in_flight": simulate(build_schedule(schedule, dims.pp, m, v)).peak_in_flight
-        if m * v <= 4096 else None,
+        if actions <= SIMULATED_MAX_ACTIONS else None,
         "timeline_micro_batches": shown, "timeline": timeline,
     }
 
@@ -251,7 +256,9 @@ def print_plan(plan: dict, console: Console) -> None:
                       f"{', ' + str(pipe['virtual_stages']) + ' chunks per rank' if pipe['virtual_stages'] > 1 else ''}"
                       f"; timeline{note}: F/B = forward/backward of micro-batch n, a backward "
                       "taking twice a forward, ··· = idle")
-        for row in _timeline_rows(pipe["timeline"]):
+        if pipe["timeline"] is None:
+            console.print(f"(not drawn for more than {TIMELINE_MAX_RANKS} pp ranks)")
+        for row in _timeline_rows(pipe["timeline"] or []):
             console.print(row, soft_wrap=True, highlight=False, markup=True)  # generated text only
         peak = pipe["peak_in_flight"]
         console.print(f"bubble {pipe['rule']} = {pipe['bubble_theory']:.3f} of each step idle; "

@@ -15,6 +15,14 @@ from pathlib import Path
 import pytest
 
 
+def pytest_configure(config):
+    # Run by default (CI runs plain `pytest`); `-m "not slow"` leaves them out for a quick pass
+    # under 6 minutes on 2 cores.
+    config.addinivalue_line(
+        "markers", "slow: the heavy part of the suite: the parity matrices, DeepSpeed runs, "
+        "benchmarks, real SLURM daemons and network namespaces")
+
+
 def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, timeout=60)
 

@@ -15,7 +15,8 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from partrain.config.keys import check_defaults_list, check_overrides, check_tree
+from partrain.config.keys import (check_defaults_list, check_no_interpolation, check_overrides,
+                                  check_tree)
 from partrain.config.schema import register
 from partrain.errors import ConfigError
 from partrain.paths import configs_dir, recipes_dir
@@ -51,11 +52,13 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def read_yaml(path: Path, what: str = "config file"):
     """A YAML file that partrain reads, parsed; or a ConfigError naming the file and what is
     wrong: not a regular file, unreadable, too large, not UTF-8, not YAML, a key given twice."""
-    if path.is_dir():
-        raise ConfigError(f"{what} {path} is a directory; give a YAML file")
-    if not path.is_file():
-        raise ConfigError(f"{what} {path} is not a regular file")
     try:
+        if path.is_dir():
+            raise ConfigError(f"{what} {path} is a directory; give a YAML file")
+        if not path.is_file():
+            raise ConfigError(f"{what} {path} is not a regular file"
+                              + (" (a broken or looping symbolic link)" if path.is_symlink()
+                                 else ""))
         size = path.stat().st_size
         if size > MAX_CONFIG_BYTES:
             raise ConfigError(f"{what} {path} has {size:,} bytes; a config is at most "
@@ -94,8 +97,16 @@ def _check_expanded_size(raw, where: str) -> None:
         if depth > MAX_CONFIG_DEPTH:
             raise ConfigError(f"{where} nests values more than {MAX_CONFIG_DEPTH} levels deep; "
                               "a config is much flatter")
-        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) \
-            else ()
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, list):
+            children = node
+        elif node is None or isinstance(node, (str, int, float, bool)):
+            children = ()
+        else:  # !!binary, a date, a timestamp, a set: YAML types a config value cannot be
+            raise ConfigError(f"{where} holds a {type(node).__name__} value ({str(node)[:40]!r});"
+                              " a config value is a string, number, boolean, list or mapping: "
+                              "quote it to make it a string")
         stack.extend((child, depth + 1) for child in children)
 
 
@@ -112,8 +123,14 @@ def find_recipe(config: str | None) -> Path:
                           f"name ({', '.join(known_recipes())}) or a YAML path, or leave it out "
                           "for the quickstart")
     as_path = Path(config)
-    if as_path.suffix in (".yaml", ".yml") or as_path.exists():
-        if not as_path.exists():
+    # A bare name is a recipe, never a file of that name in the current directory; a path has a
+    # directory part or a YAML suffix (`./myrecipe` for a file without one).
+    if as_path.suffix in (".yaml", ".yml") or "/" in config:
+        try:
+            exists = as_path.exists() or as_path.is_symlink()
+        except OSError as e:
+            raise ConfigError(f"config file {config[:200]} cannot be used: {e.strerror}") from None
+        if not exists:
             raise ConfigError(
                 f"config file {config} does not exist; give a YAML path or one of the recipes: "
                 f"{', '.join(known_recipes())}"
@@ -188,7 +205,7 @@ def compose_config(config: str | None, overrides: list[str]) -> DictConfig:
     """The resolved, typed config for a recipe or YAML file plus Hydra-grammar overrides."""
     path = find_recipe(config)
     _check_recipe_file(path)
-    check_overrides(overrides)
+    overrides = check_overrides(overrides)
     register()
     # A user's file is composed from a private copy under a neutral name: Hydra finds a primary
     # config only as <name>.yaml, and a config.yaml beside it (or the file itself, if so named)
@@ -206,6 +223,9 @@ def compose_config(config: str | None, overrides: list[str]) -> DictConfig:
         text, key = explain(e), _failing_key(cfg)
         raise ConfigError(f"invalid config (composed from {path} and the overrides): "
                           f"{'' if text.startswith(key) else key}{text}") from None
-    # Hydra opens the config for `+key=value`; what it added must still be in the schema.
-    check_tree(OmegaConf.to_container(cfg), "in the composed config")
+    # Hydra opens the config for `+key=value`; what it added must still be in the schema. An
+    # escaped `\${x}` resolves to the text `${x}`, which OmegaConf would read again later.
+    resolved = OmegaConf.to_container(cfg)
+    check_tree(resolved, "in the composed config")
+    check_no_interpolation(resolved, "in the composed config")
     return cfg

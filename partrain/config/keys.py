@@ -80,10 +80,12 @@ def _unknown_key(key: str, where: str) -> ConfigError:
         f"{', '.join(OPEN_KEYS)} takes keys of your own")
 
 
-def check_overrides(overrides: list[str]) -> None:
-    """Each override is Hydra grammar, names a real key or group option, and is no sweep."""
+def check_overrides(overrides: list[str]) -> list[str]:
+    """Each override is Hydra grammar, names a real key or group option, and is no sweep. Returns
+    them as Hydra takes them: a key under parallel.deepspeed is added (`++`) when it is new."""
     parser = OverridesParser.create()
     known_groups = groups()
+    accepted = []
     for text in overrides:
         try:
             override = parser.parse_override(text)
@@ -101,17 +103,40 @@ def check_overrides(overrides: list[str]) -> None:
         if override.is_sweep_override():
             raise ConfigError(f"override {text} is a sweep (several values); partrain runs one "
                               "config at a time: quote a value that holds commas, key='a,b'")
-        if key in known_groups and override.package is None:
+        if override.package is not None:
+            raise ConfigError(f"override {text} places a config group at a package (@); "
+                              "partrain's groups have fixed places: write GROUP=OPTION")
+        if key in known_groups:
             value = override.value()
             options = known_groups[key]
             if value not in options:
                 raise ConfigError(
                     f"{key}={shown(value)} is not an option of the config group {key}"
                     f"{suggest(str(value), options)} (options: {', '.join(options)})")
-            continue
-        if key in SCHEMA_KEYS or _is_open(key):
-            continue
-        raise _unknown_key(key, f"in the override {text}")
+            if override.is_add() or override.is_force_add():
+                raise ConfigError(f"override {text} adds the group {key} a second time; "
+                                  f"choose its option with {key}={value}")
+            accepted.append(text)
+        elif key in SCHEMA_KEYS:
+            accepted.append(text)
+        elif _is_open(key):
+            accepted.append(text if text.startswith(("+", "~")) else "++" + text)
+        else:
+            raise _unknown_key(key, f"in the override {text}")
+    return accepted
+
+
+def check_no_interpolation(tree, where: str, prefix: str = "") -> None:
+    """No value still holds `${...}` once resolved: OmegaConf would read it as an
+    interpolation on every access (a frozen config is never resolved again)."""
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) \
+        if isinstance(tree, list) else ()
+    for name, value in items:
+        key = f"{prefix}{name}" if isinstance(name, str) else f"{prefix.rstrip('.')}[{name}]"
+        if isinstance(value, str) and "${" in value:
+            raise ConfigError(f"{key}={value[:200]} {where} holds `${{`, which partrain would "
+                              "read as an interpolation; a config value cannot contain it")
+        check_no_interpolation(value, where, f"{key}.")
 
 
 def check_tree(tree: dict, where: str, prefix: str = "") -> None:
@@ -136,8 +161,11 @@ def _keys_of(section: str):
 def check_defaults_list(defaults, where: str) -> None:
     """`override GROUP: OPTION` entries of a YAML's defaults list name real options."""
     known_groups = groups()
-    if not isinstance(defaults, list):
-        raise ConfigError(f"{where}: defaults must be a list, like `defaults: [config, _self_]`")
+    if not isinstance(defaults, list) or "config" not in defaults or (
+            "_self_" in defaults and defaults.index("_self_") < defaults.index("config")):
+        raise ConfigError(f"{where}: defaults must be a list that starts from partrain's "
+                          "`config` and then applies the file itself (`_self_`), like "
+                          "`defaults: [config, _self_]`")
     for entry in defaults:
         if entry in ("config", "_self_"):
             continue
@@ -152,7 +180,10 @@ def check_defaults_list(defaults, where: str) -> None:
             raise ConfigError(
                 f"{where}: defaults list entry `{head}: {shown(option)}`: {group} is not a config "
                 f"group{suggest(group, known_groups)} (groups: {', '.join(known_groups)})")
-        if not isinstance(option, str) or option not in known_groups[group]:
+        if not isinstance(option, str):
+            raise ConfigError(f"{where}: defaults list entry `{head}: {shown(option)}`: an "
+                              f"option is one name (options: {', '.join(known_groups[group])})")
+        if option not in known_groups[group]:
             raise ConfigError(
                 f"{where}: defaults list entry `{head}: {shown(option)}`: {shown(option)} is not an option of "
                 f"the config group {group}{suggest(option, known_groups[group])} (options: "

@@ -25,6 +25,8 @@ OPTIMIZERS = ("adamw",)
 # largest training jobs run ~10^5 GPUs, and a node holds at most a few dozen.
 MAX_WORLD_SIZE = 1 << 20
 MAX_NPROC_PER_NODE = 1024
+MAX_PIPELINE_CHUNKS = 1024
+MAX_DIVISOR_SHOWN = 4096  # pp * pp_virtual_stages: real pipelines have tens of stages
 MAX_SEED = (1 << 63) - 1
 MAX_TIMEOUT_S = 7 * 24 * 3600
 NAME_RULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -45,11 +47,11 @@ class World:
 
 
 def _divisors(n: int) -> str:
-    """n's divisors, found up to sqrt(n) so that any n costs the same; a long list is cut."""
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    found = sorted(set(small + [n // d for d in small]))
-    shown = found if len(found) <= 12 else found[:6] + ["..."] + found[-3:]
-    return "{" + ", ".join(map(str, shown)) + "}"
+    """The divisors of n that a degree could be (up to MAX_DIVISOR_SHOWN, so any n costs the
+    same); a long list is cut."""
+    found = [d for d in range(1, min(n, MAX_DIVISOR_SHOWN) + 1) if n % d == 0]
+    shown = found if len(found) <= 12 else found[:9] + ["..."] + found[-2:]
+    return "{" + ", ".join(map(str, shown)) + ("" if n <= MAX_DIVISOR_SHOWN else ", ...") + "}"
 
 
 def _value(cfg: DictConfig, key: str):
@@ -263,9 +265,16 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
             f"output head are split over the vocabulary); pad the vocabulary to a multiple of "
             f"{p.tp}")
     chunks = p.pp * p.pp_virtual_stages
+    if chunks > MAX_PIPELINE_CHUNKS:
+        raise ConfigError(
+            f"pp({p.pp}) * pp_virtual_stages({p.pp_virtual_stages}) = {chunks:,} pipeline chunks "
+            f"exceeds {MAX_PIPELINE_CHUNKS}, the most partrain plans for")
     if p.pp_layers is not None:
         given = list(p.pp_layers)
         shown = "[" + ", ".join(map(str, given)) + "]"
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in given):
+            raise ConfigError(f"parallel.pp_layers={shown} must list whole block counts, one "
+                              "per stage (e.g. [1, 3])")
         if len(given) != chunks:
             raise ConfigError(
                 f"parallel.pp_layers={shown} must list {chunks} stage sizes, one per pp rank and "
@@ -295,8 +304,9 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
     if product != world.size:
         raise ConfigError(
             f"pp({p.pp}) * dp({dp}) * tp({p.tp}) = {product} != world size {world.size} "
-            f"(nnodes {world.nnodes} * nproc_per_node {world.nproc_per_node}); change the degrees, "
-            "use parallel.dp=auto, or change --nproc-per-node"
+            f"(nnodes {world.nnodes} * nproc_per_node {world.nproc_per_node}, from "
+            f"{world.nproc_from}); change the degrees, use parallel.dp=auto, or change the "
+            "world size"
         )
 
     g, b, mb = _resolve_batch(t, dp)

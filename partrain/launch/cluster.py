@@ -46,6 +46,9 @@ def _split_top_level(text: str) -> list[str]:
     return parts
 
 
+MAX_NODES = 1 << 20  # validation bounds a world at this many ranks, so nodes too
+
+
 def _expand_ranges(body: str) -> list[str]:
     """`01-03,07` -> ['01', '02', '03', '07']; the width of the first number keeps zero padding."""
     out = []
@@ -56,6 +59,8 @@ def _expand_ranges(body: str) -> list[str]:
         low, high = match.group(1), match.group(2) or match.group(1)
         if int(high) < int(low):
             raise ValueError(f"range {part} runs backwards")
+        if int(high) - int(low) >= MAX_NODES:
+            raise ValueError(f"range {part} names more than {MAX_NODES:,} nodes")
         out += [str(n).zfill(len(low)) for n in range(int(low), int(high) + 1)]
     return out
 
@@ -85,10 +90,14 @@ def expand_nodelist(nodelist: str) -> list[str]:
 
 def slurm_port(job_id: str) -> int:
     """The rendezvous port of a SLURM job: the same on every node, without talking to each other."""
-    digits = re.match(r"\d+", job_id)
-    if not digits:
-        raise ConfigError(f"SLURM_JOB_ID={job_id} is not a job number")
-    return SLURM_BASE_PORT + int(digits.group()) % SLURM_PORT_SPAN
+    return SLURM_BASE_PORT + int(check_job_id(job_id)) % SLURM_PORT_SPAN
+
+
+def check_job_id(job_id: str) -> str:
+    """SLURM job ids are numbers; this one also names the default run dir, so nothing else."""
+    if not re.fullmatch(r"\d{1,20}", job_id):
+        raise ConfigError(f"SLURM_JOB_ID={job_id[:40]} is not a job number (digits only)")
+    return job_id
 
 
 def _int(env: Mapping[str, str], *names: str) -> int | None:
@@ -96,9 +105,9 @@ def _int(env: Mapping[str, str], *names: str) -> int | None:
     for name in names:
         value = env.get(name)
         if value:
-            match = re.match(r"\d+", value)
+            match = re.match(r"\d{1,9}", value)
             if not match:
-                raise ConfigError(f"{name}={value} is not a number")
+                raise ConfigError(f"{name}={value[:40]} is not a whole number >= 0")
             return int(match.group())
     return None
 

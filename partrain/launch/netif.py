@@ -36,6 +36,9 @@ def split_endpoint(endpoint: str, source: str = "--rdzv-endpoint") -> tuple[str,
     """HOST:PORT (IPv6 as [ADDR]:PORT) -> (host, port), or a ConfigError naming where the
     endpoint came from (the flag, or the SLURM job)."""
     host, sep, port = endpoint.rpartition(":")
+    bracketed = host.startswith("[") or host.endswith("]")
+    if bracketed and not (host.startswith("[") and host.endswith("]")):
+        host = ""  # `[::1:29500`: an IPv6 address half in brackets
     host = host.strip("[]")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"{source} {endpoint} must be HOST:PORT with a port in 1..65535 "
@@ -115,6 +118,9 @@ def pick_network(endpoint: str, local_addr: str | None, ifname: str | None,
     """The interface and address for a multi-node job: the user's, or the route to the endpoint
     (`source` says where the endpoint came from, for messages)."""
     host, port = split_endpoint(endpoint, source)
+    if ifname is not None and not ifname.strip():
+        raise ConfigError("--ifname '' is empty; give an interface name (e.g. eth0) or leave "
+                          "the flag out")
     if local_addr:
         check_local_addr(local_addr)
     if ifname and ifname not in {name for _, name in socket.if_nameindex()}:

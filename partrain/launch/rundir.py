@@ -32,9 +32,11 @@ def _trained_in(run_dir: Path) -> bool:
 
 
 def _same_config(path: Path, cfg: DictConfig) -> bool:
-    try:
-        return OmegaConf.to_container(OmegaConf.load(path)) == OmegaConf.to_container(cfg)
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, OmegaConfBaseException):
+    from partrain.config.compose import read_yaml
+
+    try:  # read_yaml refuses what is not a small regular file (a FIFO would block here)
+        return read_yaml(path) == OmegaConf.to_container(cfg)
+    except ConfigError:
         return False
 
 
@@ -62,6 +64,8 @@ def check_run_dir(run_dir: Path, cfg: DictConfig | None = None) -> None:
         return ConfigError(f"--run-dir {run_dir} {rule}")
 
     try:
+        if run_dir.is_symlink() and not run_dir.exists():
+            raise refuse("is a broken or looping symbolic link")
         if run_dir.exists() and not run_dir.is_dir():
             raise refuse("is an existing file; give a new directory")
         if run_dir.is_dir() and any(run_dir.iterdir()):
@@ -102,8 +106,11 @@ def write_run_dir(cfg: DictConfig, run_dir: Path) -> Path:
         tmp.write_text(OmegaConf.to_yaml(cfg))
         tmp.rename(run_dir / CONFIG)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
-        _remove_made(run_dir, made)
+        try:
+            tmp.unlink(missing_ok=True)
+            _remove_made(run_dir, made)
+        except OSError:
+            pass  # the message below names the run dir; what could not be removed is in it
         raise ConfigError(f"--run-dir {run_dir} cannot be written: {e.strerror}") from None
     return run_dir
 
@@ -124,7 +131,7 @@ def is_frozen_config(config: str | None) -> bool:
     """A run dir's config.yaml: a resolved config (every section, no defaults list)."""
     from partrain.config.compose import read_yaml
 
-    if not config or not config.endswith((".yaml", ".yml")) or not Path(config).is_file():
+    if not config or not config.endswith((".yaml", ".yml")):
         return False
     try:
         raw = read_yaml(Path(config))
@@ -138,7 +145,7 @@ def load_frozen_config(config: str, overrides: list[str]) -> DictConfig:
     """Run a frozen config again as it is: typed against the schema, never re-composed. It takes
     no overrides: what the workers run must be exactly what the file says."""
     from partrain.config.compose import explain, read_yaml
-    from partrain.config.keys import check_tree
+    from partrain.config.keys import SECTIONS, check_no_interpolation, check_tree
     from partrain.config.schema import Config
 
     if overrides:
@@ -147,7 +154,14 @@ def load_frozen_config(config: str, overrides: list[str]) -> DictConfig:
             f"{' '.join(overrides)}); compose from the recipe instead, e.g. "
             f"`partrain launch RECIPE {' '.join(overrides)}`")
     raw = read_yaml(Path(config), "frozen config")
-    check_tree(raw, f"in the frozen config {config}")
+    where = f"in the frozen config {config}"
+    check_tree(raw, where)
+    missing = sorted(SECTIONS - raw.keys())
+    if missing:
+        raise ConfigError(f"frozen config {config} lacks the section(s) {', '.join(missing)}: a "
+                          "run dir's config.yaml holds every section, exactly as the workers ran "
+                          "it; compose from a recipe instead")
+    check_no_interpolation(raw, where)
     try:
         return OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(raw))
     except OmegaConfBaseException as e:

@@ -28,6 +28,21 @@ from partrain.launch.cluster import SLURM_BASE_PORT, SLURM_PORT_SPAN
 SCRIPT = "job.sbatch"
 PASSED_THROUGH = ("NCCL_", "TORCH_NCCL_", "GLOO_")  # network settings the workers need as set here
 SIGNAL_BEFORE_END_S = 120
+# sbatch options the script sets from partrain's own flags and layout; a raw --sbatch-arg that
+# repeats one would contradict it (the last one wins in sbatch, silently).
+FIXED_SBATCH_OPTIONS = {
+    **dict.fromkeys(("--nodes", "-N"), "use --nodes"),
+    **dict.fromkeys(("--ntasks-per-node", "--ntasks", "-n"), "one task per node, which starts "
+                    "the node's ranks; use --nproc-per-node"),
+    **dict.fromkeys(("--output", "-o", "--error", "-e"), "logs go to RUN_DIR/logs"),
+    **dict.fromkeys(("--job-name", "-J"), "the job is named after the config's name"),
+    **dict.fromkeys(("--gpus-per-node",), "use --gpus-per-node"),
+    **dict.fromkeys(("--partition", "-p"), "use --partition"),
+    **dict.fromkeys(("--time", "-t"), "use --time"),
+    **dict.fromkeys(("--account", "-A"), "use --account"),
+    **dict.fromkeys(("--qos", "-q"), "use --qos"),
+    **dict.fromkeys(("--signal",), "partrain asks for USR2 before the time limit"),
+}
 # The formats sbatch's --time takes (man sbatch), and its words for no limit.
 SLURM_TIME = re.compile(r"\d+|\d+:\d+|\d+:\d+:\d+|\d+-\d+|\d+-\d+:\d+|\d+-\d+:\d+:\d+|"
                         r"UNLIMITED|INFINITE", re.IGNORECASE)
@@ -87,10 +102,19 @@ def check_job(job: SlurmJob) -> None:
         raise ConfigError(
             f"--time {job.time!r} is not a SLURM time limit: give minutes, MM:SS, HH:MM:SS, "
             "D-HH, D-HH:MM or D-HH:MM:SS (e.g. 04:00:00 or 2-00:00:00), or UNLIMITED")
+    for what, value in (("--partition", job.partition), ("--account", job.account),
+                        ("--qos", job.qos)):
+        if value is not None and not value.strip():
+            raise ConfigError(f"{what}={value!r} is empty; leave the flag out for SLURM's default")
     for arg in job.sbatch_args:
-        if not arg.startswith("-"):
+        name = arg.split("=", 1)[0]
+        if not arg.startswith("-") or not name.strip("-"):
             raise ConfigError(f"--sbatch-arg {arg!r} must be an sbatch option starting with '-', "
                               "e.g. --sbatch-arg=--exclusive or --sbatch-arg=--mem=0")
+        if name in FIXED_SBATCH_OPTIONS:
+            raise ConfigError(
+                f"--sbatch-arg {arg!r} contradicts what partrain writes itself "
+                f"({FIXED_SBATCH_OPTIONS[name]})")
 
 
 def render_script(job: SlurmJob) -> str:

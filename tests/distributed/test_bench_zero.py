@@ -2,9 +2,12 @@
 (real DeepSpeed on gloo) are within 10% of the ZeRO formula, and each stage holds less than the
 one before."""
 
+import pytest
+
 from tests.distributed.helpers import run_script_json
 
 
+@pytest.mark.slow
 def test_bench_zero_measures_the_formulas():
     args = ["--layers", "2", "--dim", "128", "--seq", "64", "--steps", "1"]
     stages = run_script_json("bench_zero.py", *args, timeout=400)["stages"]

@@ -6,16 +6,12 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 ABORT_MESSAGE = "terminate called without an active exception"
-
-
-def pytest_configure(config):
-    # Run by default (CI runs plain `pytest`); `-m "not slow"` leaves them out for a quick pass.
-    config.addinivalue_line("markers", "slow: real SLURM daemons or network namespaces (~1 min)")
 
 
 class CLI:
@@ -70,6 +66,30 @@ def processes_mentioning(text: str) -> list[int]:
             if text in cmdline:
                 pids.append(int(entry.name))
     return pids
+
+
+def running(pids) -> set[int]:
+    """Those of pids still running: a zombie has ended and only waits for its parent."""
+    alive = set()
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        if "\nState:\tZ" not in status:
+            alive.add(pid)
+    return alive
+
+
+def survivors(find, within_s: float) -> set[int]:
+    """The processes find() names that still run after within_s seconds (or none, as soon as
+    none does). Those are then killed: a failed test must not leave them training."""
+    deadline = time.monotonic() + within_s
+    while (left := running(find())) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
 
 
 def assert_no_abort(run_dir: Path, *outputs: str) -> None:

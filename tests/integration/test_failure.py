@@ -5,11 +5,10 @@ the launcher is killed with SIGKILL."""
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import processes_mentioning
+from tests.integration.conftest import processes_mentioning, survivors
 
 LONG = ("train.max_steps=100000", "train.eval_every=0")
 
@@ -23,30 +22,6 @@ def _wait_for_steps(run_dir, proc, timeout=120):
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.2)
     raise AssertionError("training never started")
-
-
-def running(pids) -> set[int]:
-    """Those of pids still running: a zombie has ended and only waits for its parent."""
-    alive = set()
-    for pid in pids:
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            continue
-        if "\nState:\tZ" not in status:
-            alive.add(pid)
-    return alive
-
-
-def survivors(find, within_s: float) -> set[int]:
-    """The processes find() names that still run after within_s seconds (or none, as soon as
-    none does). Those are then killed: a failed test must not leave them training."""
-    deadline = time.monotonic() + within_s
-    while (left := running(find())) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
-    return left
 
 
 def test_failing_rank_stops_the_job(cli, tmp_path):

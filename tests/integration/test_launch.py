@@ -34,6 +34,7 @@ def test_quickstart_trains_and_writes_the_run_dir(cli, tmp_path):
     assert processes_mentioning(str(run_dir)) == []
 
 
+@pytest.mark.slow
 def test_clean_exit_at_four_ranks_repeatedly(cli, tmp_path):
     """Gloo's teardown race showed at 4 ranks (4 runs in 10 with destroy alone); none may abort."""
     for i in range(4):
@@ -89,6 +90,7 @@ def test_existing_run_dir_is_refused(cli, tmp_path):
     assert (tmp_path / "config.yaml").read_text() == "name: old\n"
 
 
+@pytest.mark.slow
 def test_zero3_clean_exit_and_failure(cli, tmp_path, deepspeed_ops):
     """ZeRO-3 at 4 ranks ends every rank cleanly, run after run (destroy alone aborted 4 runs in
     8 here); a rank failing under ZeRO ends the job with exit 1, nothing left running."""

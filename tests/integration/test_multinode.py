@@ -14,8 +14,7 @@ import uuid
 import pytest
 
 from tests.integration.conftest import (PARITY_COMMON, assert_parity, processes_mentioning,
-                                        read_metrics)
-from tests.integration.test_failure import running, survivors
+                                        read_metrics, running, survivors)
 
 pytestmark = pytest.mark.slow
 

@@ -47,9 +47,13 @@ def single_process(references):
 
 @pytest.mark.parametrize("label,overrides", [
     ("dp2 x 2 micro-batches", ("parallel.dp=2", "train.micro_batch_size=4")),
-    ("dp2 x 1 micro-batch", ("parallel.dp=2", "train.micro_batch_size=8")),
-    ("dp2 x 4 micro-batches", ("parallel.dp=2", "train.micro_batch_size=2")),
-    ("dp1 x 4 micro-batches", ("parallel.dp=1", "--nproc-per-node", "1", "train.micro_batch_size=4")),
+    # The quick pass (`-m "not slow"`) keeps the first parity check; the rest run in the full suite.
+    pytest.param("dp2 x 1 micro-batch", ("parallel.dp=2", "train.micro_batch_size=8"),
+                 marks=pytest.mark.slow),
+    pytest.param("dp2 x 4 micro-batches", ("parallel.dp=2", "train.micro_batch_size=2"),
+                 marks=pytest.mark.slow),
+    pytest.param("dp1 x 4 micro-batches", ("parallel.dp=1", "train.micro_batch_size=4"),
+                 marks=pytest.mark.slow),
 ])
 def test_layout_parity(cli, tmp_path, single_process, label, overrides):
     steps = _run(cli, tmp_path, "run", *overrides)
@@ -65,6 +69,7 @@ def test_layout_parity(cli, tmp_path, single_process, label, overrides):
     ("tp2 + sequence parallel", ("parallel.dp=1", "parallel.tp=2", "parallel.sequence_parallel=true",
                                  "train.micro_batch_size=8"), ()),
 ])
+@pytest.mark.slow
 def test_tensor_parallel_parity(cli, tmp_path, references, label, overrides, model):
     steps = _run(cli, tmp_path, "run", *overrides, *model)
     assert_parity(steps, references(model), label)
@@ -84,6 +89,7 @@ def test_tensor_parallel_parity(cli, tmp_path, references, label, overrides, mod
     ("dp2 x tp2 x pp2", ("parallel.dp=2", "parallel.tp=2", "parallel.pp=2",
                          "train.micro_batch_size=4", "--nproc-per-node", "8")),
 ])
+@pytest.mark.slow
 def test_pipeline_parallel_parity(cli, tmp_path, single_process, label, overrides):
     steps = _run(cli, tmp_path, "run", *overrides)
     assert_parity(steps, single_process, label)
@@ -103,6 +109,7 @@ def test_pipeline_parallel_parity(cli, tmp_path, single_process, label, override
                                            "parallel.offload_optimizer=cpu",
                                            "train.micro_batch_size=4")),
 ])
+@pytest.mark.slow
 def test_zero_parity(cli, tmp_path, single_process, deepspeed_ops, label, overrides):
     steps = _run(cli, tmp_path, "run", *overrides)
     assert_parity(steps, single_process, label)

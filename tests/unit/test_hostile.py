@@ -35,6 +35,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from partrain.config.schema import Config
+from tests.integration.conftest import processes_mentioning
 from tests.unit.helpers import finish, one_line, resolved, start_cli
 
 # What a message for people must not show (see the module docstring).
@@ -43,20 +44,6 @@ RECIPE_HEAD = "defaults:\n  - config\n  - _self_\n"
 MULTI_NODE = ["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29999", "parallel.dp=4"]
 UNRESOLVABLE = "partrain-hostile.invalid"  # .invalid never resolves (RFC 2606)
 ENV_PREFIXES = ("SLURM_", "TORCHELASTIC_")  # a test run inside a job must not see its job
-
-
-def processes_mentioning(text: str) -> list[int]:
-    """PIDs whose command line contains text (as in tests/integration/conftest.py)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            if text in cmdline:
-                pids.append(int(entry.name))
-    return pids
 
 
 # ------------------------------------------------------------------------------------------------
@@ -548,7 +535,7 @@ ROWS_ABSURD = [
     row("show pp_virtual_stages=10**9",
         ["show", "parallel.pp_virtual_stages=1000000000", "parallel.pp_schedule=interleaved_1f1b",
          "parallel.pp=2", "parallel.dp=1"],
-        "pp_virtual_stages(1000000000)", "divisible"),
+        "pp_virtual_stages(1000000000)", "exceeds"),
     row("show model.dim=10**20 (beyond int64)",
         ["show", "model.dim=100000000000000000000", "model.n_heads=1", "model.n_kv_heads=1"],
         "model.dim=100000000000000000000"),
@@ -638,7 +625,7 @@ ROWS_FLAGS = [
                                                SLURM_NODEID="7"),
         "SLURM_NODEID=7", "0..1", absent=("--node-rank",)),
     row("SLURM_NODEID=x", _in_slurm(["launch", "--dry-run", "parallel.dp=4"], SLURM_NODEID="x"),
-        "SLURM_NODEID=x", "not a number"),
+        "SLURM_NODEID=x", "not a whole number"),
     row("SLURM_JOB_ID=abc", _in_slurm(["launch", "--dry-run", "parallel.dp=4"],
                                       SLURM_JOB_ID="abc"),
         "SLURM_JOB_ID=abc", "not a job number"),
@@ -712,9 +699,95 @@ ROWS_TYPES_AND_CHOICES = [
           ("train.micro_batch_size", -2, "at least 1"), ("train.eval_batches", 0, "at least 1")]],
 ]
 
+def _symlink(c: Ctx, name: str, target: str) -> str:
+    os.symlink(target, c.root / name)
+    return c.path(name)
+
+
+def _run_dir_with_fifo_config(c: Ctx) -> str:
+    c.dir("run")
+    c.fifo("run/config.yaml")
+    return c.path("run")
+
+
+# Found by a second, reviewing pass over the first table's fixes.
+ROWS_SECOND_PASS = [
+    row("CONFIG path too long", ["show", "c" * 300 + ".yaml"], "c" * 40, "too long"),
+    row("CONFIG bare name too long", ["show", "c" * 300], "c" * 40, "too long"),
+    row("data.path too long", ["launch", "--dry-run", "data=tokens", "data.path=/" + "a" * 5000],
+        "a" * 40, "too long"),
+    row("prepare input too long", lambda c: ["data", "prepare", "c" * 300, "--out", c.path("o")],
+        "c" * 40, "too long"),
+    row("escaped interpolation name=\\${x}", ["show", "name=\\${x}"], "name=${x}", "interpolation"),
+    row("yaml defaults without config", lambda c: ["show", c.file("nc.yaml", "defaults: [_self_]\n")],
+        "nc.yaml", "defaults", "config"),
+    row("yaml defaults empty", lambda c: ["show", c.file("ne.yaml", "defaults: []\n")],
+        "ne.yaml", "defaults", "config"),
+    row("yaml _self_ before config",
+        lambda c: ["show", c.file("sf.yaml", "defaults: [_self_, config]\nname: x\n")],
+        "sf.yaml", "_self_", "config"),
+    row("yaml defaults option is a list",
+        lambda c: ["show", c.file("ol.yaml", "defaults:\n  - config\n  - override model: "
+                                             "[tiny, llama-1b]\n  - _self_\n")],
+        "ol.yaml", "override model", "one name"),
+    row("yaml defaults option is null",
+        lambda c: ["show", c.file("on.yaml", "defaults:\n  - config\n  - override model: null\n"
+                                             "  - _self_\n")],
+        "on.yaml", "override model: null", "one name"),
+    row("pp_layers nested lists", ["show", "parallel.pp=2", "parallel.pp_layers=[[1],[2]]"],
+        "parallel.pp_layers=[[1], [2]]", "whole block counts"),
+    row("run dir is a symlink loop", lambda c: ["launch", "--dry-run", "--run-dir",
+                                                _symlink(c, "loop", "loop")],
+        "--run-dir", "loop", "symbolic link"),
+    row("run dir is a dangling symlink", lambda c: ["launch", "--dry-run", "--run-dir",
+                                                    _symlink(c, "dangle", "nowhere/run")],
+        "--run-dir", "dangle", "symbolic link"),
+    row("run dir whose config.yaml is a FIFO",
+        lambda c: ["launch", "--dry-run", "--run-dir", _run_dir_with_fifo_config(c)],
+        "--run-dir", "not empty"),
+    row("SLURM_JOB_ID of 5000 digits", _in_slurm(["launch", "--dry-run", "parallel.dp=4"],
+                                                  SLURM_JOB_ID="9" * 5000),
+        "SLURM_JOB_ID", "job number"),
+    row("SLURM_JOB_ID with a path", _in_slurm(["launch", "--dry-run", "parallel.dp=4"],
+                                               SLURM_JOB_ID="1/../../etc"),
+        "SLURM_JOB_ID", "1/../../etc", "job number"),
+    row("SLURM node list of 10**8 nodes",
+        _in_slurm(["launch", "--dry-run", "parallel.dp=4"], SLURM_JOB_NODELIST="n[1-99999999]"),
+        "SLURM_JOB_NODELIST", "more than"),
+    row("!!binary under parallel.deepspeed",
+        lambda c: ["show", c.recipe("bin.yaml", "parallel:\n  zero_stage: 1\n  deepspeed:\n"
+                                                "    x: !!binary aGVsbG8=\n")],
+        "bin.yaml", "bytes", "quote"),
+    row("a date as the name", lambda c: ["show", c.recipe("date.yaml", "name: 2024-01-01\n")],
+        "date.yaml", "date", "quote"),
+    row("n_heads a huge prime, tp=3", ["show", "model.n_heads=2305843009213693951",
+                                       "model.n_kv_heads=2305843009213693951",
+                                       "model.dim=4611686018427387902", "parallel.tp=3"],
+        "parallel.tp=3", "model.n_heads=2305843009213693951"),
+    row("pp of 4096 stages", ["plan", "parallel.pp=4096", "model.n_layers=4096",
+                              "--world-size", "8192"],
+        "pp(4096)", "exceeds"),
+    row("+model=tiny adds a group twice", ["show", "+model=tiny"], "+model=tiny", "model=tiny"),
+    row("model@foo=tiny", ["show", "model@foo=tiny"], "model@foo=tiny", "GROUP=OPTION"),
+    row("--sbatch-arg contradicts --nodes",
+        lambda c: ["slurm", "--nodes", "1", "--sbatch-arg=--nodes=3", "--dry-run",
+                   "--run-dir", c.path("run")], "--nodes=3", "contradicts"),
+    row("--sbatch-arg=-", lambda c: ["slurm", "--nodes", "1", "--sbatch-arg=-", "--dry-run",
+                                     "--run-dir", c.path("run")], "--sbatch-arg", "'-'"),
+    row("--partition ''", lambda c: ["slurm", "--nodes", "1", "--partition", "", "--dry-run",
+                                     "--run-dir", c.path("run")], "--partition=''", "empty"),
+    row("--ifname ''", ["launch", "--dry-run", *MULTI_NODE, "--ifname", ""], "--ifname ''",
+        "empty"),
+    row("--rdzv-endpoint [::1:29500", ["launch", "--dry-run", "--nnodes", "2", "--rdzv-endpoint",
+                                       "[::1:29500", "parallel.dp=4"],
+        "--rdzv-endpoint", "[::1:29500", "HOST:PORT"),
+    row("plan --world-size names itself", ["plan", "--world-size", "4"],
+        "--world-size=4", "!= world size 4"),
+]
+
 TABLE = [*_rows_non_finite(), *ROWS_FLOAT_RANGE, *ROWS_UNKNOWN_KEYS, *ROWS_CONFIG_FILES,
          *ROWS_RUN_DIRS, *ROWS_DATA, *ROWS_PREPARE, *ROWS_NETWORK, *ROWS_MARKUP, *ROWS_ABSURD,
-         *ROWS_BLAME, *ROWS_FLAGS, *ROWS_TYPES_AND_CHOICES]
+         *ROWS_BLAME, *ROWS_FLAGS, *ROWS_TYPES_AND_CHOICES, *ROWS_SECOND_PASS]
 
 
 # ------------------------------------------------------------------------------------------------

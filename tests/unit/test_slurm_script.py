@@ -164,7 +164,7 @@ def test_sbatch_missing_exits_2(run_main, tmp_path, monkeypatch):
 @pytest.mark.parametrize("args, fragment", [
     (("slurm", "--nodes", "0"), "--nodes=0 must be at least 1"),
     (("slurm", "--nodes", "2", "--gpus-per-node", "4"),
-     "pp(1) * dp(2) * tp(1) = 2 != world size 8 (nnodes 2 * nproc_per_node 4)"),
+     "pp(1) * dp(2) * tp(1) = 2 != world size 8 (nnodes 2 * nproc_per_node 4"),
     (("slurm", *SLURM_ARGS[1:], "--sbatch-arg", "exclusive"), "must be an sbatch option"),
 ])
 def test_bad_slurm_flags_exit_2_and_write_nothing(run_main, tmp_path, args, fragment):

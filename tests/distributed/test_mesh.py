@@ -47,6 +47,7 @@ def _check_zero_mpu(rank: int, world_size: int, shape: tuple[int, int, int]) -> 
     assert mpu.get_tensor_model_parallel_src_rank() == dims.rank(coords["pp"], coords["dp"], 0)
 
 
+@pytest.mark.slow  # imports DeepSpeed in every rank
 @pytest.mark.parametrize("shape", [(2, 2, 2), (1, 2, 2)])
 def test_zero_mpu_groups(shape):
     run_distributed(_check_zero_mpu, ParallelDims(*shape).world_size, shape)

@@ -1,0 +1,549 @@
+"""Hostile and careless input, part two: run dirs partrain must not use, token dirs whose
+meta.json lies, `data prepare` that cannot write, bad flags and network settings, rich markup in
+user text, the scheduler's environment, disks that refuse writes, and a few cases run as a user
+runs them, in a subprocess. The contract and the checks are test_hostile.py's (tests/unit/hostile.py).
+"""
+
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.unit.hostile import (ENV_PREFIXES, MULTI_NODE, RECIPE_HEAD, UNRESOLVABLE, Ctx,
+                                assert_refused, assert_untouched, check_row,
+                                isolated, row, tree)  # noqa: F401 (isolated: an autouse fixture)
+from tests.unit.helpers import finish, start_cli
+
+def _run_dir_with_other_config(c: Ctx) -> str:
+    c.frozen("other/config.yaml", lambda t: t.replace("\n  seed: 0\n", "\n  seed: 5\n"))
+    return c.path("other")
+
+
+def _run_dir_rows(command: list[str], name: str) -> list:
+    return [
+        row(f"{name} run dir under a file",
+            lambda c: [*command, "--run-dir", c.file("afile") + "/run"],
+            "--run-dir", "afile/run", "is a file"),
+        row(f"{name} run dir is a file", lambda c: [*command, "--run-dir", c.file("afile")],
+            "--run-dir", "afile", "existing file"),
+        row(f"{name} run dir holds notes.txt",
+            lambda c: [*command, "--run-dir", c.dir("notes", **{"notes.txt": "mine"})],
+            "--run-dir", "notes", "not empty"),
+        row(f"{name} run dir holds another config.yaml",
+            lambda c: [*command, "--run-dir", _run_dir_with_other_config(c)],
+            "--run-dir", "other", "not empty"),
+        row(f"{name} run dir under /dev/null", [*command, "--run-dir", "/dev/null/run"],
+            "--run-dir", "/dev/null/run", "is a file"),
+        row(f"{name} run dir name too long",
+            lambda c: [*command, "--run-dir", c.path("a" * 300, "run")],
+            "--run-dir", "a" * 300, "too long"),
+    ]
+
+
+ROWS_RUN_DIRS = [
+    *_run_dir_rows(["launch", "--dry-run"], "launch"),
+    *_run_dir_rows(["slurm", "--nodes", "1", "--dry-run"], "slurm")[:4],
+    row("launch run dir '' (the cwd, not empty)", ["launch", "--dry-run", "--run-dir", ""],
+        "--run-dir", "not empty"),
+    row("slurm bad value and a run dir",
+        lambda c: ["slurm", "--nodes", "1", "--dry-run", "optim.lr=nan", "--run-dir",
+                   c.path("run")],
+        "optim.lr=nan", "finite"),
+]
+
+
+def _train_bin_is_a_dir(c: Ctx) -> str:
+    path = Path(c.tokens("tok"))
+    (path / "train.bin").unlink()
+    (path / "train.bin").mkdir()
+    return str(path)
+
+
+def _val_bin_is_a_fifo(c: Ctx) -> str:
+    path = Path(c.tokens("tok"))
+    (path / "val.bin").unlink()
+    c.fifo("tok/val.bin")
+    return str(path)
+
+
+def _tokens(**kwargs):
+    return lambda c: ["launch", "--dry-run", "data=tokens",
+                      "data.path=" + c.tokens("tok", **kwargs)]
+
+
+ROWS_DATA = [
+    row("tokens: data vocab above model.vocab_size",
+        _tokens(dtype="uint16", vocab=1000, train=np.arange(600) % 1000),
+        "model.vocab_size=256", "1000", "exceeds"),
+    row("tokens: ids above meta vocab_size",
+        _tokens(dtype="uint16", vocab=256, train=np.arange(600)),
+        "data.path=", "token id 599", "vocab_size=256"),
+    row("tokens: vocab_size too big for dtype", _tokens(vocab=70000),
+        "data.path=", "vocab_size=70000", "dtype=uint8", "does not fit"),
+    row("tokens: dtype does not match file size", _tokens(meta={"dtype": "uint16"}),
+        "data.path=", "train.bin", "uint16", "1,200 bytes"),
+    row("tokens: ids above max_token_id", _tokens(meta={"max_token_id": 100}),
+        "data.path=", "max_token_id=100", "token id 199"),
+    row("tokens: missing val.bin", _tokens(drop=["val.bin"]), "data.path=", "val.bin", "missing"),
+    row("tokens: missing meta.json", _tokens(drop=["meta.json"]), "data.path=", "no meta.json"),
+    row("tokens: meta.json nested 100000 deep", _tokens(raw_meta=b"[" * 100000),
+        "data.path=", "not valid JSON"),
+    row("tokens: other format", _tokens(meta={"format": "other/2"}),
+        "data.path=", "'other/2'", "partrain-tokens/1"),
+    row("tokens: vocab_size a string", _tokens(meta={"vocab_size": "256"}),
+        "data.path=", "vocab_size='256'", "a string"),
+    row("tokens: vocab_size NaN", _tokens(raw_meta=b'{"format": "partrain-tokens/1", "tokenizer": '
+                                                 b'"bytes", "dtype": "uint8", "vocab_size": NaN, '
+                                                 b'"train_tokens": 600, "val_tokens": 300}'),
+        "data.path=", "vocab_size=nan", "non-finite"),
+    row("tokens: train.bin is a directory", lambda c: ["launch", "--dry-run", "data=tokens",
+                                                     "data.path=" + _train_bin_is_a_dir(c)],
+        "data.path=", "train.bin", "directory"),
+    row("tokens: val.bin is a FIFO", lambda c: ["launch", "--dry-run", "data=tokens",
+                                              "data.path=" + _val_bin_is_a_fifo(c)],
+        "data.path=", "val.bin", "not a regular file"),
+    row("tokens: splits shorter than seq_len", _tokens(train=np.arange(10), val=np.arange(10)),
+        "train.seq_len", "10 tokens", "fewer"),
+    row("tokens: data.path is a file",
+        lambda c: ["launch", "--dry-run", "data=tokens", "data.path=" + c.file("afile")],
+        "data.path=", "afile", "not a directory"),
+    row("tokens: no data.path", ["launch", "--dry-run", "data=tokens"],
+        "data.source=tokens", "data.path"),
+    row("data.stdlib_max_bytes=0", ["launch", "--dry-run", "data.stdlib_max_bytes=0"],
+        "data.stdlib_max_bytes", "0"),
+]
+
+
+def _prepare(*extra, out="out"):
+    return lambda c: ["data", "prepare", c.text(), "--out", c.path(out), *extra]
+
+
+ROWS_PREPARE = [
+    row("prepare: out under a file",
+        lambda c: ["data", "prepare", c.text(), "--out", c.file("afile") + "/out"],
+        "--out", "afile/out", "is a file"),
+    row("prepare: out is a file", lambda c: ["data", "prepare", c.text(), "--out", c.file("afile")],
+        "--out", "afile", "existing file"),
+    row("prepare: out not empty",
+        lambda c: ["data", "prepare", c.text(), "--out", c.dir("full", a="a")],
+        "--out", "full", "not empty"),
+    row("prepare: out under /dev/null",
+        lambda c: ["data", "prepare", c.text(), "--out", "/dev/null/x"],
+        "--out", "/dev/null/x", "is a file"),
+    row("prepare: out '.'", lambda c: ["data", "prepare", c.text(), "--out", "."],
+        "--out", ".", "new directory"),
+    row("prepare: out ''", lambda c: ["data", "prepare", c.text(), "--out", ""],
+        "--out", "new directory"),
+    row("prepare: out name too long", _prepare(out="a" * 300), "--out", "a" * 300, "too long"),
+    row("prepare: --val-fraction nan", _prepare("--val-fraction", "nan"),
+        "--val-fraction=nan", "between 0 and 1"),
+    row("prepare: --val-fraction inf", _prepare("--val-fraction", "inf"),
+        "--val-fraction=inf", "between 0 and 1"),
+    row("prepare: --val-fraction 2", _prepare("--val-fraction", "2"), "--val-fraction=2",
+        "between 0 and 1"),
+    row("prepare: --val-fraction -1", _prepare("--val-fraction", "-1"), "--val-fraction=-1",
+        "between 0 and 1"),
+    row("prepare: --val-fraction 0", _prepare("--val-fraction", "0"), "--val-fraction=0",
+        "between 0 and 1"),
+    row("prepare: --val-fraction abc", _prepare("--val-fraction", "abc"), "--val-fraction",
+        "abc", "number"),
+    row("prepare: input is a directory",
+        lambda c: ["data", "prepare", c.dir("indir"), "--out", c.path("out")],
+        "input file", "indir", "is a directory"),
+    row("prepare: input does not exist",
+        lambda c: ["data", "prepare", c.path("missing.txt"), "--out", c.path("out")],
+        "input file", "missing.txt", "does not exist"),
+    row("prepare: input /dev/null",
+        lambda c: ["data", "prepare", c.text(), "/dev/null", "--out", c.path("out")],
+        "input file", "/dev/null", "not a regular file"),
+    row("prepare: input is a FIFO",
+        lambda c: ["data", "prepare", c.fifo("pipe.txt"), "--out", c.path("out")],
+        "input file", "pipe.txt", "not a regular file"),
+    row("prepare: input too small to split",
+        lambda c: ["data", "prepare", c.file("tiny.txt", b"x"), "--out", c.path("out")],
+        "hold 1 bytes", "--val-fraction=0.05", "at least 2"),
+    row("prepare: no --out", lambda c: ["data", "prepare", c.text()], "--out", "Missing"),
+    row("prepare: no files", lambda c: ["data", "prepare", "--out", c.path("out")], "files",
+        "Missing"),
+    row("data: unknown command", ["data", "bogus"], "bogus", "No such command"),
+]
+
+ROWS_NETWORK = [
+    row("--local-addr not-an-ip",
+        ["launch", "--dry-run", "--local-addr", "not-an-ip", *MULTI_NODE],
+        "--local-addr", "not-an-ip", "not an IP address"),
+    row("--rdzv-endpoint without port", ["launch", "--dry-run", *MULTI_NODE[:2],
+                                         "--rdzv-endpoint", "127.0.0.1", "parallel.dp=4"],
+        "--rdzv-endpoint", "127.0.0.1", "HOST:PORT"),
+    row("--rdzv-endpoint port 0", ["launch", "--dry-run", *MULTI_NODE[:2],
+                                   "--rdzv-endpoint", "127.0.0.1:0", "parallel.dp=4"],
+        "--rdzv-endpoint", "127.0.0.1:0", "1..65535"),
+    row("--rdzv-endpoint port 70000", ["launch", "--dry-run", *MULTI_NODE[:2],
+                                       "--rdzv-endpoint", "127.0.0.1:70000", "parallel.dp=4"],
+        "--rdzv-endpoint", "127.0.0.1:70000", "1..65535"),
+    row("--rdzv-endpoint without port, one node",
+        ["launch", "--dry-run", "--rdzv-endpoint", "127.0.0.1"],
+        "--rdzv-endpoint", "127.0.0.1", "HOST:PORT"),
+    row("--rdzv-endpoint host does not resolve",
+        ["launch", "--dry-run", *MULTI_NODE[:2], "--rdzv-endpoint", f"{UNRESOLVABLE}:29999",
+         "parallel.dp=4"],
+        "--rdzv-endpoint", UNRESOLVABLE, "does not resolve"),
+    row("--ifname nosuchif0", ["launch", "--dry-run", "--ifname", "nosuchif0", *MULTI_NODE],
+        "--ifname", "nosuchif0", "no such interface"),
+    row("--nnodes 2 without --rdzv-endpoint", ["launch", "--dry-run", "--nnodes", "2",
+                                               "parallel.dp=4"],
+        "--nnodes=2", "--rdzv-endpoint"),
+    row("--rdzv-endpoint without port, with --local-addr",
+        ["launch", "--dry-run", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1", "--local-addr",
+         "127.0.0.1", "parallel.dp=4"],
+        "--rdzv-endpoint", "127.0.0.1", "HOST:PORT"),
+    row("--rdzv-endpoint port 70000, with --ifname",
+        ["launch", "--dry-run", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:70000", "--ifname",
+         "lo", "parallel.dp=4"],
+        "--rdzv-endpoint", "127.0.0.1:70000", "1..65535"),
+    row("--rdzv-endpoint port 0, with --local-addr and --ifname",
+        ["launch", "--dry-run", "--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:0", "--local-addr",
+         "127.0.0.1", "--ifname", "lo", "parallel.dp=4"],
+        "--rdzv-endpoint", "127.0.0.1:0", "1..65535"),
+]
+
+ROWS_MARKUP = [
+    row("markup: data.path='/x/[run1]'", ["launch", "--dry-run", "data=tokens",
+                                          "data.path='/x/[run1]'"],
+        "data.path=/x/[run1]", "not a directory"),
+    row("markup: run dir with [/x] under a file",
+        lambda c: ["launch", "--dry-run", "--run-dir", c.file("afile") + "/[/x]"],
+        "--run-dir", "afile/[/x]", "is a file"),
+    row("markup: name='[bold]x'", ["show", "name='[bold]x'"], "name='[bold]x'", "plain name"),
+    row("markup: --ifname [bold]x", ["launch", "--dry-run", "--ifname", "[bold]x", *MULTI_NODE],
+        "--ifname [bold]x", "no such interface"),
+]
+
+def _slurm_env(c: Ctx, **override: str) -> None:
+    c.setenv(**{"SLURM_JOB_ID": "1", "SLURM_NODEID": "0", "SLURM_STEP_ID": "0",
+                "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "n[1-2]",
+                "SLURM_NTASKS_PER_NODE": "1", **override})
+
+
+def _in_slurm(argv: list[str], **env: str):
+    def build(c: Ctx) -> list[str]:
+        _slurm_env(c, **env)
+        return argv
+    return build
+
+
+ROWS_FLAGS = [
+    row("--nproc-per-node abc", ["launch", "--dry-run", "--nproc-per-node", "abc"],
+        "--nproc-per-node", "'abc'", "whole number"),
+    row("--nproc-per-node 0", ["launch", "--dry-run", "--nproc-per-node", "0"],
+        "--nproc-per-node=0", "at least 1"),
+    row("--nproc-per-node -3", ["launch", "--dry-run", "--nproc-per-node", "-3"],
+        "--nproc-per-node=-3", "at least 1"),
+    row("--nproc-per-node 1.5", ["launch", "--dry-run", "--nproc-per-node", "1.5"],
+        "--nproc-per-node", "'1.5'", "whole number"),
+    row("--nproc-per-node ''", ["launch", "--dry-run", "--nproc-per-node", ""],
+        "--nproc-per-node", "''", "whole number"),
+    row("--nnodes -1", ["launch", "--dry-run", "--nnodes", "-1"], "--nnodes=-1", "at least 1"),
+    row("--nnodes abc", ["launch", "--dry-run", "--nnodes", "abc"], "--nnodes", "'abc'",
+        "whole number"),
+    row("--node-rank 5 of 2 nodes", ["launch", "--dry-run", "--node-rank", "5", *MULTI_NODE],
+        "--node-rank=5", "0..1"),
+    row("--node-rank -1", ["launch", "--dry-run", "--node-rank", "-1"], "--node-rank=-1",
+        "at least 0"),
+    row("--node-rank 1 of 1 node", ["launch", "--dry-run", "--node-rank", "1"], "--node-rank=1",
+        "0..0"),
+    row("plan --world-size 0", ["plan", "--world-size", "0"], "--world-size=0", "at least 1"),
+    row("plan --world-size abc", ["plan", "--world-size", "abc"], "--world-size", "'abc'",
+        "whole number"),
+    row("slurm --time bogus", ["slurm", "--time", "bogus", "--nodes", "1", "--dry-run"],
+        "--time", "bogus", "time limit"),
+    row("slurm --nodes 0", ["slurm", "--nodes", "0", "--dry-run"], "--nodes=0", "at least 1"),
+    row("slurm --nodes abc", ["slurm", "--nodes", "abc", "--dry-run"], "--nodes", "'abc'",
+        "whole number"),
+    row("slurm without --nodes", ["slurm", "--dry-run"], "--nodes", "Missing"),
+    row("slurm --gpus-per-node 0", ["slurm", "--nodes", "1", "--gpus-per-node", "0", "--dry-run"],
+        "--gpus-per-node=0", "at least 1"),
+    row("slurm --partition with a newline",
+        ["slurm", "--nodes", "1", "--partition", "gpu\nrm -rf ~", "--dry-run"],
+        "--partition", "control character"),
+    row("slurm --sbatch-arg with a newline",
+        ["slurm", "--nodes", "1", "--sbatch-arg", "--exclusive\n#SBATCH --x", "--dry-run"],
+        "--sbatch-arg", "control character"),
+    row("name=../../x", ["launch", "--dry-run", "name=../../x"], "name='../../x'", "plain name"),
+    row("name of 129 characters", ["show", "name=" + "a" * 129], "a" * 129, "at most 128"),
+    row("name=${oc.env:HOME}", ["show", "name=${oc.env:HOME}"], "name='", "plain name"),
+    row("launch --bogus-flag", ["launch", "--bogus-flag"], "--bogus-flag", "No such option"),
+    row("--dry-run=3", ["launch", "--dry-run=3"], "--dry-run", "does not take a value"),
+    row("unknown command", ["bogus"], "bogus", "No such command"),
+    row("show --help-me", ["show", "--help-me"], "--help-me", "No such option"),
+    row("SLURM_NODEID=7 of 2 nodes", _in_slurm(["launch", "--dry-run", "parallel.dp=4"],
+                                               SLURM_NODEID="7"),
+        "SLURM_NODEID=7", "0..1", absent=("--node-rank",)),
+    row("SLURM_NODEID=x", _in_slurm(["launch", "--dry-run", "parallel.dp=4"], SLURM_NODEID="x"),
+        "SLURM_NODEID=x", "not a whole number"),
+    row("SLURM_JOB_ID=abc", _in_slurm(["launch", "--dry-run", "parallel.dp=4"],
+                                      SLURM_JOB_ID="abc"),
+        "SLURM_JOB_ID=abc", "not a job number"),
+    row("SLURM node list n[1-2", _in_slurm(["launch", "--dry-run", "parallel.dp=4"],
+                                           SLURM_JOB_NODELIST="n[1-2"),
+        "SLURM_JOB_NODELIST", "n[1-2", "not a SLURM node list"),
+    row("SLURM 4 tasks per node", _in_slurm(["launch", "--dry-run", "parallel.dp=4"],
+                                            SLURM_NTASKS_PER_NODE="4"),
+        "4 tasks", "double launch"),
+    row("SLURM node list does not resolve",
+        _in_slurm(["launch", "--dry-run", "parallel.dp=4"],
+                  SLURM_JOB_NODELIST=f"a.{UNRESOLVABLE},b.{UNRESOLVABLE}"),
+        "SLURM_JOB_NODELIST", UNRESOLVABLE, "does not resolve"),
+    row("under torchrun", lambda c: c.setenv(TORCHELASTIC_RUN_ID="5", LOCAL_RANK="0") or
+        ["launch", "--dry-run"], "TORCHELASTIC_RUN_ID=5", "torchrun"),
+]
+
+def _symlink(c: Ctx, name: str, target: str) -> str:
+    os.symlink(target, c.root / name)
+    return c.path(name)
+
+
+def _run_dir_with_fifo_config(c: Ctx) -> str:
+    c.dir("run")
+    c.fifo("run/config.yaml")
+    return c.path("run")
+
+
+# Found by a second, reviewing pass over the first table's fixes.
+ROWS_SECOND_PASS = [
+    row("CONFIG path too long", ["show", "c" * 300 + ".yaml"], "c" * 40, "too long"),
+    row("CONFIG bare name too long", ["show", "c" * 300], "c" * 40, "too long"),
+    row("data.path too long", ["launch", "--dry-run", "data=tokens", "data.path=/" + "a" * 5000],
+        "a" * 40, "too long"),
+    row("prepare input too long", lambda c: ["data", "prepare", "c" * 300, "--out", c.path("o")],
+        "c" * 40, "too long"),
+    row("escaped interpolation name=\\${x}", ["show", "name=\\${x}"], "name=${x}", "interpolation"),
+    row("yaml defaults without config", lambda c: ["show", c.file("nc.yaml", "defaults: [_self_]\n")],
+        "nc.yaml", "defaults", "config"),
+    row("yaml defaults empty", lambda c: ["show", c.file("ne.yaml", "defaults: []\n")],
+        "ne.yaml", "defaults", "config"),
+    row("yaml _self_ before config",
+        lambda c: ["show", c.file("sf.yaml", "defaults: [_self_, config]\nname: x\n")],
+        "sf.yaml", "_self_", "config"),
+    row("yaml defaults option is a list",
+        lambda c: ["show", c.file("ol.yaml", "defaults:\n  - config\n  - override model: "
+                                             "[tiny, llama-1b]\n  - _self_\n")],
+        "ol.yaml", "override model", "one name"),
+    row("yaml defaults option is null",
+        lambda c: ["show", c.file("on.yaml", "defaults:\n  - config\n  - override model: null\n"
+                                             "  - _self_\n")],
+        "on.yaml", "override model: null", "one name"),
+    row("pp_layers nested lists", ["show", "parallel.pp=2", "parallel.pp_layers=[[1],[2]]"],
+        "parallel.pp_layers=[[1], [2]]", "whole block counts"),
+    row("run dir is a symlink loop", lambda c: ["launch", "--dry-run", "--run-dir",
+                                                _symlink(c, "loop", "loop")],
+        "--run-dir", "loop", "symbolic link"),
+    row("run dir is a dangling symlink", lambda c: ["launch", "--dry-run", "--run-dir",
+                                                    _symlink(c, "dangle", "nowhere/run")],
+        "--run-dir", "dangle", "symbolic link"),
+    row("run dir whose config.yaml is a FIFO",
+        lambda c: ["launch", "--dry-run", "--run-dir", _run_dir_with_fifo_config(c)],
+        "--run-dir", "not empty"),
+    row("SLURM_JOB_ID of 5000 digits", _in_slurm(["launch", "--dry-run", "parallel.dp=4"],
+                                                  SLURM_JOB_ID="9" * 5000),
+        "SLURM_JOB_ID", "job number"),
+    row("SLURM_JOB_ID with a path", _in_slurm(["launch", "--dry-run", "parallel.dp=4"],
+                                               SLURM_JOB_ID="1/../../etc"),
+        "SLURM_JOB_ID", "1/../../etc", "job number"),
+    row("SLURM node list of 10**8 nodes",
+        _in_slurm(["launch", "--dry-run", "parallel.dp=4"], SLURM_JOB_NODELIST="n[1-99999999]"),
+        "SLURM_JOB_NODELIST", "more than"),
+    row("!!binary under parallel.deepspeed",
+        lambda c: ["show", c.recipe("bin.yaml", "parallel:\n  zero_stage: 1\n  deepspeed:\n"
+                                                "    x: !!binary aGVsbG8=\n")],
+        "bin.yaml", "bytes", "quote"),
+    row("a date as the name", lambda c: ["show", c.recipe("date.yaml", "name: 2024-01-01\n")],
+        "date.yaml", "date", "quote"),
+    row("n_heads a huge prime, tp=3", ["show", "model.n_heads=2305843009213693951",
+                                       "model.n_kv_heads=2305843009213693951",
+                                       "model.dim=4611686018427387902", "parallel.tp=3"],
+        "parallel.tp=3", "model.n_heads=2305843009213693951"),
+    row("pp of 4096 stages", ["plan", "parallel.pp=4096", "model.n_layers=4096",
+                              "--world-size", "8192"],
+        "pp(4096)", "exceeds"),
+    row("+model=tiny adds a group twice", ["show", "+model=tiny"], "+model=tiny", "model=tiny"),
+    row("model@foo=tiny", ["show", "model@foo=tiny"], "model@foo=tiny", "GROUP=OPTION"),
+    row("--sbatch-arg contradicts --nodes",
+        lambda c: ["slurm", "--nodes", "1", "--sbatch-arg=--nodes=3", "--dry-run",
+                   "--run-dir", c.path("run")], "--nodes=3", "contradicts"),
+    row("--sbatch-arg=-", lambda c: ["slurm", "--nodes", "1", "--sbatch-arg=-", "--dry-run",
+                                     "--run-dir", c.path("run")], "--sbatch-arg", "'-'"),
+    row("--partition ''", lambda c: ["slurm", "--nodes", "1", "--partition", "", "--dry-run",
+                                     "--run-dir", c.path("run")], "--partition=''", "empty"),
+    row("--ifname ''", ["launch", "--dry-run", *MULTI_NODE, "--ifname", ""], "--ifname ''",
+        "empty"),
+    row("--rdzv-endpoint [::1:29500", ["launch", "--dry-run", "--nnodes", "2", "--rdzv-endpoint",
+                                       "[::1:29500", "parallel.dp=4"],
+        "--rdzv-endpoint", "[::1:29500", "HOST:PORT"),
+    row("plan --world-size names itself", ["plan", "--world-size", "4"],
+        "--world-size=4", "!= world size 4"),
+]
+
+TABLE = [*ROWS_RUN_DIRS, *ROWS_DATA, *ROWS_PREPARE, *ROWS_NETWORK, *ROWS_MARKUP, *ROWS_FLAGS,
+         *ROWS_SECOND_PASS]
+
+
+@pytest.mark.parametrize("argv, fragments, absent", TABLE)
+def test_refused(argv, fragments, absent, run_main, tmp_path, monkeypatch):
+    check_row(argv, fragments, absent, run_main, tmp_path, monkeypatch)
+
+
+def test_table_is_big_enough():
+    assert len(TABLE) >= 80
+
+
+# ------------------------------------------------------------------------------------------------
+# Disks that refuse writes (root ignores chmod: a real read-only or full tmpfs)
+
+COMMANDS = [pytest.param(["launch", "--dry-run"], id="launch"),
+            pytest.param(["slurm", "--nodes", "1", "--dry-run"], id="slurm")]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_run_dir_on_readonly_fs(command, readonly_fs, run_main, tmp_path):
+    run_dir = readonly_fs / "run"
+    before = tree(tmp_path)
+    assert_refused(run_main(*command, "--run-dir", str(run_dir)),
+                   ["--run-dir", str(run_dir), "read-only"])
+    assert_untouched(tmp_path, before)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_run_dir_on_full_fs(command, full_fs, run_main, tmp_path):
+    run_dir = full_fs / "deeper" / "run"
+    before = tree(tmp_path)
+    assert_refused(run_main(*command, "--run-dir", str(run_dir)),
+                   ["--run-dir", str(run_dir), "bytes free"])
+    assert_untouched(tmp_path, before)
+
+
+def test_prepare_on_readonly_fs(readonly_fs, run_main, tmp_path, monkeypatch):
+    text = Ctx(tmp_path, monkeypatch).text()
+    out = readonly_fs / "tokens"
+    before = tree(tmp_path)
+    assert_refused(run_main("data", "prepare", text, "--out", str(out)),
+                   ["--out", str(out), "Read-only file system"])
+    assert_untouched(tmp_path, before)
+
+
+@pytest.mark.parametrize("full_fs", [0, 8192], indirect=True)
+def test_prepare_on_full_fs(full_fs, run_main, tmp_path, monkeypatch):
+    """With 8 KiB of room the first file is written in part before the disk fills."""
+    text = Ctx(tmp_path, monkeypatch).text(size=40000)
+    out = full_fs / "a" / "tokens"
+    before = tree(tmp_path)
+    assert_refused(run_main("data", "prepare", text, "--out", str(out)),
+                   ["--out", str(out), "No space left on device", "nothing was left behind"])
+    assert_untouched(tmp_path, before)
+    assert list(full_fs.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# Allowed by design (controls: the table's refusals are not refusals of everything)
+
+
+def test_dry_run_into_an_empty_run_dir_writes_nothing(run_main, tmp_path):
+    run_dir = tmp_path / "empty"
+    run_dir.mkdir()
+    result = run_main("launch", "--dry-run", "--run-dir", str(run_dir))
+    assert result.code == 0, result.stderr
+    assert list(run_dir.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# As a user runs it: `python -m partrain` in a subprocess, all started at once
+
+
+def _bomb_yaml(c: Ctx) -> str:
+    """600 bytes of YAML whose aliases expand to 10**9 list items, inside parallel.deepspeed
+    (the one key that takes anything)."""
+    lines = [RECIPE_HEAD.rstrip("\n"), "parallel:", "  zero_stage: 1", "  deepspeed:",
+             "    a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"    a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+    return c.file("bomb.yaml", "\n".join(lines) + "\n")
+
+
+SUBPROCESS_CASES = {
+    "launch-bad-value-with-run-dir": (
+        lambda c: ["launch", "optim.lr=nan", "--run-dir", c.path("run")],
+        ["optim.lr=nan", "finite"], None),
+    "show-non-utf8-config": (
+        lambda c: ["show", c.file("latin1.yaml", RECIPE_HEAD.encode() + b"name: caf\xe9\n")],
+        ["latin1.yaml", "not UTF-8", "0xe9"], None),
+    "launch-nproc-per-node-abc": (
+        lambda c: ["launch", "--nproc-per-node", "abc", "--run-dir", c.path("run")],
+        ["--nproc-per-node", "'abc'", "whole number"], None),
+    "launch-run-dir-under-a-file": (
+        lambda c: ["launch", "--run-dir", c.file("afile") + "/run"],
+        ["--run-dir", "afile/run", "is a file"], None),
+    "launch-lying-token-dir": (
+        lambda c: ["launch", "data=tokens", "--run-dir", c.path("run"), "data.path=" + c.tokens(
+            "tok", dtype="uint16", vocab=256, train=np.arange(600))],
+        ["data.path=", "token id 599", "vocab_size=256"], None),
+    "prepare-out-under-a-file": (
+        lambda c: ["data", "prepare", c.text(), "--out", c.file("afile") + "/out"],
+        ["--out", "afile/out", "is a file"], None),
+    "launch-node-rank-1-bad-endpoint-with-local-addr": (
+        lambda c: ["launch", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint",
+                   "127.0.0.1:70000", "--local-addr", "127.0.0.1", "parallel.dp=4",
+                   "launcher.rdzv_timeout_s=5", "--run-dir", c.path("run")],
+        ["--rdzv-endpoint", "127.0.0.1:70000", "1..65535"], None),
+    "show-yaml-alias-bomb": (
+        lambda c: ["show", _bomb_yaml(c)],
+        ["bomb.yaml", "100,000 values", "aliases"], None),
+}
+SUBPROCESS_TIMEOUT_S = 60
+BOMB_TIMEOUT_S = 30
+SUBPROCESS_TEST = "test_refused_as_a_user_runs_it"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def started(request, tmp_path_factory):
+    """The selected subprocess cases, started when the module starts so that they run beside the
+    in-process rows: each with its inputs in its own directory (its cwd and TMPDIR), and killed
+    at its deadline. Their tests, at the end of the file, collect the results."""
+    cases = [item.callspec.params["case"] for item in request.session.items
+             if getattr(item, "originalname", None) == SUBPROCESS_TEST]
+    procs, timers = {}, []
+    with pytest.MonkeyPatch.context() as mp:
+        for name in list(os.environ):
+            if name.startswith(ENV_PREFIXES):
+                mp.delenv(name)
+        for case in cases:
+            root = tmp_path_factory.mktemp(case)
+            (root / "systmp").mkdir()
+            mp.setenv("TMPDIR", str(root / "systmp"))
+            argv = SUBPROCESS_CASES[case][0](Ctx(root, mp))
+            before = tree(root)
+            proc = start_cli(*argv, cwd=root)
+            timer = threading.Timer(BOMB_TIMEOUT_S if "bomb" in case else SUBPROCESS_TIMEOUT_S,
+                                    proc.kill)
+            timer.daemon = True
+            timer.start()
+            timers.append(timer)
+            procs[case] = (proc, root, before)
+    yield procs
+    for timer in timers:
+        timer.cancel()
+    for proc, _, _ in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(case, marks=[pytest.mark.xfail(strict=True, reason=xfail)] if xfail else [])
+    for case, (_, _, xfail) in SUBPROCESS_CASES.items()])
+def test_refused_as_a_user_runs_it(case, started):
+    """A process killed at its deadline exits -9, which fails like any other wrong code."""
+    proc, root, before = started[case]
+    result = finish(proc, timeout=SUBPROCESS_TIMEOUT_S + 10)
+    assert_refused(result, SUBPROCESS_CASES[case][1])
+    assert_untouched(root, before)

@@ -140,7 +140,9 @@ def render_script(job: SlurmJob) -> str:
         lines += [f"export {name}={q(value)}" for name, value in job.env] + [""]
     lines += [
         "# Node 0 hosts the rendezvous; the port follows from the job id as in `partrain launch`.",
-        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        # sed reads to the end: `head -n 1` would close the pipe early, and under pipefail
+        # scontrol's SIGPIPE (a long node list, or just timing) would end the script with 141.
+        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
         'head_addr=$(scontrol show node -o "$head_node" | sed -n \'s/.*NodeAddr=\\([^ ]*\\).*/\\1/p\')',
         f"rdzv_port=$(({SLURM_BASE_PORT} + SLURM_JOB_ID % {SLURM_PORT_SPAN}))",
         "",

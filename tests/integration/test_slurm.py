@@ -32,14 +32,15 @@ def slurm_cluster():
 
 
 def test_quickstart_on_two_slurm_nodes(cli, tmp_path, slurm_cluster, single_process_reference):
-    run_dir = tmp_path / "run"
     canary = tmp_path / "pwned"
-    # A hostile run name: it lands in the #SBATCH job name, which sbatch parses itself.
-    name = f"x'; touch {canary}; '"
+    # A hostile run dir: it lands in the #SBATCH --output line, which sbatch parses itself, and in
+    # the script's body. (A hostile `name` no longer gets this far: names are plain.)
+    run_dir = tmp_path / f"run x'; touch {canary}; '"
     env = {**slurm_cluster.env, "OMP_NUM_THREADS": "1"}
     started = time.monotonic()
     res = cli.run("slurm", *PARITY_COMMON, "parallel.dp=auto", "train.micro_batch_size=4",
-                  f'name="{name}"', "launcher.rdzv_timeout_s=60", "launcher.collective_timeout_s=60",
+                  "name=slurm-test", "launcher.rdzv_timeout_s=60",
+                  "launcher.collective_timeout_s=60",
                   "--nodes", "2", "--nproc-per-node", "2", "--run-dir", str(run_dir), env=env)
     assert res.returncode == 0, res.stderr
     job_id = re.search(r"submitted job (\d+)", res.stdout).group(1)
@@ -60,5 +61,6 @@ def test_quickstart_on_two_slurm_nodes(cli, tmp_path, slurm_cluster, single_proc
     assert_parity(steps, single_process_reference, "slurm 2 nodes x 2 ranks, dp=4")
 
     assert re.search(r"JobName=(.*) UserId=", slurm_cluster.scontrol("show", "job", "-o", job_id)
-                     ).group(1) == name
+                     ).group(1) == "slurm-test"
+    assert job_log.exists()  # SLURM wrote the job's output under the hostile path, literally
     assert not canary.exists()

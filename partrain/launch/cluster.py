@@ -72,14 +72,21 @@ def _expand_host(pattern: str) -> list[str]:
         return [pattern]
     close_at = pattern.index("]", open_at)
     head, body, rest = pattern[:open_at], pattern[open_at + 1:close_at], pattern[close_at + 1:]
-    return [head + n + tail for n in _expand_ranges(body) for tail in _expand_host(rest)]
+    names, tails = _expand_ranges(body), _expand_host(rest)
+    if len(names) * len(tails) > MAX_NODES:  # r[1-1000000]n[1-1000000]: each range is small
+        raise ValueError(f"'{pattern}' names more than {MAX_NODES:,} nodes")
+    return [head + n + tail for n in names for tail in tails]
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
     """SLURM's compressed host list in order: `gpu[01-02,07],cpu3` -> gpu01, gpu02, gpu07, cpu3."""
     try:
-        hosts = [h for item in _split_top_level(nodelist.strip()) if item
-                 for h in _expand_host(item.strip())]
+        hosts = []
+        for item in _split_top_level(nodelist.strip()):
+            if item:
+                hosts += _expand_host(item.strip())
+            if len(hosts) > MAX_NODES:
+                raise ValueError(f"it names more than {MAX_NODES:,} nodes")
     except ValueError as e:
         raise ConfigError(f"SLURM_JOB_NODELIST={nodelist!r} is not a SLURM node list: {e}") \
             from None
@@ -162,7 +169,11 @@ class SlurmEnvironment:
 
     @property
     def nnodes(self) -> int:
-        nnodes = _int(self.env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+        names = ("SLURM_STEP_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+        nnodes = _int(self.env, *names)
+        if nnodes == 0:
+            name = next(n for n in names if self.env.get(n))
+            raise ConfigError(f"{name}={self.env[name]} must be at least 1 (the job's nodes)")
         return nnodes if nnodes is not None else len(self.nodes)
 
     @property

@@ -73,11 +73,18 @@ def _split_args(args: Optional[List[str]]) -> tuple[Optional[str], list[str]]:
 
 
 def _resolve(args, nnodes=None, nproc_per_node=None, world_size=None, probe_cuda=False,
-             gpus_on_node=None):
+             gpus_on_node=None, resume=None):
     from partrain.launch.rundir import is_frozen_config, load_frozen_config
 
     config, overrides = _split_args(args)
-    if is_frozen_config(config):  # a run dir's config.yaml: run as it is, never re-composed
+    if resume is not None:
+        from partrain.checkpoint.resume import resume_config
+
+        if config is not None:
+            raise ConfigError(f"--resume {resume} takes overrides only (key=value), not {config}: "
+                              "the run dir's config.yaml is the config")
+        cfg = resume_config(resume, overrides)
+    elif is_frozen_config(config):  # a run dir's config.yaml: run as it is, never re-composed
         cfg = load_frozen_config(config, overrides)
     else:
         cfg = compose_config(config, overrides)
@@ -132,9 +139,14 @@ def launch(
                                              "the others; default: the route to the endpoint"),
     ifname: Optional[str] = typer.Option(None, "--ifname", help="Network interface for gloo/NCCL; "
                                          "default: the one that routes to the endpoint"),
+    resume: Optional[Path] = typer.Option(
+        None, "--resume", metavar="RUN_DIR", help="Continue the run in RUN_DIR from its newest "
+        "checkpoint; OVERRIDEs may change the layout (parallel.*, launcher.*, micro-batches) and "
+        "raise train.max_steps"),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate and show the plan; start nothing"),
 ) -> None:
-    """Compose, validate, write the run dir and train on this node's ranks."""
+    """Compose, validate, write the run dir and train on this node's ranks (or continue the run
+    a run dir holds, from its newest checkpoint)."""
     from partrain.data import check_data
     from partrain.launch import ElasticLaunch, default_run_dir, launch_workers, write_run_dir
     from partrain.launch.cluster import detect_place
@@ -144,12 +156,17 @@ def launch(
 
     # Inside SLURM the node count, this node's rank and the endpoint come from the job (flags
     # win); under torchrun, or with one srun task per GPU, this refuses to start.
+    from partrain.checkpoint.resume import check_init_from, check_resumable
+
+    if resume is not None and run_dir is not None and run_dir.absolute() != resume.absolute():
+        raise ConfigError(f"--run-dir {run_dir} and --resume {resume} name two run dirs; "
+                          "--resume continues in its own")
     place = detect_place(nproc_per_node)
     nnodes = nnodes if nnodes is not None else place.nnodes
     rank_source = "--node-rank" if node_rank is not None else "SLURM_NODEID"
     node_rank = node_rank if node_rank is not None else (place.node_rank or 0)
     cfg, world, warnings = _resolve(args, nnodes, nproc_per_node, probe_cuda=True,
-                                    gpus_on_node=place.gpus_on_node)
+                                    gpus_on_node=place.gpus_on_node, resume=resume)
     check_startable(world)
     if not 0 <= node_rank < world.nnodes:
         raise ConfigError(f"{rank_source}={node_rank} must be in 0..{world.nnodes - 1} "
@@ -169,23 +186,34 @@ def launch(
         warnings.append("--local-addr / --ifname only matter for a multi-node job "
                         "(--rdzv-endpoint); this run stays on 127.0.0.1")
     data_description = check_data(cfg)
-    run_dir = run_dir or default_run_dir(cfg.name, place.job_id)
-    check_run_dir(run_dir, cfg)
+    run_dir = resume or run_dir or default_run_dir(cfg.name, place.job_id)
+    checkpoint = check_run_dir(run_dir, cfg, resuming=resume is not None)
+    if checkpoint is not None:
+        check_resumable(checkpoint, cfg)
+    else:
+        check_init_from(cfg)
     for warning in warnings:
         _warn(warning)
+    if checkpoint is not None and checkpoint.step >= cfg.train.max_steps:
+        out.print(f"partrain: {run_dir} is trained to step {checkpoint.step} = train.max_steps "
+                  f"({checkpoint.path}); nothing to do (to train on: partrain launch --resume "
+                  f"{run_dir} train.max_steps=N)")
+        return
+    resuming_from = (f"; resuming from step {checkpoint.step} ({checkpoint.path})"
+                     if checkpoint is not None else "")
     if dry_run:
         print_plan(build_plan(cfg, world, []), out)
         out.print(f"data: {data_description}")
         if network:
             out.print(f"network: {network.addr} on {network.ifname or '?'} ({network.how})")
         out.print(f"dry run: would write {run_dir} (checked: it can be made) and start "
-                  f"{world.nproc_per_node} worker(s) on this node; nothing started")
+                  f"{world.nproc_per_node} worker(s) on this node{resuming_from}; nothing started")
         return
 
-    write_run_dir(cfg, run_dir)
+    write_run_dir(cfg, run_dir, resuming=resume is not None)
     out.print(f"partrain: run dir {run_dir}; {world.size} rank(s), {world.nproc_per_node} on this "
               f"node (node {node_rank} of {world.nnodes}, {place.source}); logs in "
-              f"{run_dir / 'logs'}")
+              f"{run_dir / 'logs'}{resuming_from}")
     if network:
         variables = set_ifname_variables(network)
         out.print(f"network: rendezvous {rdzv_endpoint}; this node is {network.addr} on "
@@ -197,7 +225,8 @@ def launch(
         nnodes=world.nnodes, nproc_per_node=world.nproc_per_node, node_rank=node_rank,
         rdzv_endpoint=rdzv_endpoint, run_id=f"slurm-{place.job_id}" if place.job_id else cfg.name,
         rdzv_timeout_s=cfg.launcher.rdzv_timeout_s, local_addr=network and network.addr,
-        cpu_threads=_cpu_threads(world.nproc_per_node) if cpu else None)
+        cpu_threads=_cpu_threads(world.nproc_per_node) if cpu else None,
+        max_steps=cfg.train.max_steps)
     code = launch_workers(run_dir, spec, console_print=err.print)
     if code == 0:
         out.print(f"done: metrics in {run_dir / 'metrics.jsonl'}")
@@ -232,9 +261,12 @@ def slurm(
     from partrain.launch.slurm import (SlurmJob, partrain_command, passed_through_env,
                                        remove_prepared, render_script, submit, write_script)
 
+    from partrain.checkpoint.resume import check_init_from
+
     cfg, world, warnings = _resolve(args, nodes, nproc_per_node or gpus_per_node)
     check_startable(world)
     check_data(cfg)
+    check_init_from(cfg)
     run_dir = (run_dir or default_run_dir(cfg.name)).absolute()
     check_run_dir(run_dir)
     job = SlurmJob(run_dir=run_dir, job_name=cfg.name, nodes=world.nnodes,

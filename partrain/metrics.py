@@ -86,7 +86,7 @@ def format_step(rec: dict) -> str:
 
 
 def summary_table(history: list[dict], val_losses: list[tuple[int, float]], wall_s: float,
-                  run_dir: Path) -> Table:
+                  run_dir: Path, checkpoint=None) -> Table:
     """The final summary: where the loss went, how fast, and where the results are."""
     table = Table(title="partrain: run summary", show_header=False)
     table.add_column(style="bold")
@@ -104,4 +104,6 @@ def summary_table(history: list[dict], val_losses: list[tuple[int, float]], wall
         table.add_row("MFU", f"{sum(r['mfu'] for r in steady) / len(steady):.1%} (mean)")
     table.add_row("wall time", time.strftime("%H:%M:%S", time.gmtime(wall_s)))
     table.add_row("run dir", str(run_dir))
+    if checkpoint is not None:
+        table.add_row("checkpoint", f"{checkpoint.path} (step {checkpoint.step})")
     return table

@@ -21,9 +21,13 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from partrain.checkpoint import store
+from partrain.checkpoint.checkpointer import Checkpointer
+from partrain.checkpoint.state import build_state, load_optimizer, load_weights
 from partrain.data import load_tokens, rank_micro_batches
 from partrain.dist import compute_dtype, end_distributed, env_rank, init_distributed, pick_device
 from partrain.launch.lifeline import hold_lifeline
+from partrain.launch.preemption import PreemptionFlag
 from partrain.mesh import ParallelDims
 from partrain.metrics import MetricsLog, ProgressDisplay, format_step, peak_flops, summary_table
 from partrain.models import build_model, flops_per_token
@@ -157,13 +161,38 @@ def evaluate(model, splits, loss_fn, cfg, dims, mesh, coords, device, autocast) 
     return _global_mean(total / t.eval_batches, dims, mesh)
 
 
-def train(cfg, run_dir: Path, device: torch.device) -> None:
+def _keep_metrics_until(path: Path, step: int) -> None:
+    """On resume: drop the metrics lines of steps after the checkpoint (the interrupted run
+    trained them, and they are trained again), so that metrics.jsonl has one line per step."""
+    import json
+
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) -> None:
     p, t = cfg.parallel, cfg.train
     rank = dist.get_rank()
     dims = ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp, zero_stage=p.zero_stage)
     mesh = dims.build_mesh(device.type)
     coords = dims.coords(rank)
     log.info("rank %d of %d: mesh coordinates %s on %s", rank, dims.world_size, coords, device)
+
+    # Resume from the newest committed checkpoint, if the run dir holds one. Rank 0 first removes
+    # what an interrupted save left; the barrier keeps every rank's first write after that.
+    ckpt_root = run_dir / store.CHECKPOINTS
+    if rank == 0:
+        for path in store.clean_leftovers(ckpt_root):
+            log.info("removed %s, left by an interrupted save", path)
+    resume = store.newest(ckpt_root)
+    init_from = (store.find(Path(cfg.model.init_from), "model.init_from")
+                 if cfg.model.init_from and resume is None else None)
+    dist.barrier()
 
     # The full model from the seed, identical for every layout; wrappers then take it apart in
     # the order TP -> PP -> DP/ZeRO (each sees what the one before produced).
@@ -179,6 +208,12 @@ def train(cfg, run_dir: Path, device: torch.device) -> None:
         seq = t.seq_len // dims.tp if sequence_parallel else t.seq_len
         model = apply_pipeline_parallel(model, mesh["pp"], p,
                                         (t.micro_batch_size, seq, cfg.model.dim), tracer)
+    # Checkpoint weights go into this rank's shards now, before DDP or ZeRO take the model: each
+    # rank reads only its slices, whatever layout wrote them.
+    tp_mesh = mesh["tp"] if dims.tp_enabled else None
+    source = resume or init_from
+    if source:
+        load_weights(model, source.path, tp_mesh)
     if dims.zero_enabled:
         # ZeRO replaces DDP and the optimizer: DeepSpeed shards over dp and builds AdamW from
         # the derived config (over the same parameter groups).
@@ -191,6 +226,8 @@ def train(cfg, run_dir: Path, device: torch.device) -> None:
             # after the schedule (train_step) instead.
             model = apply_data_parallel(model, mesh["dp"])
         optimizer = build_optimizer(model, cfg.optim)
+    if resume:
+        load_optimizer(model, optimizer, resume.path, tp_mesh, dims.zero_enabled)
     loss_fn = loss_function(dims, mesh)
     # ZeRO-3 leaves each parameter empty and keeps this rank's shard in `ds_tensor`.
     rank_params = sum(getattr(q, "ds_tensor", q).numel() for q in model.parameters())
@@ -205,16 +242,34 @@ def train(cfg, run_dir: Path, device: torch.device) -> None:
     peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     fault = os.environ.get(FAULT_ENV)
 
+    first_step = resume.step + 1 if resume else 1
+    if rank == 0 and resume:
+        _keep_metrics_until(run_dir / "metrics.jsonl", resume.step)
     metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=rank == 0)
     display = ProgressDisplay(t.max_steps, t.log_every, enabled=rank == 0)
+
+    def report(record: dict) -> None:
+        metrics.write(record)
+        display.print(f"step {record['step']:>6}  checkpoint {record['checkpoint']}: "
+                      f"{record['bytes']:,} bytes in {record['seconds']:.2f} s"
+                      + (f" ({record['reason']})" if record["reason"] != "every" else ""))
+
+    checkpointer = Checkpointer(run_dir, cfg.checkpoint, OmegaConf.to_yaml(cfg), report)
     display.print(f"partrain: {cfg.model.name} ({n_params:,} parameters, {rank_params:,} on rank "
                   f"0), {splits.description}, layout pp={dims.pp} dp={dims.dp} tp={dims.tp}"
                   f"{' +sp' if sequence_parallel else ''}, {t.global_batch_size} x "
                   f"{t.seq_len} tokens per step ({t.micro_batches} micro-batches of "
                   f"{t.micro_batch_size} per dp rank)")
+    if resume:
+        display.print(f"resuming from step {resume.step} ({resume.path})")
+        metrics.write({"step": resume.step, "resumed_from": str(resume.path.relative_to(run_dir)),
+                       "world_size": dims.world_size})
+    elif init_from:
+        display.print(f"weights from {init_from.path} (step {init_from.step}); fresh optimizer")
     history, val_losses, started = [], [], time.perf_counter()
+    preempted_at = None
     try:
-        for step in range(1, t.max_steps + 1):
+        for step in range(first_step, t.max_steps + 1):
             if fault == f"{rank}:{step}":
                 raise RuntimeError(f"injected fault ({FAULT_ENV}={fault}) on rank {rank} at step {step}")
             step_start = time.perf_counter()
@@ -250,6 +305,24 @@ def train(cfg, run_dir: Path, device: torch.device) -> None:
                 val_losses.append((step, val_loss))
                 log.info("step %d val_loss %.4f", step, val_loss)
                 display.print(f"step {step:>6}  val_loss {val_loss:.4f}")
+
+            # Every rank learns whether any was signalled (SIGUSR2), so all save this same step.
+            signalled = preemption.agreed(device)
+            if signalled is not None or checkpointer.due(step, step == t.max_steps):
+                reason = ("preemption" if signalled is not None else
+                          "every" if cfg.checkpoint.every and step % cfg.checkpoint.every == 0
+                          else "last")
+                checkpointer.save(build_state(model, optimizer, tp_mesh, dims.zero_enabled),
+                                  step, reason, started=signalled)
+            if signalled is not None:
+                checkpointer.wait()
+                preempted_at = step
+                display.print(f"preemption signal: saved step {step} in "
+                              f"{time.time() - signalled:.2f} s after the signal; relaunch to "
+                              "resume")
+                break
+            checkpointer.poll()
+        checkpointer.wait()
     finally:
         # Also on a failure: a live display left running would leave the terminal's cursor hidden.
         display.stop()
@@ -261,9 +334,11 @@ def train(cfg, run_dir: Path, device: torch.device) -> None:
             labels = [f"rank {r} (pp {c['pp']}, dp {c['dp']}, tp {c['tp']})"
                       for r, c in ((r, dims.coords(r)) for r in range(dims.world_size))]
             write_trace(run_dir / "trace.json", gathered, labels)
-    if rank == 0:
+    if rank == 0 and history:
         display.console.print(summary_table(history, val_losses, time.perf_counter() - started,
-                                            run_dir))
+                                            run_dir, checkpointer.newest or resume))
+    if preempted_at is not None:
+        log.info("stopped at step %d on a preemption signal", preempted_at)
 
 
 def _log_to_file(run_dir: Path, rank: int) -> None:
@@ -283,7 +358,7 @@ def _log_to_file(run_dir: Path, rank: int) -> None:
 
 
 @record
-def main(run_dir: str) -> None:
+def main(run_dir: str, preemption: PreemptionFlag | None = None) -> None:
     run_dir = Path(run_dir)
     cfg = OmegaConf.load(run_dir / "config.yaml")
     rank, local_rank, _ = env_rank()
@@ -291,7 +366,7 @@ def main(run_dir: str) -> None:
     device = pick_device(cfg.launcher.device, local_rank)
     init_distributed(device, cfg.launcher.collective_timeout_s)
     # train() returns before the clean end, so model, optimizer and mesh are already unreferenced.
-    train(cfg, run_dir, device)
+    train(cfg, run_dir, device, preemption or PreemptionFlag())
     end_distributed()
     log.info("rank %d done", rank)
 
@@ -299,8 +374,11 @@ def main(run_dir: str) -> None:
 if __name__ == "__main__":
     # First of all: from here on, a launcher killed with SIGKILL takes this rank along.
     hold_lifeline()
+    # Then: SIGUSR2 asks for a checkpoint and a clean stop (the launcher passes SLURM's on).
+    preemption = PreemptionFlag()
+    preemption.install()
     try:
-        main(sys.argv[1])
+        main(sys.argv[1], preemption)
     except BaseException:
         # @record has written the error file for the launcher. Skip interpreter teardown: the other
         # ranks are being stopped, and gloo's destructors could abort on a half-open group.

@@ -24,6 +24,7 @@ class ModelConfig:
     rope_theta: float = 10000.0  # rotary embedding base
     norm_eps: float = 1e-5  # RMSNorm epsilon
     init_std: float = 0.02  # std of the normal weight initialisation
+    init_from: Optional[str] = None  # checkpoint dir (or a run dir: its newest) whose weights start this run; fresh optimizer
 
 
 @dataclass
@@ -88,6 +89,14 @@ class LauncherConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every: int = 100  # save every N optimizer steps into RUN_DIR/checkpoints/; 0 = never on a schedule
+    keep: int = 2  # newest committed checkpoints kept; older ones are deleted after a newer commit
+    save_last: bool = True  # also save after the last step
+    async_save: bool = False  # write in a background thread; the loop blocks only to copy the state
+
+
+@dataclass
 class Config:
     name: str = "run"  # run name: default run dir is runs/<name>-<time>
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -96,6 +105,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
 
 def register() -> None:

@@ -219,9 +219,9 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
                     "model.vocab_size", "model.max_seq_len", "train.seq_len", "train.max_steps",
                     "train.global_batch_size", "train.micro_batch_size", "train.micro_batches",
                     "train.log_every", "train.eval_batches", "model.multiple_of",
-                    "model.ffn_dim", "data.stdlib_max_bytes"])
+                    "model.ffn_dim", "data.stdlib_max_bytes", "checkpoint.keep"])
     _at_least_zero(cfg, ["train.seed", "train.eval_every", "optim.warmup_steps",
-                         "optim.weight_decay"])
+                         "optim.weight_decay", "checkpoint.every"])
     _in_range(cfg, "optim.beta1", 0.0, 1.0, "[0, 1)")
     _in_range(cfg, "optim.beta2", 0.0, 1.0, "[0, 1)")
     if not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:

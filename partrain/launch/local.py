@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,9 +29,10 @@ from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from partrain.launch.lifeline import LAUNCHER_PID_ENV
+from partrain.launch.preemption import SignalForwarder
 from partrain.launch.netif import split_endpoint, wait_for_endpoint
 
-EXIT_OK, EXIT_RANK_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+EXIT_OK, EXIT_RANK_FAILED, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 1, 3, 130
 
 
 class RunDirLogsSpecs(LogsSpecs):
@@ -67,6 +69,7 @@ class ElasticLaunch:
     rdzv_timeout_s: int = 120
     cpu_threads: int | None = None  # OMP threads per worker on CPU
     local_addr: str | None = None  # this node's address as the other nodes reach it
+    max_steps: int | None = None  # train.max_steps: a preemption save before it means exit 3
 
     @property
     def multi_node(self) -> bool:
@@ -132,10 +135,12 @@ def _workers_started(agent_log: Path) -> bool:
 def launch_workers(run_dir: Path, spec: ElasticLaunch, console_print=print) -> int:
     """Run every local rank to the end; return the launcher's exit code (0, 1 or 130)."""
     agent_log = _quiet_agent_logs(run_dir, spec)
-    # SLURM sends SIGUSR2 shortly before the time limit (`partrain slurm` asks for it) so that a
-    # run can checkpoint and requeue. Until it does, the signal must not kill the launcher or the
-    # workers (they inherit the disposition).
-    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+    # SLURM sends SIGUSR2 shortly before the time limit (`partrain slurm` asks for it), or on a
+    # preemption: the workers save at one step and stop (preemption.py); this launcher passes the
+    # signal on and then exits 3, "relaunch to resume".
+    forwarder = SignalForwarder()
+    forwarder.install()
+    started = time.time()
     if spec.cpu_threads:
         os.environ.setdefault("OMP_NUM_THREADS", str(spec.cpu_threads))
     rdzv_configs = {"join_timeout": spec.rdzv_timeout_s, "timeout": spec.rdzv_timeout_s}
@@ -200,4 +205,26 @@ def launch_workers(run_dir: Path, spec: ElasticLaunch, console_print=print) -> i
     except (SignalException, KeyboardInterrupt):
         console_print("interrupted: all workers stopped")
         return EXIT_INTERRUPTED
+    finally:
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # from here on, nothing to pass it to
+    saved = _preemption_save(run_dir, started, spec.max_steps)
+    if saved is not None:
+        console_print(f"saved at step {saved.step} on a preemption signal ({saved.path}, "
+                      f"{saved.meta.get('seconds', 0):.2f} s from signal to commit); relaunch "
+                      "to resume")
+        return EXIT_PREEMPTED
     return EXIT_OK
+
+
+def _preemption_save(run_dir: Path, started: float, max_steps: int | None):
+    """The checkpoint this launch's workers saved on a preemption signal before the last step,
+    if they did (the workers end cleanly after it; the committed checkpoint says why it was
+    saved, on the shared run dir every node sees)."""
+    from partrain.checkpoint import store
+
+    newest = store.newest(run_dir / store.CHECKPOINTS)
+    if (newest is None or newest.reason != "preemption" or
+            newest.meta.get("saved_at", 0) < started - 1 or
+            (max_steps is not None and newest.step >= max_steps)):
+        return None
+    return newest

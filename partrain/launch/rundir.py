@@ -57,22 +57,39 @@ def _nearest_existing(path: Path) -> Path:
     return path
 
 
-def check_run_dir(run_dir: Path, cfg: DictConfig | None = None) -> None:
-    """A run dir is new, empty, or prepared for this very run (see the module docstring), and can
-    be made: checked before anything is written, and by --dry-run."""
+def check_run_dir(run_dir: Path, cfg: DictConfig | None = None, resuming: bool = False):
+    """A run dir is new, empty, prepared for this very run, or holds a committed checkpoint of
+    this very config (or `resuming`: of any config; resume.py checks what may change), and can
+    be made: checked before anything is written, and by --dry-run. Returns the checkpoint to
+    resume from, or None."""
+    from partrain.checkpoint import store
+
     def refuse(rule: str) -> ConfigError:
-        return ConfigError(f"--run-dir {run_dir} {rule}")
+        return ConfigError(f"{'--resume' if resuming else '--run-dir'} {run_dir} {rule}")
+
+    checkpoint = None
 
     try:
         if run_dir.is_symlink() and not run_dir.exists():
             raise refuse("is a broken or looping symbolic link")
         if run_dir.exists() and not run_dir.is_dir():
             raise refuse("is an existing file; give a new directory")
+        if resuming and (not run_dir.is_dir() or store.newest(run_dir / store.CHECKPOINTS) is None):
+            raise refuse(f"holds no committed checkpoint in {store.CHECKPOINTS}/; give the run dir "
+                         "of a run that saved one (every checkpoint.every steps, at the end, and "
+                         "on SIGUSR2)")
         if run_dir.is_dir() and any(run_dir.iterdir()):
             frozen = run_dir / CONFIG
-            joinable = (cfg is not None and not _trained_in(run_dir) and
-                        _prepared_by_partrain(run_dir) and
-                        (not frozen.exists() or _same_config(frozen, cfg)))
+            checkpoint = store.newest(run_dir / store.CHECKPOINTS) if cfg is not None else None
+            if checkpoint is not None and not resuming and not (
+                    frozen.exists() and _same_config(frozen, cfg)):
+                raise refuse(
+                    f"holds a checkpoint at step {checkpoint.step} of another config; continue it "
+                    f"with `partrain launch --resume {run_dir} [OVERRIDE...]` (the layout may "
+                    "change), or give a new --run-dir")
+            joinable = checkpoint is not None or (
+                cfg is not None and not _trained_in(run_dir) and _prepared_by_partrain(run_dir)
+                and (not frozen.exists() or _same_config(frozen, cfg)))
             if not joinable:
                 raise refuse("already exists and is not empty; give a new one (a run dir holds "
                              "one run: partrain writes only into a new or empty directory)")
@@ -88,17 +105,18 @@ def check_run_dir(run_dir: Path, cfg: DictConfig | None = None) -> None:
                          f"{MIN_FREE_BYTES:,} needed for the config, metrics and logs)")
     except OSError as e:  # a path too long, a name the file system refuses, an I/O error
         raise refuse(f"cannot be used: {e.strerror}") from None
+    return checkpoint
 
 
 def _read_only_fs(path: Path) -> bool:
     return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
 
 
-def write_run_dir(cfg: DictConfig, run_dir: Path) -> Path:
+def write_run_dir(cfg: DictConfig, run_dir: Path, resuming: bool = False) -> Path:
     """Create the run dir with its frozen config.yaml (written whole, then renamed into place, so
     that nodes writing the same file at once never see half of it). If the disk refuses any of
     it, what this call made is removed and the error names --run-dir."""
-    check_run_dir(run_dir, cfg)
+    check_run_dir(run_dir, cfg, resuming)
     made = _nearest_existing(run_dir)
     tmp = run_dir / f".{CONFIG}.{os.getpid()}.tmp"
     try:

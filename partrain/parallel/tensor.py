@@ -219,6 +219,7 @@ def _shard(full: torch.Tensor, dim: int, group) -> nn.Parameter:
         raise ValueError(f"dimension {dim} of size {full.shape[dim]} does not split over tp={tp}")
     param = nn.Parameter(full.detach().chunk(tp, dim=dim)[rank].clone())
     param.tp_sharded = True
+    param.tp_shard_dim = dim  # checkpoints record the shard as this slice of the full tensor
     return param
 
 

@@ -1,0 +1,92 @@
+"""Saving during training: when, synchronously or in the background, and the commit.
+
+`Checkpointer.save` writes the state of one step with DCP under a temporary name and commits it
+(store.commit, on global rank 0) once every rank has written its part. With
+`checkpoint.async_save` the loop blocks only while DCP copies the state to memory; the write runs
+in a background thread on its own gloo group (so its collectives never interleave with the
+training's), and rank 0 commits when it completes: at a later step boundary, or at the next save,
+or at the end, whichever comes first.
+"""
+
+import logging
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from partrain.checkpoint import store
+
+log = logging.getLogger("partrain")
+
+
+class Checkpointer:
+    def __init__(self, run_dir: Path, ckpt_cfg, config_yaml: str, report):
+        """`report(record)` gets one dict per committed save (rank 0: metrics.jsonl, display)."""
+        self.root = run_dir / store.CHECKPOINTS
+        self.cfg, self.config_yaml, self.report = ckpt_cfg, config_yaml, report
+        self.rank = dist.get_rank()
+        # Every rank creates the group, in the same place of the flow, as new_group requires.
+        self.group = dist.new_group(backend="gloo") if ckpt_cfg.async_save else None
+        self.pending = None  # (future, step, reason, started, blocked_s)
+        self.newest: store.Checkpoint | None = None
+
+    def due(self, step: int, last: bool) -> bool:
+        every = self.cfg.every
+        return bool((every and step % every == 0) or (last and self.cfg.save_last))
+
+    def save(self, state: dict, step: int, reason: str, started: float | None = None) -> None:
+        """Write `state` as the checkpoint of `step`. `started`: when the save was asked for (a
+        preemption signal), so that the report says how long it took from there to the commit."""
+        self.wait()
+        started = started or time.time()
+        t0 = time.perf_counter()
+        path = store.tmp_dir(self.root, step)
+        if self.group is not None:
+            future = dcp.async_save(state, checkpoint_id=path, process_group=self.group)
+            self.pending = (future, step, reason, started, time.perf_counter() - t0)
+            return
+        dcp.save(state, checkpoint_id=path)
+        self._commit(step, reason, started, blocked_s=time.perf_counter() - t0)
+
+    def poll(self) -> None:
+        """At a step boundary: commit a finished background save (rank 0 only needs to)."""
+        if self.pending is not None and self.rank == 0 and _done(self.pending[0]):
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the background save (if any) is written, then commit it."""
+        if self.pending is None:
+            return
+        future, step, reason, started, blocked = self.pending
+        self.pending = None
+        _result(future)
+        self._commit(step, reason, started, blocked)
+
+    def _commit(self, step: int, reason: str, started: float, blocked_s: float) -> None:
+        # DCP's save returns on every rank only after the coordinator (rank 0) has gathered all
+        # ranks' write results and written .metadata: on rank 0 everything is on disk here.
+        if self.rank != 0:
+            return
+        seconds = time.time() - started
+        meta = {"reason": reason, "saved_at": time.time(), "seconds": round(seconds, 4),
+                "blocked_s": round(blocked_s, 4), "world_size": dist.get_world_size()}
+        self.newest = store.commit(self.root, step, meta, self.config_yaml)
+        pruned = store.prune(self.root, self.cfg.keep)
+        record = {"step": step, "checkpoint": str(self.newest.path.relative_to(self.root.parent)),
+                  "bytes": self.newest.meta["bytes"], "seconds": round(seconds, 4),
+                  "blocked_s": round(blocked_s, 4), "reason": reason}
+        log.info("saved checkpoint %s: step %d, %s bytes in %.3f s (loop blocked %.3f s)%s",
+                 self.newest.path, step, f"{record['bytes']:,}", seconds, blocked_s,
+                 f"; removed {', '.join(p.name for p in pruned)}" if pruned else "")
+        self.report(record)
+
+
+def _done(future) -> bool:
+    upload = getattr(future, "upload_completion", future)
+    return upload.done()
+
+
+def _result(future):
+    upload = getattr(future, "upload_completion", future)
+    return upload.result()

@@ -1,0 +1,118 @@
+"""What may change between a checkpoint and the run that continues from it, checked in the
+launcher before anything starts.
+
+A resume continues the same training: the model, the data, the seed, the global batch, the
+sequence length and the optimizer must be those the checkpoint was saved with. The layout may
+change (parallel.*, launcher.*, the node count, the micro-batch split at the same global batch),
+as may how the run logs, evaluates and saves, and train.max_steps (the learning-rate schedule is
+then the one of a run planned for the new max_steps: warmup is unchanged, the cosine stretches).
+"""
+
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from partrain.checkpoint import store
+from partrain.config.keys import shown
+from partrain.errors import ConfigError
+
+# Keys (or key prefixes ending in '.') a resume may change.
+RESUMABLE = ("name", "parallel.", "launcher.", "checkpoint.", "train.micro_batch_size",
+             "train.micro_batches", "train.max_steps", "train.eval_every", "train.eval_batches",
+             "train.log_every", "train.trace", "model.init_from")
+# Model keys that do not change the weights' shapes (init_from may point anywhere).
+NOT_SHAPE = ("model.name", "model.init_from", "model.init_std")
+
+
+def _flat(tree, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value and not f"{prefix}{key}".startswith("parallel.deepspeed"):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _resumable(key: str) -> bool:
+    return any(key == k or (k.endswith(".") and key.startswith(k)) for k in RESUMABLE)
+
+
+def saved_config(checkpoint: store.Checkpoint) -> dict:
+    from partrain.config.compose import read_yaml
+
+    return read_yaml(checkpoint.path / store.SAVED_CONFIG, "checkpoint config")
+
+
+def check_resumable(checkpoint: store.Checkpoint, cfg) -> None:
+    """Refuse (ConfigError, naming the key) a config that changes what the checkpoint trained."""
+    saved = _flat(saved_config(checkpoint))
+    new = _flat(OmegaConf.to_container(cfg, resolve=True))
+    for key in sorted(saved.keys() | new.keys()):
+        if _resumable(key) or saved.get(key) == new.get(key):
+            continue
+        raise ConfigError(
+            f"{key}={shown(new.get(key))} differs from {shown(saved.get(key))} in the checkpoint "
+            f"at step {checkpoint.step} ({checkpoint.path}): it changes the math of the run, so a "
+            "resume keeps it; a resume may change the layout (parallel.*, launcher.*, nodes, the "
+            "micro-batch split), train.max_steps, logging, evaluation and checkpoint.*. To start "
+            f"a new run from these weights: model.init_from={checkpoint.path} in a new run dir")
+    if cfg.train.max_steps < checkpoint.step:
+        raise ConfigError(
+            f"train.max_steps={cfg.train.max_steps} is below the checkpoint's step "
+            f"{checkpoint.step} ({checkpoint.path}); a resume continues from there (raise "
+            "train.max_steps, or start a new run with model.init_from)")
+
+
+def check_init_from(cfg) -> store.Checkpoint | None:
+    """model.init_from names a committed checkpoint whose weights fit model.*: the checkpoint."""
+    if not cfg.model.init_from:
+        return None
+    checkpoint = store.find(Path(cfg.model.init_from), "model.init_from")
+    saved = _flat(saved_config(checkpoint).get("model", {}), "model.")
+    new = _flat(OmegaConf.to_container(cfg.model, resolve=True), "model.")
+    for key in sorted(new):
+        if key not in NOT_SHAPE and key in saved and saved[key] != new[key]:
+            raise ConfigError(
+                f"{key}={shown(new[key])} does not match {shown(saved[key])} of the checkpoint "
+                f"model.init_from={checkpoint.path}: its weights have that model's shape")
+    return checkpoint
+
+
+def resume_config(run_dir: Path, overrides: list[str]):
+    """The frozen config of `run_dir` with the layout overrides of a resume on top. Keys derived
+    from the old layout that the overrides do not set are derived again: the micro-batch split
+    (at the same global batch) when dp changes, pp_layers when pp changes."""
+    from partrain.config.keys import check_overrides, groups
+    from partrain.launch.rundir import CONFIG, load_frozen_config
+
+    frozen = run_dir / CONFIG
+    if not frozen.is_file():
+        raise ConfigError(f"--resume {run_dir} holds no {CONFIG}: give the run dir of a partrain "
+                          "run that saved a checkpoint")
+    cfg = load_frozen_config(str(frozen), [])
+    overrides = check_overrides(overrides)
+    plain, known_groups = [], groups()
+    for item in overrides:
+        if item.split("=", 1)[0] in known_groups:
+            raise ConfigError(f"--resume takes key=value overrides; {item!r} would replace a whole "
+                              "config group: set the keys that change instead")
+        if item.startswith(("+", "~")) and not item.startswith("++parallel.deepspeed"):
+            raise ConfigError(f"--resume takes key=value overrides of existing keys; got {item!r}")
+        plain.append(item.lstrip("+"))
+    given = {item.split("=", 1)[0] for item in plain}
+    try:
+        cfg.merge_with(OmegaConf.from_dotlist(plain))
+    except Exception as e:  # a value of the wrong type for the schema
+        from partrain.config.compose import explain
+
+        raise ConfigError(f"--resume {run_dir}: {explain(e)}") from None
+    t, p = cfg.train, cfg.parallel
+    # The global batch stays; of the split, what the overrides give stays and the rest follows.
+    if "train.micro_batches" not in given:
+        t.micro_batches = None
+    elif "train.micro_batch_size" not in given:
+        t.micro_batch_size = None
+    if "parallel.pp" in given and "parallel.pp_layers" not in given:
+        p.pp_layers = None
+    return cfg

@@ -1,0 +1,180 @@
+"""What a checkpoint holds, in the names of the single-process model, for every layout.
+
+Keys (all tensors, so that DCP plans, de-duplicates and reshards them):
+
+    model.<name>              the fp32 weights (under ZeRO the master copy DeepSpeed keeps)
+    optim.<name>.exp_avg      AdamW's first moment, sharded like the weight
+    optim.<name>.exp_avg_sq   AdamW's second moment
+    optim.<name>.step         AdamW's step count for that parameter (a scalar)
+
+<name> is the parameter's name in the model `build_model` makes (`layers.7.attention.wq.weight`):
+the wrappers' prefixes (`module.` of DDP and DeepSpeed, `chunks.N.` of the pipeline) are dropped,
+and pipeline stages keep the global block ids. A tensor-parallel shard (`tp_shard_dim`) is saved
+as what it is, a slice of the full tensor: a DTensor with a Shard placement on the tp mesh, so
+DCP records its global offset. Plain shards under one name would be de-duplicated by DCP as if
+they were replicas, and the checkpoint would load "fine" and be wrong. Replicated tensors (the
+same on every dp rank, or every tp rank for norm gains) are written once.
+
+Loading builds the same keys for the layout being loaded into, and DCP reads from every saved
+shard the part each rank needs: that is resharding, for free. Under ZeRO the weights go into the
+model before DeepSpeed partitions it, and the optimizer state through DeepSpeed's own per-parameter
+helpers (deepspeed.utils.safe_set_full_*) afterwards.
+"""
+
+import re
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+WRAPPER_PREFIX = re.compile(r"^(?:module\.|chunks\.\d+\.)+")
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def canonical_name(name: str) -> str:
+    """A wrapped model's parameter name as the single-process model has it."""
+    return WRAPPER_PREFIX.sub("", name)
+
+
+def named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """This rank's parameters (its tp shard of its pp stage) by canonical name."""
+    params = {}
+    for name, param in model.named_parameters():
+        key = canonical_name(name)
+        if key in params:
+            raise ValueError(f"two parameters map to the checkpoint name {key!r}")
+        params[key] = param
+    return params
+
+
+def _local_shape(param: nn.Parameter) -> torch.Size:
+    """This rank's shape of the parameter (ZeRO-3 leaves the parameter empty: ds_shape)."""
+    return getattr(param, "ds_shape", None) or param.shape
+
+
+def as_saved(local: torch.Tensor, param: nn.Parameter, tp_mesh) -> torch.Tensor:
+    """`local` (this rank's tensor for `param`, or state shaped like it) as it goes into the
+    checkpoint: a DTensor slice of the full tensor if the parameter is a tp shard."""
+    dim = getattr(param, "tp_shard_dim", None)
+    if dim is None or tp_mesh is None or tp_mesh.size() == 1:
+        return local
+    full = list(local.shape)
+    full[dim] *= tp_mesh.size()
+    return DTensor.from_local(local, tp_mesh, [Shard(dim)], run_check=False,
+                              shape=torch.Size(full), stride=torch.empty(full, device="meta").stride())
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _zero_stage(optimizer) -> int:
+    return 3 if hasattr(optimizer, "fp32_partitioned_groups_flat") else 2
+
+
+def _zero_flat_partitions(optimizer) -> list[torch.Tensor]:
+    """DeepSpeed's flat fp32 partitions, the tensors its inner AdamW steps."""
+    if hasattr(optimizer, "fp32_partitioned_groups_flat"):
+        return list(optimizer.fp32_partitioned_groups_flat)
+    return list(optimizer.single_partition_of_fp32_groups)
+
+
+def _zero_step(optimizer) -> float:
+    steps = [optimizer.optimizer.state[flat].get("step", 0)
+             for flat in _zero_flat_partitions(optimizer) if flat in optimizer.optimizer.state]
+    return max((float(s) for s in steps), default=0.0)
+
+
+def build_state(model: nn.Module, optimizer, tp_mesh, zero: bool) -> dict[str, torch.Tensor]:
+    """The checkpoint's state on this rank (collective under ZeRO: every dp rank calls it)."""
+    state = {}
+    if zero:
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        step = _zero_step(optimizer)
+    for name, param in named_parameters(model).items():
+        if zero:
+            weight = safe_get_full_fp32_param(param).reshape(_local_shape(param))
+            moments = {key: (safe_get_full_optimizer_state(param, key).reshape(_local_shape(param))
+                             if step else torch.zeros(_local_shape(param)))
+                       for key in MOMENTS}
+            param_step = step
+        else:
+            weight = param.detach()
+            opt = optimizer.state.get(param, {})
+            moments = {key: opt[key] if key in opt else torch.zeros_like(weight) for key in MOMENTS}
+            param_step = float(opt.get("step", 0))
+        state[f"model.{name}"] = as_saved(weight, param, tp_mesh)
+        for key, value in moments.items():
+            state[f"optim.{name}.{key}"] = as_saved(value, param, tp_mesh)
+        state[f"optim.{name}.step"] = torch.tensor(param_step, dtype=torch.float64)
+    return state
+
+
+def _template(shapes: dict[str, tuple[nn.Parameter, torch.Size]], tp_mesh, keys) -> dict:
+    state = {}
+    for name, (param, shape) in shapes.items():
+        for key in keys:
+            if key == "step":
+                state[f"optim.{name}.step"] = torch.zeros((), dtype=torch.float64)
+            else:
+                prefix = "model" if key == "weight" else "optim"
+                suffix = "" if key == "weight" else f".{key}"
+                state[f"{prefix}.{name}{suffix}"] = as_saved(torch.zeros(shape), param, tp_mesh)
+    return state
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, path, tp_mesh) -> None:
+    """Fill this rank's parameters from the checkpoint at `path` (before DDP or ZeRO wrap them).
+    Collective: every rank calls it."""
+    params = named_parameters(model)
+    state = _template({n: (p, p.shape) for n, p in params.items()}, tp_mesh, ["weight"])
+    dcp.load(state, checkpoint_id=path)
+    for name, param in params.items():
+        param.copy_(_local(state[f"model.{name}"]))
+
+
+@torch.no_grad()
+def load_optimizer(model: nn.Module, optimizer, path, tp_mesh, zero: bool) -> None:
+    """Fill the optimizer's state (moments and step) from the checkpoint, after the optimizer (or
+    DeepSpeed's engine) is built. Collective: every rank calls it."""
+    params = named_parameters(model)
+    shapes = {n: (p, _local_shape(p)) for n, p in params.items()}
+    keys = (["weight"] if zero else []) + [*MOMENTS, "step"]
+    state = _template(shapes, tp_mesh, keys)
+    dcp.load(state, checkpoint_id=path)
+    if not zero:
+        for name, param in params.items():
+            optimizer.state[param] = {
+                "step": torch.tensor(float(state[f"optim.{name}.step"]), dtype=torch.float32),
+                **{key: _local(state[f"optim.{name}.{key}"]).clone() for key in MOMENTS}}
+        return
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    # DeepSpeed's inner AdamW creates its state at the first step; make it now, then write each
+    # parameter's fragment of it through DeepSpeed's helpers.
+    step = max((float(state[f"optim.{name}.step"]) for name in params), default=0.0)
+    inner = optimizer.optimizer
+    for flat in _zero_flat_partitions(optimizer):
+        value = (torch.tensor(step, dtype=torch.float32)
+                 if isinstance(inner, torch.optim.Optimizer) and type(inner).__module__.startswith("torch")
+                 else int(step))
+        inner.state[flat] = {"step": value, "exp_avg": torch.zeros_like(flat),
+                             "exp_avg_sq": torch.zeros_like(flat)}
+    if _zero_stage(optimizer) < 3:
+        optimizer._lazy_init_hp_params_optimizer_state()
+    for name, param in params.items():
+        safe_set_full_fp32_param(param, _local(state[f"model.{name}"]))
+        for key in MOMENTS:
+            safe_set_full_optimizer_state(param, _local(state[f"optim.{name}.{key}"]), key)
+
+
+def true_size(model_cfg, tp: int = 1) -> int:
+    """Bytes of the state a checkpoint holds, each tensor once: fp32 weights and two moments
+    (12 bytes per parameter) and one 8-byte step per parameter tensor."""
+    from partrain.models.llama import count_params
+
+    tensors = 2 + 9 * model_cfg.n_layers + 1  # embedding, head, final norm; 9 per block
+    return 12 * count_params(model_cfg) + 8 * tensors

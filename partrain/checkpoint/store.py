@@ -1,0 +1,175 @@
+"""The checkpoint directory protocol: what is committed, how a save becomes visible, what is kept.
+
+    RUN_DIR/checkpoints/
+        step-00000500/          committed: DCP's files, .metadata, meta.json, config.yaml
+        .tmp-step-00000600/     being written (or left by a save that was killed)
+        latest                  "step-00000500\\n", replaced atomically on every commit
+
+Every rank writes its part under the temporary name; when all are done (DCP's save returns on
+every rank only after the coordinator wrote .metadata), one rank writes meta.json and renames the
+directory: the rename is the commit. A SIGKILL at any moment leaves either the old set of
+committed checkpoints or the new one. `latest` follows the rename; a reader that finds it stale
+(a kill between the two) takes the newest committed directory, which is always right. Older
+checkpoints are deleted only after a newer one is committed. Pure file operations: no process
+group, so the launcher and the unit tests use them directly.
+"""
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from partrain.errors import ConfigError
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+META = "meta.json"
+SAVED_CONFIG = "config.yaml"
+DCP_METADATA = ".metadata"
+STEP_DIR = re.compile(r"step-(\d{8,})")
+TMP_PREFIX = ".tmp-"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def tmp_dir(root: Path, step: int) -> Path:
+    return root / f"{TMP_PREFIX}{step_dir_name(step)}"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A committed checkpoint directory and what its meta.json says."""
+
+    path: Path
+    step: int
+    meta: dict
+
+    @property
+    def reason(self) -> str:
+        return self.meta.get("reason", "")
+
+
+def _read_meta(path: Path) -> dict | None:
+    try:
+        meta = json.loads((path / META).read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def committed(root: Path) -> list[Checkpoint]:
+    """The committed checkpoints under `root`, oldest first. A directory counts only with its
+    step name, DCP's .metadata and partrain's meta.json (written before the commit's rename)."""
+    found = []
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return []
+    for entry in entries:
+        match = STEP_DIR.fullmatch(entry.name)
+        if not match or not entry.is_dir() or not (entry / DCP_METADATA).is_file():
+            continue
+        meta = _read_meta(entry)
+        if meta is not None and meta.get("step") == int(match.group(1)):
+            found.append(Checkpoint(entry, int(match.group(1)), meta))
+    return sorted(found, key=lambda c: c.step)
+
+
+def newest(root: Path) -> Checkpoint | None:
+    found = committed(root)
+    return found[-1] if found else None
+
+
+def leftovers(root: Path) -> list[Path]:
+    """What interrupted saves left behind: temporary directories and pointer files."""
+    try:
+        return sorted(e for e in root.iterdir() if e.name.startswith(TMP_PREFIX))
+    except OSError:
+        return []
+
+
+def clean_leftovers(root: Path) -> list[Path]:
+    """Remove the leftovers of interrupted saves (one rank, before any rank writes)."""
+    removed = leftovers(root)
+    for path in removed:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return removed
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def commit(root: Path, step: int, meta: dict, config_yaml: str) -> Checkpoint:
+    """Make the temporary directory of `step` the committed checkpoint (every rank's part must be
+    written already): meta.json and the config inside it, then the rename, then `latest`."""
+    tmp = tmp_dir(root, step)
+    final = root / step_dir_name(step)
+    meta = {**meta, "step": step, "bytes": dir_bytes(tmp)}
+    (tmp / SAVED_CONFIG).write_text(config_yaml)
+    _write_atomically(tmp / META, json.dumps(meta, indent=2) + "\n")
+    _fsync_dir(tmp)
+    if final.exists():  # the same step saved again (a resume that ended where it began)
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    _write_atomically(root / LATEST, final.name + "\n")
+    return Checkpoint(final, step, meta)
+
+
+def prune(root: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` committed checkpoints (called after a commit)."""
+    old = committed(root)[:-keep] if keep > 0 else []
+    for checkpoint in old:
+        shutil.rmtree(checkpoint.path, ignore_errors=True)
+    return [c.path for c in old]
+
+
+def find(path: Path, what: str) -> Checkpoint:
+    """A committed checkpoint named by the user: its directory, a run dir (its newest), or a run
+    dir's checkpoints/ (its newest). Raises ConfigError naming `what` (the key or flag)."""
+    candidates = [path] if STEP_DIR.fullmatch(path.name) else []
+    for root in (path / CHECKPOINTS, path):
+        if root.is_dir() and not candidates:
+            found = newest(root)
+            if found:
+                return found
+    for candidate in candidates:
+        found = [c for c in committed(candidate.parent) if c.path.name == candidate.name]
+        if found:
+            return found[0]
+    if not path.exists():
+        raise ConfigError(f"{what}={path} does not exist; give a checkpoint directory "
+                          "(RUN_DIR/checkpoints/step-N) or a run dir that holds one")
+    raise ConfigError(f"{what}={path} holds no committed checkpoint (a step-N directory with "
+                      "DCP's .metadata and partrain's meta.json); give RUN_DIR/checkpoints/step-N "
+                      "or a run dir that holds one")

@@ -1,0 +1,104 @@
+"""Preemption: SLURM's SIGUSR2 before a time limit or a preemption, from launcher to every rank.
+
+SLURM signals the job step's tasks: the `partrain launch` process on each node. Its workers run in
+sessions of their own (torch's elastic agent starts them with start_new_session), so the launcher
+passes the signal on (`SignalForwarder`). It must not reach the elastic agent as a death signal:
+the agent would stop the workers after its close timeout, mid-save. A worker that has not yet set
+up its handler (it is still importing torch) gets the signal as soon as it has, so that an early
+signal neither kills it nor is lost. On the ranks, `PreemptionFlag` notes the time of the signal;
+at the end of every step the ranks agree (a min-reduce of that time, infinity for "not signalled")
+so that all save at the same step even when only some were signalled.
+"""
+
+import math
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+PREEMPT_SIGNAL = signal.SIGUSR2
+WORKER_MARKER = b"partrain.train"
+
+
+def _children(parent: int) -> set[int]:
+    """This launcher's worker processes (direct children running partrain.train)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == parent and WORKER_MARKER in (entry / "cmdline").read_bytes():
+                found.add(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether the process has a handler installed for the signal (/proc/PID/status SigCgt)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+class SignalForwarder:
+    """Launcher side: on SIGUSR2, deliver it to every local worker once its handler is set."""
+
+    def __init__(self, patience_s: float = 300.0):
+        self.patience_s = patience_s
+        self.received_at: float | None = None
+
+    def install(self) -> None:
+        signal.signal(PREEMPT_SIGNAL, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.received_at is None:
+            self.received_at = time.time()
+        threading.Thread(target=self._deliver, name="partrain-preempt", daemon=True).start()
+
+    def _deliver(self) -> None:
+        deadline, delivered = time.monotonic() + self.patience_s, set()
+        while time.monotonic() < deadline:
+            workers = _children(os.getpid())
+            for pid in workers - delivered:
+                if _catches(pid, PREEMPT_SIGNAL):
+                    try:
+                        os.kill(pid, PREEMPT_SIGNAL)
+                    except ProcessLookupError:
+                        pass
+                    delivered.add(pid)
+            if workers and workers <= delivered:
+                return
+            time.sleep(0.05)
+
+
+class PreemptionFlag:
+    """Worker side: remembers when SIGUSR2 arrived; `agreed()` is the collective decision."""
+
+    def __init__(self):
+        self.at: float | None = None
+
+    def install(self) -> None:
+        signal.signal(PREEMPT_SIGNAL, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.at is None:
+            self.at = time.time()
+
+    def agreed(self, device) -> float | None:
+        """Collective over all ranks: the earliest signal time, or None if no rank got one."""
+        import torch
+        import torch.distributed as dist
+
+        when = torch.tensor([math.inf if self.at is None else self.at], dtype=torch.float64,
+                            device=device)
+        dist.all_reduce(when, op=dist.ReduceOp.MIN)
+        value = when.item()
+        return None if math.isinf(value) else value

@@ -17,6 +17,7 @@ from partrain.models.llama import count_params, count_params_per_rank, flops_per
 from partrain.parallel.pipeline import stage_layers
 from partrain.parallel.schedules import bubble_theory, build_schedule, simulate
 from partrain.parallel.tensor import tp_collectives, tp_step_collectives
+from partrain.checkpoint.state import true_size
 from partrain.parallel.zero import zero_memory
 
 TIMELINE_MAX_MICRO_BATCHES = 16  # wider timelines are drawn for fewer (labels stay 2 digits)
@@ -70,8 +71,19 @@ def build_plan(cfg: DictConfig, world: World, warnings: list[str]) -> dict:
         "memory": _memory(p.zero_stage, params_per_rank, dims.dp, dtype),
         "tp_collectives": _tp_collectives(cfg, dims, stages, low_precision=dtype != "fp32"),
         "pipeline": _pipeline(cfg, dims, stages) if dims.pp > 1 else None,
+        "checkpoint": _checkpoint(cfg, params_per_rank, dims.dp),
         "warnings": warnings,
     }
+
+
+def _checkpoint(cfg: DictConfig, params_per_rank: int, dp: int) -> dict:
+    """What one checkpoint writes: fp32 weights and AdamW's two moments, each tensor once. A rank
+    writes its stage's shard of them, the dp replicas sharing the work (DCP de-duplicates)."""
+    c = cfg.checkpoint
+    total = true_size(cfg.model)
+    return {"bytes": total, "bytes_per_rank": round(12 * params_per_rank / dp),
+            "every": c.every, "keep": c.keep, "save_last": c.save_last,
+            "async_save": c.async_save, "disk_bytes": total * c.keep}
 
 
 def _group_pattern(dims: ParallelDims, dim: str) -> dict:
@@ -238,6 +250,12 @@ def print_plan(plan: dict, console: Console) -> None:
                   f"gradients {_size(mem['grad_bytes'])} + optimizer state "
                   f"{_size(mem['optim_bytes'])} = {mem['formula']} = {_size(mem['total'])}; "
                   f"other stages: {others}; activations not included")
+    ck = plan["checkpoint"]
+    when = (f"every {ck['every']} steps" if ck["every"] else "not on a schedule") + \
+        (" and after the last" if ck["save_last"] else "")
+    console.print(f"checkpoint: {_size(ck['bytes'])} (fp32 weights + AdamW moments), about "
+                  f"{_size(ck['bytes_per_rank'])} written per rank; {when}, newest {ck['keep']} "
+                  f"kept ({_size(ck['disk_bytes'])} on disk){', in the background' if ck['async_save'] else ''}")
     pipe = plan["pipeline"]
     if pipe:
         stage_table = Table(title="pipeline stages")

@@ -9,6 +9,7 @@ or at the end, whichever comes first.
 """
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -18,6 +19,17 @@ import torch.distributed.checkpoint as dcp
 from partrain.checkpoint import store
 
 log = logging.getLogger("partrain")
+
+# Test-only hook: PARTRAIN_TEST_SAVE_PAUSE="RANK:STEP:before|after" makes that rank sleep at that
+# step's save, before it writes its part or after every part is written and before the commit,
+# so that a test can kill the job mid-save.
+PAUSE_ENV = "PARTRAIN_TEST_SAVE_PAUSE"
+
+
+def _test_pause(rank: int, step: int, where: str) -> None:
+    if os.environ.get(PAUSE_ENV) == f"{rank}:{step}:{where}":
+        log.info("%s: rank %d pauses %s writing step %d", PAUSE_ENV, rank, where, step)
+        time.sleep(600)
 
 
 class Checkpointer:
@@ -42,6 +54,7 @@ class Checkpointer:
         started = started or time.time()
         t0 = time.perf_counter()
         path = store.tmp_dir(self.root, step)
+        _test_pause(self.rank, step, "before")
         if self.group is not None:
             future = dcp.async_save(state, checkpoint_id=path, process_group=self.group)
             self.pending = (future, step, reason, started, time.perf_counter() - t0)
@@ -68,6 +81,7 @@ class Checkpointer:
         # ranks' write results and written .metadata: on rank 0 everything is on disk here.
         if self.rank != 0:
             return
+        _test_pause(self.rank, step, "after")
         seconds = time.time() - started
         meta = {"reason": reason, "saved_at": time.time(), "seconds": round(seconds, 4),
                 "blocked_s": round(blocked_s, 4), "world_size": dist.get_world_size()}

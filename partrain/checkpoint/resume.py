@@ -82,11 +82,16 @@ def check_init_from(cfg) -> store.Checkpoint | None:
 def resume_config(run_dir: Path, overrides: list[str]):
     """The frozen config of `run_dir` with the layout overrides of a resume on top. Keys derived
     from the old layout that the overrides do not set are derived again: the micro-batch split
-    (at the same global batch) when dp changes, pp_layers when pp changes."""
+    (at the same global batch) when dp changes, pp_layers when pp changes, the processes per
+    node when a degree changes."""
     from partrain.config.keys import check_overrides, groups
     from partrain.launch.rundir import CONFIG, load_frozen_config
 
     frozen = run_dir / CONFIG
+    if not run_dir.is_dir():
+        rule = "is not a directory" if run_dir.exists() else "does not exist"
+        raise ConfigError(f"--resume {run_dir} {rule}: give the run dir of a partrain run that "
+                          "saved a checkpoint")
     if not frozen.is_file():
         raise ConfigError(f"--resume {run_dir} holds no {CONFIG}: give the run dir of a partrain "
                           "run that saved a checkpoint")
@@ -115,4 +120,7 @@ def resume_config(run_dir: Path, overrides: list[str]):
         t.micro_batch_size = None
     if "parallel.pp" in given and "parallel.pp_layers" not in given:
         p.pp_layers = None
+    if given & {"parallel.dp", "parallel.tp", "parallel.pp"} and \
+            "launcher.nproc_per_node" not in given:
+        cfg.launcher.nproc_per_node = None  # the old layout's count: follow the new degrees
     return cfg

@@ -86,6 +86,18 @@ def _zero_step(optimizer) -> float:
     return max((float(s) for s in steps), default=0.0)
 
 
+def _link_zero_state(optimizer) -> None:
+    """Point each parameter's DeepSpeed fragment at its part of the inner optimizer's state.
+
+    ZeRO-1/2 link them once, after the first step of the first parameter group, when the inner
+    AdamW has no state yet for the others (the no-decay group): their fragments stay empty and
+    safe_get_full_optimizer_state fails. Linking again when every group has state fixes that;
+    ZeRO-3 looks the state up at each call and needs nothing."""
+    if _zero_stage(optimizer) < 3:
+        optimizer._hp_optimizer_states_linked = False
+        optimizer._lazy_init_hp_params_optimizer_state()
+
+
 def build_state(model: nn.Module, optimizer, tp_mesh, zero: bool) -> dict[str, torch.Tensor]:
     """The checkpoint's state on this rank (collective under ZeRO: every dp rank calls it)."""
     state = {}
@@ -93,6 +105,8 @@ def build_state(model: nn.Module, optimizer, tp_mesh, zero: bool) -> dict[str, t
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
         step = _zero_step(optimizer)
+        if step:
+            _link_zero_state(optimizer)
     for name, param in named_parameters(model).items():
         if zero:
             weight = safe_get_full_fp32_param(param).reshape(_local_shape(param))
@@ -163,8 +177,7 @@ def load_optimizer(model: nn.Module, optimizer, path, tp_mesh, zero: bool) -> No
                  else int(step))
         inner.state[flat] = {"step": value, "exp_avg": torch.zeros_like(flat),
                              "exp_avg_sq": torch.zeros_like(flat)}
-    if _zero_stage(optimizer) < 3:
-        optimizer._lazy_init_hp_params_optimizer_state()
+    _link_zero_state(optimizer)
     for name, param in params.items():
         safe_set_full_fp32_param(param, _local(state[f"model.{name}"]))
         for key in MOMENTS:

@@ -3,8 +3,16 @@
 The script asks for N nodes with one task each; `srun` starts `partrain launch` on the frozen
 config.yaml once per node, and each launcher starts that node's workers under the elastic agent
 (c10d rendezvous on the head node, port from the job id). One task per GPU would be a double
-launch (see cluster.py). `--signal=USR2@120` and `--requeue` are there so that checkpointing can
-later save and requeue before the time limit.
+launch (see cluster.py).
+
+Preemption: SLURM sends SIGUSR2 to the launchers 120 s before the time limit (`--signal`), and a
+site does the same to preempt (`scancel --signal=USR2`); the ranks save at one step and the
+launchers exit 3. The script then requeues the job (`scontrol requeue`; SLURM ends the script
+itself), and the requeued job runs this same script: `partrain launch` on a run dir holding a
+checkpoint of this config resumes from it. The job's log is appended to, not truncated, so it
+tells both runs. srun must not kill the other nodes when one exits non-zero
+(`--kill-on-bad-exit=0`): exit 3 is no failure, and a node killed while it ends would turn srun's
+exit code into 130 or 137. `--wait` bounds how long a node may hang once another has ended.
 
 Every value that comes from the user (run name, paths, partition, extra sbatch arguments, the
 NCCL variables passed through) is quoted: shlex.quote in the shell body, and sbatch's own quoting
@@ -28,6 +36,10 @@ from partrain.launch.cluster import SLURM_BASE_PORT, SLURM_PORT_SPAN
 SCRIPT = "job.sbatch"
 PASSED_THROUGH = ("NCCL_", "TORCH_NCCL_", "GLOO_")  # network settings the workers need as set here
 SIGNAL_BEFORE_END_S = 120
+# Once one node's launcher has ended, srun stops the others after this many seconds (`--wait`):
+# after a run, a save or a failure they end within seconds of each other, unless one hangs.
+NODES_END_WITHIN_S = 60
+EXIT_PREEMPTED = 3  # `partrain launch`: saved at a step on a preemption signal (launch/local.py)
 # sbatch options the script sets from partrain's own flags and layout; a raw --sbatch-arg that
 # repeats one would contradict it (the last one wins in sbatch, silently).
 FIXED_SBATCH_OPTIONS = {
@@ -42,6 +54,9 @@ FIXED_SBATCH_OPTIONS = {
     **dict.fromkeys(("--account", "-A"), "use --account"),
     **dict.fromkeys(("--qos", "-q"), "use --qos"),
     **dict.fromkeys(("--signal",), "partrain asks for USR2 before the time limit"),
+    **dict.fromkeys(("--no-requeue",), "the job requeues itself after a save on a preemption "
+                    "signal"),
+    **dict.fromkeys(("--open-mode",), "a requeued job appends to its log"),
 }
 # The formats sbatch's --time takes (man sbatch), and its words for no limit.
 SLURM_TIME = re.compile(r"\d+|\d+:\d+|\d+:\d+:\d+|\d+-\d+|\d+-\d+:\d+|\d+-\d+:\d+:\d+|"
@@ -132,9 +147,12 @@ def render_script(job: SlurmJob) -> str:
              f"= {job.nodes * job.nproc_per_node} ranks.",
              f"# Run dir {q(str(run_dir))}; submit again with: sbatch {q(str(run_dir / SCRIPT))}"]
     lines += [f"#SBATCH --{key}={_sbatch_quote(value)}" for key, value in options if value]
-    lines += ["#SBATCH --requeue"]
+    lines += ["#SBATCH --requeue", "#SBATCH --open-mode=append"]
     lines += [f"#SBATCH {_sbatch_quote(arg)}" for arg in job.sbatch_args]
-    lines += ["", "set -euo pipefail", ""]
+    lines += ["", "set -euo pipefail",
+              "# USR2 is for the ranks; if a site signals this shell too, bash would die of it.",
+              "# A trap, not `trap '' USR2`: an ignored signal stays ignored in srun and below.",
+              "trap : USR2", ""]
     if job.env:
         lines += ["# NCCL and gloo settings of the shell that ran `partrain slurm`"]
         lines += [f"export {name}={q(value)}" for name, value in job.env] + [""]
@@ -146,12 +164,23 @@ def render_script(job: SlurmJob) -> str:
         'head_addr=$(scontrol show node -o "$head_node" | sed -n \'s/.*NodeAddr=\\([^ ]*\\).*/\\1/p\')',
         f"rdzv_port=$(({SLURM_BASE_PORT} + SLURM_JOB_ID % {SLURM_PORT_SPAN}))",
         "",
-        "# One task per node: each `partrain launch` starts its node's ranks itself.",
-        f"srun --kill-on-bad-exit=1 --nodes={job.nodes} --ntasks-per-node=1 --export=ALL \\",
+        "# One task per node: each `partrain launch` starts its node's ranks itself. No kill on a",
+        "# non-zero exit: after a save the nodes exit 3 a moment apart, and a node killed as it ends",
+        "# would make srun's code 130 or 137, not 3. --wait still stops a node that hangs.",
+        "code=0",
+        f"srun --kill-on-bad-exit=0 --wait={NODES_END_WITHIN_S} --nodes={job.nodes} "
+        "--ntasks-per-node=1 --export=ALL \\",
         f"    {' '.join(q(part) for part in job.partrain)} launch "
         f"{q(str(run_dir / 'config.yaml'))} --run-dir {q(str(run_dir))} \\",
         f"    --nnodes {job.nodes} --nproc-per-node {job.nproc_per_node} "
-        '--rdzv-endpoint "${head_addr:-$head_node}:$rdzv_port"',
+        '--rdzv-endpoint "${head_addr:-$head_node}:$rdzv_port" || code=$?',
+        "",
+        "# Saved on a preemption signal: the requeued job runs this script again and resumes from",
+        "# the checkpoint. SLURM ends this script as it requeues; if it cannot, the job fails with 3.",
+        f'if [ "$code" -eq {EXIT_PREEMPTED} ] && scontrol requeue "$SLURM_JOB_ID"; then',
+        "    exit 0",
+        "fi",
+        'exit "$code"',
     ]
     return "\n".join(lines) + "\n"
 

@@ -11,7 +11,9 @@ and is stopped when the test session ends; jobs still queued are cancelled first
 Facts that shaped this: munged runs as the munge user and insists on a socket directory of mode
 755 that it owns; a job asking more tasks than CPUs pends forever unless the node claims more
 (`SlurmdParameters=config_overrides` lets a node claim CPUs it does not have); without accounting
-there is no sacct, so the job's state is read with `scontrol show job`.
+there is no sacct, so the job's state is read with `scontrol show job`. A requeued job waits
+AuthInfo's cred_expire + 1 s before it may start again (default 120 s; 5 is the least SLURM takes),
+and then for the main scheduling loop (sched_interval, default 60 s): both are short here.
 """
 
 import os
@@ -35,7 +37,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={munge_socket}
+AuthInfo=socket={munge_socket},cred_expire=5
 StateSaveLocation={base}/state
 SlurmdSpoolDir={base}/spool-%n
 SlurmctldPidFile={base}/slurmctld.pid
@@ -46,6 +48,7 @@ ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 MpiDefault=none
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
@@ -154,6 +157,13 @@ class SlurmCluster:
         result = subprocess.run([_which("scontrol"), *args], env=self.env, capture_output=True,
                                 text=True, timeout=30)
         return result.stdout
+
+    def signal(self, job_id: str, name: str) -> None:
+        """`scancel --signal=NAME JOBID`: to the job's steps (srun's tasks), as a site preempts."""
+        result = subprocess.run([_which("scancel"), f"--signal={name}", job_id], env=self.env,
+                                capture_output=True, text=True, timeout=30)
+        if result.returncode != 0:
+            raise RuntimeError(f"scancel --signal={name} {job_id}: {result.stderr.strip()}")
 
     def _nodes_idle(self) -> bool:
         states = self.scontrol("show", "nodes", "-o")

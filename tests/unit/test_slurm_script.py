@@ -1,7 +1,8 @@
 """The sbatch script of `partrain slurm`: rendered against a stored expected file, hostile values
-run through bash with stub `srun`/`scontrol` (stubs, because these tests need no cluster; the
-real daemons run in tests/integration/test_slurm.py), and the CLI around it: --dry-run, sbatch
-missing or refusing the job (exit 2 with sbatch's own message, nothing left behind)."""
+and the launcher's exit codes (3: requeue) run through bash with stub `srun`/`scontrol` (stubs,
+because these tests need no cluster; the real daemons run in tests/integration/test_slurm*.py),
+and the CLI around it: --dry-run, sbatch missing or refusing the job (exit 2 with sbatch's own
+message, nothing left behind)."""
 
 import dataclasses
 import os
@@ -32,24 +33,40 @@ def test_rendered_script_matches_the_stored_file():
 def test_script_has_what_the_issue_asks():
     script = render_script(FULL_JOB)
     for line in ("#SBATCH --ntasks-per-node=1", "#SBATCH --signal=USR2@120", "#SBATCH --requeue",
+                 "#SBATCH --open-mode=append",
                  "#SBATCH --output=/shared/runs/llama-7b-tp4-pp2/logs/slurm-%j.out",
-                 'scontrol show hostnames "$SLURM_JOB_NODELIST"', "srun --kill-on-bad-exit=1",
-                 "/opt/venv/bin/partrain launch /shared/runs/llama-7b-tp4-pp2/config.yaml"):
+                 'scontrol show hostnames "$SLURM_JOB_NODELIST"', "srun --kill-on-bad-exit=0",
+                 "/opt/venv/bin/partrain launch /shared/runs/llama-7b-tp4-pp2/config.yaml",
+                 'scontrol requeue "$SLURM_JOB_ID"', "trap : USR2"):
         assert line in script
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
 
 
 def _stubs(bin_dir: Path, record: Path) -> None:
-    """srun records its arguments (NUL-separated) and one passed-through variable; scontrol
-    answers like a two-node job on n1, n2 with n1 at 10.0.0.5."""
+    """srun records its arguments (NUL-separated) and one passed-through variable, then runs
+    $SRUN_DOES (default: nothing, exit 0); scontrol answers like a two-node job on n1, n2 with n1
+    at 10.0.0.5, and records a requeue and answers it with $REQUEUE_EXIT (default 0)."""
     bin_dir.mkdir()
     (bin_dir / "srun").write_text(
-        f'#!/bin/bash\nprintf "%s\\0" "$@" > {record}\nprintf "%s" "$NCCL_DEBUG" > {record}.env\n')
+        f'#!/bin/bash\nprintf "%s\\0" "$@" > {record}\nprintf "%s" "$NCCL_DEBUG" > {record}.env\n'
+        'eval "${SRUN_DOES:-exit 0}"\n')
     (bin_dir / "scontrol").write_text(
-        '#!/bin/bash\nif [ "$2" = hostnames ]; then echo n1; echo n2; '
+        f'#!/bin/bash\nif [ "$1" = requeue ]; then echo "$2" >> {record}.requeue; '
+        'exit "${REQUEUE_EXIT:-0}"; fi\n'
+        'if [ "$2" = hostnames ]; then echo n1; echo n2; '
         'else echo "NodeName=$4 Arch=x86_64 NodeAddr=10.0.0.5 NodeHostName=$4"; fi\n')
     for stub in bin_dir.iterdir():
         stub.chmod(0o755)
+
+
+def _run_script(tmp_path: Path, job: SlurmJob, **env: str) -> subprocess.CompletedProcess:
+    """The job's script under bash as the batch step runs it, with the stubs first on PATH."""
+    script = write_script(job)
+    _stubs(tmp_path / "bin", tmp_path / "srun-args")
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+           "SLURM_JOB_ID": "1234", "SLURM_JOB_NODELIST": "n[1-2]", **env}
+    return subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
+                          timeout=30)
 
 
 HOSTILE = "x'; touch {canary}; '"
@@ -64,21 +81,61 @@ def test_hostile_values_stay_literal(tmp_path):
                    partrain=(str(tmp_path / "bin" / "partrain"),), partition=f"$(touch {canary})",
                    account=hostile, sbatch_args=(f"--comment={hostile}",),
                    env=(("NCCL_DEBUG", hostile),))
-    script = write_script(job)
-    record = tmp_path / "srun-args"
-    _stubs(tmp_path / "bin", record)
-    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
-           "SLURM_JOB_ID": "1234", "SLURM_JOB_NODELIST": "n[1-2]"}
-    result = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True,
-                            timeout=30)
+    result = _run_script(tmp_path, job)
     assert result.returncode == 0, result.stderr
+    record = tmp_path / "srun-args"
     argv = record.read_text().split("\0")[:-1]
-    assert argv == ["--kill-on-bad-exit=1", "--nodes=2", "--ntasks-per-node=1", "--export=ALL",
+    assert argv == ["--kill-on-bad-exit=0", "--wait=60", "--nodes=2", "--ntasks-per-node=1",
+                    "--export=ALL",
                     str(tmp_path / "bin" / "partrain"), "launch", str(run_dir / "config.yaml"),
                     "--run-dir", str(run_dir), "--nnodes", "2", "--nproc-per-node", "2",
                     "--rdzv-endpoint", f"10.0.0.5:{slurm_port('1234')}"]
     assert Path(f"{record}.env").read_text() == hostile
     assert not canary.exists()
+
+
+PLAIN_JOB = SlurmJob(run_dir=Path("/unused"), job_name="run", nodes=2, nproc_per_node=2,
+                     partrain=("partrain",))
+
+
+@pytest.mark.parametrize("srun_exit, requeue_exit, script_exit, requeued", [
+    (0, 0, 0, False),  # trained to the end
+    (1, 0, 1, False),  # a rank failed: the job fails with the launcher's code, no requeue
+    (130, 0, 130, False),
+    (3, 0, 0, True),  # saved on a preemption signal: requeued (SLURM then ends the script)
+    (3, 1, 3, True),  # the requeue refused (e.g. --no-requeue by the site): the job fails with 3
+])
+def test_exit_3_requeues_the_job_and_other_codes_pass_through(
+        tmp_path, srun_exit, requeue_exit, script_exit, requeued):
+    job = dataclasses.replace(PLAIN_JOB, run_dir=tmp_path / "run")
+    job.run_dir.mkdir()
+    result = _run_script(tmp_path, job, SRUN_DOES=f"exit {srun_exit}",
+                         REQUEUE_EXIT=str(requeue_exit))
+    assert result.returncode == script_exit, result.stderr
+    requeue = tmp_path / "srun-args.requeue"
+    assert (requeue.read_text() if requeue.exists() else "") == ("1234\n" if requeued else "")
+
+
+def test_batch_shell_survives_usr2_and_still_requeues(tmp_path):
+    # `scancel --full --signal=USR2` or `--signal=B:USR2` also signal the batch shell, while
+    # srun runs: bash's default would be to die of it (exit -12) and never requeue.
+    job = dataclasses.replace(PLAIN_JOB, run_dir=tmp_path / "run")
+    job.run_dir.mkdir()
+    result = _run_script(tmp_path, job, SRUN_DOES='kill -USR2 "$PPID"; sleep 0.2; exit 3')
+    assert result.returncode == 0, (result.returncode, result.stderr)
+    assert (tmp_path / "srun-args.requeue").read_text() == "1234\n"
+
+
+def test_srun_inherits_usr2_as_not_ignored(tmp_path):
+    # `trap '' USR2` would pass SIG_IGN on to srun and, through it, to the launchers and ranks.
+    job = dataclasses.replace(PLAIN_JOB, run_dir=tmp_path / "run")
+    job.run_dir.mkdir()
+    # SigIgn of srun's own process: the bit of signal 12 must be clear.
+    result = _run_script(tmp_path, job, SRUN_DOES=(
+        f'grep SigIgn /proc/$$/status > {tmp_path}/sigign; exit 0'))
+    assert result.returncode == 0, result.stderr
+    mask = int((tmp_path / "sigign").read_text().split()[1], 16)
+    assert not mask >> (12 - 1) & 1
 
 
 def test_sbatch_lines_quote_for_sbatchs_parser():
@@ -93,6 +150,8 @@ def test_sbatch_lines_quote_for_sbatchs_parser():
     ("job_name", "a\nsrun rm -rf /", "name='a\\nsrun rm -rf /' contains a control character"),
     ("partition", "gpu\r", "--partition='gpu\\r' contains a control character"),
     ("sbatch_args", ("exclusive",), "--sbatch-arg 'exclusive' must be an sbatch option"),
+    ("sbatch_args", ("--no-requeue",), "the job requeues itself after a save on a preemption"),
+    ("sbatch_args", ("--open-mode=truncate",), "a requeued job appends to its log"),
 ])
 def test_values_no_quoting_makes_safe_are_refused(field, value, fragment):
     job = dataclasses.replace(FULL_JOB, **{field: value})

@@ -1,0 +1,458 @@
+"""The checkpoint protocol without a process group: which directories count as committed
+(store.py), how a save is committed and old ones pruned, how a user's path names a checkpoint,
+the wrapper-free parameter names (state.py), and what a resume may change (resume.py).
+
+Checkpoints here are directories built on disk the way store.commit leaves them (DCP's .metadata,
+partrain's meta.json, the config): the launcher-side rules read nothing else. The tensors are
+tests/integration/test_checkpoint.py's business.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from partrain.checkpoint import store
+from partrain.checkpoint.resume import check_init_from, check_resumable, resume_config
+from partrain.checkpoint.state import canonical_name
+from partrain.config import resolve_and_validate, resolve_world
+from partrain.errors import ConfigError
+from tests.unit.helpers import one_line, validated
+from tests.unit.hostile import frozen_text
+
+
+def write_checkpoint(root: Path, step: int, config_text: str | None = None, *, meta=None,
+                     metadata: bool = True, name: str | None = None) -> Path:
+    """A checkpoint directory under `root` (RUN_DIR/checkpoints) as store.commit leaves one:
+    DCP's .metadata, a shard, meta.json whose step is `step` (unless `meta` says otherwise) and
+    the config it was saved with. `metadata=False` or `meta` make it lie."""
+    path = root / (name or store.step_dir_name(step))
+    path.mkdir(parents=True)
+    (path / "__0_0.distcp").write_bytes(b"\0" * 64)
+    if metadata:
+        (path / store.DCP_METADATA).write_bytes(b"dcp")
+    if meta is not False:
+        (path / store.META).write_text(json.dumps({"step": step, "reason": "every"}
+                                                  if meta is None else meta))
+    (path / store.SAVED_CONFIG).write_text(config_text if config_text is not None
+                                           else frozen_text())
+    return path
+
+
+def write_run_dir(run_dir: Path, *steps: int, config_text: str | None = None) -> Path:
+    """A run dir that trained and saved at `steps`: config.yaml, metrics, a rank log and the
+    committed checkpoints, each holding the run's config."""
+    text = config_text if config_text is not None else frozen_text()
+    (run_dir / "logs").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(text)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.5}\n')
+    (run_dir / "logs" / "rank-0.log").write_text("step 1\n")
+    for step in steps:
+        write_checkpoint(run_dir / store.CHECKPOINTS, step, text)
+    if steps:
+        (run_dir / store.CHECKPOINTS / store.LATEST).write_text(
+            store.step_dir_name(max(steps)) + "\n")
+    return run_dir
+
+
+def names(paths) -> list[str]:
+    return [Path(p).name for p in paths]
+
+
+def steps(root: Path) -> list[int]:
+    return [c.step for c in store.committed(root)]
+
+
+# ------------------------------------------------------------------------------------------------
+# store: what is committed
+
+
+def test_committed_counts_only_complete_step_dirs(tmp_path):
+    root = tmp_path / "checkpoints"
+    write_checkpoint(root, 20)
+    write_checkpoint(root, 4)
+    write_checkpoint(root, 30, name=".tmp-step-00000030")          # being written
+    write_checkpoint(root, 40, metadata=False)                     # DCP never finished
+    write_checkpoint(root, 50, meta=False)                         # killed before meta.json
+    write_checkpoint(root, 60, meta={"step": 61})                  # meta.json of another step
+    write_checkpoint(root, 70, meta=[70])                          # meta.json not a mapping
+    write_checkpoint(root, 80, meta={"reason": "every"})           # meta.json without a step
+    (write_checkpoint(root, 90) / store.META).write_text('{"step": 9')  # truncated meta.json
+    write_checkpoint(root, 95, name="step-95")                     # not a step-NNNNNNNN name
+    write_checkpoint(root, 96, name="step-00000096.old")
+    (root / "step-00000099").write_text("a file, not a directory")
+    (root / store.LATEST).write_text("step-00000099\n")
+
+    found = store.committed(root)
+    assert [(c.step, c.path.name) for c in found] == [(4, "step-00000004"), (20, "step-00000020")]
+    assert found[-1].meta == {"step": 20, "reason": "every"} and found[-1].reason == "every"
+    assert store.newest(root).step == 20
+
+
+def test_newest_of_nothing(tmp_path):
+    assert store.committed(tmp_path / "missing") == []
+    assert store.newest(tmp_path / "missing") is None
+    (tmp_path / "empty").mkdir()
+    assert store.newest(tmp_path / "empty") is None
+    write_checkpoint(tmp_path / "only-tmp", 5, name=".tmp-step-00000005")
+    assert store.newest(tmp_path / "only-tmp") is None
+
+
+def test_newest_orders_by_step_not_by_name(tmp_path):
+    """Nine digits sort before eight as text: step-100000000 is newer than step-99999999."""
+    write_checkpoint(tmp_path, 99_999_999)
+    write_checkpoint(tmp_path, 100_000_000)
+    assert store.newest(tmp_path).path.name == "step-100000000"
+
+
+def test_a_stale_latest_does_not_change_newest(tmp_path):
+    """A kill between the commit's rename and the `latest` update leaves `latest` one behind."""
+    run_dir = write_run_dir(tmp_path / "run", 10, 20, 30)
+    root = run_dir / store.CHECKPOINTS
+    (root / store.LATEST).write_text("step-00000010\n")
+    assert store.newest(root).step == 30
+    assert store.find(run_dir, "--resume").step == 30
+    (root / store.LATEST).write_text("step-00000040\n")  # names what was pruned or never made
+    assert store.newest(root).step == 30
+    (root / store.LATEST).unlink()
+    assert store.newest(root).step == 30
+
+
+def test_clean_leftovers_removes_only_temporaries(tmp_path):
+    root = tmp_path / "checkpoints"
+    write_checkpoint(root, 10)
+    write_checkpoint(root, 20, metadata=False)
+    write_checkpoint(root, 30, name=".tmp-step-00000030")
+    (root / ".tmp-step-00000040").mkdir()
+    (root / ".tmp-latest.1234").write_text("step-00000010\n")
+    (root / store.LATEST).write_text("step-00000010\n")
+    (root / ".hidden").write_text("not ours")
+    outside = write_checkpoint(tmp_path, 50, name=".tmp-step-00000050")  # not under root
+
+    removed = store.clean_leftovers(root)
+
+    assert names(removed) == [".tmp-latest.1234", ".tmp-step-00000030", ".tmp-step-00000040"]
+    assert sorted(p.name for p in root.iterdir()) == [
+        ".hidden", "latest", "step-00000010", "step-00000020"]
+    assert steps(root) == [10] and outside.is_dir()
+    assert store.clean_leftovers(root) == []
+    assert store.clean_leftovers(tmp_path / "missing") == []
+
+
+def test_clean_leftovers_does_not_follow_a_symlink(tmp_path):
+    """A `.tmp-*` link to someone's directory: the link goes, what it points to stays."""
+    root, theirs = tmp_path / "checkpoints", tmp_path / "theirs"
+    root.mkdir()
+    theirs.mkdir()
+    (theirs / "data").write_text("keep me")
+    (root / ".tmp-step-00000001").symlink_to(theirs)
+    assert names(store.clean_leftovers(root)) == [".tmp-step-00000001"]
+    assert list(root.iterdir()) == [] and (theirs / "data").read_text() == "keep me"
+
+
+# ------------------------------------------------------------------------------------------------
+# store: commit and prune
+
+
+def _written(root: Path, step: int, shard_bytes: int = 100) -> Path:
+    """What every rank's DCP save leaves before the commit: the temporary dir with its files."""
+    tmp = store.tmp_dir(root, step)
+    tmp.mkdir(parents=True)
+    (tmp / "__0_0.distcp").write_bytes(b"\1" * shard_bytes)
+    (tmp / "__1_0.distcp").write_bytes(b"\2" * (shard_bytes + 1))
+    (tmp / store.DCP_METADATA).write_bytes(b"m" * 7)
+    return tmp
+
+
+def test_commit_renames_and_points_latest(tmp_path):
+    root = tmp_path / "checkpoints"
+    tmp = _written(root, 5)
+    checkpoint = store.commit(root, 5, {"reason": "every", "step": 999}, "name: x\n")
+
+    assert not tmp.exists()
+    assert checkpoint.path == root / "step-00000005" and checkpoint.step == 5
+    saved = json.loads((checkpoint.path / store.META).read_text())
+    assert saved == checkpoint.meta
+    assert saved["step"] == 5, "the step committed wins over a step in the given meta"
+    assert saved["reason"] == "every"
+    assert saved["bytes"] == 100 + 101 + 7  # what the ranks wrote
+    assert (checkpoint.path / store.SAVED_CONFIG).read_text() == "name: x\n"
+    assert (root / store.LATEST).read_text() == "step-00000005\n"
+    assert store.newest(root) == checkpoint
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000005"], \
+        "the temporary file of `latest` is left behind"
+
+
+def test_commit_replaces_latest_atomically(tmp_path):
+    """`latest` is replaced by a rename, never rewritten in place: a reader that opened the old
+    one reads it whole, and no moment exists at which it is empty or half written."""
+    root = tmp_path / "checkpoints"
+    _written(root, 5)
+    store.commit(root, 5, {}, "")
+    _written(root, 10)
+    with open(root / store.LATEST) as reader:
+        store.commit(root, 10, {}, "")
+        assert reader.read() == "step-00000005\n"
+    assert (root / store.LATEST).read_text() == "step-00000010\n"
+    assert steps(root) == [5, 10]
+
+
+def test_commit_of_a_step_already_committed_replaces_it(tmp_path):
+    """A resume that ends where it began saves the same step again."""
+    root = tmp_path / "checkpoints"
+    _written(root, 5, shard_bytes=10)
+    store.commit(root, 5, {"reason": "every"}, "")
+    _written(root, 5, shard_bytes=20)
+    again = store.commit(root, 5, {"reason": "last"}, "")
+    assert steps(root) == [5] and store.newest(root).reason == "last"
+    assert again.meta["bytes"] == 20 + 21 + 7
+    assert not store.tmp_dir(root, 5).exists()
+
+
+def test_prune_deletes_only_older_committed(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (10, 20, 30, 40):
+        write_checkpoint(root, step)
+    uncommitted = write_checkpoint(root, 5, metadata=False)
+    tmp = write_checkpoint(root, 50, name=".tmp-step-00000050")
+
+    assert names(store.prune(root, 2)) == ["step-00000010", "step-00000020"]
+    assert steps(root) == [30, 40]
+    assert uncommitted.is_dir() and tmp.is_dir(), "prune only touches committed checkpoints"
+    assert store.prune(root, 2) == []
+    assert store.prune(root, 10) == [] and steps(root) == [30, 40]
+    assert names(store.prune(root, 1)) == ["step-00000030"]
+    assert steps(root) == [40]
+    assert store.prune(root, 1) == [] and store.prune(root, 0) == [], "the newest always stays"
+    assert steps(root) == [40]
+
+
+# ------------------------------------------------------------------------------------------------
+# store: a checkpoint named by the user
+
+
+def test_find_takes_a_step_dir_a_run_dir_or_its_checkpoints(tmp_path):
+    run_dir = write_run_dir(tmp_path / "run", 10, 20)
+    root = run_dir / store.CHECKPOINTS
+    assert store.find(root / "step-00000010", "model.init_from").step == 10, \
+        "a step dir is that checkpoint, not the newest"
+    assert store.find(root / "step-00000020", "model.init_from").path == root / "step-00000020"
+    assert store.find(run_dir, "model.init_from").step == 20
+    assert store.find(root, "model.init_from").step == 20
+    assert store.find(Path(str(root / "step-00000010") + "/"), "x").step == 10
+
+
+@pytest.mark.parametrize("where, rule", [
+    ("nosuch", "does not exist"),
+    ("nosuch/step-00000010", "does not exist"),
+    ("run/checkpoints/step-00000030", "does not exist"),
+    ("empty", "holds no committed checkpoint"),
+    ("run-no-checkpoint", "holds no committed checkpoint"),
+    ("run/checkpoints/step-00000020", "holds no committed checkpoint"),
+    ("run/checkpoints/.tmp-step-00000040", "holds no committed checkpoint"),
+    ("run/config.yaml", "holds no committed checkpoint"),
+])
+def test_find_refuses_naming_the_key(tmp_path, where, rule):
+    run_dir = write_run_dir(tmp_path / "run", 10)
+    write_checkpoint(run_dir / store.CHECKPOINTS, 20, metadata=False)
+    write_checkpoint(run_dir / store.CHECKPOINTS, 40, name=".tmp-step-00000040")
+    write_run_dir(tmp_path / "run-no-checkpoint")
+    (tmp_path / "empty").mkdir()
+    path = tmp_path / where
+    with pytest.raises(ConfigError) as e:
+        store.find(path, "model.init_from")
+    assert f"model.init_from={path} " in str(e.value) and rule in str(e.value)
+
+
+def test_find_names_the_flag_it_is_given(tmp_path):
+    with pytest.raises(ConfigError, match=r"^--resume=\S*nosuch does not exist"):
+        store.find(tmp_path / "nosuch", "--resume")
+
+
+# ------------------------------------------------------------------------------------------------
+# state: parameter names without the wrappers' prefixes
+
+
+@pytest.mark.parametrize("wrapped, canonical", [
+    ("layers.7.attention.wq.weight", "layers.7.attention.wq.weight"),
+    ("module.layers.7.attention.wq.weight", "layers.7.attention.wq.weight"),
+    ("chunks.0.layers.7.attention.wq.weight", "layers.7.attention.wq.weight"),
+    ("chunks.12.norm.weight", "norm.weight"),
+    ("module.chunks.1.layers.7.attention.wq.weight", "layers.7.attention.wq.weight"),
+    ("chunks.1.module.layers.0.ffn.w1.weight", "layers.0.ffn.w1.weight"),
+    ("module.module.tok_embeddings.weight", "tok_embeddings.weight"),
+    ("output.weight", "output.weight"),
+    # Only a leading prefix is a wrapper's: a name that holds the words further in keeps them.
+    ("layers.3.module.weight", "layers.3.module.weight"),
+    ("layers.3.chunks.2.weight", "layers.3.chunks.2.weight"),
+    ("modules.weight", "modules.weight"),
+    ("chunks.x.weight", "chunks.x.weight"),
+])
+def test_canonical_name(wrapped, canonical):
+    assert canonical_name(wrapped) == canonical
+
+
+# ------------------------------------------------------------------------------------------------
+# resume: what a resume may change
+
+
+@pytest.fixture
+def saved(tmp_path) -> store.Checkpoint:
+    """The quickstart run's checkpoint at step 100."""
+    write_checkpoint(tmp_path / "checkpoints", 100)
+    return store.newest(tmp_path / "checkpoints")
+
+
+def _refusal(checkpoint, *overrides: str) -> str:
+    cfg, _, _ = validated(*overrides)
+    with pytest.raises(ConfigError) as e:
+        check_resumable(checkpoint, cfg)
+    return one_line(str(e.value))
+
+
+@pytest.mark.parametrize("override, key, new, old", [
+    ("model.dim=256", "model.dim", "256", "128"),
+    ("model.n_layers=2", "model.n_layers", "2", "4"),
+    ("model.vocab_size=512", "model.vocab_size", "512", "256"),
+    ("model.init_std=0.01", "model.init_std", "0.01", "0.02"),
+    ("train.seed=5", "train.seed", "5", "0"),
+    ("train.global_batch_size=32", "train.global_batch_size", "32", "16"),
+    ("train.seq_len=128", "train.seq_len", "128", "256"),
+    ("train.dtype=fp32", "train.dtype", "fp32", "auto"),
+    ("data.val_fraction=0.1", "data.val_fraction", "0.1", "0.05"),
+    ("data.stdlib_max_bytes=1000000", "data.stdlib_max_bytes", "1000000", "8000000"),
+    ("optim.lr=0.001", "optim.lr", "0.001", "0.003"),
+    ("optim.warmup_steps=5", "optim.warmup_steps", "5", "20"),
+    ("optim.weight_decay=0.0", "optim.weight_decay", "0.0", "0.1"),
+])
+def test_resume_refuses_a_change_of_the_math(saved, override, key, new, old):
+    message = _refusal(saved, override)
+    assert f"{key}={new} differs from {old} in the checkpoint at step 100" in message
+    assert str(saved.path) in message and "model.init_from=" in message
+
+
+def test_resume_refuses_a_key_the_checkpoint_lacks(tmp_path):
+    """A checkpoint's config without a key the run has (or with one it lacks) is not the same."""
+    text = frozen_text().replace("  seed: 0\n", "")
+    write_checkpoint(tmp_path / "checkpoints", 100, text)
+    message = _refusal(store.newest(tmp_path / "checkpoints"))
+    assert "train.seed=0 differs from null" in message
+
+
+@pytest.mark.parametrize("overrides", [
+    (),
+    ("parallel.dp=1", "launcher.nproc_per_node=1"),
+    ("parallel.dp=1", "launcher.nproc_per_node=1", "train.micro_batch_size=16"),
+    ("parallel.dp=2", "parallel.tp=2", "launcher.nproc_per_node=4"),
+    ("parallel.dp=1", "parallel.pp=2", "launcher.nproc_per_node=2"),
+    ("train.micro_batch_size=2",),
+    ("launcher.device=auto", "launcher.collective_timeout_s=60"),
+    ("checkpoint.every=7", "checkpoint.keep=5", "checkpoint.save_last=false",
+     "checkpoint.async_save=true"),
+    ("train.max_steps=1000", "train.eval_every=10", "train.eval_batches=2", "train.log_every=1",
+     "train.trace=true"),
+    ("train.max_steps=100",),
+    ("name=resumed",),
+])
+def test_resume_allows_the_layout_and_the_bookkeeping(saved, overrides):
+    cfg, _, _ = validated(*overrides)
+    check_resumable(saved, cfg)
+
+
+@pytest.mark.parametrize("max_steps", [1, 99])
+def test_resume_refuses_max_steps_below_the_checkpoint(saved, max_steps):
+    message = _refusal(saved, f"train.max_steps={max_steps}")
+    assert f"train.max_steps={max_steps} is below the checkpoint's step 100" in message
+
+
+def test_init_from_checks_the_shape(tmp_path):
+    write_checkpoint(tmp_path / "checkpoints", 100)
+    cfg, _, _ = validated(f"model.init_from={tmp_path}", "train.seed=7", "optim.lr=0.01",
+                          "model.init_std=0.01")
+    assert check_init_from(cfg).step == 100, "a new run may change all but the model's shape"
+    assert check_init_from(validated()[0]) is None
+    for override, key, new, old in [("model.dim=256", "model.dim", 256, 128),
+                                    ("model.n_kv_heads=4", "model.n_kv_heads", 4, 2),
+                                    ("model.vocab_size=512", "model.vocab_size", 512, 256)]:
+        cfg, _, _ = validated(f"model.init_from={tmp_path}", override)
+        with pytest.raises(ConfigError) as e:
+            check_init_from(cfg)
+        assert f"{key}={new} does not match {old} of the checkpoint model.init_from=" \
+            f"{tmp_path / 'checkpoints' / 'step-00000100'}" in one_line(str(e.value))
+
+
+# ------------------------------------------------------------------------------------------------
+# resume: the config of a resume
+
+
+def _resumed(run_dir: Path, *overrides: str, nproc: int | None = None):
+    cfg = resume_config(run_dir, list(overrides))
+    resolve_and_validate(cfg, resolve_world(cfg, None, nproc, 0))
+    return cfg
+
+
+def _batch(cfg) -> tuple:
+    t = cfg.train
+    return t.global_batch_size, t.micro_batch_size, t.micro_batches
+
+
+def test_resume_config_without_overrides_is_the_frozen_config(tmp_path):
+    run_dir = write_run_dir(tmp_path / "run", 100)
+    cfg = _resumed(run_dir)
+    assert OmegaConf.to_yaml(cfg) == frozen_text()
+
+
+@pytest.mark.parametrize("overrides, batch", [
+    (("parallel.dp=1", "launcher.nproc_per_node=1"), (16, 4, 4)),   # micro_batches follows dp
+    (("parallel.dp=4", "launcher.nproc_per_node=4"), (16, 4, 1)),
+    (("parallel.dp=1", "launcher.nproc_per_node=1", "train.micro_batch_size=16"), (16, 16, 1)),
+    (("parallel.dp=1", "launcher.nproc_per_node=1", "train.micro_batches=8"), (16, 2, 8)),
+    (("train.micro_batch_size=2",), (16, 2, 4)),
+    (("train.micro_batches=1",), (16, 8, 1)),
+])
+def test_resume_config_derives_the_split_again(tmp_path, overrides, batch):
+    """The frozen config holds the split of the old layout; the global batch stays and what the
+    overrides do not give follows from it."""
+    run_dir = write_run_dir(tmp_path / "run", 100)
+    cfg = _resumed(run_dir, *overrides)
+    assert _batch(cfg) == batch
+    check_resumable(store.newest(run_dir / store.CHECKPOINTS), cfg)
+
+
+def test_resume_config_derives_pp_layers_again(tmp_path):
+    text = frozen_text().replace("  pp: 1\n", "  pp: 2\n").replace(
+        "  pp_layers: null\n", "  pp_layers:\n  - 1\n  - 3\n").replace(
+        "  dp: 2\n", "  dp: 1\n").replace("  micro_batches: 2\n", "  micro_batches: 4\n")
+    run_dir = write_run_dir(tmp_path / "run", 100, config_text=text)
+    assert list(_resumed(run_dir).parallel.pp_layers) == [1, 3], "kept when pp does not change"
+    cfg = _resumed(run_dir, "parallel.pp=4", "launcher.nproc_per_node=4")
+    assert cfg.parallel.pp_layers is None, "[1, 3] splits 2 stages, not 4: split evenly again"
+    cfg = _resumed(run_dir, "parallel.pp=3", "launcher.nproc_per_node=3",
+                   "parallel.pp_layers=[2,1,1]")
+    assert list(cfg.parallel.pp_layers) == [2, 1, 1]
+
+
+@pytest.mark.parametrize("override, fragments", [
+    ("model=tiny", ["'model=tiny'", "config group", "set the keys"]),
+    ("parallel=default", ["'parallel=default'", "config group"]),
+    ("+train.max_steps=400", ["existing keys", "'+train.max_steps=400'"]),
+    ("+foo=1", ["+foo=1", "unknown config key"]),
+    ("train.max_step=400", ["train.max_step=400", "did you mean train.max_steps?"]),
+    ("~train.seed", ["~train.seed", "cannot be removed"]),
+    ("train.max_steps=abc", ["--resume", "train.max_steps", "abc"]),
+])
+def test_resume_config_refuses(tmp_path, override, fragments):
+    run_dir = write_run_dir(tmp_path / "run", 100)
+    with pytest.raises(ConfigError) as e:
+        resume_config(run_dir, [override])
+    for fragment in fragments:
+        assert fragment in one_line(str(e.value))
+
+
+def test_resume_config_needs_the_run_dirs_config(tmp_path):
+    run_dir = write_run_dir(tmp_path / "run", 100)
+    os.remove(run_dir / "config.yaml")
+    with pytest.raises(ConfigError, match=r"--resume \S+run holds no config.yaml"):
+        resume_config(run_dir, [])

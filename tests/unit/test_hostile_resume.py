@@ -1,0 +1,225 @@
+"""Hostile and careless input, part three: checkpoints. `--resume` on what is no run dir or
+holds no committed checkpoint, overrides a resume must refuse (the math of the run, a
+max_steps below the checkpoint, config groups), bad checkpoint.* values, `model.init_from` on a
+missing checkpoint or one of another shape, and a run dir that holds another config's checkpoint.
+The contract and the checks are test_hostile.py's (tests/unit/hostile.py): exit 2, one `error:`
+line naming the key or flag and the value, no traceback, nothing written (the run dirs the rows
+build included) and nothing started.
+
+Run dirs here are built on disk as a run that trained and saved leaves them (config.yaml of the
+quickstart recipe as `partrain show` prints it, metrics, a rank log, committed checkpoints with
+DCP's .metadata and partrain's meta.json): the launcher decides from those files alone, before
+anything starts. Paths are given relative to the cwd (the test's directory) so that the message
+can be matched exactly.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from partrain.checkpoint import store
+from tests.unit.helpers import one_line
+from tests.unit.hostile import (Ctx, assert_untouched, check_row, frozen_text,
+                                isolated, row, tree)  # noqa: F401 (isolated: an autouse fixture)
+from tests.unit.test_checkpoint import write_checkpoint, write_run_dir
+
+
+def _run(*steps: int, name: str = "run", config_text: str | None = None):
+    """A row's argv builder part: a trained run dir `name` with checkpoints at `steps`."""
+    def build(c: Ctx) -> str:
+        write_run_dir(c.root / name, *steps, config_text=config_text)
+        return name
+    return build
+
+
+def _seed5() -> str:
+    return frozen_text().replace("\n  seed: 0\n", "\n  seed: 5\n")
+
+
+def _dim256() -> str:
+    return frozen_text().replace("\n  dim: 128\n", "\n  dim: 256\n")
+
+
+def _interrupted(c: Ctx) -> str:
+    """A run killed in its first save: a temporary dir and a step dir without DCP's .metadata."""
+    write_run_dir(c.root / "run")
+    write_checkpoint(c.root / "run" / store.CHECKPOINTS, 100, name=".tmp-step-00000100")
+    write_checkpoint(c.root / "run" / store.CHECKPOINTS, 50, metadata=False)
+    return "run"
+
+
+def _without_saved_config(c: Ctx) -> str:
+    write_run_dir(c.root / "run", 100)
+    (c.root / "run" / store.CHECKPOINTS / "step-00000100" / store.SAVED_CONFIG).unlink()
+    return "run"
+
+
+def _resume(build, *args: str):
+    return lambda c: ["launch", "--resume", build(c), *args]
+
+
+ROWS_RESUME = [
+    row("--resume a missing dir", ["launch", "--resume", "nosuch"],
+        "--resume nosuch", "does not exist"),
+    row("--resume a file", lambda c: ["launch", "--resume", Path(c.file("afile")).name],
+        "--resume afile", "not a directory"),
+    row("--resume an empty dir", lambda c: ["launch", "--resume", Path(c.dir("empty")).name],
+        "--resume empty", "holds no config.yaml"),
+    row("--resume a run dir without a checkpoint", _resume(_run()),
+        "--resume run", "holds no committed checkpoint in checkpoints/"),
+    row("--resume a run dir with only interrupted saves", _resume(_interrupted),
+        "--resume run", "holds no committed checkpoint"),
+    row("--resume a step dir, not its run dir",
+        lambda c: ["launch", "--resume", _run(100)(c) + "/checkpoints/step-00000100"],
+        "--resume run/checkpoints/step-00000100", "holds no committed checkpoint"),
+    row("--resume with a CONFIG positional", _resume(_run(100), "quickstart"),
+        "--resume run", "quickstart", "overrides only"),
+    row("--resume with a frozen config positional", _resume(_run(100), "run/config.yaml"),
+        "--resume run", "run/config.yaml", "overrides only"),
+    row("--resume with --run-dir naming another dir", _resume(_run(100), "--run-dir", "other"),
+        "--run-dir other", "--resume run", "two run dirs"),
+    row("--resume train.seed=5", _resume(_run(100), "train.seed=5"),
+        "train.seed=5", "differs from 0", "step 100", "model.init_from="),
+    row("--resume --dry-run model.dim=256", _resume(_run(100), "--dry-run", "model.dim=256"),
+        "model.dim=256", "differs from 128"),
+    row("--resume train.global_batch_size=32 (the split follows, the batch may not)",
+        _resume(_run(100), "train.global_batch_size=32"),
+        "train.global_batch_size=32", "differs from 16"),
+    row("--resume optim.lr=0.01", _resume(_run(100), "optim.lr=0.01"),
+        "optim.lr=0.01", "differs from 0.003"),
+    row("--resume data.val_fraction=0.1", _resume(_run(100), "data.val_fraction=0.1"),
+        "data.val_fraction=0.1", "differs from 0.05"),
+    row("--resume train.max_steps below the checkpoint",
+        _resume(_run(100), "train.max_steps=50"),
+        "train.max_steps=50", "below the checkpoint's step 100"),
+    row("--resume a run saved at step 300 with train.max_steps=299",
+        _resume(_run(100, 300), "--dry-run", "train.max_steps=299"),
+        "train.max_steps=299", "step 300"),
+    row("--resume model=tiny (a group)", _resume(_run(100), "model=tiny"),
+        "--resume", "'model=tiny'", "config group"),
+    row("--resume +foo=1", _resume(_run(100), "+foo=1"), "+foo=1", "unknown config key"),
+    row("--resume +train.max_steps=400", _resume(_run(100), "+train.max_steps=400"),
+        "'+train.max_steps=400'", "existing keys"),
+    row("--resume train.max_steps=abc", _resume(_run(100), "train.max_steps=abc"),
+        "--resume run", "train.max_steps", "abc"),
+    row("--resume checkpoint.keep=0", _resume(_run(100), "checkpoint.keep=0"),
+        "checkpoint.keep=0", "at least 1"),
+    row("--resume a checkpoint without its config.yaml", _resume(_without_saved_config),
+        "step-00000100/config.yaml", ("does not exist", "not a regular file")),
+]
+
+ROWS_CHECKPOINT_KEYS = [
+    row("checkpoint.every=-1", ["launch", "--dry-run", "checkpoint.every=-1"],
+        "checkpoint.every=-1", ">= 0"),
+    row("checkpoint.keep=0", ["launch", "--dry-run", "checkpoint.keep=0"],
+        "checkpoint.keep=0", "at least 1"),
+    row("checkpoint.keep=-3", ["show", "checkpoint.keep=-3"], "checkpoint.keep=-3", "at least 1"),
+    row("checkpoint.every=abc", ["show", "checkpoint.every=abc"],
+        "checkpoint.every", "'abc'", "Integer"),
+    row("checkpoint.save_last=maybe", ["show", "checkpoint.save_last=maybe"],
+        "checkpoint.save_last", "'maybe'", "bool"),
+    row("checkpoint.evry", ["show", "checkpoint.evry=5"],
+        "checkpoint.evry=5", "did you mean checkpoint.every?"),
+]
+
+ROWS_INIT_FROM = [
+    row("model.init_from=/nonexistent",
+        ["launch", "model.init_from=/nonexistent", "--run-dir", "new"],
+        "model.init_from=/nonexistent", "does not exist"),
+    row("model.init_from a run dir without a checkpoint",
+        lambda c: ["launch", "model.init_from=" + _run()(c), "--run-dir", "new"],
+        "model.init_from=run", "holds no committed checkpoint"),
+    row("model.init_from an interrupted save",
+        lambda c: ["launch", "--dry-run",
+                   "model.init_from=" + _interrupted(c) + "/checkpoints/.tmp-step-00000100"],
+        "model.init_from=run/checkpoints/.tmp-step-00000100", "holds no committed checkpoint"),
+    row("model.init_from a checkpoint of model.dim=256",
+        lambda c: ["launch", "model.init_from=" + _run(100, config_text=_dim256())(c),
+                   "--run-dir", "new"],
+        "model.dim=128", "does not match 256", "model.init_from=run/checkpoints/step-00000100"),
+    row("model.init_from a checkpoint of another shape, by its step dir",
+        lambda c: ["launch", "--dry-run", "model.n_layers=2", "model.init_from="
+                   + _run(100)(c) + "/checkpoints/step-00000100"],
+        "model.n_layers=2", "does not match 4"),
+    row("slurm model.init_from=/nonexistent",
+        ["slurm", "--nodes", "1", "--dry-run", "model.init_from=/nonexistent", "--run-dir", "new"],
+        "model.init_from=/nonexistent", "does not exist"),
+]
+
+ROWS_RUN_DIR_WITH_CHECKPOINT = [
+    row("launch RECIPE --run-dir holding a checkpoint of another config",
+        lambda c: ["launch", "quickstart", "--run-dir", _run(100, config_text=_seed5())(c)],
+        "--run-dir run", "checkpoint at step 100 of another config", "--resume run"),
+    row("launch --run-dir holding the recipe's checkpoint, with train.seed=5",
+        lambda c: ["launch", "--dry-run", "train.seed=5", "--run-dir", _run(100)(c)],
+        "--run-dir run", "of another config", "partrain launch --resume run"),
+    row("launch --run-dir that trained without a committed checkpoint",
+        lambda c: ["launch", "--run-dir", _run()(c)], "--run-dir run", "not empty"),
+    row("launch --run-dir whose run was killed in its first save",
+        lambda c: ["launch", "--dry-run", "--run-dir", _interrupted(c)],
+        "--run-dir run", "not empty"),
+    row("slurm --run-dir holding a checkpoint",
+        lambda c: ["slurm", "--nodes", "1", "--dry-run", "--run-dir", _run(100)(c)],
+        "--run-dir", "run", "not empty"),
+]
+
+TABLE = [*ROWS_RESUME, *ROWS_CHECKPOINT_KEYS, *ROWS_INIT_FROM, *ROWS_RUN_DIR_WITH_CHECKPOINT]
+
+
+@pytest.mark.parametrize("argv, fragments, absent", TABLE)
+def test_refused(argv, fragments, absent, run_main, tmp_path, monkeypatch):
+    check_row(argv, fragments, absent, run_main, tmp_path, monkeypatch)
+
+
+# ------------------------------------------------------------------------------------------------
+# Allowed by design (controls: the table's refusals are not refusals of everything). Each one
+# writes nothing either: a dry run, or a run with nothing left to do.
+
+
+def _allowed(run_main, tmp_path, monkeypatch, argv) -> str:
+    args = argv(Ctx(tmp_path, monkeypatch))
+    before = tree(tmp_path)
+    result = run_main(*args)
+    assert result.code == 0, f"exit {result.code}\n{result.stdout}\n{result.stderr}"
+    assert "error:" not in result.stderr, result.stderr
+    assert_untouched(tmp_path, before)
+    return one_line(result.stdout)
+
+
+@pytest.mark.parametrize("dry_run", [["--dry-run"], []], ids=["dry-run", "for real"])
+def test_resume_of_a_finished_run_has_nothing_to_do(dry_run, run_main, tmp_path, monkeypatch):
+    """The quickstart run trains to 300 steps and saved there: a relaunch starts nothing."""
+    out = _allowed(run_main, tmp_path, monkeypatch, _resume(_run(100, 300), *dry_run))
+    assert "run is trained to step 300 = train.max_steps" in out
+    assert "run/checkpoints/step-00000300" in out and "nothing to do" in out
+    assert "partrain launch --resume run train.max_steps=N" in out
+
+
+def test_relaunch_of_a_finished_run_has_nothing_to_do(run_main, tmp_path, monkeypatch):
+    out = _allowed(run_main, tmp_path, monkeypatch,
+                   lambda c: ["launch", "--run-dir", _run(300)(c)])
+    assert "trained to step 300" in out and "nothing to do" in out
+
+
+@pytest.mark.parametrize("argv, says", [
+    (_resume(_run(50, 100), "--dry-run"), "1 rank"),
+    (_resume(_run(100), "--dry-run", "--run-dir", "run"), "worker(s)"),
+    (_resume(_run(100), "--dry-run", "parallel.dp=1", "launcher.nproc_per_node=1"),
+     "start 1 worker(s)"),
+    (_resume(_run(100), "--dry-run", "train.max_steps=1000", "checkpoint.every=10",
+             "train.micro_batch_size=2"), "worker(s)"),
+    (lambda c: ["launch", "--dry-run", "--run-dir", _run(100)(c)], "worker(s)"),
+], ids=["newest of two", "--run-dir the same dir", "another layout", "bookkeeping keys",
+        "the same command again"])
+def test_resume_dry_run_says_where_it_resumes(argv, says, run_main, tmp_path, monkeypatch):
+    out = _allowed(run_main, tmp_path, monkeypatch, argv)
+    assert "dry run: would write run" in out
+    assert "resuming from step 100 (run/checkpoints/step-00000100); nothing started" in out
+
+
+def test_init_from_dry_run(run_main, tmp_path, monkeypatch):
+    """A new run from another run's weights may change all but the model's shape."""
+    out = _allowed(run_main, tmp_path, monkeypatch,
+                   lambda c: ["launch", "--dry-run", "model.init_from=" + _run(100)(c),
+                              "train.seed=3", "optim.lr=0.01", "--run-dir", "new"])
+    assert "dry run: would write new" in out and "resuming" not in out

@@ -157,7 +157,9 @@ def launch(
     # Inside SLURM the node count, this node's rank and the endpoint come from the job (flags
     # win); under torchrun, or with one srun task per GPU, this refuses to start.
     from partrain.checkpoint.resume import check_init_from, check_resumable
+    from partrain.launch.preemption import FORWARDER
 
+    FORWARDER.install()  # a preemption signal from here on is passed to the workers
     if resume is not None and run_dir is not None and run_dir.absolute() != resume.absolute():
         raise ConfigError(f"--run-dir {run_dir} and --resume {resume} name two run dirs; "
                           "--resume continues in its own")

@@ -120,10 +120,11 @@ def forward_backward(model, micro, loss_fn, dims, device, autocast, tracer=None,
 
 
 def train_step(model, optimizer, micro, loss_fn, dims, mesh, device, autocast, grad_clip,
-               sequence_parallel, tracer):
+               sequence_parallel, tracer, before_update=lambda: None):
     """One optimizer step over this rank's micro-batches; (global mean loss, grad norm before
-    clipping)."""
+    clipping). `before_update` runs after backward, before the parameters change."""
     loss = forward_backward(model, micro, loss_fn, dims, device, autocast, tracer)
+    before_update()
     if dims.zero_enabled:
         # DeepSpeed reduces over dp (and syncs sequence-parallel norms first, at stage 1), clips
         # and steps; its norm is the one before clipping, summed over the replica (pp x tp).
@@ -283,9 +284,10 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) 
                 seq_len=t.seq_len, seed=t.seed)
             tracer.at_step(step)
             with tracer.span(f"step {step}", "step"):
+                # A background save's copy of the state must be done before the update.
                 loss_value, grad_norm = train_step(model, optimizer, micro, loss_fn, dims, mesh,
                                                    device, autocast, cfg.optim.grad_clip,
-                                                   sequence_parallel, tracer)
+                                                   sequence_parallel, tracer, checkpointer.staged)
             step_time = time.perf_counter() - step_start
             rec = {"step": step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
                    "tokens": step * tokens_per_step, "tokens_per_s": tokens_per_step / step_time,
@@ -322,7 +324,7 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) 
                               "resume")
                 break
             checkpointer.poll()
-        checkpointer.wait()
+        checkpointer.close()
     finally:
         # Also on a failure: a live display left running would leave the terminal's cursor hidden.
         display.stop()

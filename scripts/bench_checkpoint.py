@@ -22,8 +22,9 @@ timed operation so that nobody else's dirty pages are written back inside it. Sa
 alternate between repetitions, loads rotate. Every load is checked against the saved tensors.
 
     python scripts/bench_checkpoint.py                 # ~75M parameters, a table
-    python scripts/bench_checkpoint.py --json          # {"layouts": [{"layout", "save_ratio", ...}]}
-    python scripts/bench_checkpoint.py --dim 64 --layers 2 --vocab 256 --heads 4 --kv-heads 2 --reps 1
+    python scripts/bench_checkpoint.py --json          # {"layouts": [{"layout", "save_ratio", ..}]}
+    python scripts/bench_checkpoint.py --dim 64 --layers 2 --vocab 256 --heads 4 --kv-heads 2
+                                                       # a tiny model, in a minute (add --reps 1)
 """
 
 import argparse
@@ -48,7 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _spawn import run_workers  # noqa: E402
 from partrain.checkpoint.checkpointer import _result  # noqa: E402
-from partrain.checkpoint.state import build_state, load_optimizer, load_weights, true_size  # noqa: E402
+from partrain.checkpoint.state import (build_state, load_optimizer, load_weights,  # noqa: E402
+                                       true_size)
 from partrain.config import compose_config, resolve_and_validate  # noqa: E402
 from partrain.config.validate import World  # noqa: E402
 from partrain.errors import ConfigError  # noqa: E402
@@ -286,9 +288,6 @@ def measure(layout: str, cfg, a, rank: int, group) -> dict:
         "bytes": GOALS["bytes"][0] <= result["bytes_ratio"] <= GOALS["bytes"][1],
         "async": result["async_ratio"] <= GOALS["async"],
     }
-    del model, optimizer, state, mesh
-    gc.collect()
-    dist.barrier()
     return result
 
 
@@ -300,7 +299,11 @@ def worker(rank, a, store_path, out_path):
     # Every rank creates it, in the same place, as new_group requires (as Checkpointer does).
     group = dist.new_group(backend="gloo", timeout=TIMEOUT)
     warm_up(Path(a.work), rank, group)
-    results = [measure(layout, cfg, a, rank, group) for layout, cfg in a.configs.items()]
+    results = []
+    for layout, cfg in a.configs.items():
+        results.append(measure(layout, cfg, a, rank, group))
+        gc.collect()  # the layout's model, optimizer and mesh went with measure's frame
+        dist.barrier()
     if rank == 0:
         Path(out_path).write_text(json.dumps({"layouts": results, "torch": torch.__version__}))
     del group
@@ -351,7 +354,8 @@ def main(argv=None):
     for r in result["layouts"]:
         name = r["layout"]
         table.add_row(name, "save s", f"{r['save_dcp_s']:.2f}", f"{r['save_raw_s']:.2f}",
-                      f"{r['save_ratio']:.2f}", f"raw/DCP >= {GOALS['save']}", met(r["met"]["save"]))
+                      f"{r['save_ratio']:.2f}", f"raw/DCP >= {GOALS['save']}",
+                      met(r["met"]["save"]))
         table.add_row(name, "load s: load_weights + load_optimizer", f"{r['load_dcp_s']:.2f}",
                       f"{r['load_raw_s']:.2f}", f"{r['load_ratio']:.2f}",
                       f"raw/DCP >= {GOALS['load']}", met(r["met"]["load"]))
@@ -369,8 +373,9 @@ def main(argv=None):
     bad = [r["layout"] for r in result["layouts"] if not r["loaded_ok"]]
     print("every load returned the saved tensors" if not bad
           else f"WARNING: loads differ from the saved tensors in {', '.join(bad)}")
-    print(f"wall time {result['wall_s']:.0f} s; load average {result['load_average']['before']:.1f} "
-          f"before, {result['load_average']['after']:.1f} after, on {result['cpus']} CPUs "
+    load = result["load_average"]
+    print(f"wall time {result['wall_s']:.0f} s; load average {load['before']:.1f} before, "
+          f"{load['after']:.1f} after, on {result['cpus']} CPUs "
           "(other jobs on the machine make the figures noisy)")
 
 

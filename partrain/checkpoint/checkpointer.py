@@ -2,10 +2,11 @@
 
 `Checkpointer.save` writes the state of one step with DCP under a temporary name and commits it
 (store.commit, on global rank 0) once every rank has written its part. With
-`checkpoint.async_save` the loop blocks only while DCP copies the state to memory; the write runs
-in a background thread on its own gloo group (so its collectives never interleave with the
-training's), and rank 0 commits when it completes: at a later step boundary, or at the next save,
-or at the end, whichever comes first.
+`checkpoint.async_save` the copy of the state to memory runs in a background thread too, overlapped
+with the next step's forward and backward: the loop waits for it only before the optimizer changes
+the parameters again (`staged`). The write runs in another background thread on its own gloo
+group (so its collectives never interleave with the training's), and rank 0 commits when it
+completes: at a later step boundary, at the next save, or at the end, whichever comes first.
 """
 
 import logging
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from partrain.checkpoint import store
 
@@ -40,7 +42,12 @@ class Checkpointer:
         self.rank = dist.get_rank()
         # Every rank creates the group, in the same place of the flow, as new_group requires.
         self.group = dist.new_group(backend="gloo") if ckpt_cfg.async_save else None
-        self.pending = None  # (future, step, reason, started, blocked_s)
+        # Copies on a background thread (no pinned or shared memory: CPU tensors, one process).
+        self.stager = (DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                    use_async_staging=True,
+                                                    use_non_blocking_copy=False))
+                       if ckpt_cfg.async_save else None)
+        self.pending = None  # [future, step, reason, started, blocked_s]
         self.newest: store.Checkpoint | None = None
 
     def due(self, step: int, last: bool) -> bool:
@@ -56,11 +63,27 @@ class Checkpointer:
         path = store.tmp_dir(self.root, step)
         _test_pause(self.rank, step, "before")
         if self.group is not None:
-            future = dcp.async_save(state, checkpoint_id=path, process_group=self.group)
-            self.pending = (future, step, reason, started, time.perf_counter() - t0)
+            future = dcp.async_save(state, checkpoint_id=path, process_group=self.group,
+                                    async_stager=self.stager)
+            self.pending = [future, step, reason, started, time.perf_counter() - t0]
             return
         dcp.save(state, checkpoint_id=path)
         self._commit(step, reason, started, blocked_s=time.perf_counter() - t0)
+
+    def staged(self) -> None:
+        """Before the optimizer changes the parameters: the background copy of a save must be
+        done (the time waiting here counts as blocked)."""
+        if self.pending is not None:
+            staging = getattr(self.pending[0], "staging_completion", None)
+            if staging is not None and not staging.done():
+                t0 = time.perf_counter()
+                staging.result()
+                self.pending[4] += time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.wait()
+        if self.stager is not None:
+            self.stager.close()
 
     def poll(self) -> None:
         """At a step boundary: commit a finished background save (rank 0 only needs to)."""
@@ -73,6 +96,11 @@ class Checkpointer:
             return
         future, step, reason, started, blocked = self.pending
         self.pending = None
+        staging = getattr(future, "staging_completion", None)
+        if staging is not None and not staging.done():
+            t0 = time.perf_counter()
+            staging.result()
+            blocked += time.perf_counter() - t0
         _result(future)
         self._commit(step, reason, started, blocked)
 

@@ -87,6 +87,9 @@ def resume_config(run_dir: Path, overrides: list[str]):
     from partrain.config.keys import check_overrides, groups
     from partrain.launch.rundir import CONFIG, load_frozen_config
 
+    if store.STEP_DIR.fullmatch(run_dir.name) and run_dir.parent.name == store.CHECKPOINTS:
+        raise ConfigError(f"--resume {run_dir} is a checkpoint, not a run dir: give the run dir "
+                          f"({run_dir.parent.parent}); it resumes from its newest checkpoint")
     frozen = run_dir / CONFIG
     if not run_dir.is_dir():
         rule = "is not a directory" if run_dir.exists() else "does not exist"

@@ -10,7 +10,9 @@ launcher.rdzv_timeout_s with a message naming the endpoint (exit 1), not a hang.
 nodes in the order of their addresses: --node-rank picks the host of the store, not the ranks.
 Each worker is `python -m partrain.train RUN_DIR`. If one rank fails, the agent stops the others
 within its monitor interval and shutdown timeout; we read the failed rank's elastic error file
-and exit 1. SIGINT/SIGTERM reach the agent, which stops all workers; we exit 130. A launcher
+and exit 1. SIGINT/SIGTERM reach the agent, which stops all workers; we exit 130. SIGUSR2 (SLURM's
+warning before a time limit or a preemption) is passed to the workers, which save a checkpoint at
+one step and end; we then exit 3, "relaunch to resume" (preemption.py). A launcher
 killed outright (SIGKILL) takes its workers with it through their lifeline (lifeline.py).
 """
 
@@ -29,7 +31,7 @@ from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from partrain.launch.lifeline import LAUNCHER_PID_ENV
-from partrain.launch.preemption import SignalForwarder
+from partrain.launch.preemption import FORWARDER
 from partrain.launch.netif import split_endpoint, wait_for_endpoint
 
 EXIT_OK, EXIT_RANK_FAILED, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 1, 3, 130
@@ -138,8 +140,7 @@ def launch_workers(run_dir: Path, spec: ElasticLaunch, console_print=print) -> i
     # SLURM sends SIGUSR2 shortly before the time limit (`partrain slurm` asks for it), or on a
     # preemption: the workers save at one step and stop (preemption.py); this launcher passes the
     # signal on and then exits 3, "relaunch to resume".
-    forwarder = SignalForwarder()
-    forwarder.install()
+    FORWARDER.install()
     started = time.time()
     if spec.cpu_threads:
         os.environ.setdefault("OMP_NUM_THREADS", str(spec.cpu_threads))

@@ -56,6 +56,8 @@ class SignalForwarder:
         self.received_at: float | None = None
 
     def install(self) -> None:
+        """Idempotent; `partrain launch` installs it first thing, so that a signal during the
+        config's validation or the rendezvous is kept for the workers, not a death."""
         signal.signal(PREEMPT_SIGNAL, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
@@ -102,3 +104,7 @@ class PreemptionFlag:
         dist.all_reduce(when, op=dist.ReduceOp.MIN)
         value = when.item()
         return None if math.isinf(value) else value
+
+
+# The launcher's one forwarder (a process has one handler per signal).
+FORWARDER = SignalForwarder()

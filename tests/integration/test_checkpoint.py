@@ -263,3 +263,18 @@ def test_init_from_starts_a_new_run_at_any_layout(cli, tmp_path):
     # Trained weights: the first loss is that of the source's end, far below a fresh start's.
     assert runs["1 process"][0]["loss"] < fresh[0]["loss"] - 0.3
     assert runs["1 process"][0]["step"] == 1
+
+
+@pytest.mark.slow
+def test_preemption_signal_before_the_workers_are_ready(cli, tmp_path):
+    """A signal that arrives while the workers still import torch neither kills them nor is lost:
+    the launcher keeps it until their handler is set, and they save at their first step."""
+    run_dir = tmp_path / "run"
+    proc = cli.start("launch", *PARITY_COMMON, *LAYOUTS["dp2"], "--run-dir", str(run_dir))
+    _wait_for(lambda: (run_dir / "logs").is_dir(), proc, "the run dir")
+    proc.send_signal(signal.SIGUSR2)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 3, stderr
+    assert "saved at step 1 on a preemption signal" in stderr
+    assert (run_dir / "checkpoints" / "latest").read_text() == "step-00000001\n"
+    assert processes_mentioning(str(run_dir)) == []

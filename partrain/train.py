@@ -6,6 +6,15 @@ metrics.jsonl and the progress display. Errors are recorded in the elastic error
 launcher can name the failing rank and its message.
 """
 
+if __name__ == "__main__":
+    # Before torch is imported (seconds): SLURM signals every process of the job step, and the
+    # default action of SIGUSR2 would end this rank. Noted here; PreemptionFlag takes it over.
+    import signal as _signal
+    import time as _time
+
+    _EARLY_SIGNAL: list[float] = []
+    _signal.signal(_signal.SIGUSR2, lambda signum, frame: _EARLY_SIGNAL.append(_time.time()))
+
 import logging
 import math
 import os
@@ -379,6 +388,8 @@ if __name__ == "__main__":
     # Then: SIGUSR2 asks for a checkpoint and a clean stop (the launcher passes SLURM's on).
     preemption = PreemptionFlag()
     preemption.install()
+    if _EARLY_SIGNAL and preemption.at is None:
+        preemption.at = _EARLY_SIGNAL[0]
     try:
         main(sys.argv[1], preemption)
     except BaseException:

@@ -1,11 +1,13 @@
 """Preemption: SLURM's SIGUSR2 before a time limit or a preemption, from launcher to every rank.
 
-SLURM signals the job step's tasks: the `partrain launch` process on each node. Its workers run in
-sessions of their own (torch's elastic agent starts them with start_new_session), so the launcher
-passes the signal on (`SignalForwarder`). It must not reach the elastic agent as a death signal:
-the agent would stop the workers after its close timeout, mid-save. A worker that has not yet set
-up its handler (it is still importing torch) gets the signal as soon as it has, so that an early
-signal neither kills it nor is lost. On the ranks, `PreemptionFlag` notes the time of the signal;
+SLURM signals every process of the job step (the `partrain launch` process on each node and its
+workers); `kill -USR2` by hand, or a site's tooling, may reach only the launcher, whose workers run
+in sessions of their own (torch's elastic agent starts them with start_new_session). So the
+launcher passes the signal on (`SignalForwarder`) and a rank takes it once (the first signal's
+time counts). It must not reach the elastic agent as a death signal: the agent would stop the
+workers after its close timeout, mid-save. A worker sets its handler before it imports torch
+(train.py); the launcher still delivers only to workers whose handler is set, so that an early
+signal neither kills a worker nor is lost. On the ranks, `PreemptionFlag` notes the time of the signal;
 at the end of every step the ranks agree (a min-reduce of that time, infinity for "not signalled")
 so that all save at the same step even when only some were signalled.
 """

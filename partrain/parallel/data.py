@@ -4,6 +4,12 @@ Each dp rank holds the whole (or tp/pp-sharded) model and a slice of the global 
 all-reduces (averages) gradients over the dp group in buckets, overlapped with backward. Under
 gradient accumulation the train loop calls `no_sync()` on all but the last micro-batch, so there
 is one all-reduce per optimizer step.
+
+DDP keeps its first bucket layout for the whole run (`find_unused_parameters=True`; by default it
+rebuilds the buckets after the first step in the order gradients became ready). With three or
+more dp ranks the layout decides in which order gloo's ring sums each element, so a run resumed
+from a checkpoint, whose first step would use the first layout again, would differ from the
+uninterrupted run in the last bits. The price is one walk of the autograd graph per step.
 """
 
 import warnings
@@ -15,6 +21,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     device_ids = None if dp_mesh.device_type == "cpu" else [next(model.parameters()).device]
+    # Said once per rank at the first backward: there are none, and that is expected here.
+    warnings.filterwarnings("ignore", message=".*find_unused_parameters=True was specified.*")
     with warnings.catch_warnings():
         # Newer torch deprecates broadcast_buffers in favour of forward_sync_buffers, whose False
         # still syncs at init; broadcast_buffers=False remains the way to skip buffers entirely.
@@ -26,4 +34,5 @@ def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
             # Buffers (the rotary tables) are derived from the config, identical on every rank.
             broadcast_buffers=False,
             gradient_as_bucket_view=True,
+            find_unused_parameters=True,  # one bucket layout for the whole run (docstring)
         )

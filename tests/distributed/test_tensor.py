@@ -108,7 +108,7 @@ def _layers_body(rank, tp, sp):
         _cross_entropy(rank, tp, group)
 
 
-@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("sp", [False, True], ids=["plain", "sequence-parallel"])
 def test_layers_match_dense(tp, sp):
     run_distributed(_layers_body, tp, sp)
@@ -172,7 +172,9 @@ def _model_body(rank, tp, sp, kv_heads):
         assert expected["all_reduce"]["bytes"] == ((4 * L + 2) * T * d + 3 * T + 1) * 4
 
 
-@pytest.mark.parametrize("tp,sp,kv_heads", [(2, False, 2), (4, False, 4), (2, True, 2)],
+@pytest.mark.parametrize("tp,sp,kv_heads", [(2, False, 2),
+                                             pytest.param(4, False, 4, marks=pytest.mark.slow),
+                                             (2, True, 2)],
                          ids=["tp2-gqa", "tp4", "tp2-sequence-parallel"])
 def test_model_matches_dense(tp, sp, kv_heads):
     run_distributed(_model_body, tp, sp, kv_heads)

@@ -40,7 +40,8 @@ def test_failing_rank_stops_the_job(cli, tmp_path):
     assert processes_mentioning(str(run_dir)) == []
 
 
-@pytest.mark.parametrize("how", ["sigterm-launcher", "ctrl-c-group"])
+@pytest.mark.parametrize("how", ["sigterm-launcher",
+                                 pytest.param("ctrl-c-group", marks=pytest.mark.slow)])
 def test_interrupt_stops_all_workers(cli, tmp_path, how):
     run_dir = tmp_path / "run"
     proc = cli.start("launch", *LONG, "--run-dir", str(run_dir))

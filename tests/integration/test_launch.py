@@ -111,6 +111,7 @@ def test_zero3_clean_exit_and_failure(cli, tmp_path, deepspeed_ops):
     assert processes_mentioning(str(run_dir)) == []
 
 
+@pytest.mark.slow  # the quick pass keeps the quickstart's end-to-end run
 def test_prepared_token_data_end_to_end(cli, tmp_path):
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog\n" * 2000)
@@ -136,6 +137,7 @@ def test_bad_data_dir_exits_2(cli, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_trace_json_shows_every_rank_and_microbatch(cli, tmp_path):
     run_dir = tmp_path / "run"
     res = cli.run("launch", "parallel.dp=1", "parallel.pp=2", "train.max_steps=3",

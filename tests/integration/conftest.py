@@ -154,3 +154,16 @@ def single_process_reference(tmp_path_factory):
     steps, _ = read_metrics(run_dir)
     assert len(steps) == PARITY_STEPS
     return steps
+
+
+# The layout keys a resume on another layout sets (a resume keeps what it is not told): every
+# degree, so nothing of the old layout lingers.
+LAYOUT_RESET = ("parallel.dp=1", "parallel.tp=1", "parallel.pp=1", "parallel.zero_stage=0",
+                "parallel.sequence_parallel=false", "parallel.pp_schedule=1f1b",
+                "parallel.pp_virtual_stages=1")
+
+
+def resume_layout(flags) -> tuple[str, ...]:
+    """Overrides for `launch --resume RUN_DIR` onto the layout `flags` (which win over the reset)."""
+    keys = {f.split("=")[0] for f in flags if "=" in f}
+    return (*[r for r in LAYOUT_RESET if r.split("=")[0] not in keys], *flags)

@@ -1,20 +1,67 @@
 """Layout parity (DESIGN.md): changing only the layout trains the same model. Per-step loss and
 grad_norm over the first 10 steps agree with the single-process run to 1e-4 relative, in fp32
-on CPU, through the CLI as a user runs it."""
+on CPU, through the CLI as a user runs it.
+
+The parity runs save at step 5 (checkpoint.every=5) and are the sources of the checkpoint issue's
+resumes on another layout (RESUME_ON): the run dir as a job killed after step 5's save leaves it,
+resumed on another layout for steps 6-10, is held to the same parity bound, every step; some are
+also resumed on their own layout (EXACT), which must be bit-identical."""
 
 import pytest
 
+import shutil
+
 from tests.integration.conftest import (PARITY_COMMON, PARITY_STEPS, REFERENCE, assert_no_abort,
-                                        assert_parity, read_metrics)
+                                        assert_parity, read_metrics, resume_layout)
 
 
 def _run(cli, tmp_path, name, *overrides):
     run_dir = tmp_path / name
-    res = cli.run("launch", *PARITY_COMMON, *overrides, "--run-dir", str(run_dir))
+    res = cli.run("launch", *PARITY_COMMON, *overrides, "checkpoint.every=5", "--run-dir",
+                  str(run_dir))
     assert res.returncode == 0, res.stderr
     steps, _ = read_metrics(run_dir)
     assert len(steps) == PARITY_STEPS
     return steps
+
+
+# Parity label -> the layout its step-5 checkpoint is resumed on (the issue's six pairs).
+RESUME_ON = {
+    "dp2 x tp2 x pp2": ("parallel.dp=1", "--nproc-per-node", "1", "train.micro_batch_size=16"),
+    "dp1 x 4 micro-batches": ("parallel.tp=2", "parallel.sequence_parallel=true",
+                              "train.micro_batch_size=4"),
+    "pp2 interleaved v2": ("parallel.pp=4", "parallel.pp_schedule=1f1b",
+                           "parallel.pp_virtual_stages=1", "train.micro_batch_size=4"),
+    "tp2": ("parallel.dp=2", "parallel.zero_stage=3", "train.micro_batch_size=4"),
+    "zero2 dp2": ("parallel.dp=2", "parallel.pp=2", "parallel.zero_stage=1",
+                  "train.micro_batch_size=4"),
+    "zero3 dp2": ("parallel.dp=1", "parallel.tp=2", "train.micro_batch_size=4"),
+}
+# Parity labels also resumed on their own layout: bit-identical to the uninterrupted run (dp2 is
+# in test_checkpoint.py, dp4 in test_slurm.py).
+EXACT = ("zero3 dp2", "pp2 interleaved v2")
+
+
+def _resumes(cli, tmp_path, label, steps, reference):
+    """The checkpoint issue's resumes of a parity run (see the module docstring)."""
+    run_dir = tmp_path / "run"
+    for kind, layout in (("exact", ()) if label in EXACT else (None, None),
+                         ("other", RESUME_ON.get(label))):
+        if kind is None or layout is None:
+            continue
+        copy = tmp_path / kind
+        shutil.copytree(run_dir, copy)
+        shutil.rmtree(copy / "checkpoints" / "step-00000010")
+        res = cli.run("launch", "--resume", str(copy), *(resume_layout(layout) if layout else ()))
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert "resuming from step 5" in res.stdout
+        resumed, _ = read_metrics(copy)
+        assert [s["step"] for s in resumed] == list(range(1, PARITY_STEPS + 1))
+        if kind == "exact":
+            for a, b in zip(resumed, steps):
+                assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), a["step"]
+        else:
+            assert_parity(resumed, reference, f"{label}, resumed at step 5 on {' '.join(layout)}")
 
 
 # tp=4 needs 4 key/value heads (the tiny model has 2); its reference runs the same model.
@@ -58,6 +105,7 @@ def single_process(references):
 def test_layout_parity(cli, tmp_path, single_process, label, overrides):
     steps = _run(cli, tmp_path, "run", *overrides)
     assert_parity(steps, single_process, label)
+    _resumes(cli, tmp_path, label, steps, single_process)
 
 
 @pytest.mark.parametrize("label,overrides,model", [
@@ -70,9 +118,11 @@ def test_layout_parity(cli, tmp_path, single_process, label, overrides):
                                  "train.micro_batch_size=8"), ()),
 ])
 @pytest.mark.slow
-def test_tensor_parallel_parity(cli, tmp_path, references, label, overrides, model):
+def test_tensor_parallel_parity(cli, tmp_path, references, deepspeed_ops, label, overrides,
+                                model):  # deepspeed_ops: tp2 is resumed under ZeRO-3
     steps = _run(cli, tmp_path, "run", *overrides, *model)
     assert_parity(steps, references(model), label)
+    _resumes(cli, tmp_path, label, steps, references(model))
 
 
 @pytest.mark.parametrize("label,overrides", [
@@ -93,6 +143,7 @@ def test_tensor_parallel_parity(cli, tmp_path, references, label, overrides, mod
 def test_pipeline_parallel_parity(cli, tmp_path, single_process, label, overrides):
     steps = _run(cli, tmp_path, "run", *overrides)
     assert_parity(steps, single_process, label)
+    _resumes(cli, tmp_path, label, steps, single_process)
 
 
 # DeepSpeed's reductions (fp32 on CPU, flat partitions reduced over dp, its own norm and clipping)
@@ -114,3 +165,4 @@ def test_zero_parity(cli, tmp_path, single_process, deepspeed_ops, label, overri
     steps = _run(cli, tmp_path, "run", *overrides)
     assert_parity(steps, single_process, label)
     assert_no_abort(tmp_path / "run")
+    _resumes(cli, tmp_path, label, steps, single_process)

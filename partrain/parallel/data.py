@@ -9,7 +9,9 @@ DDP keeps its first bucket layout for the whole run (`find_unused_parameters=Tru
 rebuilds the buckets after the first step in the order gradients became ready). With three or
 more dp ranks the layout decides in which order gloo's ring sums each element, so a run resumed
 from a checkpoint, whose first step would use the first layout again, would differ from the
-uninterrupted run in the last bits. The price is one walk of the autograd graph per step.
+uninterrupted run in the last bits. The price is one walk of the autograd graph per step, and
+torch's C++ warning that no parameter was unused, once in each rank's log (it bypasses Python's
+warnings filters).
 """
 
 import warnings
@@ -21,8 +23,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     device_ids = None if dp_mesh.device_type == "cpu" else [next(model.parameters()).device]
-    # Said once per rank at the first backward: there are none, and that is expected here.
-    warnings.filterwarnings("ignore", message=".*find_unused_parameters=True was specified.*")
     with warnings.catch_warnings():
         # Newer torch deprecates broadcast_buffers in favour of forward_sync_buffers, whose False
         # still syncs at init; broadcast_buffers=False remains the way to skip buffers entirely.

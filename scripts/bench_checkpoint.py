@@ -5,8 +5,9 @@ partrain.train does it (apply_tensor_parallel, then DDP; AdamW from build_optimi
 one real step so that the Adam moments exist. The state is `build_state`'s (the checkpoint's keys,
 DTensor shards under tp). For each layout, medians over --reps repetitions:
 
-  save    dcp.save into a fresh dir vs each rank torch.save-ing all its local tensors (replicated
-          ones included) into its own file; ratio raw/DCP time, goal >= 0.8
+  save    partrain's dcp.save (its storage_writer: two writer threads per rank) into a fresh
+          dir vs each rank torch.save-ing all its local tensors (replicated ones included) into
+          its own file; ratio raw/DCP time, goal >= 0.8
   load    partrain's load_weights + load_optimizer (into the live model and optimizer, zeroed
           first) vs torch.load of each rank's file; ratio raw/DCP. Also dcp.load alone into a
           template (the I/O without partrain's copies into the model)
@@ -54,7 +55,7 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _spawn import run_workers  # noqa: E402
-from partrain.checkpoint.checkpointer import _result  # noqa: E402
+from partrain.checkpoint.checkpointer import _result, storage_writer  # noqa: E402
 from partrain.checkpoint.state import (build_state, load_optimizer, load_weights,  # noqa: E402
                                        true_size)
 from partrain.config import compose_config, resolve_and_validate  # noqa: E402
@@ -175,9 +176,9 @@ def warm_up(work: Path, rank: int, group) -> None:
     (imports, DCP's thread pool, the async executor)."""
     path = work / "warm-up"
     state = {"w": torch.ones(8)}
-    dcp.save(state, checkpoint_id=path / "dcp")
+    dcp.save(state, storage_writer=storage_writer(path / "dcp"))
     dcp.load(state, checkpoint_id=path / "dcp")
-    _result(dcp.async_save(state, checkpoint_id=path / "async", process_group=group))
+    _result(dcp.async_save(state, storage_writer=storage_writer(path / "async"), process_group=group))
     (path / "raw").mkdir(exist_ok=True)
     save_raw(state, path / "raw" / f"rank-{rank}.pt")
     torch.load(path / "raw" / f"rank-{rank}.pt", weights_only=True)
@@ -235,7 +236,7 @@ def measure(layout: str, cfg, a, rank: int, group) -> dict:
             dirs["raw"].mkdir(parents=True)
         dist.barrier()
 
-        saves = {"dcp": lambda: dcp.save(state, checkpoint_id=dirs["dcp"]),
+        saves = {"dcp": lambda: dcp.save(state, storage_writer=storage_writer(dirs["dcp"])),
                  "raw": lambda: save_raw(state, raw_file)}
         for kind in ("dcp", "raw") if rep % 2 == 0 else ("raw", "dcp"):
             times[f"save_{kind}"].append(timed(saves[kind])[0])
@@ -272,8 +273,8 @@ def measure(layout: str, cfg, a, rank: int, group) -> dict:
         os.sync()
         dist.barrier()
         start = time.perf_counter()
-        future = dcp.async_save(state, checkpoint_id=dirs["async"], process_group=group,
-                                async_stager=stager)
+        future = dcp.async_save(state, storage_writer=storage_writer(dirs["async"]),
+                                process_group=group, async_stager=stager)
         blocked = time.perf_counter() - start
         fb_during = timed(next_step)[0]
         wait = time.perf_counter()

@@ -1,4 +1,4 @@
-"""The `partrain` command: launch, slurm, plan, show, data prepare.
+"""The `partrain` command: launch, slurm, plan, show, export, sample, data prepare.
 
 Every command composes and validates the config before it does anything; a ConfigError becomes
 one message on stderr and exit code 2, with nothing started and nothing written.
@@ -52,8 +52,8 @@ def _whole(flag: str, minimum: int = 1):
     return parse
 
 
-def _fraction(flag: str):
-    """A parser for a flag that takes a number strictly between 0 and 1, echoing what was given."""
+def _number(flag: str):
+    """A parser for a flag that takes a number, echoing what was given."""
     def parse(value: str) -> float:
         try:
             number = float(value)
@@ -355,12 +355,82 @@ def show(args: Optional[List[str]] = typer.Argument(None, help=ARGS_HELP, show_d
         _warn(warning)
 
 
+SOURCE_HELP = ("A checkpoint (RUN_DIR/checkpoints/step-N) or a run dir (its newest checkpoint)")
+
+
+@app.command()
+def export(
+    source: Path = typer.Argument(..., metavar="RUN_DIR_OR_CHECKPOINT", help=SOURCE_HELP,
+                                  show_default=False),
+    out_dir: Path = typer.Option(..., "--out", help="New directory for the export"),
+    fmt: str = typer.Option("hf", "--format", help="hf: a transformers LlamaForCausalLM "
+                            "directory (config.json, safetensors)"),
+    dtype: str = typer.Option("fp32", "--dtype", help="fp32 or bf16"),
+    max_shard_mb: int = typer.Option(5000, "--max-shard-mb", metavar="MB",
+                                     parser=_whole("--max-shard-mb"),
+                                     help="Safetensors files of at most MB megabytes, with an "
+                                     "index file when there are several"),
+) -> None:
+    """Write a checkpoint's weights in another library's format, on one process."""
+    from partrain.checkpoint.store import find
+    from partrain.hf import export_hf
+
+    if fmt != "hf":
+        raise ConfigError(f"--format {fmt} is not a format partrain writes (formats: hf)")
+    checkpoint = find(source, "RUN_DIR_OR_CHECKPOINT")
+    info = export_hf(checkpoint, out_dir, dtype, max_shard_mb)
+    out.print(f"exported {checkpoint.path} (step {info['step']}) to {out_dir}: {info['tensors']} "
+              f"tensors, {info['bytes']:,} bytes in {dtype}, {len(info['files'])} safetensors "
+              f"file(s); load with transformers.AutoModelForCausalLM.from_pretrained({str(out_dir)!r})")
+
+
+@app.command()
+def sample(
+    source: Path = typer.Argument(..., metavar="RUN_DIR_OR_CHECKPOINT", help=SOURCE_HELP,
+                                  show_default=False),
+    prompt: str = typer.Option(..., "--prompt", help="The text to continue"),
+    max_new_tokens: int = typer.Option(200, "--max-new-tokens", metavar="N",
+                                       parser=_whole("--max-new-tokens")),
+    temperature: float = typer.Option(0.8, "--temperature", metavar="T",
+                                      parser=_number("--temperature"),
+                                      help="0 = always the most likely token"),
+    top_k: int = typer.Option(50, "--top-k", metavar="K", parser=_whole("--top-k", minimum=0),
+                              help="Draw from the K most likely tokens; 0 = all"),
+    seed: int = typer.Option(0, "--seed", metavar="S", parser=_whole("--seed", minimum=0)),
+    device: str = typer.Option("auto", "--device", help="auto (CUDA when visible), cpu or cuda"),
+) -> None:
+    """Generate text from a checkpoint on one process, streamed as it comes."""
+    from partrain.checkpoint.state import checkpoint_model
+    from partrain.checkpoint.store import find
+    from partrain.sample import check_options, encode, generate
+
+    check_options(prompt, max_new_tokens, temperature, top_k)
+    if device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device {device} is not one of auto, cpu, cuda")
+    if device == "cuda" and not _has_cuda():
+        raise ConfigError("--device cuda: no CUDA device is visible")
+    checkpoint = find(source, "RUN_DIR_OR_CHECKPOINT")
+    model, cfg = checkpoint_model(checkpoint, "cuda" if device == "cuda" or (
+        device == "auto" and _has_cuda()) else "cpu")
+    ids = encode(prompt, cfg.model.vocab_size)
+    err.print(f"{checkpoint.path} (step {checkpoint.step}), seed {seed}, temperature "
+              f"{temperature}, top-k {top_k or 'all'}:")
+
+    def emit(text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+    emit(prompt)
+    generate(model, ids, max_new_tokens, temperature, top_k, seed, cfg.model.max_seq_len, emit)
+    emit("\n")
+
+
 @data_app.command("prepare")
 def data_prepare(
     files: List[Path] = typer.Argument(..., help="Text files, concatenated in the given order"),
     out_dir: Path = typer.Option(..., "--out", help="New directory for train.bin, val.bin, meta.json"),
     val_fraction: float = typer.Option(0.05, "--val-fraction", metavar="F",
-                                       parser=_fraction("--val-fraction"),
+                                       parser=_number("--val-fraction"),
                                        help="Share of the bytes held out for validation, in (0, 1)"),
 ) -> None:
     """Byte-tokenize text files into a token dir for data=tokens data.path=DIR."""

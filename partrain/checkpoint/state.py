@@ -191,3 +191,28 @@ def true_size(model_cfg, tp: int = 1) -> int:
 
     tensors = 2 + 9 * model_cfg.n_layers + 1  # embedding, head, final norm; 9 per block
     return 12 * count_params(model_cfg) + 8 * tensors
+
+
+@torch.no_grad()
+def checkpoint_model(checkpoint, device: str = "cpu"):
+    """The single-process model of a committed checkpoint with its weights, and the config it
+    was saved with: what `export` and `sample` read, on one process with no process group. The
+    model is built empty (no initialisation to throw away) and filled by DCP."""
+    import warnings
+
+    from omegaconf import OmegaConf
+
+    from partrain.checkpoint.resume import saved_config
+    from partrain.models.llama import Transformer, rope_tables
+
+    cfg = OmegaConf.create(saved_config(checkpoint))
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    model.to_empty(device=device)
+    cos, sin = rope_tables(cfg.model.dim // cfg.model.n_heads, cfg.model.max_seq_len,
+                           cfg.model.rope_theta)
+    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    with warnings.catch_warnings():  # DCP's note that it loads in a single process: it does
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        load_weights(model, checkpoint.path, None)
+    return model.eval(), cfg

@@ -1,0 +1,74 @@
+"""`partrain sample`: text from a checkpoint, on one process, streamed as it is generated.
+
+The tokenizer is the run's: the byte-level one of the built-in corpus and of `data prepare` (a
+token is a byte; the text is UTF-8, decoded incrementally so that a character split over tokens
+prints whole). Each new token is drawn from the last position's logits over the newest
+max_seq_len tokens (no KV cache: models here are small, and the full forward is the one trained),
+after temperature and top-k; temperature 0 is greedy. A seed fixes the draw, so the same command
+prints the same text.
+"""
+
+import codecs
+import math
+from typing import Callable
+
+import torch
+
+from partrain.errors import ConfigError
+
+BYTES = 256  # the byte-level tokenizer's vocabulary; a larger model.vocab_size has unused rows
+
+
+def check_options(prompt: str, max_new_tokens: int, temperature: float, top_k: int) -> None:
+    if not prompt:
+        raise ConfigError("--prompt '' has no tokens: give some text to continue")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ConfigError(f"--temperature={temperature} must be a finite number >= 0 "
+                          "(0 = always the most likely token)")
+    if max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens={max_new_tokens} must be at least 1")
+    if top_k < 0:
+        raise ConfigError(f"--top-k={top_k} must be >= 0 (0 = no limit)")
+
+
+def encode(prompt: str, vocab_size: int) -> list[int]:
+    """The byte-level tokenizer: a token per UTF-8 byte."""
+    ids = list(prompt.encode("utf-8"))
+    if max(ids) >= vocab_size:
+        raise ConfigError(f"--prompt holds byte {max(ids)}, which the model's vocabulary "
+                          f"(model.vocab_size={vocab_size}) does not have")
+    return ids
+
+
+def next_token(logits: torch.Tensor, temperature: float, top_k: int,
+               generator: torch.Generator) -> int:
+    """One token from the last position's logits (vocab,)."""
+    if temperature == 0:
+        return int(logits.argmax())
+    logits = logits.float() / temperature
+    if 0 < top_k < logits.numel():
+        cutoff = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < cutoff, -math.inf)
+    probs = torch.softmax(logits, dim=-1).cpu()
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@torch.no_grad()
+def generate(model, ids: list[int], max_new_tokens: int, temperature: float, top_k: int,
+             seed: int, max_seq_len: int, emit: Callable[[str], None]) -> list[int]:
+    """Extend `ids` by max_new_tokens tokens, passing the decoded text to `emit` as it comes."""
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(seed)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    out = list(ids)
+    for _ in range(max_new_tokens):
+        context = torch.tensor([out[-max_seq_len:]], device=device)
+        token = next_token(model(context)[0, -1, :BYTES], temperature, top_k, generator)
+        out.append(token)
+        text = decoder.decode(bytes([token]))
+        if text:
+            emit(text)
+    tail = decoder.decode(b"", final=True)
+    if tail:
+        emit(tail)
+    return out[len(ids):]

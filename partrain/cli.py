@@ -157,6 +157,7 @@ def launch(
     # Inside SLURM the node count, this node's rank and the endpoint come from the job (flags
     # win); under torchrun, or with one srun task per GPU, this refuses to start.
     from partrain.checkpoint.resume import check_init_from, check_resumable
+    from partrain.curves import check_curves
     from partrain.launch.preemption import FORWARDER
 
     FORWARDER.install()  # a preemption signal from here on is passed to the workers
@@ -188,6 +189,7 @@ def launch(
         warnings.append("--local-addr / --ifname only matter for a multi-node job "
                         "(--rdzv-endpoint); this run stays on 127.0.0.1")
     data_description = check_data(cfg)
+    check_curves(cfg)
     run_dir = resume or run_dir or default_run_dir(cfg.name, place.job_id)
     checkpoint = check_run_dir(run_dir, cfg, resuming=resume is not None)
     if checkpoint is not None:
@@ -264,10 +266,12 @@ def slurm(
                                        remove_prepared, render_script, submit, write_script)
 
     from partrain.checkpoint.resume import check_init_from
+    from partrain.curves import check_curves
 
     cfg, world, warnings = _resolve(args, nodes, nproc_per_node or gpus_per_node)
     check_startable(world)
     check_data(cfg)
+    check_curves(cfg)
     check_init_from(cfg)
     run_dir = (run_dir or default_run_dir(cfg.name)).absolute()
     check_run_dir(run_dir)

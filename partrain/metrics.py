@@ -22,18 +22,24 @@ def peak_flops(device_name: str) -> float | None:
 
 
 class MetricsLog:
-    """Appends one JSON object per line to run_dir/metrics.jsonl; a no-op on ranks other than 0."""
+    """Appends one JSON object per line to run_dir/metrics.jsonl and hands each record to the
+    curves (TensorBoard, W&B: partrain.curves); a no-op on ranks other than 0."""
 
-    def __init__(self, path: Path, enabled: bool):
+    def __init__(self, path: Path, enabled: bool, curves=None):
         self.file = path.open("a", buffering=1) if enabled else None
+        self.curves = curves
 
     def write(self, record: dict) -> None:
         if self.file:
             self.file.write(json.dumps(record) + "\n")
+        if self.curves is not None:
+            self.curves.write(record)
 
     def close(self) -> None:
         if self.file:
             self.file.close()
+        if self.curves is not None:
+            self.curves.close()
 
 
 class ProgressDisplay:

@@ -33,6 +33,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from partrain.checkpoint import store
 from partrain.checkpoint.checkpointer import Checkpointer
 from partrain.checkpoint.state import build_state, load_optimizer, load_weights
+from partrain.curves import Curves
 from partrain.data import load_tokens, rank_micro_batches
 from partrain.dist import compute_dtype, end_distributed, env_rank, init_distributed, pick_device
 from partrain.launch.lifeline import hold_lifeline
@@ -255,7 +256,8 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) 
     first_step = resume.step + 1 if resume else 1
     if rank == 0 and resume:
         _keep_metrics_until(run_dir / "metrics.jsonl", resume.step)
-    metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=rank == 0)
+    metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=rank == 0,
+                         curves=Curves(run_dir, cfg, first_step, enabled=rank == 0))
     display = ProgressDisplay(t.max_steps, t.log_every, enabled=rank == 0)
 
     def report(record: dict) -> None:
@@ -303,6 +305,8 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) 
                    "step_time_s": step_time}
             if peak:
                 rec["mfu"] = flops_per_step / step_time / (peak * dims.world_size)
+            if device.type == "cuda":  # rank 0's peak since the start
+                rec["memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             metrics.write(rec)
             history.append(rec)
             display.update(rec)

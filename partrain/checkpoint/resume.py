@@ -19,7 +19,8 @@ from partrain.errors import ConfigError
 # Keys (or key prefixes ending in '.') a resume may change.
 RESUMABLE = ("name", "parallel.", "launcher.", "checkpoint.", "train.micro_batch_size",
              "train.micro_batches", "train.max_steps", "train.eval_every", "train.eval_batches",
-             "train.log_every", "train.trace", "model.init_from")
+             "train.log_every", "train.trace", "train.tensorboard", "train.wandb",
+             "train.wandb_project", "model.init_from")
 # Model keys that do not change the weights' shapes (init_from may point anywhere).
 NOT_SHAPE = ("model.name", "model.init_from", "model.init_std")
 

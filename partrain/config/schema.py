@@ -77,6 +77,9 @@ class TrainConfig:
     eval_batches: int = 4  # global batches of the validation split per pass
     log_every: int = 10  # steps between lines in the rank logs (and on a non-terminal stdout)
     trace: bool = False  # write trace.json (Chrome trace events, one track per rank) to the run dir
+    tensorboard: bool = False  # TensorBoard event files in RUN_DIR/tensorboard/ (needs partrain[tensorboard])
+    wandb: str = "off"  # off | offline | online: W&B logging into RUN_DIR/wandb/ (needs partrain[wandb])
+    wandb_project: str = "partrain"  # W&B project of the run
 
 
 @dataclass

@@ -21,6 +21,7 @@ OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 DEVICES = ("auto", "cpu", "cuda")
 DATA_SOURCES = ("stdlib", "tokens")
 OPTIMIZERS = ("adamw",)
+WANDB_MODES = ("off", "offline", "online")
 # Bounds on what can exist, so that validation and `plan` cost the same for any input: the
 # largest training jobs run ~10^5 GPUs, and a node holds at most a few dozen.
 MAX_WORLD_SIZE = 1 << 20
@@ -234,6 +235,7 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
     _choice("launcher.device", cfg.launcher.device, DEVICES)
     _choice("data.source", cfg.data.source, DATA_SOURCES)
     _choice("optim.name", cfg.optim.name, OPTIMIZERS)
+    _choice("train.wandb", t.wandb, WANDB_MODES)
     if p.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero_stage={p.zero_stage} must be 0 (DDP), 1, 2 or 3")
     _check_zero(cfg)

@@ -1,4 +1,5 @@
-"""Hugging Face interop: a partrain checkpoint as a transformers `LlamaForCausalLM` directory.
+"""Hugging Face interop: a partrain checkpoint as a transformers `LlamaForCausalLM` directory, and
+such a directory as the weights a run starts from (`model.init_from=hf:DIR`).
 
 partrain's decoder is Llama's, with two differences that the mapping undoes:
 - rotary embeddings rotate consecutive pairs (2i, 2i+1) of each head here (Meta's layout), and
@@ -9,6 +10,10 @@ Everything else is a renaming. The export is one directory, written under a temp
 renamed when complete: config.json, generation_config.json and safetensors weights (sharded with
 `model.safetensors.index.json` past --max-shard-mb), loadable by `from_pretrained` with no
 custom code.
+
+Importing reads config.json (the model's shape must be the config's: a mismatch is refused
+naming both, with the overrides to use) and, on each rank, only the slices of the safetensors
+tensors that the rank holds (safetensors maps the files and slices lazily).
 """
 
 import json
@@ -63,6 +68,17 @@ def from_rotate_half(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return weight.view(n_heads, 2, head_dim // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
+def rope_parameters(model_cfg) -> dict:
+    """The rotary embedding as transformers describes it (`rope_parameters`, since 5.0)."""
+    from partrain.models.llama import rope_scaling
+
+    scaling = rope_scaling(model_cfg)
+    return {"rope_type": "llama3" if scaling else "default",
+            "rope_theta": float(model_cfg.rope_theta),
+            **({key: float(v) if key != "original_max_position_embeddings" else int(v)
+                for key, v in scaling.items()} if scaling else {})}
+
+
 def hf_config(model_cfg, dtype: str) -> dict:
     """config.json of the LlamaForCausalLM that computes what partrain's model computes. The
     rotary base is written both ways transformers has read it (rope_theta before 5.0,
@@ -84,7 +100,9 @@ def hf_config(model_cfg, dtype: str) -> dict:
         "max_position_embeddings": m.max_seq_len,
         "rms_norm_eps": float(m.norm_eps),
         "rope_theta": float(m.rope_theta),
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(m.rope_theta)},
+        "rope_parameters": rope_parameters(m),
+        # transformers before 5.0 reads Llama-3's scaling here.
+        "rope_scaling": rope_parameters(m) if m.rope_type == "llama3" else None,
         "tie_word_embeddings": False,
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -168,3 +186,154 @@ def export_hf(checkpoint, out: Path, dtype: str = "fp32", max_shard_mb: int = 50
         raise
     return {"files": files, "tensors": len(state), "dtype": dtype, "step": checkpoint.step,
             "bytes": sum(t.numel() * t.element_size() for t in state.values())}
+
+
+HF_PREFIX = "hf:"
+HF_CONFIG_MAX_BYTES = 1 << 20
+
+
+def is_hf(init_from) -> bool:
+    return isinstance(init_from, str) and init_from.startswith(HF_PREFIX)
+
+
+def hf_dir(init_from: str) -> Path:
+    return Path(init_from[len(HF_PREFIX):])
+
+
+def read_hf_config(path: Path) -> dict:
+    """config.json of a Hugging Face model directory (ConfigError naming model.init_from)."""
+    where = f"model.init_from={HF_PREFIX}{path}"
+    config = path / "config.json"
+    if not path.is_dir():
+        raise ConfigError(f"{where}: {path} is not a directory (a Hugging Face model directory "
+                          "with config.json and safetensors weights)")
+    if not config.is_file():
+        raise ConfigError(f"{where}: {config} does not exist")
+    if config.stat().st_size > HF_CONFIG_MAX_BYTES:
+        raise ConfigError(f"{where}: {config} is over 1 MiB; not a model config")
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{where}: {config} is not readable JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: {config} holds {type(data).__name__}, not an object")
+    return data
+
+
+def model_keys(hf: dict, where: str) -> dict:
+    """partrain's model keys for a transformers Llama config (refusing what partrain lacks)."""
+    if hf.get("model_type") != "llama":
+        raise ConfigError(f"{where}: model_type={hf.get('model_type')!r}; partrain imports Llama "
+                          "models (model_type 'llama')")
+    for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if hf.get(key, want) != want:
+            raise ConfigError(f"{where}: {key}={hf[key]!r}; partrain's Llama has {key}={want!r}")
+    if hf.get("tie_word_embeddings", False):
+        raise ConfigError(f"{where}: tie_word_embeddings=true (the output head is the embedding); "
+                          "partrain's output head is a weight of its own, and tied models are not "
+                          "imported yet")
+    heads = hf["num_attention_heads"]
+    if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
+        raise ConfigError(f"{where}: head_dim={hf['head_dim']} is not hidden_size / "
+                          f"num_attention_heads = {hf['hidden_size'] // heads}; partrain's heads "
+                          "split the hidden size")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "llama3"):
+        raise ConfigError(f"{where}: rope_type={rope_type!r}; partrain has default and llama3")
+    keys = {"n_layers": hf["num_hidden_layers"], "n_heads": heads,
+            "n_kv_heads": hf.get("num_key_value_heads") or heads, "dim": hf["hidden_size"],
+            "ffn_dim": hf["intermediate_size"], "vocab_size": hf["vocab_size"],
+            "norm_eps": hf.get("rms_norm_eps", 1e-6),
+            "rope_theta": rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+            "rope_type": rope_type}
+    if rope_type == "llama3":
+        keys.update(rope_factor=rope["factor"], rope_low_freq_factor=rope["low_freq_factor"],
+                    rope_high_freq_factor=rope["high_freq_factor"],
+                    rope_original_max_seq_len=rope["original_max_position_embeddings"])
+    return keys
+
+
+def check_hf_init(model_cfg) -> Path:
+    """model.init_from=hf:DIR: a Llama of this config's shape with its weights; the DIR."""
+    from partrain.models.llama import ffn_dim
+
+    path = hf_dir(model_cfg.init_from)
+    where = f"model.init_from={model_cfg.init_from}"
+    try:
+        wanted = model_keys(read_hf_config(path), f"{where} (config.json)")
+    except (KeyError, TypeError) as e:
+        raise ConfigError(f"{where}: config.json lacks or mistypes {e}") from None
+    mine = {key: ffn_dim(model_cfg) if key == "ffn_dim" else model_cfg[key] for key in wanted}
+    wrong = [key for key in wanted if not _same(mine[key], wanted[key])]
+    if wrong:
+        raise ConfigError(
+            f"{where}: " + ", ".join(f"model.{k}={mine[k]} but config.json says {wanted[k]}"
+                                     for k in wrong)
+            + "; the weights have config.json's shape: add "
+            + " ".join(f"model.{k}={wanted[k]}" for k in wrong))
+    weight_files(path, where)
+    return path
+
+
+def _same(mine, theirs) -> bool:
+    if isinstance(mine, float) or isinstance(theirs, float):
+        return abs(float(mine) - float(theirs)) <= 1e-12 * max(abs(float(theirs)), 1.0)
+    return mine == theirs
+
+
+def weight_files(path: Path, where: str) -> dict[str, Path]:
+    """Tensor name -> the safetensors file holding it (model.safetensors, or the index's)."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"{where}: {index} is not a safetensors index ({e})") from None
+        files = {name: path / file for name, file in weight_map.items()}
+    elif (path / "model.safetensors").is_file():
+        from safetensors import safe_open
+
+        with safe_open(path / "model.safetensors", framework="pt") as f:
+            files = {name: path / "model.safetensors" for name in f.keys()}
+    else:
+        raise ConfigError(f"{where}: {path} holds neither model.safetensors nor "
+                          "model.safetensors.index.json (partrain reads safetensors weights)")
+    missing = sorted({f for f in files.values() if not f.is_file()})
+    if missing:
+        raise ConfigError(f"{where}: {missing[0]} (named by the index) does not exist")
+    return files
+
+
+@torch.no_grad()
+def load_hf_weights(model, path: Path, model_cfg, tp_mesh) -> None:
+    """Fill this rank's parameters (its tp shard of its pp stage) from a Hugging Face Llama
+    directory, reading only their slices. Not collective: each rank reads on its own."""
+    from contextlib import ExitStack
+
+    from safetensors import safe_open
+
+    from partrain.checkpoint.state import named_parameters
+
+    files = weight_files(path, f"model.init_from={HF_PREFIX}{path}")
+    tp_rank = tp_mesh.get_local_rank() if tp_mesh is not None and tp_mesh.size() > 1 else 0
+    head_dim = model_cfg.dim // model_cfg.n_heads
+    with ExitStack() as stack:
+        opened = {}
+        for name, param in named_parameters(model).items():
+            key = hf_name(name)
+            file = files[key]
+            if file not in opened:
+                opened[file] = stack.enter_context(safe_open(file, framework="pt"))
+            part = opened[file].get_slice(key)
+            index = [slice(None)] * param.dim()
+            dim = getattr(param, "tp_shard_dim", None)
+            if dim is not None and tp_rank:
+                size = param.shape[dim]
+                index[dim] = slice(tp_rank * size, (tp_rank + 1) * size)
+            elif dim is not None:
+                index[dim] = slice(0, param.shape[dim])
+            weight = part[tuple(index)]
+            if name.endswith(("attention.wq.weight", "attention.wk.weight")):
+                weight = from_rotate_half(weight, weight.shape[0] // head_dim)
+            param.copy_(weight)

@@ -34,6 +34,7 @@ from partrain.checkpoint import store
 from partrain.checkpoint.checkpointer import Checkpointer
 from partrain.checkpoint.state import build_state, load_optimizer, load_weights
 from partrain.curves import Curves
+from partrain.hf import hf_dir, is_hf, load_hf_weights
 from partrain.data import load_tokens, rank_micro_batches
 from partrain.dist import compute_dtype, end_distributed, env_rank, init_distributed, pick_device
 from partrain.launch.lifeline import hold_lifeline
@@ -201,8 +202,10 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) 
         for path in store.clean_leftovers(ckpt_root):
             log.info("removed %s, left by an interrupted save", path)
     resume = store.newest(ckpt_root)
-    init_from = (store.find(Path(cfg.model.init_from), "model.init_from")
-                 if cfg.model.init_from and resume is None else None)
+    fresh_from = cfg.model.init_from if resume is None else None
+    hf_from = hf_dir(fresh_from) if is_hf(fresh_from) else None
+    init_from = (store.find(Path(fresh_from), "model.init_from")
+                 if fresh_from and hf_from is None else None)
     dist.barrier()
 
     # The full model from the seed, identical for every layout; wrappers then take it apart in
@@ -225,6 +228,8 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) 
     source = resume or init_from
     if source:
         load_weights(model, source.path, tp_mesh)
+    elif hf_from:
+        load_hf_weights(model, hf_from, cfg.model, tp_mesh)
     if dims.zero_enabled:
         # ZeRO replaces DDP and the optimizer: DeepSpeed shards over dp and builds AdamW from
         # the derived config (over the same parameter groups).
@@ -278,6 +283,8 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) 
                        "world_size": dims.world_size})
     elif init_from:
         display.print(f"weights from {init_from.path} (step {init_from.step}); fresh optimizer")
+    elif hf_from:
+        display.print(f"weights from the Hugging Face model in {hf_from}; fresh optimizer")
     history, val_losses, started = [], [], time.perf_counter()
     preempted_at = None
     try:

@@ -66,8 +66,14 @@ def check_resumable(checkpoint: store.Checkpoint, cfg) -> None:
 
 
 def check_init_from(cfg) -> store.Checkpoint | None:
-    """model.init_from names a committed checkpoint whose weights fit model.*: the checkpoint."""
+    """model.init_from names a committed checkpoint whose weights fit model.*: the checkpoint
+    (None for none, and for a Hugging Face directory, `hf:DIR`, which is checked here too)."""
+    from partrain.hf import check_hf_init, is_hf
+
     if not cfg.model.init_from:
+        return None
+    if is_hf(cfg.model.init_from):
+        check_hf_init(cfg.model)
         return None
     checkpoint = store.find(Path(cfg.model.init_from), "model.init_from")
     saved = _flat(saved_config(checkpoint).get("model", {}), "model.")

@@ -22,6 +22,11 @@ class ModelConfig:
     vocab_size: int = 256  # embedding rows; the byte-level corpus needs 256
     max_seq_len: int = 512  # longest sequence the rotary tables are built for
     rope_theta: float = 10000.0  # rotary embedding base
+    rope_type: str = "default"  # default | llama3: Llama-3.1/3.2 frequency scaling by the rope_* keys below
+    rope_factor: float = 8.0  # llama3: wavelengths longer than original_max_seq_len / low_freq_factor are divided by it
+    rope_low_freq_factor: float = 1.0  # llama3: see rope_factor; between it and high_freq_factor, a blend
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths under original_max_seq_len / high_freq_factor stay
+    rope_original_max_seq_len: int = 8192  # llama3: the context length the frequencies were trained for
     norm_eps: float = 1e-5  # RMSNorm epsilon
     init_std: float = 0.02  # std of the normal weight initialisation
     init_from: Optional[str] = None  # checkpoint dir (or a run dir: its newest) whose weights start this run; fresh optimizer

@@ -22,6 +22,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DATA_SOURCES = ("stdlib", "tokens")
 OPTIMIZERS = ("adamw",)
 WANDB_MODES = ("off", "offline", "online")
+ROPE_TYPES = ("default", "llama3")
 # Bounds on what can exist, so that validation and `plan` cost the same for any input: the
 # largest training jobs run ~10^5 GPUs, and a node holds at most a few dozen.
 MAX_WORLD_SIZE = 1 << 20
@@ -220,14 +221,16 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
                     "model.vocab_size", "model.max_seq_len", "train.seq_len", "train.max_steps",
                     "train.global_batch_size", "train.micro_batch_size", "train.micro_batches",
                     "train.log_every", "train.eval_batches", "model.multiple_of",
-                    "model.ffn_dim", "data.stdlib_max_bytes", "checkpoint.keep"])
+                    "model.ffn_dim", "data.stdlib_max_bytes", "checkpoint.keep",
+                    "model.rope_original_max_seq_len"])
     _at_least_zero(cfg, ["train.seed", "train.eval_every", "optim.warmup_steps",
                          "optim.weight_decay", "checkpoint.every"])
     _in_range(cfg, "optim.beta1", 0.0, 1.0, "[0, 1)")
     _in_range(cfg, "optim.beta2", 0.0, 1.0, "[0, 1)")
     if not 0.0 <= cfg.optim.min_lr_ratio <= 1.0:
         raise ConfigError(f"optim.min_lr_ratio={cfg.optim.min_lr_ratio} must be in [0, 1]")
-    for key in ("model.rope_theta", "model.norm_eps", "optim.eps", "model.init_std"):
+    for key in ("model.rope_theta", "model.norm_eps", "optim.eps", "model.init_std",
+                "model.rope_factor", "model.rope_low_freq_factor"):
         if not _value(cfg, key) > 0:
             raise ConfigError(f"{key}={_value(cfg, key)} must be positive")
     _choice("parallel.pp_schedule", p.pp_schedule, PP_SCHEDULES)
@@ -236,6 +239,10 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
     _choice("data.source", cfg.data.source, DATA_SOURCES)
     _choice("optim.name", cfg.optim.name, OPTIMIZERS)
     _choice("train.wandb", t.wandb, WANDB_MODES)
+    _choice("model.rope_type", cfg.model.rope_type, ROPE_TYPES)
+    if not cfg.model.rope_high_freq_factor > cfg.model.rope_low_freq_factor:
+        raise ConfigError(f"model.rope_high_freq_factor={cfg.model.rope_high_freq_factor} must be "
+                          f"above model.rope_low_freq_factor={cfg.model.rope_low_freq_factor}")
     if p.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero_stage={p.zero_stage} must be 0 (DDP), 1, 2 or 3")
     _check_zero(cfg)

@@ -197,3 +197,125 @@ def test_sample_without_a_checkpoint(run_main, tmp_path):
     (tmp_path / "run").mkdir()
     res = run_main("sample", str(tmp_path / "run"), "--prompt", "x")
     assert res.code == 2 and "holds no committed checkpoint" in res.stderr
+
+
+# Weights in: model.init_from=hf:DIR, from checkpoints that transformers itself writes.
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+# The same model as partrain's keys say it (the tiny defaults, 2 layers).
+LLAMA3_KEYS = {"rope_type": "llama3", "rope_theta": 500000.0, "rope_original_max_seq_len": 64}
+
+
+def hf_llama(path, rope=None, **overrides):
+    """A random transformers Llama of partrain's tiny shape (2 layers), saved with
+    save_pretrained into `path`; the model."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    kwargs = dict(vocab_size=256, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rms_norm_eps=1e-5, tie_word_embeddings=False)
+    if rope:
+        kwargs["rope_parameters"] = dict(rope)
+    model = LlamaForCausalLM(LlamaConfig(**{**kwargs, **overrides})).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def _model_cfg(path, **keys):
+    cfg = OmegaConf.structured(Config)
+    cfg.model.n_layers, cfg.model.init_from = 2, f"hf:{path}"
+    for key, value in keys.items():
+        cfg.model[key] = value
+    return cfg.model
+
+
+@pytest.mark.parametrize("rope, keys", [(None, {}), (LLAMA3, LLAMA3_KEYS)], ids=["rope", "llama3"])
+def test_import_computes_transformers_logits(tmp_path, rope, keys):
+    from partrain.hf import check_hf_init, load_hf_weights
+    from partrain.models.llama import Transformer
+
+    hf = hf_llama(tmp_path / "hf", rope)
+    model_cfg = _model_cfg(tmp_path / "hf", **keys)
+    assert check_hf_init(model_cfg) == tmp_path / "hf"
+    model = Transformer(model_cfg).eval()
+    load_hf_weights(model, tmp_path / "hf", model_cfg, None)
+    x = _batch(seq=200)  # past original_max_position_embeddings: llama3's scaling matters
+    with torch.no_grad():
+        assert _rel_l2(model(x), hf(x).logits) <= 1e-5
+
+
+def test_llama3_rope_scaling_changes_the_frequencies():
+    from partrain.models.llama import rope_scaling, rope_tables
+
+    cfg = OmegaConf.structured(Config).model
+    plain = rope_tables(32, 128, 500000.0)
+    cfg.rope_type, cfg.rope_original_max_seq_len = "llama3", 64
+    scaled = rope_tables(32, 128, 500000.0, rope_scaling(cfg))
+    sin_plain, sin_scaled = plain[1], scaled[1]
+    assert torch.equal(sin_scaled[:, 0], sin_plain[:, 0])  # the fastest rotation is kept
+    # The slowest is slowed by the factor (its angles are small: sin is the angle).
+    assert torch.allclose(sin_scaled[:, -1] * 8, sin_plain[:, -1], rtol=1e-4)
+
+
+def test_export_of_a_llama3_model_round_trips(run_main, tmp_path):
+    """Import a llama3 checkpoint, save it as partrain's, export it: transformers computes the
+    same logits from the export (rope_parameters written as read)."""
+    from transformers import AutoModelForCausalLM
+
+    from partrain.hf import load_hf_weights
+    from partrain.models.llama import Transformer
+
+    hf = hf_llama(tmp_path / "hf", LLAMA3)
+    model_cfg = _model_cfg(tmp_path / "hf", **LLAMA3_KEYS)
+    model = Transformer(model_cfg).eval()
+    load_hf_weights(model, tmp_path / "hf", model_cfg, None)
+    cfg = OmegaConf.structured(Config)
+    cfg.model = model_cfg
+    root = tmp_path / "run" / store.CHECKPOINTS
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.save(build_state(model, torch.optim.AdamW(model.parameters()), None, zero=False),
+                 checkpoint_id=store.tmp_dir(root, 1))
+    store.commit(root, 1, {"reason": "test"}, OmegaConf.to_yaml(cfg))
+    assert run_main("export", str(tmp_path / "run"), "--out", str(tmp_path / "out")).code == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["rope_parameters"] == LLAMA3
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    x = _batch(seq=200)
+    with torch.no_grad():
+        assert _rel_l2(again(x).logits, hf(x).logits) <= 1e-5
+
+
+@pytest.mark.parametrize("overrides, keys, fragments", [
+    ({}, {"dim": 64}, ["model.dim=64 but config.json says 128", "add model.dim=128"]),
+    ({}, {"n_layers": 3, "vocab_size": 512},
+     ["model.n_layers=3", "model.vocab_size=512", "add model.n_layers=2 model.vocab_size=256"]),
+    ({"rope_parameters": LLAMA3}, {}, ["model.rope_type=default but config.json says llama3",
+                                       "model.rope_theta=500000.0"]),
+    ({"tie_word_embeddings": True}, {}, ["tie_word_embeddings=true", "not imported yet"]),
+    ({"hidden_act": "gelu"}, {}, ["hidden_act='gelu'", "silu"]),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}}, {},
+     ["rope_type='yarn'", "default and llama3"]),
+])
+def test_import_refuses_what_does_not_fit(tmp_path, overrides, keys, fragments):
+    from partrain.errors import ConfigError
+    from partrain.hf import check_hf_init
+
+    hf_llama(tmp_path / "hf", **overrides)
+    with pytest.raises(ConfigError) as e:
+        check_hf_init(_model_cfg(tmp_path / "hf", **keys))
+    assert all(f in str(e.value) for f in fragments), str(e.value)
+    assert f"model.init_from=hf:{tmp_path / 'hf'}" in str(e.value)
+
+
+def test_import_refuses_a_dir_without_weights(tmp_path):
+    from partrain.errors import ConfigError
+    from partrain.hf import check_hf_init
+
+    hf_llama(tmp_path / "hf")
+    (tmp_path / "hf" / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match="neither model.safetensors nor"):
+        check_hf_init(_model_cfg(tmp_path / "hf"))
+    with pytest.raises(ConfigError, match="is not a directory"):
+        check_hf_init(_model_cfg(tmp_path / "nothing"))

@@ -408,6 +408,11 @@ GAPS = [
     ("optim.min_lr_ratio=2", "the cosine schedule ends above the peak learning rate"),
     ("optim.warmup_steps=-1", "the warmup divides by a negative step count"),
     ("model.rope_theta=0", "rotary frequencies are inf/nan"),
+    ("model.rope_type=yarn", "rope_tables would silently build plain frequencies"),
+    ("model.rope_factor=0", "llama3 scaling divides the frequencies by zero"),
+    ("model.rope_high_freq_factor=1", "llama3 scaling blends over high - low = 0: inf/nan"),
+    ("model.rope_original_max_seq_len=0", "llama3 wavelength bounds of zero"),
+    ("train.wandb=yes", "wandb.init rejects the mode in rank 0 after the others started"),
 ]
 
 

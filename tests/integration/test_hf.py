@@ -1,7 +1,10 @@
 """model.init_from=hf:DIR through the CLI: a Llama that transformers wrote (save_pretrained, a
 small random config; nothing downloaded) starts a run. Its first loss is transformers' loss on
 the same batch, and the run keeps layout parity: one process against dp2 x tp2 x pp2, where each
-rank reads only its slices of the safetensors file."""
+rank reads only its slices of the safetensors file.
+
+The one-process run also draws its curves (train.tensorboard, train.wandb=offline), which
+test_curves_through_the_cli reads back: one run serves both, to keep the suite short."""
 
 import pytest
 import torch
@@ -29,20 +32,38 @@ def _first_batch_loss(hf, overrides) -> float:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).item()
 
 
-def test_hf_llama3_weights_start_a_run_at_any_layout(cli, tmp_path):
+LAYOUTS = {"one": ("parallel.dp=1", "--nproc-per-node", "1", "train.micro_batch_size=16",
+                   "train.eval_every=5", "train.tensorboard=true", "train.wandb=offline"),
+           "3d": ("parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "train.micro_batch_size=4",
+                  "--nproc-per-node", "8")}
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory):
+    """The transformers model, the init_from overrides and each layout's run dir and steps."""
+    from tests.integration.conftest import CLI
+
+    tmp_path, cli = tmp_path_factory.mktemp("hf-import"), CLI()
     hf = hf_llama(tmp_path / "hf", LLAMA3, **FOUR_LAYERS)
     model = [f"model.init_from=hf:{tmp_path / 'hf'}",
              *(f"model.{key}={value}" for key, value in LLAMA3_KEYS.items())]
     runs = {}
-    for name, layout in (("one", ("parallel.dp=1", "--nproc-per-node", "1",
-                                  "train.micro_batch_size=16")),
-                         ("3d", ("parallel.dp=2", "parallel.tp=2", "parallel.pp=2",
-                                 "train.micro_batch_size=4", "--nproc-per-node", "8"))):
-        run_dir = tmp_path / name
-        res = cli.run("launch", *PARITY_COMMON, *model, *layout, "--run-dir", str(run_dir))
-        assert res.returncode == 0, res.stderr[-3000:]
-        assert "weights from the Hugging Face model" in res.stdout
-        runs[name] = read_metrics(run_dir)[0]
+    try:
+        for name, layout in LAYOUTS.items():
+            run_dir = tmp_path / name
+            res = cli.run("launch", *PARITY_COMMON, *model, *layout, "--run-dir", str(run_dir),
+                          env={"WANDB_SILENT": "true"})
+            assert res.returncode == 0, res.stderr[-3000:]
+            assert "weights from the Hugging Face model" in res.stdout
+            runs[name] = run_dir
+    finally:
+        cli.kill_all()
+    return hf, model, runs
+
+
+def test_hf_llama3_weights_start_a_run_at_any_layout(imported):
+    hf, model, run_dirs = imported
+    runs = {name: read_metrics(run_dir)[0] for name, run_dir in run_dirs.items()}
     assert_parity(runs["3d"], runs["one"], "hf import, dp2 x tp2 x pp2 vs 1 process")
     first = _first_batch_loss(hf, [*PARITY_COMMON[1:], *model[1:]])
     assert abs(runs["one"][0]["loss"] - first) <= 1e-5 * first, (runs["one"][0]["loss"], first)
@@ -56,3 +77,24 @@ def test_hf_shape_mismatch_is_refused_before_the_start(cli, tmp_path):
     assert res.returncode == 2, res.stderr
     assert "model.dim=64 but config.json says 128" in res.stderr and "Traceback" not in res.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_curves_through_the_cli(imported):
+    """train.tensorboard and train.wandb=offline: the curves hold what metrics.jsonl holds, read
+    back with tensorboard's reader and from W&B's offline files."""
+    from tests.integration.conftest import processes_mentioning
+    from tests.unit.test_curves import tensorboard_scalars, wandb_history
+
+    run_dir = imported[2]["one"]
+    steps, evals = read_metrics(run_dir)
+    scalars = tensorboard_scalars(run_dir)
+    assert scalars["train/loss"] == pytest.approx({r["step"]: r["loss"] for r in steps}, rel=1e-6)
+    assert scalars["val/loss"] == pytest.approx({r["step"]: r["val_loss"] for r in evals}, rel=1e-6)
+    assert sorted(scalars["val/loss"]) == [5, 10]
+    assert sorted(scalars["train/grad_norm"]) == list(range(1, 11))
+    (wandb_file,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    rows = wandb_history(wandb_file)
+    assert {r["_step"]: r["train/loss"] for r in rows if "train/loss" in r} == \
+        pytest.approx({r["step"]: r["loss"] for r in steps})
+    assert not (imported[2]["3d"] / "tensorboard").exists()
+    assert processes_mentioning(str(run_dir)) == []

@@ -157,25 +157,3 @@ def test_trace_json_shows_every_rank_and_microbatch(cli, tmp_path):
     assert any("send_f" in e["name"] for e in comm if e["tid"] == 0)
     assert any("recv_f" in e["name"] for e in comm if e["tid"] == 1)
 
-
-@pytest.mark.slow
-def test_curves_in_tensorboard_and_wandb_offline(cli, tmp_path):
-    """train.tensorboard and train.wandb=offline through the CLI: the curves hold what
-    metrics.jsonl holds, read back with tensorboard's reader and from W&B's offline files."""
-    from tests.unit.test_curves import tensorboard_scalars, wandb_history
-
-    run_dir = tmp_path / "run"
-    res = cli.run("launch", "parallel.dp=1", "train.max_steps=4", "train.eval_every=2",
-                  "train.seq_len=64", "train.tensorboard=true", "train.wandb=offline",
-                  "--run-dir", str(run_dir), env={"WANDB_SILENT": "true"})
-    assert res.returncode == 0, res.stderr
-    steps, evals = read_metrics(run_dir)
-    scalars = tensorboard_scalars(run_dir)
-    assert scalars["train/loss"] == pytest.approx({r["step"]: r["loss"] for r in steps}, rel=1e-6)
-    assert scalars["val/loss"] == pytest.approx({r["step"]: r["val_loss"] for r in evals}, rel=1e-6)
-    assert sorted(scalars["train/grad_norm"]) == [1, 2, 3, 4]
-    (wandb_file,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
-    rows = wandb_history(wandb_file)
-    assert {r["_step"]: r["train/loss"] for r in rows if "train/loss" in r} == \
-        pytest.approx({r["step"]: r["loss"] for r in steps})
-    assert processes_mentioning(str(run_dir)) == []

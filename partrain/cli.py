@@ -406,9 +406,9 @@ def sample(
     """Generate text from a checkpoint on one process, streamed as it comes."""
     from partrain.checkpoint.state import checkpoint_model
     from partrain.checkpoint.store import find
-    from partrain.sample import check_options, encode, generate
+    from partrain.sample import check_options, check_tokenizer, encode, generate
 
-    check_options(prompt, max_new_tokens, temperature, top_k)
+    check_options(prompt, max_new_tokens, temperature, top_k, seed)
     if device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"--device {device} is not one of auto, cpu, cuda")
     if device == "cuda" and not _has_cuda():
@@ -416,6 +416,7 @@ def sample(
     checkpoint = find(source, "RUN_DIR_OR_CHECKPOINT")
     model, cfg = checkpoint_model(checkpoint, "cuda" if device == "cuda" or (
         device == "auto" and _has_cuda()) else "cpu")
+    check_tokenizer(cfg)
     ids = encode(prompt, cfg.model.vocab_size)
     err.print(f"{checkpoint.path} (step {checkpoint.step}), seed {seed}, temperature "
               f"{temperature}, top-k {top_k or 'all'}:")

@@ -17,6 +17,7 @@ tensors that the rank holds (safetensors maps the files and slices lazily).
 """
 
 import json
+import math
 import os
 import re
 import shutil
@@ -41,6 +42,7 @@ IN_BLOCK = {"attention_norm.weight": "input_layernorm.weight",
 BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 CONFIG_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
 def hf_name(name: str) -> str:
@@ -132,8 +134,8 @@ def hf_state_dict(model, model_cfg, dtype: str) -> dict[str, torch.Tensor]:
 
 def check_out_dir(out: Path) -> None:
     """--out must be new or an empty directory: an export never mixes with other files."""
-    if out.is_symlink() and not out.exists():
-        raise ConfigError(f"--out {out} is a broken symlink")
+    if out.is_symlink():
+        raise ConfigError(f"--out {out} is a symbolic link; give a new directory, not a link")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"--out {out} exists and is not an empty directory; give a new "
                           "directory for the export")
@@ -168,21 +170,31 @@ def export_hf(checkpoint, out: Path, dtype: str = "fp32", max_shard_mb: int = 50
     model, cfg = checkpoint_model(checkpoint)
     state = hf_state_dict(model, cfg.model, dtype)
     del model
-    out = out.absolute()
-    tmp = out.with_name(f".tmp-{out.name}.{os.getpid()}")
+    from safetensors import SafetensorError
+
+    given, out = out, out.absolute()
+    missing = [p for p in reversed(out.parents) if not p.exists()]  # outermost first
+    made, tmp = [], out.with_name(f".tmp-{out.name}.{os.getpid()}")
     try:
-        tmp.mkdir(parents=True)
+        for parent in missing:
+            parent.mkdir()
+            made.append(parent)
+        tmp.mkdir()
         files = write_safetensors(state, tmp, max_shard_mb)
         (tmp / "config.json").write_text(json.dumps(hf_config(cfg.model, dtype), indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps({"do_sample": True}) + "\n")
-        if out.exists():
-            out.rmdir()  # checked empty above
-        os.rename(tmp, out)
-    except OSError as e:
+        os.rename(tmp, out)  # atomic, and replaces an empty `out` directory
+    except BaseException as e:
+        # Ctrl-C included: what was made here goes, then the error goes on.
         shutil.rmtree(tmp, ignore_errors=True)
-        raise ConfigError(f"--out {out} cannot be written: {e.strerror or e}") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for parent in reversed(made):
+            try:
+                parent.rmdir()
+            except OSError:
+                pass
+        if isinstance(e, (OSError, SafetensorError)):  # a full disk in safetensors is its error
+            raise ConfigError(f"--out {given} cannot be written: "
+                              f"{getattr(e, 'strerror', None) or e}") from None
         raise
     return {"files": files, "tensors": len(state), "dtype": dtype, "step": checkpoint.step,
             "bytes": sum(t.numel() * t.element_size() for t in state.values())}
@@ -220,6 +232,21 @@ def read_hf_config(path: Path) -> dict:
     return data
 
 
+def _whole(hf: dict, key: str, where: str, default=None) -> int:
+    value = hf.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{where}: {key}={value!r} must be a whole number >= 1")
+    return value
+
+
+def _real(table: dict, key: str, where: str, default=None) -> float:
+    value = table.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value <= 0:
+        raise ConfigError(f"{where}: {key}={value!r} must be a finite number > 0")
+    return float(value)
+
+
 def model_keys(hf: dict, where: str) -> dict:
     """partrain's model keys for a transformers Llama config (refusing what partrain lacks)."""
     if hf.get("model_type") != "llama":
@@ -232,38 +259,41 @@ def model_keys(hf: dict, where: str) -> dict:
         raise ConfigError(f"{where}: tie_word_embeddings=true (the output head is the embedding); "
                           "partrain's output head is a weight of its own, and tied models are not "
                           "imported yet")
-    heads = hf["num_attention_heads"]
-    if hf.get("head_dim") not in (None, hf["hidden_size"] // heads):
-        raise ConfigError(f"{where}: head_dim={hf['head_dim']} is not hidden_size / "
-                          f"num_attention_heads = {hf['hidden_size'] // heads}; partrain's heads "
-                          "split the hidden size")
+    dim, heads = _whole(hf, "hidden_size", where), _whole(hf, "num_attention_heads", where)
+    if hf.get("head_dim") not in (None, dim // heads):
+        raise ConfigError(f"{where}: head_dim={hf['head_dim']!r} is not hidden_size / "
+                          f"num_attention_heads = {dim // heads}; partrain's heads split the "
+                          "hidden size")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{where}: rope_parameters={rope!r} must be an object")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         raise ConfigError(f"{where}: rope_type={rope_type!r}; partrain has default and llama3")
-    keys = {"n_layers": hf["num_hidden_layers"], "n_heads": heads,
-            "n_kv_heads": hf.get("num_key_value_heads") or heads, "dim": hf["hidden_size"],
-            "ffn_dim": hf["intermediate_size"], "vocab_size": hf["vocab_size"],
-            "norm_eps": hf.get("rms_norm_eps", 1e-6),
-            "rope_theta": rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+    keys = {"n_layers": _whole(hf, "num_hidden_layers", where), "n_heads": heads,
+            "n_kv_heads": _whole(hf, "num_key_value_heads", where, heads), "dim": dim,
+            "ffn_dim": _whole(hf, "intermediate_size", where),
+            "vocab_size": _whole(hf, "vocab_size", where),
+            "norm_eps": _real(hf, "rms_norm_eps", where, 1e-6),
+            "rope_theta": _real(rope, "rope_theta", where, hf.get("rope_theta", 10000.0)),
             "rope_type": rope_type}
     if rope_type == "llama3":
-        keys.update(rope_factor=rope["factor"], rope_low_freq_factor=rope["low_freq_factor"],
-                    rope_high_freq_factor=rope["high_freq_factor"],
-                    rope_original_max_seq_len=rope["original_max_position_embeddings"])
+        keys.update(rope_factor=_real(rope, "factor", where),
+                    rope_low_freq_factor=_real(rope, "low_freq_factor", where),
+                    rope_high_freq_factor=_real(rope, "high_freq_factor", where),
+                    rope_original_max_seq_len=_whole(rope, "original_max_position_embeddings",
+                                                     where))
     return keys
 
 
 def check_hf_init(model_cfg) -> Path:
-    """model.init_from=hf:DIR: a Llama of this config's shape with its weights; the DIR."""
-    from partrain.models.llama import ffn_dim
+    """model.init_from=hf:DIR: a Llama of this config's shape whose safetensors hold every
+    weight at its full shape; the DIR. Each rank then reads without further checks."""
+    from partrain.models.llama import Transformer, ffn_dim
 
     path = hf_dir(model_cfg.init_from)
     where = f"model.init_from={model_cfg.init_from}"
-    try:
-        wanted = model_keys(read_hf_config(path), f"{where} (config.json)")
-    except (KeyError, TypeError) as e:
-        raise ConfigError(f"{where}: config.json lacks or mistypes {e}") from None
+    wanted = model_keys(read_hf_config(path), f"{where} (config.json)")
     mine = {key: ffn_dim(model_cfg) if key == "ffn_dim" else model_cfg[key] for key in wanted}
     wrong = [key for key in wanted if not _same(mine[key], wanted[key])]
     if wrong:
@@ -272,8 +302,38 @@ def check_hf_init(model_cfg) -> Path:
                                      for k in wrong)
             + "; the weights have config.json's shape: add "
             + " ".join(f"model.{k}={wanted[k]}" for k in wrong))
-    weight_files(path, where)
+    with torch.device("meta"):
+        shapes = {hf_name(n): list(p.shape) for n, p in Transformer(model_cfg).named_parameters()}
+    _check_tensors(path, weight_files(path, where), shapes, where)
     return path
+
+
+def _check_tensors(path: Path, files: dict[str, Path], shapes: dict[str, list], where: str):
+    """Every weight the model needs is in the files, at its full shape, in a float dtype (the
+    files' headers only: nothing is loaded)."""
+    from safetensors import safe_open
+
+    for name, shape in shapes.items():
+        if name not in files:
+            raise ConfigError(f"{where}: no tensor {name} in {path}'s safetensors")
+    for file in sorted(set(files[name] for name in shapes)):
+        try:
+            with safe_open(file, framework="pt") as f:
+                present = set(f.keys())
+                for name in (n for n in shapes if files[n] == file):
+                    if name not in present:
+                        raise ConfigError(f"{where}: {file.name} lacks {name}, which the index "
+                                          "places there")
+                    part = f.get_slice(name)
+                    if part.get_shape() != shapes[name] or part.get_dtype() not in FLOAT_DTYPES:
+                        raise ConfigError(
+                            f"{where}: {name} in {file.name} is {part.get_dtype()} "
+                            f"{part.get_shape()}; the model needs a float tensor of shape "
+                            f"{shapes[name]}")
+        except ConfigError:
+            raise
+        except Exception as e:  # safetensors' own error for a truncated or foreign file
+            raise ConfigError(f"{where}: {file} is not a readable safetensors file ({e})") from None
 
 
 def _same(mine, theirs) -> bool:
@@ -288,14 +348,18 @@ def weight_files(path: Path, where: str) -> dict[str, Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"{where}: {index} is not a safetensors index ({e})") from None
-        files = {name: path / file for name, file in weight_map.items()}
+            files = {str(name): path / str(file) for name, file in weight_map.items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError(f"{where}: {index} is not a safetensors index ({e!r})") from None
     elif (path / "model.safetensors").is_file():
         from safetensors import safe_open
 
-        with safe_open(path / "model.safetensors", framework="pt") as f:
-            files = {name: path / "model.safetensors" for name in f.keys()}
+        try:
+            with safe_open(path / "model.safetensors", framework="pt") as f:
+                files = {name: path / "model.safetensors" for name in f.keys()}
+        except Exception as e:  # safetensors' own error for a truncated or foreign file
+            raise ConfigError(f"{where}: {path / 'model.safetensors'} is not a readable "
+                              f"safetensors file ({e})") from None
     else:
         raise ConfigError(f"{where}: {path} holds neither model.safetensors nor "
                           "model.safetensors.index.json (partrain reads safetensors weights)")
@@ -308,7 +372,7 @@ def weight_files(path: Path, where: str) -> dict[str, Path]:
 @torch.no_grad()
 def load_hf_weights(model, path: Path, model_cfg, tp_mesh) -> None:
     """Fill this rank's parameters (its tp shard of its pp stage) from a Hugging Face Llama
-    directory, reading only their slices. Not collective: each rank reads on its own."""
+    directory that check_hf_init accepted, reading only their slices. Not collective."""
     from contextlib import ExitStack
 
     from safetensors import safe_open
@@ -327,12 +391,10 @@ def load_hf_weights(model, path: Path, model_cfg, tp_mesh) -> None:
                 opened[file] = stack.enter_context(safe_open(file, framework="pt"))
             part = opened[file].get_slice(key)
             index = [slice(None)] * param.dim()
-            dim = getattr(param, "tp_shard_dim", None)
-            if dim is not None and tp_rank:
+            dim = getattr(param, "tp_shard_dim", None)  # set on tp shards only
+            if dim is not None:
                 size = param.shape[dim]
                 index[dim] = slice(tp_rank * size, (tp_rank + 1) * size)
-            elif dim is not None:
-                index[dim] = slice(0, param.shape[dim])
             weight = part[tuple(index)]
             if name.endswith(("attention.wq.weight", "attention.wk.weight")):
                 weight = from_rotate_half(weight, weight.shape[0] // head_dim)

@@ -19,7 +19,10 @@ from partrain.errors import ConfigError
 BYTES = 256  # the byte-level tokenizer's vocabulary; a larger model.vocab_size has unused rows
 
 
-def check_options(prompt: str, max_new_tokens: int, temperature: float, top_k: int) -> None:
+def check_options(prompt: str, max_new_tokens: int, temperature: float, top_k: int,
+                  seed: int) -> None:
+    if seed >= 2**64:
+        raise ConfigError(f"--seed={seed} does not fit in 64 bits")
     if not prompt:
         raise ConfigError("--prompt '' has no tokens: give some text to continue")
     if not math.isfinite(temperature) or temperature < 0:
@@ -31,9 +34,27 @@ def check_options(prompt: str, max_new_tokens: int, temperature: float, top_k: i
         raise ConfigError(f"--top-k={top_k} must be >= 0 (0 = no limit)")
 
 
+def check_tokenizer(cfg) -> None:
+    """The run's tokenizer must be the byte-level one (the only one partrain writes today): a
+    token dir of another tokenizer would be sampled as bytes, as garbage."""
+    import json
+    from pathlib import Path
+
+    if cfg.data.source != "tokens" or not cfg.data.path:
+        return
+    try:
+        tokenizer = json.loads((Path(cfg.data.path) / "meta.json").read_text()).get("tokenizer")
+    except (OSError, ValueError, AttributeError):
+        return  # the token dir is gone or unreadable: partrain's own dirs are byte-level
+    if tokenizer != "bytes":
+        raise ConfigError(f"the run trained on data.path={cfg.data.path}, whose meta.json "
+                          f"tokenizer={tokenizer!r}; partrain sample decodes byte-level tokens only")
+
+
 def encode(prompt: str, vocab_size: int) -> list[int]:
     """The byte-level tokenizer: a token per UTF-8 byte."""
-    ids = list(prompt.encode("utf-8"))
+    # surrogateescape: bytes of the command line that are not UTF-8 come back as themselves.
+    ids = list(prompt.encode("utf-8", "surrogateescape"))
     if max(ids) >= vocab_size:
         raise ConfigError(f"--prompt holds byte {max(ids)}, which the model's vocabulary "
                           f"(model.vocab_size={vocab_size}) does not have")
@@ -43,9 +64,13 @@ def encode(prompt: str, vocab_size: int) -> list[int]:
 def next_token(logits: torch.Tensor, temperature: float, top_k: int,
                generator: torch.Generator) -> int:
     """One token from the last position's logits (vocab,)."""
+    if not torch.isfinite(logits).all():
+        raise ConfigError("the checkpoint's model gives non-finite logits (its weights hold "
+                          "inf or nan): nothing to sample from")
     if temperature == 0:
         return int(logits.argmax())
-    logits = logits.float() / temperature
+    # Shifted before scaling: a tiny temperature then sends the others to -inf, not inf - inf.
+    logits = (logits.float() - logits.max()) / temperature
     if 0 < top_k < logits.numel():
         cutoff = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < cutoff, -math.inf)

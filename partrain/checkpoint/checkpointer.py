@@ -30,7 +30,7 @@ PAUSE_ENV = "PARTRAIN_TEST_SAVE_PAUSE"
 
 # Writer threads per rank, as Megatron's torch_dist checkpoints have them: a rank's files are
 # written and fsync'ed two at a time. DCP's default of one left a tp2 save of a 75M model at
-# 0.74 of every rank's plain torch.save (scripts/bench_checkpoint.py); two bring it past 1.
+# 0.74 of every rank's plain torch.save (scripts/bench_checkpoint.py); two bring it to 0.85.
 WRITE_THREADS = 2
 
 

@@ -40,9 +40,13 @@ def _resumable(key: str) -> bool:
 
 
 def saved_config(checkpoint: store.Checkpoint) -> dict:
-    from partrain.config.compose import read_yaml
+    """The config a checkpoint was saved with, typed against today's schema like a run dir's
+    frozen config: keys added to partrain since take their defaults, which are the behaviour the
+    checkpoint was trained with."""
+    from partrain.launch.rundir import load_frozen_config
 
-    return read_yaml(checkpoint.path / store.SAVED_CONFIG, "checkpoint config")
+    frozen = load_frozen_config(str(checkpoint.path / store.SAVED_CONFIG), [])
+    return OmegaConf.to_container(frozen, resolve=True)
 
 
 def check_resumable(checkpoint: store.Checkpoint, cfg) -> None:

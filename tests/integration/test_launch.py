@@ -156,4 +156,3 @@ def test_trace_json_shows_every_rank_and_microbatch(cli, tmp_path):
     comm = [e for e in spans if e["cat"] == "comm"]
     assert any("send_f" in e["name"] for e in comm if e["tid"] == 0)
     assert any("recv_f" in e["name"] for e in comm if e["tid"] == 1)
-

@@ -1,5 +1,5 @@
 """Curves with the real libraries: TensorBoard events read back with tensorboard's own reader, a
-W&B offline run's transaction log read back with wandb's own DataStore; a resumed run continues
+W&B offline run's transaction log read back with wandb's own protobuf; a resumed run continues
 the same curves (TensorBoard drops the steps after the checkpoint, W&B keeps the run id)."""
 
 import json

@@ -319,3 +319,104 @@ def test_import_refuses_a_dir_without_weights(tmp_path):
         check_hf_init(_model_cfg(tmp_path / "hf"))
     with pytest.raises(ConfigError, match="is not a directory"):
         check_hf_init(_model_cfg(tmp_path / "nothing"))
+
+
+def _rewrite_config(path, **changes):
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("changes, fragments", [
+    ({"num_attention_heads": 0}, ["num_attention_heads=0", "whole number >= 1"]),
+    ({"hidden_size": "128"}, ["hidden_size='128'", "whole number"]),
+    ({"rope_parameters": "x"}, ["rope_parameters='x'", "object"]),
+    ({"rms_norm_eps": None}, ["rms_norm_eps=None", "finite number"]),
+    ({"num_hidden_layers": True}, ["num_hidden_layers=True"]),
+])
+def test_import_refuses_a_malformed_config_json(tmp_path, changes, fragments):
+    from partrain.errors import ConfigError
+    from partrain.hf import check_hf_init
+
+    hf_llama(tmp_path / "hf")
+    _rewrite_config(tmp_path / "hf", **changes)
+    with pytest.raises(ConfigError) as e:
+        check_hf_init(_model_cfg(tmp_path / "hf"))
+    assert all(f in str(e.value) for f in fragments), str(e.value)
+
+
+def test_import_refuses_weights_that_do_not_fit(tmp_path):
+    """Checked in the launcher, from the files' headers: a truncated file, a missing tensor and
+    a tensor of the wrong shape (which a slice under tp would silently crop)."""
+    from safetensors.torch import load_file, save_file
+
+    from partrain.errors import ConfigError
+    from partrain.hf import check_hf_init
+
+    path = tmp_path / "hf"
+    hf_llama(path)
+    weights = path / "model.safetensors"
+    good = weights.read_bytes()
+    tensors = {k: v.clone() for k, v in load_file(weights).items()}  # not views of the file
+
+    weights.write_bytes(good[: len(good) // 2])
+    with pytest.raises(ConfigError, match="not a readable safetensors file"):
+        check_hf_init(_model_cfg(path))
+    save_file({k: v for k, v in tensors.items() if k != "lm_head.weight"}, weights,
+              metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match="no tensor lm_head.weight"):
+        check_hf_init(_model_cfg(path))
+    save_file({**tensors, "lm_head.weight": torch.zeros(512, 128)}, weights,
+              metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"lm_head.weight .* \[512, 128\].*\[256, 128\]"):
+        check_hf_init(_model_cfg(path))
+    weights.write_bytes(good)
+    assert check_hf_init(_model_cfg(path)) == path
+
+
+def test_a_checkpoint_from_before_the_rope_and_curve_keys(saved, tmp_path, run_main):
+    """A config.yaml saved before keys were added (model.rope_*, train.tensorboard, ...) is read
+    with their defaults: it resumes (nothing 'changed the math') and exports."""
+    import shutil
+
+    import yaml
+
+    from partrain.checkpoint.resume import check_resumable
+
+    run_dir = tmp_path / "old"
+    shutil.copytree(saved[0], run_dir)
+    (checkpoint,) = store.committed(run_dir / store.CHECKPOINTS)
+    old = yaml.safe_load((checkpoint.path / store.SAVED_CONFIG).read_text())
+    for key in [k for k in old["model"] if k.startswith("rope_") and k != "rope_theta"]:
+        del old["model"][key]
+    for key in ("tensorboard", "wandb", "wandb_project"):
+        del old["train"][key]
+    (checkpoint.path / store.SAVED_CONFIG).write_text(yaml.safe_dump(old))
+    cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(old))
+    check_resumable(checkpoint, cfg)
+    res = run_main("export", str(run_dir), "--out", str(tmp_path / "out"))
+    assert res.code == 0, res.stderr
+
+
+def test_sample_edges(run_main, saved, tmp_path):
+    import shutil
+
+    res = run_main("sample", str(saved[0]), "--prompt", "x", "--seed", str(2**64))
+    assert res.code == 2 and "--seed=18446744073709551616 does not fit in 64 bits" in res.stderr
+    # A tiny temperature is (nearly) greedy, not a nan.
+    assert _sample(run_main, saved[0], "--temperature", "1e-45") == \
+        _sample(run_main, saved[0], "--temperature", "0")
+    # A checkpoint whose weights are nan: refused, not a traceback from torch.multinomial.
+    broken = tmp_path / "nan"
+    shutil.copytree(saved[0], broken)
+    (checkpoint,) = store.committed(broken / store.CHECKPOINTS)
+    model, _ = checkpoint_model(checkpoint)
+    with torch.no_grad():
+        model.output.weight.fill_(float("nan"))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        warnings.filterwarnings("ignore", "Detected an existing checkpoint", UserWarning)
+        dcp.save({f"model.{n}": p.detach() for n, p in model.named_parameters()},
+                 checkpoint_id=checkpoint.path)
+    res = run_main("sample", str(broken), "--prompt", "x")
+    assert res.code == 2 and "non-finite logits" in res.stderr, res.stderr

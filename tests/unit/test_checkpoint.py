@@ -333,12 +333,14 @@ def test_resume_refuses_a_change_of_the_math(saved, override, key, new, old):
     assert str(saved.path) in message and "model.init_from=" in message
 
 
-def test_resume_refuses_a_key_the_checkpoint_lacks(tmp_path):
-    """A checkpoint's config without a key the run has (or with one it lacks) is not the same."""
+def test_a_key_the_checkpoint_lacks_is_its_default(tmp_path):
+    """A checkpoint's config saved before a key existed reads it as the key's default (the
+    behaviour it trained with): the run resumes with the default, and is refused with another."""
     text = frozen_text().replace("  seed: 0\n", "")
     write_checkpoint(tmp_path / "checkpoints", 100, text)
-    message = _refusal(store.newest(tmp_path / "checkpoints"))
-    assert "train.seed=0 differs from null" in message
+    checkpoint = store.newest(tmp_path / "checkpoints")
+    check_resumable(checkpoint, validated()[0])
+    assert "train.seed=5 differs from 0" in _refusal(checkpoint, "train.seed=5")
 
 
 @pytest.mark.parametrize("overrides", [

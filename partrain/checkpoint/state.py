@@ -203,15 +203,13 @@ def checkpoint_model(checkpoint, device: str = "cpu"):
     from omegaconf import OmegaConf
 
     from partrain.checkpoint.resume import saved_config
-    from partrain.models.llama import Transformer, rope_scaling, rope_tables
+    from partrain.models.llama import Transformer
 
     cfg = OmegaConf.create(saved_config(checkpoint))
     with torch.device("meta"):
         model = Transformer(cfg.model)
     model.to_empty(device=device)
-    cos, sin = rope_tables(cfg.model.dim // cfg.model.n_heads, cfg.model.max_seq_len,
-                           cfg.model.rope_theta, rope_scaling(cfg.model))
-    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    model.init_rope(device)
     with warnings.catch_warnings():  # DCP's note that it loads in a single process: it does
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         load_weights(model, checkpoint.path, None)

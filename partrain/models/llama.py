@@ -160,10 +160,17 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.register_buffer("rope_cos", None, persistent=False)
+        self.register_buffer("rope_sin", None, persistent=False)
+        self.init_rope()
+
+    def init_rope(self, device=None) -> None:
+        """The rotary tables (buffers, not weights: never saved; a model built empty on the
+        meta device computes them again here)."""
+        cfg = self.cfg
         cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta,
                                rope_scaling(cfg))
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
     def tensor_parallel_plan(self) -> dict[str, str]:
         """Which module gets which tensor-parallel treatment (partrain.parallel.tensor.STYLES).

@@ -414,8 +414,8 @@ def sample(
     if device == "cuda" and not _has_cuda():
         raise ConfigError("--device cuda: no CUDA device is visible")
     checkpoint = find(source, "RUN_DIR_OR_CHECKPOINT")
-    model, cfg = checkpoint_model(checkpoint, "cuda" if device == "cuda" or (
-        device == "auto" and _has_cuda()) else "cpu")
+    on_cuda = device == "cuda" or (device == "auto" and _has_cuda())
+    model, cfg = checkpoint_model(checkpoint, "cuda" if on_cuda else "cpu")
     check_tokenizer(cfg)
     ids = encode(prompt, cfg.model.vocab_size)
     err.print(f"{checkpoint.path} (step {checkpoint.step}), seed {seed}, temperature "

@@ -406,7 +406,8 @@ def sample(
     """Generate text from a checkpoint on one process, streamed as it comes."""
     from partrain.checkpoint.state import checkpoint_model
     from partrain.checkpoint.store import find
-    from partrain.sample import check_options, check_tokenizer, encode, generate
+    from partrain.sample import check_options, encode, generate
+    from partrain.tokenizer import TextTokenizer, run_tokenizer_dir
 
     check_options(prompt, max_new_tokens, temperature, top_k, seed)
     if device not in ("auto", "cpu", "cuda"):
@@ -416,8 +417,9 @@ def sample(
     checkpoint = find(source, "RUN_DIR_OR_CHECKPOINT")
     on_cuda = device == "cuda" or (device == "auto" and _has_cuda())
     model, cfg = checkpoint_model(checkpoint, "cuda" if on_cuda else "cpu")
-    check_tokenizer(cfg)
-    ids = encode(prompt, cfg.model.vocab_size)
+    run_dir = checkpoint.path.parent.parent
+    tokenizer = TextTokenizer(run_tokenizer_dir(run_dir, cfg.data))
+    ids = encode(tokenizer, prompt, cfg.model.vocab_size)
     err.print(f"{checkpoint.path} (step {checkpoint.step}), seed {seed}, temperature "
               f"{temperature}, top-k {top_k or 'all'}:")
 
@@ -426,25 +428,51 @@ def sample(
         sys.stdout.flush()
 
     emit(prompt)
-    generate(model, ids, max_new_tokens, temperature, top_k, seed, cfg.model.max_seq_len, emit)
+    generate(model, tokenizer, ids, max_new_tokens, temperature, top_k, seed, cfg.model.max_seq_len, emit)
     emit("\n")
 
 
 @data_app.command("prepare")
 def data_prepare(
-    files: List[Path] = typer.Argument(..., help="Text files, concatenated in the given order"),
+    inputs: List[Path] = typer.Argument(..., metavar="INPUTS...",
+                                        help="Text, JSON Lines (.jsonl) and Parquet files, or "
+                                        "directories of them (recursively), in the given order"),
     out_dir: Path = typer.Option(..., "--out", help="New directory for train.bin, val.bin, meta.json"),
+    tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", metavar="PATH",
+                                             help="A tokenizer.json (tokenizers library) or a "
+                                             "directory holding one; default: a token per byte"),
+    field: str = typer.Option("text", "--field", help="The field of each JSON Lines record or "
+                              "Parquet row that holds the document"),
+    eot: Optional[str] = typer.Option(None, "--eot", metavar="TOKEN",
+                                      help="The token after each document (default: the "
+                                      "tokenizer's eos_token, or <|endoftext|> and kin)"),
+    workers: Optional[int] = typer.Option(None, "--workers", metavar="N",
+                                          parser=_whole("--workers"),
+                                          help="Tokenizer processes (default: one per core)"),
     val_fraction: float = typer.Option(0.05, "--val-fraction", metavar="F",
                                        parser=_number("--val-fraction"),
-                                       help="Share of the bytes held out for validation, in (0, 1)"),
+                                       help="Share of the tokens held out for validation, in (0, 1)"),
 ) -> None:
-    """Byte-tokenize text files into a token dir for data=tokens data.path=DIR."""
-    from partrain.data import prepare_token_dir
+    """Tokenize text into a token dir for data=tokens data.path=DIR."""
+    import time
 
-    meta = prepare_token_dir(files, out_dir, val_fraction)
+    from partrain.data import prepare_token_dir
+    from partrain.data.prepare import default_workers, vocab_to_use
+
+    workers = workers or default_workers()
+    start = time.perf_counter()
+    meta = prepare_token_dir(inputs, out_dir, val_fraction, tokenizer, field, eot, workers, err)
+    mb, seconds = meta["text_bytes"] / 1e6, max(time.perf_counter() - start, 1e-9)
+    tokens = meta["train_tokens"] + meta["val_tokens"]
+    how = ("byte-level" if meta["tokenizer"] == "bytes" else
+           f"{meta['tokenizer_source']}, {workers} worker process(es)")
+    out.print(f"tokenized {mb:,.1f} MB of text from {meta['files']} file(s) in {seconds:.1f} s: "
+              f"{mb / seconds:,.2f} MB/s, {tokens / seconds:,.0f} tokens/s ({how})")
+    vocab = ("" if meta["tokenizer"] == "bytes" else
+             f" model.vocab_size={vocab_to_use(meta['vocab_size'])}")
     out.print(f"wrote {out_dir}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens "
-              f"(vocab {meta['vocab_size']}); train with: partrain launch data=tokens "
-              f"data.path={out_dir}")
+              f"(vocab {meta['vocab_size']}, {meta['dtype']}); train with: partrain launch "
+              f"data=tokens data.path={out_dir}{vocab}")
 
 
 def _error(message: str) -> None:

@@ -9,7 +9,8 @@ partrain's decoder is Llama's, with two differences that the mapping undoes:
 Everything else is a renaming. The export is one directory, written under a temporary name and
 renamed when complete: config.json, generation_config.json and safetensors weights (sharded with
 `model.safetensors.index.json` past --max-shard-mb), loadable by `from_pretrained` with no
-custom code.
+custom code, and the run's tokenizer files (tokenizer.json, tokenizer_config.json) when it
+trained on a `data prepare --tokenizer` dir, loadable by `AutoTokenizer`.
 
 Importing reads config.json (the model's shape must be the config's: a mismatch is refused
 naming both, with the overrides to use) and, on each rank, only the slices of the safetensors
@@ -26,6 +27,7 @@ from pathlib import Path
 import torch
 
 from partrain.errors import ConfigError
+from partrain.tokenizer import copy_files, run_tokenizer_dir
 
 TOP_LEVEL = {"tok_embeddings.weight": "model.embed_tokens.weight",
              "norm.weight": "model.norm.weight",
@@ -168,6 +170,7 @@ def export_hf(checkpoint, out: Path, dtype: str = "fp32", max_shard_mb: int = 50
         raise ConfigError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}")
     check_out_dir(out)
     model, cfg = checkpoint_model(checkpoint)
+    tokenizer = run_tokenizer_dir(checkpoint.path.parent.parent, cfg.data)
     state = hf_state_dict(model, cfg.model, dtype)
     del model
     from safetensors import SafetensorError
@@ -183,6 +186,8 @@ def export_hf(checkpoint, out: Path, dtype: str = "fp32", max_shard_mb: int = 50
         files = write_safetensors(state, tmp, max_shard_mb)
         (tmp / "config.json").write_text(json.dumps(hf_config(cfg.model, dtype), indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps({"do_sample": True}) + "\n")
+        if tokenizer is not None:
+            copy_files(tokenizer, tmp)
         os.rename(tmp, out)  # atomic, and replaces an empty `out` directory
     except BaseException as e:
         # Ctrl-C included: what was made here goes, then the error goes on.

@@ -1,23 +1,21 @@
 """`partrain sample`: text from a checkpoint, on one process, streamed as it is generated.
 
-The tokenizer is the run's: the byte-level one of the built-in corpus and of `data prepare` (a
-token is a byte; the text is UTF-8, decoded incrementally so that a character split over tokens
-prints whole). Each new token is drawn from the last position's logits over the newest
+The tokenizer is the run's (partrain.tokenizer): the byte-level one of the built-in corpus and
+of `data prepare` (a token is a byte; the text is UTF-8, decoded incrementally so that a character
+split over tokens prints whole), or the tokenizer.json of `data prepare --tokenizer`, kept in
+RUN_DIR/tokenizer/ (decoded with the tokenizers library's DecodeStream); its end-of-text token
+ends the sample. Each new token is drawn from the last position's logits over the newest
 max_seq_len tokens (no KV cache: models here are small, and the full forward is the one trained),
 after temperature and top-k; temperature 0 is greedy. A seed fixes the draw, so the same command
 prints the same text.
 """
 
-import codecs
 import math
 from typing import Callable
 
 import torch
 
 from partrain.errors import ConfigError
-
-BYTES = 256  # the byte-level tokenizer's vocabulary; a larger model.vocab_size has unused rows
-
 
 def check_options(prompt: str, max_new_tokens: int, temperature: float, top_k: int,
                   seed: int) -> None:
@@ -34,29 +32,14 @@ def check_options(prompt: str, max_new_tokens: int, temperature: float, top_k: i
         raise ConfigError(f"--top-k={top_k} must be >= 0 (0 = no limit)")
 
 
-def check_tokenizer(cfg) -> None:
-    """The run's tokenizer must be the byte-level one (the only one partrain writes today): a
-    token dir of another tokenizer would be sampled as bytes, as garbage."""
-    import json
-    from pathlib import Path
-
-    if cfg.data.source != "tokens" or not cfg.data.path:
-        return
-    try:
-        tokenizer = json.loads((Path(cfg.data.path) / "meta.json").read_text()).get("tokenizer")
-    except (OSError, ValueError, AttributeError):
-        return  # the token dir is gone or unreadable: partrain's own dirs are byte-level
-    if tokenizer != "bytes":
-        raise ConfigError(f"the run trained on data.path={cfg.data.path}, whose meta.json "
-                          f"tokenizer={tokenizer!r}; partrain sample decodes byte-level tokens only")
-
-
-def encode(prompt: str, vocab_size: int) -> list[int]:
-    """The byte-level tokenizer: a token per UTF-8 byte."""
-    # surrogateescape: bytes of the command line that are not UTF-8 come back as themselves.
-    ids = list(prompt.encode("utf-8", "surrogateescape"))
+def encode(tokenizer, prompt: str, vocab_size: int) -> list[int]:
+    """The prompt's ids under the run's tokenizer, each one a row of the model's embedding."""
+    ids = tokenizer.encode(prompt)
+    if not ids:
+        raise ConfigError(f"--prompt {prompt!r} has no tokens under the run's tokenizer "
+                          f"({tokenizer.name}): give some text to continue")
     if max(ids) >= vocab_size:
-        raise ConfigError(f"--prompt holds byte {max(ids)}, which the model's vocabulary "
+        raise ConfigError(f"--prompt holds token {max(ids)}, which the model's vocabulary "
                           f"(model.vocab_size={vocab_size}) does not have")
     return ids
 
@@ -79,21 +62,26 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int,
 
 
 @torch.no_grad()
-def generate(model, ids: list[int], max_new_tokens: int, temperature: float, top_k: int,
+def generate(model, tokenizer, ids: list[int], max_new_tokens: int, temperature: float, top_k: int,
              seed: int, max_seq_len: int, emit: Callable[[str], None]) -> list[int]:
-    """Extend `ids` by max_new_tokens tokens, passing the decoded text to `emit` as it comes."""
+    """Extend `ids` by up to max_new_tokens tokens, passing the decoded text to `emit` as it
+    comes; the tokenizer's end-of-text token ends the text early."""
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    step, flush = tokenizer.decoder()
     out = list(ids)
     for _ in range(max_new_tokens):
         context = torch.tensor([out[-max_seq_len:]], device=device)
-        token = next_token(model(context)[0, -1, :BYTES], temperature, top_k, generator)
+        # Rows past the tokenizer's vocabulary (model.vocab_size padded for tp) are never drawn.
+        token = next_token(model(context)[0, -1, :tokenizer.vocab_size], temperature, top_k,
+                           generator)
         out.append(token)
-        text = decoder.decode(bytes([token]))
+        if token == tokenizer.eot_id:
+            break
+        text = step(token)
         if text:
             emit(text)
-    tail = decoder.decode(b"", final=True)
+    tail = flush()
     if tail:
         emit(tail)
     return out[len(ids):]

@@ -2,8 +2,9 @@
 
 A token dir holds `train.bin` and `val.bin` (raw little-endian integers) and `meta.json`:
 {"format": "partrain-tokens/1", "tokenizer": "bytes", "dtype": "uint8", "vocab_size": 256,
- "train_tokens": N, "val_tokens": M, "max_token_id": K}. `partrain data prepare` writes one from
-text files. `max_token_id` (the largest id in either split) is optional: dirs written before it
+ "train_tokens": N, "val_tokens": M, "max_token_id": K}; a dir of a `tokenizers` tokenizer says
+"tokenizer": "tokenizer.json" and keeps that file beside. `partrain data prepare` (prepare.py)
+writes one. `max_token_id` (the largest id in either split) is optional: dirs written before it
 existed, or by other tools, are still read.
 
 A token dir is checked before any process starts, cheaply and for any file size: meta.json
@@ -15,8 +16,6 @@ later on a rank with an IndexError in the embedding.
 import json
 import math
 import os
-import secrets
-import shutil
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,10 +23,10 @@ from pathlib import Path
 import numpy as np
 
 from partrain.errors import ConfigError
+from partrain.tokenizer import BYTE_VOCAB, TOKENIZER_FILE
 
 FORMAT = "partrain-tokens/1"
 DTYPES = ("uint8", "uint16", "uint32")
-BYTE_VOCAB = 256
 # The ids of a split are checked over at most SAMPLE_BLOCKS contiguous blocks of SAMPLE_BLOCK
 # ids, spread evenly from the first id to the last: at most 256 Ki ids (1 MiB of uint32) and 64
 # seeks per split, whatever the file's size. Contiguous blocks read whole pages, where single
@@ -132,6 +131,10 @@ def _read_meta(path: Path) -> dict:
         raise ConfigError(
             f"data.path={path}: meta.json tokenizer={meta.get('tokenizer')!r} must be a string "
             "naming the tokenizer (e.g. \"bytes\")")
+    if meta["tokenizer"] == TOKENIZER_FILE and not (path / TOKENIZER_FILE).is_file():
+        raise ConfigError(f"data.path={path}: meta.json names tokenizer={TOKENIZER_FILE!r}, but "
+                          f"there is no {TOKENIZER_FILE} beside it (`data prepare --tokenizer` "
+                          "copies it there)")
     for key in ("vocab_size", "train_tokens", "val_tokens"):
         value = meta.get(key)
         if not _is_int(value):
@@ -243,9 +246,13 @@ def check_data(cfg) -> str:
     source = (f"data.path={cfg.data.path}" if cfg.data.source == "tokens" else
               f"data.source=stdlib with data.stdlib_max_bytes={cfg.data.stdlib_max_bytes}")
     if splits.vocab_size > cfg.model.vocab_size:
+        from partrain.data.prepare import vocab_to_use
+
         raise ConfigError(
             f"{source}: the data's vocab_size={splits.vocab_size} exceeds model.vocab_size="
-            f"{cfg.model.vocab_size}; token ids would fall outside the embedding")
+            f"{cfg.model.vocab_size}; token ids would fall outside the embedding (use "
+            f"model.vocab_size={vocab_to_use(splits.vocab_size, cfg.parallel.tp)}: the tokenizer's "
+            f"{splits.vocab_size} rounded up to a multiple of 128 * parallel.tp)")
     need = cfg.train.seq_len + 1
     for name, split in (("train", splits.train), ("val", splits.val)):
         if len(split) < need:
@@ -253,104 +260,3 @@ def check_data(cfg) -> str:
                 f"{source}: the {name} split has {len(split):,} tokens, fewer than "
                 f"train.seq_len + 1 = {need}")
     return splits.description
-
-
-def _check_out(out: Path) -> None:
-    """--out must be a new or empty directory, reachable through directories."""
-    if out.name in ("", ".", ".."):
-        raise ConfigError(f"--out {out} must name a new directory, not the current or a parent one")
-    if out.is_symlink():
-        raise ConfigError(f"--out {out} is a symbolic link (to {os.readlink(out)}); give a new "
-                          "directory, not a link")
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is an existing file; give a new directory")
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"--out {out} exists and is not empty; give a new directory")
-    for parent in Path(os.path.abspath(out)).parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ConfigError(f"--out {out}: {parent} is a file, not a directory")
-            break
-
-
-def _read_inputs(files: list[Path]) -> np.ndarray:
-    chunks = []
-    for file in files:
-        if file.is_dir():
-            raise ConfigError(f"input file {file} is a directory; give text files")
-        if not file.exists():
-            raise ConfigError(f"input file {file} does not exist")
-        if not file.is_file():
-            # A pipe or device could be endless or read only once; a file can be read again.
-            raise ConfigError(f"input file {file} is not a regular file (a pipe, socket or "
-                              "device); save its contents to a file first")
-        try:
-            chunks.append(file.read_bytes())
-        except OSError as e:
-            raise ConfigError(f"input file {file} cannot be read: {_reason(e)}") from None
-    return np.frombuffer(b"\n".join(chunks), dtype=np.uint8)
-
-
-def prepare_token_dir(files: list[Path], out: Path, val_fraction: float) -> dict:
-    """Byte-tokenize text files into a token dir. Missing parents of `out` are created. Written to
-    a temp dir beside `out`, then renamed into place; on any failure the temp dir and the parents
-    made here are removed, so a failed run leaves nothing behind."""
-    if not (math.isfinite(val_fraction) and 0.0 < val_fraction < 1.0):
-        raise ConfigError(f"--val-fraction={val_fraction} must be between 0 and 1 (exclusive)")
-    try:
-        _check_out(out)
-    except OSError as e:
-        raise ConfigError(f"--out {out} cannot be inspected: {_reason(e)}") from None
-    stream = _read_inputs(files)
-    cut = int(len(stream) * (1 - val_fraction))
-    if cut < 2 or len(stream) - cut < 2:
-        raise ConfigError(
-            f"the input files hold {len(stream)} bytes; --val-fraction={val_fraction} splits them "
-            f"into {cut} train and {len(stream) - cut} val tokens, and each split needs at least 2")
-    meta = {"format": FORMAT, "tokenizer": "bytes", "dtype": "uint8", "vocab_size": BYTE_VOCAB,
-            "train_tokens": cut, "val_tokens": len(stream) - cut,
-            "max_token_id": int(stream.max()), "sources": [str(f) for f in files]}
-    _write_token_dir(out, stream, cut, meta)
-    return meta
-
-
-def _write_token_dir(out: Path, stream: np.ndarray, cut: int, meta: dict) -> None:
-    target = Path(os.path.abspath(out))  # messages name `out` as given
-    missing = [p for p in reversed(target.parents) if not p.exists()]  # outermost first
-    made = []  # those created here, removed again on a failure
-    tmp = target.with_name(f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
-    tmp_made = False
-    step = "creating its parent directories"
-    try:
-        for parent in missing:
-            parent.mkdir()
-            made.append(parent)
-        step = f"creating {tmp}"
-        tmp.mkdir()
-        tmp_made = True
-        for name, data in (("train.bin", stream[:cut]), ("val.bin", stream[cut:]),
-                           ("meta.json", (json.dumps(meta, indent=2) + "\n").encode())):
-            step = f"writing {name}"
-            with open(tmp / name, "wb") as f:  # close() inside the try: it reports a full disk too
-                f.write(data)
-        step = "renaming the temporary directory into place"
-        tmp.rename(target)  # atomic, and replaces an empty `out` directory
-    except BaseException as e:
-        # Ctrl-C included: whatever was started here goes, then the error goes on.
-        left = []
-        if tmp_made:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if tmp.exists():
-                left.append(str(tmp))
-        for parent in reversed(made):
-            try:
-                parent.rmdir()
-            except FileNotFoundError:
-                pass
-            except OSError:
-                left.append(str(parent))
-        if not isinstance(e, OSError):
-            raise
-        raise ConfigError(
-            f"--out {out} cannot be written: {_reason(e)} ({step}); "
-            + (f"could not remove {', '.join(left)}" if left else "nothing was left behind")) from None

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from partrain.errors import ConfigError
+from partrain.tokenizer import RUN_TOKENIZER, copy_files, data_tokenizer_dir
 
 CONFIG = "config.yaml"
 MIN_FREE_BYTES = 1 << 20  # a run dir with less room fails at its first write of metrics
@@ -119,13 +120,19 @@ def write_run_dir(cfg: DictConfig, run_dir: Path, resuming: bool = False) -> Pat
     check_run_dir(run_dir, cfg, resuming)
     made = _nearest_existing(run_dir)
     tmp = run_dir / f".{CONFIG}.{os.getpid()}.tmp"
+    copied = not (run_dir / RUN_TOKENIZER).exists()  # and so removed again on a failure
     try:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         tmp.write_text(OmegaConf.to_yaml(cfg))
         tmp.rename(run_dir / CONFIG)
+        tokenizer = data_tokenizer_dir(cfg.data)
+        if tokenizer is not None:  # export and sample use the run's own copy
+            copy_files(tokenizer, run_dir / RUN_TOKENIZER)
     except OSError as e:
         try:
             tmp.unlink(missing_ok=True)
+            if copied:
+                shutil.rmtree(run_dir / RUN_TOKENIZER, ignore_errors=True)
             _remove_made(run_dir, made)
         except OSError:
             pass  # the message below names the run dir; what could not be removed is in it

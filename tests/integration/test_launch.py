@@ -113,20 +113,34 @@ def test_zero3_clean_exit_and_failure(cli, tmp_path, deepspeed_ops):
 
 @pytest.mark.slow  # the quick pass keeps the quickstart's end-to-end run
 def test_prepared_token_data_end_to_end(cli, tmp_path):
-    text = tmp_path / "corpus.txt"
-    text.write_text("the quick brown fox jumps over the lazy dog\n" * 2000)
+    """A BPE tokenizer trained here: `data prepare --tokenizer` on two worker processes, a launch
+    on the token dir (which keeps a copy of the tokenizer), and a sample decoded with it."""
+    from tests.unit.test_prepare import train_bpe
+
+    train_bpe(tmp_path / "tokenizer.json")
+    text = tmp_path / "corpus.jsonl"
+    sentence = "the quick brown fox jumps over the lazy dog. "
+    text.write_text("".join(json.dumps({"text": sentence * 20}) + "\n" for _ in range(300)))
     data_dir = tmp_path / "tokens"
-    res = cli.run("data", "prepare", str(text), "--out", str(data_dir))
+    res = cli.run("data", "prepare", str(text), "--tokenizer", str(tmp_path), "--workers", "2",
+                  "--out", str(data_dir))
     assert res.returncode == 0, res.stderr
+    assert "model.vocab_size=384" in res.stdout and "MB/s" in res.stdout
     meta = json.loads((data_dir / "meta.json").read_text())
-    assert meta["train_tokens"] + meta["val_tokens"] == text.stat().st_size
+    assert (meta["tokenizer"], meta["dtype"], meta["vocab_size"]) == ("tokenizer.json", "uint16", 300)
     run_dir = tmp_path / "run"
-    res = cli.run("launch", "data=tokens", f"data.path={data_dir}", "train.max_steps=30",
-                  "train.seq_len=64", "--run-dir", str(run_dir))
+    res = cli.run("launch", "data=tokens", f"data.path={data_dir}", "model.vocab_size=384",
+                  "train.max_steps=30", "train.seq_len=64", "--run-dir", str(run_dir))
     assert res.returncode == 0, res.stderr
+    assert (run_dir / "tokenizer" / "tokenizer.json").read_bytes() == \
+        (tmp_path / "tokenizer.json").read_bytes()
     steps, evals = read_metrics(run_dir)
-    # A repeated sentence is easy: the loss must fall far below uniform (ln 256 = 5.5).
+    # A repeated sentence is easy: the loss must fall far below uniform (ln 300 = 5.7).
     assert steps[-1]["loss"] < 2.0 and evals[-1]["val_loss"] < 2.0
+    res = cli.run("sample", str(run_dir), "--prompt", "the quick", "--temperature", "0",
+                  "--max-new-tokens", "12")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("the quick brown fox"), res.stdout
 
 
 def test_bad_data_dir_exits_2(cli, tmp_path):

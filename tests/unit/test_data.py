@@ -13,6 +13,7 @@ import torch
 from partrain.data import (check_data, global_batch_rows, load_tokens, prepare_token_dir,
                            rank_micro_batches)
 from partrain.data import tokens as tokens_module
+from partrain.data import prepare as prepare_module
 from partrain.data.tokens import SAMPLE_BLOCK, SAMPLE_BLOCKS, sample_max_token_id
 from partrain.errors import ConfigError
 from tests.unit.helpers import one_line, quick
@@ -313,7 +314,7 @@ def test_cli_data_prepare(run_main, tmp_path, text_files):
                       "--val-fraction", "0.2")
     assert result.code == 0, result.stderr
     meta = json.loads((out / "meta.json").read_text())
-    text = one_line(result.stdout)
+    text = one_line(result.stdout.splitlines()[-1])
     assert f"{meta['train_tokens']:,} train" in text
     assert f"{meta['val_tokens']:,} val tokens" in text
     assert text.startswith("wrote ")
@@ -624,7 +625,7 @@ def test_prepare_interrupted_leaves_nothing(tmp_path, text_files, monkeypatch):
             raise KeyboardInterrupt
         return real_open(file, *args, **kwargs)
 
-    monkeypatch.setattr(tokens_module, "open", interrupted, raising=False)
+    monkeypatch.setattr(prepare_module, "open", interrupted, raising=False)
     with pytest.raises(KeyboardInterrupt):
         prepare_token_dir(text_files, tmp_path / "new" / "tok", 0.1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt"]
@@ -665,11 +666,13 @@ def test_prepare_refuses_the_current_or_parent_dir(run_main, tmp_path, text_file
     assert here.is_dir() and list(here.iterdir()) == []
 
 
-def test_prepare_input_that_is_a_directory(run_main, tmp_path, text_files):
+def test_prepare_input_that_is_an_empty_directory(run_main, tmp_path, text_files):
     folder = tmp_path / "folder"
-    folder.mkdir()
+    (folder / ".hidden").mkdir(parents=True)
+    (folder / ".hidden" / "a.txt").write_text("skipped")
+    (folder / ".b.txt").write_text("skipped")
     message = _prepare(run_main, [text_files[0], folder], tmp_path / "tok")
-    assert f"input file {folder} is a directory; give text files" in message
+    assert f"input directory {folder} holds no files (hidden ones are skipped)" in message
     assert not (tmp_path / "tok").exists()
 
 

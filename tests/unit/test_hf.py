@@ -14,7 +14,7 @@ from partrain.checkpoint.state import build_state, checkpoint_model
 from partrain.config.schema import Config
 from partrain.hf import from_rotate_half, hf_name, to_rotate_half
 from partrain.models import build_model
-from partrain.sample import BYTES
+from partrain.tokenizer import BYTE_VOCAB as BYTES
 
 STEP = 7
 

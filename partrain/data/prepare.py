@@ -1,0 +1,352 @@
+"""`partrain data prepare`: text, JSON Lines and Parquet files, or directories of them, tokenized
+into a token dir (tokens.py reads it).
+
+Inputs are documents: a text file is one, a JSON Lines line or a Parquet row is one (its `--field`,
+"text" by default; JSON Lines through pyarrow's JSON reader, Parquet through pyarrow.parquet). A
+directory stands for the files under it, recursively, in sorted order, hidden names skipped; the
+suffix says the kind (.jsonl/.ndjson, .parquet, anything else text).
+
+Two tokenizers:
+- bytes (the default): a token per byte of the file, documents joined by a newline, ids uint8;
+- `--tokenizer tokenizer.json` (the `tokenizers` library): every document followed by the
+  end-of-text token, ids uint16 when the vocabulary fits, else uint32, encoded by as many worker
+  processes as cores, each tokenizing ~1 MiB of text at a time, the results written in input order.
+
+The ids stream to `train.bin` as they come; the last `--val-fraction` of them then moves to
+`val.bin`. Everything is written under a temporary name beside `--out` and renamed into place at
+the end; a failure or Ctrl-C leaves nothing behind.
+"""
+
+import json
+import math
+import multiprocessing
+import os
+import secrets
+import shutil
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from partrain import tokenizer as tk
+from partrain.data.tokens import FORMAT
+from partrain.errors import ConfigError
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+PARQUET_SUFFIXES = (".parquet",)
+CHUNK_CHARS = 1 << 20  # text per task sent to a worker process
+ROWS_PER_BATCH = 4096  # Parquet rows read at a time
+
+
+def _reason(e: OSError) -> str:
+    return e.strerror or str(e)
+
+
+def vocab_to_use(vocab_size: int, tp: int = 1) -> int:
+    """model.vocab_size for a tokenizer of `vocab_size` tokens: rounded up to a multiple of
+    128 * tp, as Megatron pads it (tp shards of whole 128-row blocks)."""
+    step = 128 * tp
+    return -(-vocab_size // step) * step
+
+
+# ---- inputs ----------------------------------------------------------------------------------
+def _check_file(file: Path) -> None:
+    if not file.exists():
+        raise ConfigError(f"input file {file} does not exist")
+    if not file.is_file():
+        # A pipe or device could be endless or read only once; a file can be read again.
+        raise ConfigError(f"input file {file} is not a regular file (a pipe, socket or device); "
+                          "save its contents to a file first")
+
+
+def collect_inputs(paths: list[Path]) -> list[Path]:
+    """The files the inputs stand for, in order: a directory's regular files recursively, in
+    sorted order, hidden files and directories skipped."""
+    files = []
+    for path in paths:
+        if not path.is_dir():
+            _check_file(path)
+            files.append(path)
+            continue
+        found = []
+        for root, dirs, names in os.walk(path, onerror=_walk_error):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            found += [Path(root) / n for n in sorted(names)
+                      if not n.startswith(".") and (Path(root) / n).is_file()]
+        if not found:
+            raise ConfigError(f"input directory {path} holds no files (hidden ones are skipped)")
+        files += found
+    return files
+
+
+def _walk_error(e: OSError) -> None:
+    raise ConfigError(f"input directory {e.filename} cannot be read: {_reason(e)}")
+
+
+def _kind(file: Path) -> str:
+    suffix = file.suffix.lower()
+    return "jsonl" if suffix in JSONL_SUFFIXES else "parquet" if suffix in PARQUET_SUFFIXES else "text"
+
+
+def _jsonl_texts(file: Path, field: str) -> Iterator:
+    import pyarrow as pa
+    import pyarrow.json as pj
+
+    # Only `field` is parsed, as a string: other fields are skipped, a number there is an error.
+    options = pj.ParseOptions(explicit_schema=pa.schema([(field, pa.string())]),
+                              unexpected_field_behavior="ignore")
+    try:
+        for batch in pj.open_json(file, parse_options=options):
+            yield batch.column(0).to_pylist()
+    except pa.ArrowInvalid as e:
+        raise ConfigError(f"input file {file} is not JSON Lines with a string field {field!r} "
+                          f"in every object ({str(e).splitlines()[0][:300]})") from None
+
+
+def _parquet_texts(file: Path, field: str) -> Iterator:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(file)
+    except (pa.ArrowException, OSError) as e:
+        raise ConfigError(f"input file {file} is not a Parquet file ({str(e)[:300]})") from None
+    schema = parquet.schema_arrow
+    if field not in schema.names:
+        raise ConfigError(f"input file {file} has no column {field!r} (--field); its columns: "
+                          f"{', '.join(schema.names)}")
+    kind = schema.field(field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise ConfigError(f"input file {file}: column {field!r} (--field) holds {kind}, not text")
+    try:
+        for batch in parquet.iter_batches(batch_size=ROWS_PER_BATCH, columns=[field]):
+            yield batch.column(0).to_pylist()
+    except (pa.ArrowException, OSError) as e:
+        raise ConfigError(f"input file {file} cannot be read as Parquet ({str(e)[:300]})") from None
+
+
+def documents(file: Path, field: str, as_text: bool) -> Iterator[tuple[str | bytes, int]]:
+    """(document, its size in bytes) for each non-empty document of `file`: bytes for a text file
+    read by the byte tokenizer, else str."""
+    kind = _kind(file)
+    if kind == "text":
+        try:
+            raw = file.read_bytes()
+        except OSError as e:
+            raise ConfigError(f"input file {file} cannot be read: {_reason(e)}") from None
+        if not as_text:
+            yield raw, len(raw)
+            return
+        try:
+            yield raw.decode("utf-8-sig"), len(raw)  # a leading byte-order mark is dropped
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"input file {file} is not UTF-8 text (byte 0x{raw[e.start]:02x} at "
+                              f"offset {e.start}); the tokenizer reads text") from None
+        return
+    found = False
+    for texts in (_jsonl_texts if kind == "jsonl" else _parquet_texts)(file, field):
+        for text in texts:
+            if text:  # null and "" are no document
+                found = True
+                data = text.encode("utf-8")
+                yield (text if as_text else data), len(data)
+    if not found:
+        raise ConfigError(f"input file {file} holds no text in field {field!r} (--field names "
+                          "the field of each record that holds the document)")
+
+
+# ---- output ----------------------------------------------------------------------------------
+def check_out(out: Path) -> None:
+    """--out must be a new or empty directory, reachable through directories."""
+    if out.name in ("", ".", ".."):
+        raise ConfigError(f"--out {out} must name a new directory, not the current or a parent one")
+    if out.is_symlink():
+        raise ConfigError(f"--out {out} is a symbolic link (to {os.readlink(out)}); give a new "
+                          "directory, not a link")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is an existing file; give a new directory")
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"--out {out} exists and is not empty; give a new directory")
+    for parent in Path(os.path.abspath(out)).parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"--out {out}: {parent} is a file, not a directory")
+            break
+
+
+class Stage:
+    """The directory being written and what is being done in it, for the message of a failure."""
+
+    def __init__(self, path: Path):
+        self.path, self.step = path, "creating its parent directories"
+
+
+@contextmanager
+def staged_dir(out: Path, errors: tuple = (OSError,)):
+    """A Stage whose `path` is a temporary directory beside `out`, renamed to `out` when the block
+    ends well. On any failure (Ctrl-C included) it and the parents made here are removed; an
+    error of `errors` becomes one message naming --out and the step that failed."""
+    target = Path(os.path.abspath(out))  # messages name `out` as given
+    missing = [p for p in reversed(target.parents) if not p.exists()]  # outermost first
+    made = []  # those created here, removed again on a failure
+    stage = Stage(target.with_name(f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"))
+    tmp_made = False
+    try:
+        for parent in missing:
+            parent.mkdir()
+            made.append(parent)
+        stage.step = f"creating {stage.path}"
+        stage.path.mkdir()
+        tmp_made = True
+        yield stage
+        stage.step = "renaming the temporary directory into place"
+        stage.path.rename(target)  # atomic, and replaces an empty `out` directory
+    except BaseException as e:
+        left = []
+        if tmp_made:
+            shutil.rmtree(stage.path, ignore_errors=True)
+            if stage.path.exists():
+                left.append(str(stage.path))
+        for parent in reversed(made):
+            try:
+                parent.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:
+                left.append(str(parent))
+        if not isinstance(e, errors):
+            raise
+        raise ConfigError(
+            f"--out {out} cannot be written: {getattr(e, 'strerror', None) or e} ({stage.step}); "
+            + (f"could not remove {', '.join(left)}" if left else "nothing was left behind")) from None
+
+
+def _split(tmp: Path, dtype: str, total: int, cut: int) -> None:
+    """Move ids [cut, total) of train.bin to val.bin."""
+    size = np.dtype(dtype).itemsize
+    with open(tmp / "train.bin", "r+b") as train:
+        train.seek(cut * size)
+        with open(tmp / "val.bin", "wb") as val:
+            shutil.copyfileobj(train, val, 1 << 24)
+        train.truncate(cut * size)
+
+
+# ---- tokenization ----------------------------------------------------------------------------
+def _chunks(docs: Iterator[tuple[str, int]]) -> Iterator[tuple[list[str], int]]:
+    """Documents grouped into tasks of about CHUNK_CHARS characters, with their bytes."""
+    chunk, chars, nbytes = [], 0, 0
+    for doc, size in docs:
+        chunk.append(doc)
+        chars, nbytes = chars + len(doc), nbytes + size
+        if chars >= CHUNK_CHARS:
+            yield chunk, nbytes
+            chunk, chars, nbytes = [], 0, 0
+    if chunk:
+        yield chunk, nbytes
+
+
+def _encode_all(chunks, file: Path, eot_id: int, dtype: str, workers: int):
+    """(ids, bytes) per chunk, in order: encoded here with one worker, else by `workers`
+    processes, at most two tasks each in flight."""
+    if workers == 1:
+        tok = tk.load(file)
+        for docs, nbytes in chunks:
+            yield tk.encode(tok, eot_id, dtype, docs), nbytes
+        return
+    # spawn: the parent may hold threads (rich's refresh, torch's pools) that fork would copy.
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=tk.init_worker, initargs=(str(file), eot_id, dtype)) as pool:
+        pending = deque()
+        try:
+            for docs, nbytes in chunks:
+                pending.append((pool.submit(tk.encode_documents, docs), nbytes))
+                while len(pending) >= 2 * workers:
+                    future, done = pending.popleft()
+                    yield future.result(), done
+            while pending:
+                future, done = pending.popleft()
+                yield future.result(), done
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _byte_ids(docs: Iterator[tuple[bytes, int]]):
+    newline = np.array([10], dtype=np.uint8)
+    for i, (doc, size) in enumerate(docs):
+        ids = np.frombuffer(doc, dtype=np.uint8)
+        yield (ids if i == 0 else np.concatenate([newline, ids])), size
+
+
+def _progress(console):
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
+                               TimeRemainingColumn, TransferSpeedColumn)
+
+    return Progress(TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                    TimeRemainingColumn(), console=console, transient=True,
+                    disable=console is None or not console.is_terminal)
+
+
+def default_workers() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def prepare_token_dir(inputs: list[Path], out: Path, val_fraction: float, tokenizer: Path | None = None,
+                      field: str = "text", eot: str | None = None, workers: int | None = None,
+                      console=None) -> dict:
+    """Tokenize `inputs` into a new token dir `out`; returns its meta.json."""
+    if not (math.isfinite(val_fraction) and 0.0 < val_fraction < 1.0):
+        raise ConfigError(f"--val-fraction={val_fraction} must be between 0 and 1 (exclusive)")
+    workers = default_workers() if workers is None else workers
+    if workers < 1:
+        raise ConfigError(f"--workers={workers} must be at least 1")
+    if eot is not None and tokenizer is None:
+        raise ConfigError(f"--eot {eot!r} needs --tokenizer (the byte tokenizer joins documents "
+                          "with a newline)")
+    try:
+        check_out(out)
+    except OSError as e:
+        raise ConfigError(f"--out {out} cannot be inspected: {_reason(e)}") from None
+    files = collect_inputs(inputs)
+    meta = {"format": FORMAT}
+    if tokenizer is None:
+        meta.update(tokenizer=tk.BYTES, dtype="uint8", vocab_size=tk.BYTE_VOCAB)
+    else:
+        file = tk.tokenizer_file(tokenizer)
+        tok = tk.load(file)
+        eot, eot_id = tk.end_of_text(tok, file, eot)
+        vocab = tok.get_vocab_size(with_added_tokens=True)
+        meta.update(tokenizer=tk.TOKENIZER_FILE, dtype="uint16" if vocab <= 1 << 16 else "uint32",
+                    vocab_size=vocab, eot_token=eot, eot_id=eot_id)
+    docs = (d for f in files for d in documents(f, field, as_text=tokenizer is not None))
+    total, nbytes, top = 0, 0, -1
+    with staged_dir(out) as stage:
+        tmp, stage.step = stage.path, "writing train.bin"
+        with open(tmp / "train.bin", "wb") as stream, _progress(console) as progress:
+            bar = progress.add_task("tokenizing", total=sum(f.stat().st_size for f in files))
+            encoded = (_byte_ids(docs) if tokenizer is None else
+                       _encode_all(_chunks(docs), file, eot_id, meta["dtype"], workers))
+            for ids, size in encoded:
+                stream.write(ids.tobytes())
+                total, nbytes = total + len(ids), nbytes + size
+                top = max(top, int(ids.max())) if len(ids) else top
+                progress.update(bar, advance=size)
+        cut = int(total * (1 - val_fraction))
+        if cut < 2 or total - cut < 2:
+            unit = "bytes" if tokenizer is None else "tokens"
+            raise ConfigError(
+                f"the input files hold {total} {unit}; --val-fraction={val_fraction} splits them "
+                f"into {cut} train and {total - cut} val tokens, and each split needs at least 2")
+        stage.step = "writing val.bin"
+        _split(tmp, meta["dtype"], total, cut)
+        meta.update(train_tokens=cut, val_tokens=total - cut, max_token_id=top,
+                    text_bytes=nbytes, sources=[str(p) for p in inputs], files=len(files))
+        if tokenizer is not None:
+            stage.step = "writing the tokenizer files"
+            meta["tokenizer_source"] = str(file.absolute())
+            tk.write_files(file, eot, tmp)
+        stage.step = "writing meta.json"
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta

@@ -1,0 +1,216 @@
+"""Tokenizers: the byte-level default and Hugging Face `tokenizers` files (tokenizer.json).
+
+A tokenizer travels as files: `tokenizer.json` (the `tokenizers` library's format) and
+`tokenizer_config.json`, whose `eos_token` names the end-of-text token that separates documents.
+`partrain data prepare --tokenizer` copies them into the token dir, a launch copies them into
+`RUN_DIR/tokenizer/`, and `partrain export` into the Hugging Face directory, where transformers'
+`AutoTokenizer` loads them. `partrain sample` encodes and decodes with them.
+
+This module imports neither torch nor the rest of partrain: data preparation starts its worker
+processes on it, and each one imports only what it needs.
+"""
+
+import json
+import os
+import signal
+from pathlib import Path
+
+from partrain.errors import ConfigError
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+BYTES = "bytes"  # the byte-level tokenizer: a token per byte, vocabulary 256, no special tokens
+BYTE_VOCAB = 256
+# End-of-text tokens of the common tokenizer families, tried in order when tokenizer_config.json
+# names none: GPT-2 and most BPE models, Llama 3, Llama 2 and T5-style, Gemma.
+EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
+
+
+def tokenizer_file(path: Path, flag: str = "--tokenizer") -> Path:
+    """The tokenizer.json that `path` names: the file itself or a directory holding one."""
+    if path.is_dir():
+        if not (path / TOKENIZER_FILE).is_file():
+            raise ConfigError(f"{flag} {path}: the directory holds no {TOKENIZER_FILE}")
+        return path / TOKENIZER_FILE
+    if not path.exists():
+        raise ConfigError(f"{flag} {path} does not exist")
+    if not path.is_file():
+        raise ConfigError(f"{flag} {path} is not a regular file")
+    return path
+
+
+def load(file: Path, flag: str = "--tokenizer"):
+    """A `tokenizers.Tokenizer` from a tokenizer.json, or one clear error."""
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:  # the library raises a bare Exception for a malformed file
+        reason = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+        raise ConfigError(f"{flag} {file} is not a tokenizer.json the tokenizers library reads "
+                     f"({reason})") from None
+
+
+def _configured_eot(config_file: Path) -> str | None:
+    """tokenizer_config.json's eos_token: a string, or an added-token object with `content`."""
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    eos = config.get("eos_token") if isinstance(config, dict) else None
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    return eos if isinstance(eos, str) and eos else None
+
+
+def end_of_text(tok, file: Path, eot: str | None = None, flag: str = "--tokenizer") -> tuple[str, int]:
+    """The token that ends each document and its id: `eot` when given, else tokenizer_config.json's
+    eos_token beside the tokenizer.json, else the first of EOT_NAMES the vocabulary has."""
+    if eot is not None:
+        token_id = tok.token_to_id(eot)
+        if token_id is None:
+            raise ConfigError(f"--eot {eot!r} is not a token of {flag} {file}")
+        return eot, token_id
+    configured = _configured_eot(file.parent / TOKENIZER_CONFIG)
+    for name in ((configured,) if configured else ()) + EOT_NAMES:
+        token_id = tok.token_to_id(name)
+        if token_id is not None:
+            return name, token_id
+    raise ConfigError(f"{flag} {file}: no end-of-text token found (no eos_token in a "
+                 f"{TOKENIZER_CONFIG} beside it, none of {', '.join(EOT_NAMES)} in the "
+                 "vocabulary); name the token that separates documents with --eot TOKEN")
+
+
+def write_files(file: Path, eot: str, out: Path, max_len: int | None = None) -> list[str]:
+    """Copy tokenizer.json into directory `out` and write its tokenizer_config.json: the source's
+    own when it has one beside it (chat templates and all), else a minimal one that makes
+    transformers' AutoTokenizer load tokenizer.json with this end-of-text token."""
+    import shutil
+
+    shutil.copyfile(file, out / TOKENIZER_FILE)
+    source_config = file.parent / TOKENIZER_CONFIG
+    if source_config.is_file() and _configured_eot(source_config) == eot:
+        shutil.copyfile(source_config, out / TOKENIZER_CONFIG)
+    else:
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eot,
+                  "clean_up_tokenization_spaces": False}
+        if max_len:
+            config["model_max_length"] = max_len
+        (out / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    return [TOKENIZER_FILE, TOKENIZER_CONFIG]
+
+
+RUN_TOKENIZER = "tokenizer"  # RUN_DIR/tokenizer/: the run's copy of its data's tokenizer files
+
+
+def data_tokenizer_dir(data_cfg) -> Path | None:
+    """The token dir whose tokenizer.json the data was made with; None for byte-level data."""
+    if data_cfg.source != "tokens" or not data_cfg.path:
+        return None
+    try:
+        meta = json.loads((Path(data_cfg.path) / "meta.json").read_text(encoding="utf-8-sig"))
+    except (OSError, ValueError):
+        return None  # gone or unreadable: a launch has refused it before; sample says it below
+    return Path(data_cfg.path) if isinstance(meta, dict) and meta.get("tokenizer") == TOKENIZER_FILE else None
+
+
+def copy_files(source: Path, out: Path) -> None:
+    """Copy a tokenizer's files from directory `source` into `out`, each written whole under a
+    temporary name and renamed, so that nodes copying at once never see half a file."""
+    import shutil
+
+    out.mkdir(exist_ok=True)
+    for name in (TOKENIZER_FILE, TOKENIZER_CONFIG):
+        if (source / name).is_file():
+            tmp = out / f".{name}.{os.getpid()}.tmp"
+            shutil.copyfile(source / name, tmp)
+            tmp.rename(out / name)
+
+
+def run_tokenizer_dir(run_dir: Path | None, data_cfg) -> Path | None:
+    """Where a run's tokenizer files are: its own copy, else its token dir; None: byte-level."""
+    if run_dir is not None and (run_dir / RUN_TOKENIZER / TOKENIZER_FILE).is_file():
+        return run_dir / RUN_TOKENIZER
+    source = data_tokenizer_dir(data_cfg)
+    if source is not None and not (source / TOKENIZER_FILE).is_file():
+        raise ConfigError(f"the run's tokenizer is gone: no {RUN_TOKENIZER}/{TOKENIZER_FILE} in "
+                          f"the run dir and none in its data.path={data_cfg.path}")
+    if source is None and data_cfg.source == "tokens" and data_cfg.path:
+        try:
+            meta = json.loads((Path(data_cfg.path) / "meta.json").read_text(encoding="utf-8-sig"))
+            named = meta.get("tokenizer", BYTES) if isinstance(meta, dict) else BYTES
+        except (OSError, ValueError):
+            named = BYTES  # the token dir is gone: partrain's own dirs without a tokenizer are bytes
+        if named != BYTES:
+            raise ConfigError(f"the run trained on data.path={data_cfg.path}, whose meta.json "
+                              f"tokenizer={named!r} is neither {BYTES!r} nor {TOKENIZER_FILE!r}: "
+                              "partrain cannot decode its tokens")
+    return source
+
+
+class TextTokenizer:
+    """Encode a prompt and decode generated ids as a stream of text, for either kind."""
+
+    def __init__(self, directory: Path | None):
+        self.directory = directory
+        if directory is None:
+            self.name, self.vocab_size, self.eot_id, self._tok = BYTES, BYTE_VOCAB, None, None
+            return
+        file = directory / TOKENIZER_FILE
+        self._tok = load(file, "the run's tokenizer")
+        self.name = str(file)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eot_id = end_of_text(self._tok, file, flag="the run's tokenizer")[1]
+
+    def encode(self, text: str) -> list[int]:
+        if self._tok is None:
+            # surrogateescape: bytes of the command line that are not UTF-8 come back as themselves.
+            return list(text.encode("utf-8", "surrogateescape"))
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decoder(self):
+        """A function from each new id to the text it completes ('' while a character or a
+        merged word is still partial), and a final flush."""
+        if self._tok is None:
+            import codecs
+
+            stream = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            return (lambda token: stream.decode(bytes([token]))), (lambda: stream.decode(b"", final=True))
+        from tokenizers.decoders import DecodeStream
+
+        stream, tok = DecodeStream(skip_special_tokens=False), self._tok
+        return (lambda token: stream.step(tok, token) or ""), (lambda: "")
+
+
+# ---- data preparation's worker processes ------------------------------------------------------
+_worker = {}
+
+
+def init_worker(file: str, eot_id: int, dtype: str) -> None:
+    """A worker process of `data prepare`: one single-threaded tokenizer, as many processes as
+    cores. Ctrl-C is the parent's to handle: it stops the pool and removes what was written."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
+    from tokenizers import Tokenizer
+
+    _worker.update(tok=Tokenizer.from_file(file), eot_id=eot_id, dtype=dtype)
+
+
+def encode_documents(documents: list[str]):
+    """In a worker: the ids of `documents`, each followed by the end-of-text token."""
+    return encode(_worker["tok"], _worker["eot_id"], _worker["dtype"], documents)
+
+
+def encode(tok, eot_id: int, dtype: str, documents: list[str]):
+    """The ids of `documents`, each followed by the end-of-text token, as one numpy array."""
+    import numpy as np
+
+    encodings = tok.encode_batch_fast(documents, add_special_tokens=False)
+    sizes = [len(e.ids) + 1 for e in encodings]
+    ids = np.empty(sum(sizes), dtype=dtype)
+    at = 0
+    for encoding, size in zip(encodings, sizes):
+        ids[at:at + size - 1] = encoding.ids
+        ids[at + size - 1] = eot_id
+        at += size
+    return ids

@@ -1,0 +1,283 @@
+"""`partrain data prepare --tokenizer`: a BPE tokenizer trained here with the `tokenizers` library,
+inputs in every kind (text files, a directory tree, JSON Lines, Parquet written with pyarrow), the
+ids checked against the tokenizer's own encoding of each document, and the refusals."""
+
+import json
+import multiprocessing
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from partrain.data import check_data, load_tokens, prepare_token_dir
+from partrain.data.prepare import vocab_to_use
+from partrain.errors import ConfigError
+from tests.unit.helpers import one_line, quick
+
+DOCS = [f"Document {i}: the quick brown fox {'jumps ' * (i % 5)}over the lazy dog. Ünïcödé ✓ {i * i}\n"
+        for i in range(60)]
+
+
+def train_bpe(path, vocab_size=300, extra=()):
+    """A byte-level BPE tokenizer with <|endoftext|> as its only special token, saved at `path`."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(DOCS, trainer)
+    if extra:
+        tok.add_tokens(list(extra))
+    tok.save(str(path))
+    return tok
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
+    return path, train_bpe(path)
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    """DOCS spread over a directory tree (text files, hidden ones to skip), a JSON Lines and a
+    Parquet file; returns the inputs and the documents in the order prepare must read them."""
+    root = tmp_path / "corpus"
+    (root / "b" / "deeper").mkdir(parents=True)
+    (root / ".git").mkdir()
+    (root / ".git" / "HEAD").write_text("skipped")
+    (root / ".notes.txt").write_text("skipped")
+    (root / "a.txt").write_text(DOCS[0])
+    (root / "b" / "deeper" / "c.txt").write_text(DOCS[1])
+    (root / "b" / "b.txt").write_text(DOCS[2])
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"id": i, "text": d, "meta": {"x": [1]}}) + "\n"
+                             for i, d in enumerate(DOCS[3:30])) + json.dumps({"text": None}) + "\n")
+    parquet = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"n": list(range(30, 60)), "text": DOCS[30:]}), parquet,
+                   row_group_size=7)
+    # Directory order is sorted: a.txt, b/b.txt, b/deeper/c.txt.
+    return [root, jsonl, parquet], [DOCS[0], DOCS[2], DOCS[1], *DOCS[3:]]
+
+
+def _ids(out):
+    meta = json.loads((out / "meta.json").read_text())
+    ids = np.concatenate([np.fromfile(out / f"{s}.bin", dtype=meta["dtype"]) for s in ("train", "val")])
+    return meta, ids
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_every_kind_of_input_is_tokenized_in_order(tmp_path, bpe, corpus, workers):
+    path, tok = bpe
+    inputs, docs = corpus
+    meta = prepare_token_dir(inputs, tmp_path / "tok", 0.1, tokenizer=path, workers=workers)
+    eot = tok.token_to_id("<|endoftext|>")
+    expected = [i for d in docs for i in tok.encode(d, add_special_tokens=False).ids + [eot]]
+    meta, ids = _ids(tmp_path / "tok")
+    assert ids.tolist() == expected
+    assert meta["dtype"] == "uint16" and meta["vocab_size"] == tok.get_vocab_size() == 300
+    assert (meta["eot_token"], meta["eot_id"], meta["files"]) == ("<|endoftext|>", eot, 5)
+    assert meta["max_token_id"] == max(expected)
+    assert meta["text_bytes"] == sum(len(d.encode()) for d in docs)
+    assert meta["train_tokens"] == int(len(expected) * 0.9)
+    assert (tmp_path / "tok" / "tokenizer.json").read_bytes() == path.read_bytes()
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    assert config["eos_token"] == "<|endoftext|>"
+    assert not multiprocessing.active_children()  # the pool is gone
+
+
+def test_a_big_vocabulary_is_stored_as_uint32_and_the_model_must_cover_it(tmp_path, corpus):
+    path = tmp_path / "big.json"
+    tok = train_bpe(path, extra=[f"<extra_{i}>" for i in range(70_000)])
+    inputs, docs = corpus
+    prepare_token_dir(inputs[:1], tmp_path / "tok", 0.5, tokenizer=path, workers=1)
+    meta, ids = _ids(tmp_path / "tok")
+    assert meta["dtype"] == "uint32" and meta["vocab_size"] == tok.get_vocab_size() > 65536
+    cfg = quick("data.source=tokens", f"data.path={tmp_path / 'tok'}", "train.seq_len=8", "parallel.tp=2")
+    with pytest.raises(ConfigError) as info:
+        check_data(cfg)
+    # 70,300 rounded up to a multiple of 128 * tp = 256.
+    assert f"use model.vocab_size={vocab_to_use(meta['vocab_size'], 2)}" in str(info.value)
+    assert vocab_to_use(70_300, 2) == 70_400 and vocab_to_use(70_300, 1) == 70_400
+    assert vocab_to_use(256, 1) == 256 and vocab_to_use(300, 4) == 512
+    cfg.model.vocab_size = vocab_to_use(meta["vocab_size"], 2)
+    assert "tokenizer.json" in check_data(cfg)
+    assert load_tokens(cfg.data).train.dtype == np.uint32
+
+
+def test_the_cli_prints_throughput_and_the_vocab_to_use(run_main, tmp_path, bpe, corpus):
+    path, _ = bpe
+    out = tmp_path / "tok"
+    result = run_main("data", "prepare", *map(str, corpus[0]), "--tokenizer", str(path.parent),
+                      "--out", str(out), "--workers", "2")
+    assert result.code == 0, result.stderr
+    text = one_line(result.stdout)
+    assert "from 5 file(s)" in text and "MB/s" in text and "tokens/s" in text
+    assert "2 worker process(es)" in text
+    assert f"data.path={out} model.vocab_size=384" in text
+
+
+def test_eot_comes_from_the_flag_then_the_tokenizer_config(tmp_path, bpe, corpus):
+    path, tok = bpe
+    text = corpus[0][:1]
+    flag, configured = tok.id_to_token(100), tok.id_to_token(101)  # two merges of the vocabulary
+    prepare_token_dir(text, tmp_path / "flag", 0.5, tokenizer=path, eot=flag, workers=1)
+    meta, ids = _ids(tmp_path / "flag")
+    assert (meta["eot_token"], meta["eot_id"], ids[-1]) == (flag, 100, 100)
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "tokenizer.json").write_bytes(path.read_bytes())
+    (own / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": configured},
+                                                            "chat_template": "kept"}))
+    prepare_token_dir(text, tmp_path / "cfg", 0.5, tokenizer=own, workers=1)
+    meta, ids = _ids(tmp_path / "cfg")
+    assert (meta["eot_token"], ids[-1]) == (configured, 101)
+    # The source's own tokenizer_config.json travels with the tokenizer.
+    assert json.loads((tmp_path / "cfg" / "tokenizer_config.json").read_text())["chat_template"] == "kept"
+
+
+def _refusal(tmp_path, inputs, **options) -> str:
+    with pytest.raises(ConfigError) as info:
+        prepare_token_dir(inputs, tmp_path / "tok", 0.1, **{"workers": 1, **options})
+    assert not (tmp_path / "tok").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tok.tmp")]
+    return str(info.value)
+
+
+def test_refusals_name_the_input_and_the_rule(tmp_path, bpe):
+    path, _ = bpe
+    good = tmp_path / "good.txt"
+    good.write_text(DOCS[0] * 10)
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("café".encode("latin-1"))
+    assert _refusal(tmp_path, [good, latin], tokenizer=path) == (
+        f"input file {latin} is not UTF-8 text (byte 0xe9 at offset 3); the tokenizer reads text")
+    numbers = tmp_path / "numbers.jsonl"
+    numbers.write_text('{"text": "a"}\n{"text": 5}\n')
+    assert _refusal(tmp_path, [numbers]).startswith(
+        f"input file {numbers} is not JSON Lines with a string field 'text' in every object (")
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"body": "a"}\n')
+    assert _refusal(tmp_path, [other], tokenizer=path) == (
+        f"input file {other} holds no text in field 'text' (--field names the field of each "
+        "record that holds the document)")
+    table = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"body": ["a"], "n": [1]}), table)
+    assert _refusal(tmp_path, [table], tokenizer=path) == (
+        f"input file {table} has no column 'text' (--field); its columns: body, n")
+    assert _refusal(tmp_path, [table], field="n") == (
+        f"input file {table}: column 'n' (--field) holds int64, not text")
+    fake = tmp_path / "fake.parquet"
+    fake.write_text("not parquet")
+    assert _refusal(tmp_path, [fake]).startswith(f"input file {fake} is not a Parquet file (")
+    assert _refusal(tmp_path, [good], tokenizer=tmp_path / "none.json") == (
+        f"--tokenizer {tmp_path / 'none.json'} does not exist")
+    assert _refusal(tmp_path, [good], tokenizer=tmp_path) == (
+        f"--tokenizer {tmp_path}: the directory holds no tokenizer.json")
+    assert _refusal(tmp_path, [good], tokenizer=good).startswith(
+        f"--tokenizer {good} is not a tokenizer.json the tokenizers library reads (")
+    assert _refusal(tmp_path, [good], tokenizer=path, eot="<|nope|>") == (
+        f"--eot '<|nope|>' is not a token of --tokenizer {path}")
+    assert _refusal(tmp_path, [good], eot="x").startswith("--eot 'x' needs --tokenizer")
+    assert _refusal(tmp_path, [good], tokenizer=path, workers=0) == "--workers=0 must be at least 1"
+
+
+def test_a_tokenizer_without_an_end_of_text_token_is_refused(tmp_path):
+    tok = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    tok.save(str(tmp_path / "wl.json"))
+    text = tmp_path / "a.txt"
+    text.write_text("a a a a")
+    assert "no end-of-text token found" in _refusal(tmp_path, [text], tokenizer=tmp_path / "wl.json")
+    assert "--eot TOKEN" in _refusal(tmp_path, [text], tokenizer=tmp_path / "wl.json")
+
+
+def test_a_failure_with_workers_running_leaves_nothing(tmp_path, bpe):
+    """The bad file comes after enough text for the pool to have started and written."""
+    path, _ = bpe
+    big = tmp_path / "big.txt"
+    big.write_text("".join(DOCS) * 800)  # > 2 chunks of 1 MiB
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\xff")
+    assert "is not UTF-8 text" in _refusal(tmp_path, [big, big, bad], tokenizer=path, workers=2)
+    assert not multiprocessing.active_children()
+
+
+def test_bytes_read_directories_and_records_too(tmp_path, corpus):
+    inputs, docs = corpus
+    prepare_token_dir(inputs, tmp_path / "tok", 0.1)
+    meta, ids = _ids(tmp_path / "tok")
+    assert bytes(ids.astype(np.uint8)) == "\n".join(docs).encode()
+    assert (meta["tokenizer"], meta["dtype"], meta["files"]) == ("bytes", "uint8", 5)
+
+
+# The run's tokenizer: a launch copies it into RUN_DIR/tokenizer/ (tests/integration/test_launch.py
+# checks that); sample encodes and decodes with it, export hands it to transformers.
+
+@pytest.fixture(scope="module")
+def bpe_run(tmp_path_factory, bpe):
+    """A run dir as a launch on a `--tokenizer` token dir leaves it: its tokenizer files and one
+    committed checkpoint of a small model whose vocabulary is the tokenizer's, padded to 384."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from omegaconf import OmegaConf
+
+    from partrain.checkpoint import store
+    from partrain.checkpoint.state import build_state
+    from partrain.config.schema import Config
+    from partrain.models import build_model
+    from partrain.tokenizer import RUN_TOKENIZER, write_files
+
+    path, _ = bpe
+    run_dir = tmp_path_factory.mktemp("bpe-run") / "run"
+    (run_dir / RUN_TOKENIZER).mkdir(parents=True)
+    write_files(path, "<|endoftext|>", run_dir / RUN_TOKENIZER)
+    cfg = OmegaConf.structured(Config)
+    cfg.model.n_layers, cfg.model.max_seq_len, cfg.model.vocab_size = 2, 64, vocab_to_use(300)
+    model = build_model(cfg.model, seed=3)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(5)) * 0.2)
+    root = run_dir / store.CHECKPOINTS
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.save(build_state(model, torch.optim.AdamW(model.parameters()), None, zero=False),
+                 checkpoint_id=store.tmp_dir(root, 3))
+    store.commit(root, 3, {"reason": "test"}, OmegaConf.to_yaml(cfg))
+    return run_dir, model.eval()
+
+
+def test_sample_encodes_and_decodes_with_the_runs_tokenizer(run_main, bpe, bpe_run):
+    import torch
+
+    (_, tok), (run_dir, model) = bpe, bpe_run
+    prompt = "the quick brown"
+    res = run_main("sample", str(run_dir), "--prompt", prompt, "--temperature", "0",
+                   "--max-new-tokens", "20")
+    assert res.code == 0, res.stderr
+    ids, eot = tok.encode(prompt, add_special_tokens=False).ids, tok.token_to_id("<|endoftext|>")
+    new = []
+    with torch.no_grad():
+        while len(new) < 20:
+            # Greedy over the tokenizer's 300 rows, never the 84 of padding.
+            token = int(model(torch.tensor([ids + new]))[0, -1, :300].argmax())
+            if token == eot:
+                break
+            new.append(token)
+    assert res.stdout == prompt + tok.decode(new) + "\n"
+
+
+def test_export_hands_the_tokenizer_to_transformers(run_main, tmp_path, bpe, bpe_run):
+    from transformers import AutoTokenizer
+
+    (_, tok), (run_dir, _) = bpe, bpe_run
+    res = run_main("export", str(run_dir), "--out", str(tmp_path / "hf"))
+    assert res.code == 0, res.stderr
+    loaded = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "Document 7: the quick brown fox ✓"
+    assert loaded(text, add_special_tokens=False)["input_ids"] == tok.encode(text).ids
+    assert loaded.eos_token == "<|endoftext|>"
+    assert loaded.decode(tok.encode(text).ids) == text

@@ -23,9 +23,12 @@ import multiprocessing
 import os
 import secrets
 import shutil
+import signal
+import sys
+import threading
 from collections import deque
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Iterator
 
@@ -248,29 +251,46 @@ def _chunks(docs: Iterator[tuple[str, int]]) -> Iterator[tuple[list[str], int]]:
         yield chunk, nbytes
 
 
-def _encode_all(chunks, file: Path, eot_id: int, dtype: str, workers: int):
-    """(ids, bytes) per chunk, in order: encoded here with one worker, else by `workers`
-    processes, at most two tasks each in flight."""
-    if workers == 1:
+@contextmanager
+def _pool(file: Path, eot_id: int, dtype: str, workers: int):
+    """The tokenizer processes, all started before this returns (and before any progress-bar
+    thread), with Ctrl-C ignored in them from birth: it is the parent's to handle."""
+    # fork on Linux: a worker starts at once and imports nothing (spawn would re-run the
+    # `partrain` script, torch and all, in each one); spawn elsewhere (macOS forbids fork here).
+    context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=tk.init_worker,
+                               initargs=(str(file), eot_id, dtype))
+    main = threading.current_thread() is threading.main_thread()  # signals are the main thread's
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        try:
+            for started in [pool.submit(os.getpid) for _ in range(workers)]:
+                started.result()
+        finally:
+            if main:
+                signal.signal(signal.SIGINT, previous)
+        yield pool
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _encode_all(chunks, file: Path, eot_id: int, dtype: str, pool, workers: int):
+    """(ids, bytes) per chunk, in order: encoded here without a pool, else by the pool's
+    processes, at most two tasks per process in flight."""
+    if pool is None:
         tok = tk.load(file)
         for docs, nbytes in chunks:
             yield tk.encode(tok, eot_id, dtype, docs), nbytes
         return
-    # spawn: the parent may hold threads (rich's refresh, torch's pools) that fork would copy.
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=tk.init_worker, initargs=(str(file), eot_id, dtype)) as pool:
-        pending = deque()
-        try:
-            for docs, nbytes in chunks:
-                pending.append((pool.submit(tk.encode_documents, docs), nbytes))
-                while len(pending) >= 2 * workers:
-                    future, done = pending.popleft()
-                    yield future.result(), done
-            while pending:
-                future, done = pending.popleft()
-                yield future.result(), done
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+    pending, window = deque(), 2 * workers
+    for docs, nbytes in chunks:
+        pending.append((pool.submit(tk.encode_documents, docs), nbytes))
+        while len(pending) >= window:
+            future, done = pending.popleft()
+            yield future.result(), done
+    while pending:
+        future, done = pending.popleft()
+        yield future.result(), done
 
 
 def _byte_ids(docs: Iterator[tuple[bytes, int]]):
@@ -322,12 +342,14 @@ def prepare_token_dir(inputs: list[Path], out: Path, val_fraction: float, tokeni
                     vocab_size=vocab, eot_token=eot, eot_id=eot_id)
     docs = (d for f in files for d in documents(f, field, as_text=tokenizer is not None))
     total, nbytes, top = 0, 0, -1
-    with staged_dir(out) as stage:
+    parallel = tokenizer is not None and workers > 1
+    with staged_dir(out) as stage, \
+            (_pool(file, eot_id, meta["dtype"], workers) if parallel else nullcontext()) as pool:
         tmp, stage.step = stage.path, "writing train.bin"
         with open(tmp / "train.bin", "wb") as stream, _progress(console) as progress:
             bar = progress.add_task("tokenizing", total=sum(f.stat().st_size for f in files))
             encoded = (_byte_ids(docs) if tokenizer is None else
-                       _encode_all(_chunks(docs), file, eot_id, meta["dtype"], workers))
+                       _encode_all(_chunks(docs), file, eot_id, meta["dtype"], pool, workers))
             for ids, size in encoded:
                 stream.write(ids.tobytes())
                 total, nbytes = total + len(ids), nbytes + size

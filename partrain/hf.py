@@ -19,14 +19,13 @@ tensors that the rank holds (safetensors maps the files and slices lazily).
 
 import json
 import math
-import os
 import re
-import shutil
 from pathlib import Path
 
 import torch
 
 from partrain.errors import ConfigError
+from partrain.staging import check_out, staged_dir
 from partrain.tokenizer import copy_files, run_tokenizer_dir
 
 TOP_LEVEL = {"tok_embeddings.weight": "model.embed_tokens.weight",
@@ -134,18 +133,6 @@ def hf_state_dict(model, model_cfg, dtype: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def check_out_dir(out: Path) -> None:
-    """--out must be new or an empty directory: an export never mixes with other files."""
-    if out.is_symlink():
-        raise ConfigError(f"--out {out} is a symbolic link; give a new directory, not a link")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"--out {out} exists and is not an empty directory; give a new "
-                          "directory for the export")
-    parent = next((p for p in out.absolute().parents if p.exists()), None)
-    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise ConfigError(f"--out {out}: {parent} is not a writable directory")
-
-
 def write_safetensors(state: dict[str, torch.Tensor], out: Path, max_shard_mb: int) -> list[str]:
     """Write `state` as model.safetensors, or as shards and their index past max_shard_mb."""
     from huggingface_hub import split_torch_state_dict_into_shards
@@ -164,43 +151,27 @@ def write_safetensors(state: dict[str, torch.Tensor], out: Path, max_shard_mb: i
 def export_hf(checkpoint, out: Path, dtype: str = "fp32", max_shard_mb: int = 5000) -> dict:
     """Write the checkpoint as a Hugging Face Llama directory at `out` (new or empty). Nothing is
     left at `out` if it fails: it is written under a temporary name and renamed at the end."""
+    from safetensors import SafetensorError
+
     from partrain.checkpoint.state import checkpoint_model
 
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}")
-    check_out_dir(out)
+    check_out(out)
     model, cfg = checkpoint_model(checkpoint)
     tokenizer = run_tokenizer_dir(checkpoint.path.parent.parent, cfg.data)
     state = hf_state_dict(model, cfg.model, dtype)
     del model
-    from safetensors import SafetensorError
-
-    given, out = out, out.absolute()
-    missing = [p for p in reversed(out.parents) if not p.exists()]  # outermost first
-    made, tmp = [], out.with_name(f".tmp-{out.name}.{os.getpid()}")
-    try:
-        for parent in missing:
-            parent.mkdir()
-            made.append(parent)
-        tmp.mkdir()
-        files = write_safetensors(state, tmp, max_shard_mb)
-        (tmp / "config.json").write_text(json.dumps(hf_config(cfg.model, dtype), indent=2) + "\n")
-        (tmp / "generation_config.json").write_text(json.dumps({"do_sample": True}) + "\n")
+    # A full disk inside safetensors is its own error type.
+    with staged_dir(out, errors=(OSError, SafetensorError)) as stage:
+        stage.step = "writing the safetensors files"
+        files = write_safetensors(state, stage.path, max_shard_mb)
+        stage.step = "writing config.json"
+        (stage.path / "config.json").write_text(json.dumps(hf_config(cfg.model, dtype), indent=2) + "\n")
+        (stage.path / "generation_config.json").write_text(json.dumps({"do_sample": True}) + "\n")
         if tokenizer is not None:
-            copy_files(tokenizer, tmp)
-        os.rename(tmp, out)  # atomic, and replaces an empty `out` directory
-    except BaseException as e:
-        # Ctrl-C included: what was made here goes, then the error goes on.
-        shutil.rmtree(tmp, ignore_errors=True)
-        for parent in reversed(made):
-            try:
-                parent.rmdir()
-            except OSError:
-                pass
-        if isinstance(e, (OSError, SafetensorError)):  # a full disk in safetensors is its error
-            raise ConfigError(f"--out {given} cannot be written: "
-                              f"{getattr(e, 'strerror', None) or e}") from None
-        raise
+            stage.step = "copying the tokenizer files"
+            copy_files(tokenizer, stage.path)
     return {"files": files, "tensors": len(state), "dtype": dtype, "step": checkpoint.step,
             "bytes": sum(t.numel() * t.element_size() for t in state.values())}
 

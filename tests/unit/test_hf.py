@@ -15,6 +15,7 @@ from partrain.config.schema import Config
 from partrain.hf import from_rotate_half, hf_name, to_rotate_half
 from partrain.models import build_model
 from partrain.tokenizer import BYTE_VOCAB as BYTES
+from tests.unit.helpers import one_line
 
 STEP = 7
 
@@ -147,11 +148,23 @@ def test_export_refuses_a_used_out_dir_and_a_missing_checkpoint(run_main, saved,
     used.mkdir()
     (used / "notes.txt").write_text("mine")
     res = run_main("export", str(saved[0]), "--out", str(used))
-    assert res.code == 2 and "not an empty directory" in res.stderr
+    assert res.code == 2 and "exists and is not empty" in res.stderr
     assert sorted(p.name for p in used.iterdir()) == ["notes.txt"]
     res = run_main("export", str(tmp_path / "nothing"), "--out", str(tmp_path / "o"))
     assert res.code == 2 and "RUN_DIR_OR_CHECKPOINT=" in res.stderr and "does not exist" in res.stderr
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("full_fs", [0, 8192], indirect=True)
+def test_export_on_a_full_disk_leaves_nothing(run_main, saved, full_fs):
+    """The 1.7 MB model's weights do not fit: safetensors' own error, one message, no traces."""
+    out = full_fs / "a" / "hf"
+    res = run_main("export", str(saved[0]), "--out", str(out))
+    assert res.code == 2 and "Traceback" not in res.stderr, res.stderr
+    message = one_line(res.stderr)
+    assert f"--out {out} cannot be written:" in message
+    assert "(writing the safetensors files); nothing was left behind" in message
+    assert list(full_fs.iterdir()) == []
 
 
 def _sample(run_main, run_dir, *args):

@@ -26,7 +26,7 @@ import torch
 
 from partrain.errors import ConfigError
 from partrain.staging import check_out, staged_dir
-from partrain.tokenizer import copy_files, run_tokenizer_dir
+from partrain.tokenizer import TextTokenizer, copy_files, run_tokenizer_dir
 
 TOP_LEVEL = {"tok_embeddings.weight": "model.embed_tokens.weight",
              "norm.weight": "model.norm.weight",
@@ -166,12 +166,14 @@ def export_hf(checkpoint, out: Path, dtype: str = "fp32", max_shard_mb: int = 50
     with staged_dir(out, errors=(OSError, SafetensorError)) as stage:
         stage.step = "writing the safetensors files"
         files = write_safetensors(state, stage.path, max_shard_mb)
-        stage.step = "writing config.json"
-        (stage.path / "config.json").write_text(json.dumps(hf_config(cfg.model, dtype), indent=2) + "\n")
-        (stage.path / "generation_config.json").write_text(json.dumps({"do_sample": True}) + "\n")
-        if tokenizer is not None:
+        config, generation = hf_config(cfg.model, dtype), {"do_sample": True}
+        if tokenizer is not None:  # generate() stops at the end-of-text token the data used
+            config["eos_token_id"] = generation["eos_token_id"] = TextTokenizer(tokenizer).eot_id
             stage.step = "copying the tokenizer files"
             copy_files(tokenizer, stage.path)
+        stage.step = "writing config.json"
+        (stage.path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (stage.path / "generation_config.json").write_text(json.dumps(generation) + "\n")
     return {"files": files, "tensors": len(state), "dtype": dtype, "step": checkpoint.step,
             "bytes": sum(t.numel() * t.element_size() for t in state.values())}
 

@@ -36,8 +36,9 @@ def test_quickstart_trains_and_writes_the_run_dir(cli, tmp_path):
 
 @pytest.mark.slow
 def test_clean_exit_at_four_ranks_repeatedly(cli, tmp_path):
-    """Gloo's teardown race showed at 4 ranks (4 runs in 10 with destroy alone); none may abort."""
-    for i in range(4):
+    """Gloo's teardown race showed at 4 ranks (4 runs in 10 with destroy alone); none may abort.
+    Two runs here (every multi-rank test of the suite checks the same rule, assert_no_abort)."""
+    for i in range(2):
         run_dir = tmp_path / f"run{i}"
         res = cli.run("launch", "parallel.dp=4", "--nproc-per-node", "4", "train.max_steps=2",
                       "train.global_batch_size=8", "train.micro_batch_size=2",

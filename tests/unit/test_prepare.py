@@ -282,3 +282,6 @@ def test_export_hands_the_tokenizer_to_transformers(run_main, tmp_path, bpe, bpe
     assert loaded(text, add_special_tokens=False)["input_ids"] == tok.encode(text).ids
     assert loaded.eos_token == "<|endoftext|>"
     assert loaded.decode(tok.encode(text).ids) == text
+    eot = tok.token_to_id("<|endoftext|>")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == eot
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] == eot

@@ -1,0 +1,202 @@
+"""Context parallelism (cp): each sequence split along its length over the ranks of a cp group.
+
+Every module but attention works on its own tokens; attention needs the keys and values of the
+whole causal prefix, which the cp ranks exchange. Two methods:
+
+- `ring` (RingAttention; Megatron's and torchtitan's default): the key/value blocks travel
+  around the ring, point to point, the next block's transfer posted before the current block is
+  computed. Each block's partial attention is merged into the running result through its
+  log-sum-exp (the online softmax of FlashAttention), so no rank ever holds the full score
+  matrix. The backward runs the ring again, recomputing each block's probabilities from the
+  saved log-sum-exp; the key/value gradients travel with their block and arrive back at its
+  owner after the last step.
+- `all_to_all` (DeepSpeed-Ulysses): one all-to-all turns the sequence split into a head split,
+  each rank runs ordinary causal attention over the whole sequence for 1/cp of the heads, and one
+  all-to-all turns it back. Heads and kv heads must divide by cp.
+
+Load balance: under a causal mask the rank holding the end of a sequence would do the most work,
+so the sequence is cut into 2*cp chunks and rank r holds chunks r and 2*cp-1-r (the zigzag of
+Megatron and torchtitan): `zigzag_positions` gives each rank's global positions, which the rotary
+embedding and the mask use. Under the ring, a block of chunks wholly after the queries' chunk is
+skipped; the diagonal chunk pair is causal; the rest is full.
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+METHODS = ("ring", "all_to_all")
+
+
+def zigzag_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
+    """The global positions rank `rank` of `cp` holds: chunks rank and 2*cp-1-rank of 2*cp."""
+    chunk = seq_len // (2 * cp)
+    first, second = rank * chunk, (2 * cp - 1 - rank) * chunk
+    return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
+
+
+def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """This rank's tokens of x along `dim` (the sequence), in zigzag order."""
+    return x.index_select(dim, zigzag_positions(x.shape[dim], cp, rank).to(x.device))
+
+
+# ---- ring ------------------------------------------------------------------------------------
+def _exchange(tensor: torch.Tensor, group, rank: int, size: int):
+    """Post: send `tensor` to the next rank of the ring, receive the previous rank's. Returns the
+    receive buffer and the works to wait on."""
+    buffer = torch.empty_like(tensor)
+    to = dist.get_global_rank(group, (rank + 1) % size)
+    frm = dist.get_global_rank(group, (rank - 1) % size)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, to, group),
+                                    dist.P2POp(dist.irecv, buffer, frm, group)])
+    return buffer, works
+
+
+def _wait(works) -> None:
+    for work in works:
+        work.wait()
+
+
+def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """kv heads repeated for the query heads they serve (grouped-query attention)."""
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _reduce_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """The inverse of _expand for gradients: sum over the query heads of each kv head."""
+    return x if groups == 1 else x.unflatten(1, (-1, groups)).sum(2)
+
+
+def _pairs(rank: int, src: int, size: int):
+    """(query chunk, key chunk, causal) for the chunk pairs of this step that are not masked
+    out: the local query chunks are rank and 2*size-1-rank, the block's key chunks src and
+    2*size-1-src (chunk index = order along the sequence)."""
+    mine, theirs = (rank, 2 * size - 1 - rank), (src, 2 * size - 1 - src)
+    return [(i, j, theirs[j] == mine[i]) for i in range(2) for j in range(2) if theirs[j] <= mine[i]]
+
+
+def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
+    s = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), -math.inf)
+    return s
+
+
+class _RingAttention(torch.autograd.Function):
+    """Causal attention over the cp ring. q (batch, heads, 2c, head_dim); k, v (batch, kv_heads,
+    2c, head_dim): this rank's two zigzag chunks of c tokens each."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group):
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        groups, c, scale = q.shape[1] // k.shape[1], q.shape[2] // 2, q.shape[-1] ** -0.5
+        qf = q.float()
+        out, lse = [None, None], [None, None]
+        kv = torch.stack([k, v])
+        for step in range(size):
+            if step < size - 1:
+                incoming, works = _exchange(kv, group, rank, size)
+            src = (rank - step) % size
+            keys, values = _expand(kv[0].float(), groups), _expand(kv[1].float(), groups)
+            for i, j, causal in _pairs(rank, src, size):
+                s = _scores(qf[:, :, i * c:(i + 1) * c], keys[:, :, j * c:(j + 1) * c], causal, scale)
+                block_lse = torch.logsumexp(s, dim=-1)
+                block = torch.softmax(s, dim=-1) @ values[:, :, j * c:(j + 1) * c]
+                if out[i] is None:
+                    out[i], lse[i] = block, block_lse
+                else:
+                    merged = torch.logaddexp(lse[i], block_lse)
+                    out[i] = (out[i] * torch.exp(lse[i] - merged)[..., None]
+                              + block * torch.exp(block_lse - merged)[..., None])
+                    lse[i] = merged
+            if step < size - 1:
+                _wait(works)
+                kv = incoming
+        out, lse = torch.cat(out, dim=2), torch.cat(lse, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group = group
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        group = ctx.group
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        groups, c, scale = q.shape[1] // k.shape[1], q.shape[2] // 2, q.shape[-1] ** -0.5
+        qf, dout = q.float(), dout.float()
+        delta = (dout * out).sum(-1)  # rowsum(dO * O): the softmax backward's correction
+        dq = torch.zeros_like(qf)
+        kv = torch.stack([k, v])
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        for step in range(size):
+            if step < size - 1:
+                incoming, works = _exchange(kv, group, rank, size)
+            src = (rank - step) % size
+            keys, values = _expand(kv[0].float(), groups), _expand(kv[1].float(), groups)
+            dk, dv = torch.zeros_like(keys), torch.zeros_like(values)
+            for i, j, causal in _pairs(rank, src, size):
+                qi, rows, cols = qf[:, :, i * c:(i + 1) * c], slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
+                p = torch.exp(_scores(qi, keys[:, :, cols], causal, scale) - lse[:, :, rows, None])
+                dv[:, :, cols] += p.transpose(-1, -2) @ dout[:, :, rows]
+                ds = p * (dout[:, :, rows] @ values[:, :, cols].transpose(-1, -2)
+                          - delta[:, :, rows, None])
+                dq[:, :, rows] += (ds @ keys[:, :, cols]) * scale
+                dk[:, :, cols] += (ds.transpose(-1, -2) @ qi) * scale
+            dkv += torch.stack([_reduce_heads(dk, groups), _reduce_heads(dv, groups)])
+            # The gradients follow their block to the next rank; after the last step they reach
+            # the block's owner.
+            dkv_incoming, dkv_works = _exchange(dkv, group, rank, size)
+            if step < size - 1:
+                _wait(works)
+                kv = incoming
+            _wait(dkv_works)
+            dkv = dkv_incoming
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
+    """Causal attention of this rank's zigzag queries over the whole sequence's keys and values.
+    q (batch, heads, 2c, head_dim), k and v (batch, kv_heads, 2c, head_dim)."""
+    return _RingAttention.apply(q, k, v, group)
+
+
+# ---- all-to-all (Ulysses) --------------------------------------------------------------------
+class _AllToAll(torch.autograd.Function):
+    """Forward: scatter `scatter_dim` over the group and gather `gather_dim` (an all-to-all);
+    backward: the same exchange with the two dimensions swapped."""
+
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim: int, gather_dim: int):
+        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
+        size = dist.get_world_size(group)
+        inputs = [t.contiguous() for t in x.chunk(size, dim=scatter_dim)]
+        outputs = [torch.empty_like(inputs[0]) for _ in range(size)]
+        dist.all_to_all(outputs, inputs, group=group)
+        return torch.cat(outputs, dim=gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return _AllToAll.apply(grad, ctx.group, gather_dim, scatter_dim), None, None, None
+
+
+def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
+    """The same attention as ring_attention, through two all-to-alls: sequence split -> head
+    split, causal attention over the whole sequence, head split -> sequence split."""
+    size, local = dist.get_world_size(group), q.shape[2]
+    # After the first all-to-all the sequence is every rank's zigzag chunks in rank order; this
+    # puts it in position order for the causal mask, and back.
+    order = torch.cat([zigzag_positions(local * size, size, r) for r in range(size)]).to(q.device)
+    natural = torch.argsort(order)
+    q, k, v = (_AllToAll.apply(t, group, 1, 2)[:, :, natural] for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return _AllToAll.apply(out[:, :, order], group, 2, 1)
+
+
+def context_attention(q, k, v, group, method: str) -> torch.Tensor:
+    """Causal attention for cp: `method` is parallel.cp_method."""
+    return (ring_attention if method == "ring" else all_to_all_attention)(q, k, v, group)

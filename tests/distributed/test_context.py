@@ -1,0 +1,59 @@
+"""Context-parallel attention (partrain.parallel.context) on real gloo groups against
+single-process `scaled_dot_product_attention(is_causal=True)`: the output and the gradients of
+q, k and v, each rank's zigzag shard of them, for the ring (cp 2 and 4) and all-to-all (cp 2, 4)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from partrain.parallel.context import (all_to_all_attention, ring_attention, shard_sequence,
+                                       zigzag_positions)
+from tests.distributed.helpers import run_distributed
+
+pytestmark = pytest.mark.slow
+
+
+def test_zigzag_positions_cover_the_sequence_once_and_balance_the_work():
+    for cp in (1, 2, 4):
+        held = [zigzag_positions(32, cp, r) for r in range(cp)]
+        assert sorted(torch.cat(held).tolist()) == list(range(32))
+        # Causal work of a rank: the keys each of its queries sees (its position + 1).
+        work = [int((h + 1).sum()) for h in held]
+        assert len(set(work)) == 1, work
+    assert zigzag_positions(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+
+
+def _check_both(rank, world_size, cases):
+    group = dist.new_group(list(range(world_size)))
+    for method, heads, kv_heads in cases:
+        _check(rank, world_size, group, method, heads, kv_heads)
+
+
+def _check(rank, world_size, group, method, heads, kv_heads):
+    gen = torch.Generator().manual_seed(0)
+    shape = (2, heads, 32, 8)
+    q = torch.randn(shape, generator=gen)
+    k = torch.randn((2, kv_heads, 32, 8), generator=gen)
+    v = torch.randn((2, kv_heads, 32, 8), generator=gen)
+    dout = torch.randn(shape, generator=gen)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=heads != kv_heads)
+    ref.backward(dout)
+    local = [shard_sequence(t, world_size, rank, dim=2).requires_grad_() for t in (q, k, v)]
+    attention = ring_attention if method == "ring" else all_to_all_attention
+    out = attention(*local, group)
+    out.backward(shard_sequence(dout, world_size, rank, dim=2))
+    torch.testing.assert_close(out, shard_sequence(ref, world_size, rank, dim=2), rtol=1e-5, atol=1e-5)
+    for name, mine, theirs in zip("qkv", local, full):
+        torch.testing.assert_close(mine.grad, shard_sequence(theirs.grad, world_size, rank, dim=2),
+                                   rtol=1e-5, atol=1e-5, msg=lambda m: f"d{name}: {m}")
+
+
+# One process group per cp degree serves every case (spawning ranks is the slow part).
+@pytest.mark.parametrize("cp, cases", [
+    (2, [("ring", 4, 2), ("all_to_all", 4, 2), ("ring", 2, 2)]),
+    (4, [("ring", 4, 1), ("all_to_all", 8, 4)]),
+])
+def test_context_attention_matches_sdpa(cp, cases):
+    run_distributed(_check_both, cp, cases)

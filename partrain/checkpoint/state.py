@@ -213,6 +213,7 @@ def checkpoint_model(checkpoint, device: str = "cpu"):
     with torch.device("meta"):
         model = Transformer(cfg.model)
     model.to_empty(device=device)
+    model.tie_weights()
     model.init_rope(device)
     with warnings.catch_warnings():  # DCP's note that it loads in a single process: it does
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)

@@ -178,11 +178,16 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        if tied(cfg):
-            self.output.weight = self.tok_embeddings.weight
+        self.tie_weights()
         self.register_buffer("rope_cos", None, persistent=False)
         self.register_buffer("rope_sin", None, persistent=False)
         self.init_rope()
+
+    def tie_weights(self) -> None:
+        """With model.tie_embeddings, make the head's weight the embedding's Parameter (again
+        after `to_empty`, which gives each module a Parameter of its own)."""
+        if tied(self.cfg):
+            self.output.weight = self.tok_embeddings.weight
 
     def init_rope(self, device=None) -> None:
         """The rotary tables (buffers, not weights: never saved; a model built empty on the

@@ -73,3 +73,6 @@ def test_tied_embedding_counts_once_in_the_model_and_on_each_end_stage(run_main)
         [s["params_per_rank"] for s in untied["pipeline"]["stages"]]
     one = _plan(run_main, "model.tie_embeddings=true")
     assert one["model"]["params_per_rank"] == one["model"]["params"]
+    assert (plan["model"]["tie_embeddings"], untied["model"]["tie_embeddings"]) == (True, False)
+    shown = run_main("plan", "parallel.pp=2", "parallel.dp=1", "model.tie_embeddings=true")
+    assert "norm + tied head + loss" in shown.stdout

@@ -7,8 +7,10 @@ rotate consecutive pairs (2i, 2i+1) of each head here (Meta's layout), and pairs
 as transformers' own Llama conversion script does. Everything else is a renaming. Tied embeddings
 are `model.tie_embeddings` here and `tie_word_embeddings` there: a tied model has no
 `lm_head.weight` (the export writes none, the import needs none and reads the embedding, once,
-into both the embedding and the head). The export is one directory, written under a temporary name and
-renamed when complete: config.json, generation_config.json and safetensors weights (sharded with
+into both the embedding and the head).
+
+The export is one directory, written under a temporary name and renamed when complete:
+config.json, generation_config.json and safetensors weights (sharded with
 `model.safetensors.index.json` past --max-shard-mb), loadable by `from_pretrained` with no
 custom code.
 

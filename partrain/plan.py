@@ -265,7 +265,8 @@ def print_plan(plan: dict, console: Console) -> None:
         head = "norm + tied head + loss" if plan["model"]["tie_embeddings"] \
             else "norm + head + loss"
         for s in pipe["stages"]:
-            also = ", ".join(x for x, on in (("embedding", s["embedding"]), (head, s["head"])) if on)
+            also = ", ".join(x for x, on in (("embedding", s["embedding"]), (head, s["head"]))
+                             if on)
             stage_table.add_row(str(s["stage"]), str(s["pp_rank"]), str(s["chunk"]),
                                 f"{s['blocks'][0]}-{s['blocks'][1]}", also,
                                 f"{s['params_per_rank']:,}")

@@ -9,12 +9,12 @@ Keys (all tensors, so that DCP plans, de-duplicates and reshards them):
 
 <name> is the parameter's name in the model `build_model` makes (`layers.7.attention.wq.weight`):
 the wrappers' prefixes (`module.` of DDP and DeepSpeed, `chunks.N.` of the pipeline) are dropped,
-and pipeline stages keep the global block ids. A tied head is the embedding (`tok_embeddings.weight`,
-no `output.weight`); under pp the last stage's copy is saved and loaded under that name too (the
-two copies are equal, so DCP's de-duplication keeps one). A tensor-parallel shard (`tp_shard_dim`) is saved
-as what it is, a slice of the full tensor: a DTensor with a Shard placement on the tp mesh, so
-DCP records its global offset. Plain shards under one name would be de-duplicated by DCP as if
-they were replicas, and the checkpoint would load "fine" and be wrong. Replicated tensors (the
+and pipeline stages keep the global block ids. A tied head is the embedding
+(`tok_embeddings.weight`, no `output.weight`); under pp the last stage's copy is saved and loaded
+under that name too (the two copies are equal, so DCP's de-duplication keeps one). A
+tensor-parallel shard (`tp_shard_dim`) is saved as what it is, a slice of the full tensor: a
+DTensor with a Shard placement on the tp mesh, so DCP records its global offset. Plain shards
+under one name would be de-duplicated by DCP as if they were replicas, and the checkpoint would load "fine" and be wrong. Replicated tensors (the
 same on every dp rank, or every tp rank for norm gains) are written once.
 
 Loading builds the same keys for the layout being loaded into, and DCP reads from every saved

@@ -383,8 +383,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg) -> nn.Module:
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
     for name, owner in shared.items():
         module, weight = model.get_submodule(name), model.get_submodule(owner).weight
-        if module.weight.shape != weight.shape or \
-                getattr(module.weight, "tp_shard_dim", None) != getattr(weight, "tp_shard_dim", None):
+        dims = {getattr(w, "tp_shard_dim", None) for w in (module.weight, weight)}
+        if module.weight.shape != weight.shape or len(dims) > 1:
             raise ValueError(f"{name} shares {owner}'s weight but is split differently over tp")
         module.weight = weight
     return model

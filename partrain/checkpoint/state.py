@@ -14,8 +14,9 @@ and pipeline stages keep the global block ids. A tied head is the embedding
 under that name too (the two copies are equal, so DCP's de-duplication keeps one). A
 tensor-parallel shard (`tp_shard_dim`) is saved as what it is, a slice of the full tensor: a
 DTensor with a Shard placement on the tp mesh, so DCP records its global offset. Plain shards
-under one name would be de-duplicated by DCP as if they were replicas, and the checkpoint would load "fine" and be wrong. Replicated tensors (the
-same on every dp rank, or every tp rank for norm gains) are written once.
+under one name would be de-duplicated by DCP as if they were replicas, and the checkpoint would
+load "fine" and be wrong. Replicated tensors (the same on every dp rank, or every tp rank for norm
+gains) are written once.
 
 Loading builds the same keys for the layout being loaded into, and DCP reads from every saved
 shard the part each rank needs: that is resharding, for free. Under ZeRO the weights go into the

@@ -1,13 +1,16 @@
 """Hugging Face interop: a partrain checkpoint as a transformers `LlamaForCausalLM` directory, and
 such a directory as the weights a run starts from (`model.init_from=hf:DIR`).
 
-partrain's decoder is Llama's, with two differences that the mapping undoes:
-- rotary embeddings rotate consecutive pairs (2i, 2i+1) of each head here (Meta's layout), and
-  pairs (i, i + head_dim/2) in transformers (`rotate_half`): the rows of wq and wk are permuted
-  per head, as transformers' own Llama conversion script does;
-- the output head is never tied to the embedding (`tie_word_embeddings: false`).
-Everything else is a renaming. The export is one directory, written under a temporary name and
-renamed when complete: config.json, generation_config.json and safetensors weights (sharded with
+partrain's decoder is Llama's, with one difference that the mapping undoes: rotary embeddings
+rotate consecutive pairs (2i, 2i+1) of each head here (Meta's layout), and pairs
+(i, i + head_dim/2) in transformers (`rotate_half`): the rows of wq and wk are permuted per head,
+as transformers' own Llama conversion script does. Everything else is a renaming. Tied embeddings
+are `model.tie_embeddings` here and `tie_word_embeddings` there: a tied model has no
+`lm_head.weight` (the export writes none, the import needs none and reads the embedding, once,
+into both the embedding and the head).
+
+The export is one directory, written under a temporary name and renamed when complete:
+config.json, generation_config.json and safetensors weights (sharded with
 `model.safetensors.index.json` past --max-shard-mb), loadable by `from_pretrained` with no
 custom code, and the run's tokenizer files (tokenizer.json, tokenizer_config.json) when it
 trained on a `data prepare --tokenizer` dir, loadable by `AutoTokenizer`.
@@ -86,7 +89,7 @@ def hf_config(model_cfg, dtype: str) -> dict:
     """config.json of the LlamaForCausalLM that computes what partrain's model computes. The
     rotary base is written both ways transformers has read it (rope_theta before 5.0,
     rope_parameters since)."""
-    from partrain.models.llama import ffn_dim
+    from partrain.models.llama import ffn_dim, tied
 
     m = model_cfg
     return {
@@ -106,7 +109,7 @@ def hf_config(model_cfg, dtype: str) -> dict:
         "rope_parameters": rope_parameters(m),
         # transformers before 5.0 reads Llama-3's scaling here.
         "rope_scaling": rope_parameters(m) if m.rope_type == "llama3" else None,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": tied(m),
         "attention_bias": False,
         "attention_dropout": 0.0,
         "mlp_bias": False,
@@ -233,10 +236,9 @@ def model_keys(hf: dict, where: str) -> dict:
     for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if hf.get(key, want) != want:
             raise ConfigError(f"{where}: {key}={hf[key]!r}; partrain's Llama has {key}={want!r}")
-    if hf.get("tie_word_embeddings", False):
-        raise ConfigError(f"{where}: tie_word_embeddings=true (the output head is the embedding); "
-                          "partrain's output head is a weight of its own, and tied models are not "
-                          "imported yet")
+    tie = hf.get("tie_word_embeddings", False)  # LlamaConfig's default
+    if not isinstance(tie, bool):
+        raise ConfigError(f"{where}: tie_word_embeddings={tie!r} must be true or false")
     dim, heads = _whole(hf, "hidden_size", where), _whole(hf, "num_attention_heads", where)
     if hf.get("head_dim") not in (None, dim // heads):
         raise ConfigError(f"{where}: head_dim={hf['head_dim']!r} is not hidden_size / "
@@ -254,7 +256,7 @@ def model_keys(hf: dict, where: str) -> dict:
             "vocab_size": _whole(hf, "vocab_size", where),
             "norm_eps": _real(hf, "rms_norm_eps", where, 1e-6),
             "rope_theta": _real(rope, "rope_theta", where, hf.get("rope_theta", 10000.0)),
-            "rope_type": rope_type}
+            "rope_type": rope_type, "tie_embeddings": tie}
     if rope_type == "llama3":
         keys.update(rope_factor=_real(rope, "factor", where),
                     rope_low_freq_factor=_real(rope, "low_freq_factor", where),
@@ -267,19 +269,20 @@ def model_keys(hf: dict, where: str) -> dict:
 def check_hf_init(model_cfg) -> Path:
     """model.init_from=hf:DIR: a Llama of this config's shape whose safetensors hold every
     weight at its full shape; the DIR. Each rank then reads without further checks."""
-    from partrain.models.llama import Transformer, ffn_dim
+    from partrain.models.llama import Transformer, ffn_dim, tied
 
     path = hf_dir(model_cfg.init_from)
     where = f"model.init_from={model_cfg.init_from}"
     wanted = model_keys(read_hf_config(path), f"{where} (config.json)")
-    mine = {key: ffn_dim(model_cfg) if key == "ffn_dim" else model_cfg[key] for key in wanted}
+    derived = {"ffn_dim": ffn_dim(model_cfg), "tie_embeddings": tied(model_cfg)}
+    mine = {key: derived[key] if key in derived else model_cfg[key] for key in wanted}
     wrong = [key for key in wanted if not _same(mine[key], wanted[key])]
     if wrong:
         raise ConfigError(
-            f"{where}: " + ", ".join(f"model.{k}={mine[k]} but config.json says {wanted[k]}"
-                                     for k in wrong)
+            f"{where}: " + ", ".join(f"model.{k}={_shown(mine[k])} but config.json says "
+                                     f"{_shown(wanted[k])}" for k in wrong)
             + "; the weights have config.json's shape: add "
-            + " ".join(f"model.{k}={wanted[k]}" for k in wrong))
+            + " ".join(f"model.{k}={_shown(wanted[k])}" for k in wrong))
     with torch.device("meta"):
         shapes = {hf_name(n): list(p.shape) for n, p in Transformer(model_cfg).named_parameters()}
     _check_tensors(path, weight_files(path, where), shapes, where)
@@ -312,6 +315,11 @@ def _check_tensors(path: Path, files: dict[str, Path], shapes: dict[str, list], 
             raise
         except Exception as e:  # safetensors' own error for a truncated or foreign file
             raise ConfigError(f"{where}: {file} is not a readable safetensors file ({e})") from None
+
+
+def _shown(value) -> str:
+    """A value as an override writes it (booleans as true/false)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _same(mine, theirs) -> bool:

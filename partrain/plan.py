@@ -13,7 +13,7 @@ from rich.text import Text
 from partrain.config.validate import World
 from partrain.dist import compute_dtype
 from partrain.mesh import DIM_NAMES, ParallelDims
-from partrain.models.llama import count_params, count_params_per_rank, flops_per_token
+from partrain.models.llama import count_params, count_params_per_rank, flops_per_token, tied
 from partrain.parallel.pipeline import stage_layers
 from partrain.parallel.schedules import bubble_theory, build_schedule, simulate
 from partrain.parallel.tensor import tp_collectives, tp_step_collectives
@@ -66,7 +66,7 @@ def build_plan(cfg: DictConfig, world: World, warnings: list[str]) -> dict:
             "tokens_per_step": t.global_batch_size * t.seq_len,
         },
         "model": {"name": cfg.model.name, "params": count_params(cfg.model),
-                  "params_per_rank": params_per_rank,
+                  "tie_embeddings": tied(cfg.model), "params_per_rank": params_per_rank,
                   "flops_per_token": flops_per_token(cfg.model, t.seq_len)},
         "memory": _memory(p.zero_stage, params_per_rank, dims.dp, dtype),
         "tp_collectives": _tp_collectives(cfg, dims, stages, low_precision=dtype != "fp32"),
@@ -261,9 +261,12 @@ def print_plan(plan: dict, console: Console) -> None:
         stage_table = Table(title="pipeline stages")
         for col in ("stage", "pp rank", "chunk", "blocks", "also", "params per rank"):
             stage_table.add_column(col, justify="right")
+        # A tied head on another stage than the embedding is a copy of it (memory there too).
+        head = "norm + tied head + loss" if plan["model"]["tie_embeddings"] \
+            else "norm + head + loss"
         for s in pipe["stages"]:
-            also = ", ".join(x for x, on in (("embedding", s["embedding"]),
-                                             ("norm + head + loss", s["head"])) if on)
+            also = ", ".join(x for x, on in (("embedding", s["embedding"]), (head, s["head"]))
+                             if on)
             stage_table.add_row(str(s["stage"]), str(s["pp_rank"]), str(s["chunk"]),
                                 f"{s['blocks'][0]}-{s['blocks'][1]}", also,
                                 f"{s['params_per_rank']:,}")

@@ -135,6 +135,13 @@ def train_step(model, optimizer, micro, loss_fn, dims, mesh, device, autocast, g
     """One optimizer step over this rank's micro-batches; (global mean loss, grad norm before
     clipping). `before_update` runs after backward, before the parameters change."""
     loss = forward_backward(model, micro, loss_fn, dims, device, autocast, tracer)
+    pipeline = (model.module if dims.zero_enabled else model) if dims.pp_enabled else None
+    if pipeline is not None and pipeline.tied is not None:
+        # Tied embeddings: the first stage's embedding and the last stage's head are copies of
+        # one weight, each holding part of its gradient; both get the sum (before DeepSpeed's
+        # dp reduction under ZeRO-1, which reduces p.grad at step()).
+        with tracer.span("gradients: tied embedding", "comm"):
+            pipeline.all_reduce_tied_grads()
     before_update()
     if dims.zero_enabled:
         # DeepSpeed reduces over dp (and syncs sequence-parallel norms first, at stage 1), clips

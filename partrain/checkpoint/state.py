@@ -9,11 +9,14 @@ Keys (all tensors, so that DCP plans, de-duplicates and reshards them):
 
 <name> is the parameter's name in the model `build_model` makes (`layers.7.attention.wq.weight`):
 the wrappers' prefixes (`module.` of DDP and DeepSpeed, `chunks.N.` of the pipeline) are dropped,
-and pipeline stages keep the global block ids. A tensor-parallel shard (`tp_shard_dim`) is saved
-as what it is, a slice of the full tensor: a DTensor with a Shard placement on the tp mesh, so
-DCP records its global offset. Plain shards under one name would be de-duplicated by DCP as if
-they were replicas, and the checkpoint would load "fine" and be wrong. Replicated tensors (the
-same on every dp rank, or every tp rank for norm gains) are written once.
+and pipeline stages keep the global block ids. A tied head is the embedding
+(`tok_embeddings.weight`, no `output.weight`); under pp the last stage's copy is saved and loaded
+under that name too (the two copies are equal, so DCP's de-duplication keeps one). A
+tensor-parallel shard (`tp_shard_dim`) is saved as what it is, a slice of the full tensor: a
+DTensor with a Shard placement on the tp mesh, so DCP records its global offset. Plain shards
+under one name would be de-duplicated by DCP as if they were replicas, and the checkpoint would
+load "fine" and be wrong. Replicated tensors (the same on every dp rank, or every tp rank for norm
+gains) are written once.
 
 Loading builds the same keys for the layout being loaded into, and DCP reads from every saved
 shard the part each rank needs: that is resharding, for free. Under ZeRO the weights go into the
@@ -38,10 +41,11 @@ def canonical_name(name: str) -> str:
 
 
 def named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
-    """This rank's parameters (its tp shard of its pp stage) by canonical name."""
+    """This rank's parameters (its tp shard of its pp stage) by canonical name; a pipeline
+    stage's copy of a tied weight (`tied_to`) goes by the weight's own name."""
     params = {}
     for name, param in model.named_parameters():
-        key = canonical_name(name)
+        key = getattr(param, "tied_to", None) or canonical_name(name)
         if key in params:
             raise ValueError(f"two parameters map to the checkpoint name {key!r}")
         params[key] = param
@@ -187,9 +191,10 @@ def load_optimizer(model: nn.Module, optimizer, path, tp_mesh, zero: bool) -> No
 def true_size(model_cfg, tp: int = 1) -> int:
     """Bytes of the state a checkpoint holds, each tensor once: fp32 weights and two moments
     (12 bytes per parameter) and one 8-byte step per parameter tensor."""
-    from partrain.models.llama import count_params
+    from partrain.models.llama import count_params, vocab_matrices
 
-    tensors = 2 + 9 * model_cfg.n_layers + 1  # embedding, head, final norm; 9 per block
+    # embedding and head (one when tied), final norm; 9 per block
+    tensors = vocab_matrices(model_cfg) + 9 * model_cfg.n_layers + 1
     return 12 * count_params(model_cfg) + 8 * tensors
 
 
@@ -209,6 +214,7 @@ def checkpoint_model(checkpoint, device: str = "cpu"):
     with torch.device("meta"):
         model = Transformer(cfg.model)
     model.to_empty(device=device)
+    model.tie_weights()
     model.init_rope(device)
     with warnings.catch_warnings():  # DCP's note that it loads in a single process: it does
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)

@@ -29,6 +29,7 @@ class ModelConfig:
     rope_original_max_seq_len: int = 8192  # llama3: the context length the frequencies were trained for
     norm_eps: float = 1e-5  # RMSNorm epsilon
     init_std: float = 0.02  # std of the normal weight initialisation
+    tie_embeddings: bool = False  # the output head's weight is the embedding's (one (vocab_size, dim) matrix)
     init_from: Optional[str] = None  # checkpoint dir (or a run dir: its newest) whose weights start this run; fresh optimizer
 
 

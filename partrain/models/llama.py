@@ -4,6 +4,11 @@ Built so that the parallel wrappers can take it apart: separate q/k/v/o and w1/w
 (column- and row-parallel candidates), blocks in a ModuleDict keyed "0".."L-1" (a pipeline stage
 deletes the blocks it does not own and keeps the names), embedding, final norm and output head
 as separate modules. Weights depend only on the seed, so every layout starts from the same model.
+
+With `tie_embeddings` the head's weight is the embedding's Parameter (Megatron's and Hugging Face's
+tied input/output embeddings): one (vocab_size, dim) matrix, counted, initialised and saved once
+under the embedding's name. A pipeline stage that has the head but not the embedding keeps a copy
+(partrain.parallel.pipeline keeps the copies equal).
 """
 
 import math
@@ -27,27 +32,40 @@ def count_params(cfg) -> int:
     attn = cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
     mlp = 3 * cfg.dim * ffn_dim(cfg)
     per_block = attn + mlp + 2 * cfg.dim
-    return cfg.n_layers * per_block + 2 * cfg.vocab_size * cfg.dim + cfg.dim
+    return cfg.n_layers * per_block + vocab_matrices(cfg) * cfg.vocab_size * cfg.dim + cfg.dim
+
+
+def tied(cfg) -> bool:
+    """Whether the head's weight is the embedding's (model.tie_embeddings; absent = untied)."""
+    return bool(getattr(cfg, "tie_embeddings", False))
+
+
+def vocab_matrices(cfg) -> int:
+    """(vocab_size, dim) matrices of the full model: embedding and head, or one when tied."""
+    return 1 if tied(cfg) else 2
 
 
 def count_params_per_rank(cfg, tp: int = 1, blocks: int | None = None, first: bool = True,
                           last: bool = True) -> int:
     """Parameters held by one rank: `blocks` blocks (all by default), the embedding if first,
-    final norm and head if last; tensor parallelism splits everything but the norm gains."""
+    final norm and head if last; tensor parallelism splits everything but the norm gains. A tied
+    head on the embedding's rank is the same matrix; on another pipeline stage it is a copy."""
     blocks = cfg.n_layers if blocks is None else blocks
     head_dim = cfg.dim // cfg.n_heads
     block_split = cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * cfg.dim * ffn_dim(cfg)
-    split = blocks * block_split + (first + last) * cfg.vocab_size * cfg.dim
+    vocab = (first or last) if tied(cfg) else first + last
+    split = blocks * block_split + vocab * cfg.vocab_size * cfg.dim
     return split // tp + 2 * blocks * cfg.dim + (cfg.dim if last else 0)
 
 
 def flops_per_token(cfg, seq_len: int) -> float:
     """Training FLOPs per token: 6 * (params less the embedding lookup) + causal attention.
+    A tied head still multiplies: its matrix counts (once) even though the lookup does not.
 
     Attention scores and the weighted sum cost 2 * 2 * seq * dim multiply-adds per layer and token
     forward; with backward (x3) and the causal half that is 6 * L * seq * dim.
     """
-    dense = count_params(cfg) - cfg.vocab_size * cfg.dim
+    dense = count_params(cfg) - (vocab_matrices(cfg) - 1) * cfg.vocab_size * cfg.dim
     return 6 * dense + 6 * cfg.n_layers * seq_len * cfg.dim
 
 
@@ -160,9 +178,16 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.tie_weights()
         self.register_buffer("rope_cos", None, persistent=False)
         self.register_buffer("rope_sin", None, persistent=False)
         self.init_rope()
+
+    def tie_weights(self) -> None:
+        """With model.tie_embeddings, make the head's weight the embedding's Parameter (again
+        after `to_empty`, which gives each module a Parameter of its own)."""
+        if tied(self.cfg):
+            self.output.weight = self.tok_embeddings.weight
 
     def init_rope(self, device=None) -> None:
         """The rotary tables (buffers, not weights: never saved; a model built empty on the
@@ -227,7 +252,8 @@ class Transformer(nn.Module):
 @torch.no_grad()
 def init_weights(model: Transformer, std: float, seed: int) -> None:
     """Normal(0, std) matrices, output projections of each block scaled by 1/sqrt(2 * n_layers)
-    (GPT-2), norms at one. Drawn in module order from one generator: the seed fixes every weight."""
+    (GPT-2), norms at one. Drawn in module order from one generator: the seed fixes every weight
+    (a tied head's weight is the embedding's, drawn once)."""
     gen = torch.Generator().manual_seed(seed)
     residual_std = std / math.sqrt(2 * model.cfg.n_layers)
     for name, param in model.named_parameters():

@@ -4,7 +4,8 @@ that counts every parameter of the sharded model exactly once.
 A tensor-parallel shard (`tp_sharded`) holds a different slice of a weight on each tp rank, so
 its squared norm is summed over tp; a replicated parameter (norm gains) has the same gradient on
 every tp rank and is counted once. Pipeline stages hold disjoint parameters, so their sums add
-over pp.
+over pp, except a tied embedding's copy on the last stage (`tied_to`): its gradient is the first
+stage's, counted there, and only scaled here.
 """
 
 import math
@@ -30,8 +31,9 @@ def clip_grad_norm(parameters, max_norm: float, tp_group=None, pp_group=None) ->
     return the norm before clipping, as torch.nn.utils.clip_grad_norm_ does."""
     params = [p for p in parameters if p.grad is not None]
     device = params[0].grad.device
-    sharded = [p.grad for p in params if getattr(p, "tp_sharded", False)]
-    replicated = [p.grad for p in params if not getattr(p, "tp_sharded", False)]
+    counted = [p for p in params if not getattr(p, "tied_to", None)]
+    sharded = [p.grad for p in counted if getattr(p, "tp_sharded", False)]
+    replicated = [p.grad for p in counted if not getattr(p, "tp_sharded", False)]
     sharded_sq = _sum_of_squares(sharded, device)
     if _spans(tp_group):
         note_collective("all_reduce", sharded_sq)

@@ -4,7 +4,15 @@ optimizer step run as micro-batches through a schedule.
 `apply_pipeline_parallel` takes the (possibly tensor-parallel) full model and keeps this rank's
 chunks: stage s = chunk * pp + pp_rank owns a run of consecutive blocks (balanced by count, or
 `parallel.pp_layers`), the first stage also the embedding, the last the final norm, the head and
-the loss. The Llama model does not tie its embedding and head, so nothing is shared across stages.
+the loss.
+
+Tied embeddings (the head's weight is the embedding's) put one weight on two stages: the embedding
+on the first chunk of pp rank 0, the head on the last chunk of rank pp-1. Each keeps a copy, equal
+at the start (every rank builds the same full model); after backward `all_reduce_tied_grads` sums
+the two copies' gradients over the embedding group (those two ranks, at the same dp and tp
+coordinates: Megatron's embedding group), so both take the same step and stay equal. The head's
+copy carries `tied_to` (the embedding's name): checkpoints save it under that name, and the
+gradient norm counts the weight once, on the first stage.
 
 `PipelineModel.run` executes this rank's action list from partrain.parallel.schedules: compute
 F/B; each run of consecutive sends/receives posted together (batch_isend_irecv), receives waited
@@ -43,8 +51,12 @@ class PipelineModel(nn.Module):
     """This rank's chunks of the model and the executor of its schedule."""
 
     def __init__(self, chunks: list[nn.Module], group, schedule: str, activation_shape,
-                 tracer: Tracer | None = None):
+                 tracer: Tracer | None = None, tied: nn.Parameter | None = None,
+                 embedding_group=None):
         super().__init__()
+        # A tuple, not an attribute holding the Parameter: that would register it under a
+        # second name beside the chunk's own.
+        self._tied, self.embedding_group = (tied,) if tied is not None else (), embedding_group
         self.chunks = nn.ModuleList(chunks)
         self.group, self.schedule = group, schedule
         self.pp, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -53,6 +65,17 @@ class PipelineModel(nn.Module):
         self.activation_shape = tuple(activation_shape)
         self.tracer = tracer or Tracer(False)
         self._plans: dict[tuple[int, bool], list] = {}
+
+    @property
+    def tied(self) -> nn.Parameter | None:
+        """This rank's copy of the tied embedding (first and last pp ranks), else None."""
+        return self._tied[0] if self._tied else None
+
+    def all_reduce_tied_grads(self) -> None:
+        """Sum the tied embedding's gradient over its two copies (first and last stage), after
+        backward and before the gradient norm and the optimizer step; nothing elsewhere."""
+        if self.tied is not None and self.tied.grad is not None:
+            dist.all_reduce(self.tied.grad, group=self.embedding_group)
 
     def _actions(self, m: int, train: bool):
         if (m, train) not in self._plans:
@@ -164,4 +187,27 @@ def apply_pipeline_parallel(model: nn.Module, pp_mesh, cfg, activation_shape,
     last = pp * v - 1
     chunks = [model.pipeline_chunk(layers[c * pp + rank], first=c * pp + rank == 0,
                                    last=c * pp + rank == last) for c in range(v)]
-    return PipelineModel(chunks, pp_mesh.get_group(), cfg.pp_schedule, activation_shape, tracer)
+    tied, embedding_group = None, None
+    if model.output.weight is model.tok_embeddings.weight and pp > 1:
+        tied, embedding_group = _tied_copy(chunks, pp_mesh)
+    return PipelineModel(chunks, pp_mesh.get_group(), cfg.pp_schedule, activation_shape, tracer,
+                         tied, embedding_group)
+
+
+def _tied_copy(chunks: list[nn.Module], pp_mesh):
+    """(this rank's copy of the tied embedding, the embedding group) on the first and last pp
+    ranks; (None, None) on the others. Only the two members create the group (no other rank
+    calls new_group), so pp groups at other dp/tp coordinates create theirs independently."""
+    group = pp_mesh.get_group()
+    pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    if rank not in (0, pp - 1):
+        return None, None
+    if rank == 0:
+        tied = chunks[0].tok_embeddings.weight
+    else:
+        tied = chunks[-1].output.weight
+        tied.tied_to = "tok_embeddings.weight"
+    if pp > 2:
+        ends = [dist.get_global_rank(group, 0), dist.get_global_rank(group, pp - 1)]
+        group = dist.new_group(ends, use_local_synchronization=True)
+    return tied, group

@@ -20,6 +20,11 @@ summed over tp once per step (`sync_sequence_parallel_grads`).
 
 Parameters that are sharded carry `tp_sharded = True`; gradient-norm clipping sums their squares
 over tp and counts the replicated ones once.
+
+A weight shared by two planned modules (the embedding and head of a model with tied embeddings)
+stays one Parameter: both are split over the vocabulary into the same row slice, so the second
+module takes the first one's shard, and both gradients (the masked lookup's rows and the head's)
+accumulate into it.
 """
 
 from collections import defaultdict
@@ -346,6 +351,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg) -> nn.Module:
     if unknown:
         raise ValueError(f"tensor-parallel plan uses unknown styles {unknown}; known: {STYLES}")
     regions = {name for name, style in plan.items() if style in ("region", "attention")}
+    shared = _shared_weights(model, plan)
 
     for name, style in plan.items():
         module = model.get_submodule(name)
@@ -375,7 +381,28 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg) -> nn.Module:
         if getattr(module, "bias", None) is not None:
             raise ValueError(f"{name}: tensor parallelism here supports bias-free layers only")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+    for name, owner in shared.items():
+        module, weight = model.get_submodule(name), model.get_submodule(owner).weight
+        dims = {getattr(w, "tp_shard_dim", None) for w in (module.weight, weight)}
+        if module.weight.shape != weight.shape or len(dims) > 1:
+            raise ValueError(f"{name} shares {owner}'s weight but is split differently over tp")
+        module.weight = weight
     return model
+
+
+def _shared_weights(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """Planned modules whose weight is an earlier planned module's Parameter (tied embeddings):
+    {module: the module that owns the weight}."""
+    owners, shared = {}, {}
+    for name in plan:
+        weight = getattr(model.get_submodule(name), "weight", None)
+        if not isinstance(weight, nn.Parameter):
+            continue
+        if id(weight) in owners:
+            shared[name] = owners[id(weight)]
+        else:
+            owners[id(weight)] = name
+    return shared
 
 
 def sync_sequence_parallel_grads(model: nn.Module, group) -> None:

@@ -223,6 +223,10 @@ def apply_zero(model: nn.Module, mesh, dims, ds_config: dict, param_groups: list
         # DeepSpeed's name for a tensor-parallel shard: its norm sums these over tp.
         if getattr(param, "tp_sharded", False):
             param.tensor_model_parallel = True
+        # A tied embedding's copy on the last pipeline stage: counted once in the norm, on the
+        # first stage (DeepSpeed's own name for a weight replicated across stages).
+        if getattr(param, "tied_to", None):
+            param.ds_pipe_replicated = True
     engine, optimizer, _, _ = deepspeed.initialize(
         model=model, model_parameters=param_groups, config=ds_config, mpu=MeshMPU(mesh, dims),
         dist_init_required=False)

@@ -118,7 +118,7 @@ MODEL = dict(name="t", n_layers=2, n_heads=4, n_kv_heads=4, dim=32, ffn_dim=64, 
              vocab_size=64, max_seq_len=16, rope_theta=10000.0, norm_eps=1e-5, init_std=0.05)
 
 
-def _model_body(rank, tp, sp, kv_heads):
+def _model_body(rank, tp, sp, kv_heads, tied=False):
     from partrain.models import build_model
     from partrain.parallel.grads import clip_grad_norm
     from partrain.parallel.tensor import (apply_tensor_parallel, count_collectives,
@@ -126,7 +126,7 @@ def _model_body(rank, tp, sp, kv_heads):
                                           tp_step_collectives, vocab_parallel_cross_entropy)
     from torch.distributed.device_mesh import init_device_mesh
 
-    cfg = OmegaConf.create({**MODEL, "n_kv_heads": kv_heads})
+    cfg = OmegaConf.create({**MODEL, "n_kv_heads": kv_heads, "tie_embeddings": tied})
     dense = build_model(cfg, seed=1)
     tokens = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(2))
     target = tokens.roll(-1, dims=1)
@@ -144,6 +144,8 @@ def _model_body(rank, tp, sp, kv_heads):
         if sp:
             sync_sequence_parallel_grads(model, group)
         norm = clip_grad_norm(model.parameters(), float("inf"), group)
+    # Tied: one vocabulary shard shared by the embedding and the head, both gradients in it.
+    assert (model.output.weight is model.tok_embeddings.weight) == tied
     _close(loss.detach(), want.detach(), "model loss")
     _close(norm, want_norm, "gradient norm (each parameter counted once)")
 
@@ -172,9 +174,10 @@ def _model_body(rank, tp, sp, kv_heads):
         assert expected["all_reduce"]["bytes"] == ((4 * L + 2) * T * d + 3 * T + 1) * 4
 
 
-@pytest.mark.parametrize("tp,sp,kv_heads", [(2, False, 2),
-                                             pytest.param(4, False, 4, marks=pytest.mark.slow),
-                                             (2, True, 2)],
-                         ids=["tp2-gqa", "tp4", "tp2-sequence-parallel"])
-def test_model_matches_dense(tp, sp, kv_heads):
-    run_distributed(_model_body, tp, sp, kv_heads)
+@pytest.mark.parametrize("tp,sp,kv_heads,tied", [(2, False, 2, False),
+                                                  pytest.param(4, False, 4, False,
+                                                               marks=pytest.mark.slow),
+                                                  (2, True, 2, False), (2, False, 2, True)],
+                         ids=["tp2-gqa", "tp4", "tp2-sequence-parallel", "tp2-tied"])
+def test_model_matches_dense(tp, sp, kv_heads, tied):
+    run_distributed(_model_body, tp, sp, kv_heads, tied)

@@ -4,12 +4,20 @@ the same batch, and the run keeps layout parity: one process against dp2 x tp2 x
 rank reads only its slices of the safetensors file.
 
 The one-process run also draws its curves (train.tensorboard, train.wandb=offline), which
-test_curves_through_the_cli reads back: one run serves both, to keep the suite short."""
+test_curves_through_the_cli reads back: one run serves both, to keep the suite short.
+
+A tied Llama (tie_word_embeddings, no lm_head.weight) runs the same two layouts with
+model.tie_embeddings=true; dp2 x tp2 x pp2's step-5 checkpoint (the tied weight saved once) is
+resumed on ZeRO-1 dp2 x pp2, where the two copies' gradients are summed before DeepSpeed reduces
+them."""
+
+import shutil
 
 import pytest
 import torch
 
-from tests.integration.conftest import PARITY_COMMON, assert_parity, read_metrics
+from tests.integration.conftest import (PARITY_COMMON, REFERENCE, assert_parity, read_metrics,
+                                        resume_layout)
 from tests.unit.test_hf import LLAMA3, LLAMA3_KEYS, hf_llama
 
 pytestmark = pytest.mark.slow
@@ -98,3 +106,59 @@ def test_curves_through_the_cli(imported):
         pytest.approx({r["step"]: r["loss"] for r in steps})
     assert not (imported[2]["3d"] / "tensorboard").exists()
     assert processes_mentioning(str(run_dir)) == []
+
+
+TIED = {"tie_word_embeddings": True, **FOUR_LAYERS}
+TIED_LAYOUTS = {"one": REFERENCE, "3d": LAYOUTS["3d"]}
+# What dp2 x tp2 x pp2's step-5 checkpoint is resumed on.
+TIED_RESUME = ("parallel.dp=2", "parallel.pp=2", "parallel.zero_stage=1",
+               "train.micro_batch_size=4")
+
+
+@pytest.fixture(scope="module")
+def imported_tied(tmp_path_factory, deepspeed_ops):
+    """The tied transformers model, the overrides, and run dirs by label: the two layouts and
+    the resume under ZeRO-1."""
+    from tests.integration.conftest import CLI
+
+    tmp_path, cli = tmp_path_factory.mktemp("hf-tied"), CLI()
+    hf = hf_llama(tmp_path / "hf", **TIED)
+    model = [f"model.init_from=hf:{tmp_path / 'hf'}", "model.tie_embeddings=true"]
+    runs = {}
+    try:
+        for name, layout in TIED_LAYOUTS.items():
+            res = cli.run("launch", *PARITY_COMMON, *model, *layout, "checkpoint.every=5",
+                          "--run-dir", str(tmp_path / name))
+            assert res.returncode == 0, res.stderr[-3000:]
+            runs[name] = tmp_path / name
+        resumed = tmp_path / "zero1"
+        shutil.copytree(runs["3d"], resumed)
+        shutil.rmtree(resumed / "checkpoints" / "step-00000010")
+        res = cli.run("launch", "--resume", str(resumed), *resume_layout(TIED_RESUME))
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert "resuming from step 5" in res.stdout
+        runs["3d resumed at step 5 on zero1 dp2 x pp2"] = resumed
+    finally:
+        cli.kill_all()
+    return hf, model, runs
+
+
+def test_tied_hf_weights_start_a_run_at_any_layout(imported_tied):
+    import torch.distributed.checkpoint as dcp
+
+    hf, model, run_dirs = imported_tied
+    runs = {name: read_metrics(run_dir)[0] for name, run_dir in run_dirs.items()}
+    for name, steps in runs.items():
+        if name != "one":
+            assert_parity(steps, runs["one"], f"tied hf import, {name} vs 1 process")
+    first = _first_batch_loss(hf, [*PARITY_COMMON[1:], *model[1:]])
+    for name in ("one", "3d"):
+        gap = abs(runs[name][0]["loss"] - first) / first
+        print(f"tied hf import, {name}: first loss {runs[name][0]['loss']} vs transformers "
+              f"{first} (rel {gap:.1e})")
+        assert gap <= 1e-5, (name, runs[name][0]["loss"], first)
+    # The tied weight is saved once, under the embedding's name, by every layout.
+    keys = dcp.FileSystemReader(run_dirs["3d"] / "checkpoints" / "step-00000005") \
+        .read_metadata().state_dict_metadata
+    assert "model.tok_embeddings.weight" in keys and "optim.tok_embeddings.weight.exp_avg" in keys
+    assert not [k for k in keys if ".output." in k]

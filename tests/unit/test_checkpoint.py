@@ -317,6 +317,7 @@ def _refusal(checkpoint, *overrides: str) -> str:
     ("model.n_layers=2", "model.n_layers", "2", "4"),
     ("model.vocab_size=512", "model.vocab_size", "512", "256"),
     ("model.init_std=0.01", "model.init_std", "0.01", "0.02"),
+    ("model.tie_embeddings=true", "model.tie_embeddings", "true", "false"),
     ("train.seed=5", "train.seed", "5", "0"),
     ("train.global_batch_size=32", "train.global_batch_size", "32", "16"),
     ("train.seq_len=128", "train.seq_len", "128", "256"),
@@ -377,7 +378,9 @@ def test_init_from_checks_the_shape(tmp_path):
     assert check_init_from(validated()[0]) is None
     for override, key, new, old in [("model.dim=256", "model.dim", 256, 128),
                                     ("model.n_kv_heads=4", "model.n_kv_heads", 4, 2),
-                                    ("model.vocab_size=512", "model.vocab_size", 512, 256)]:
+                                    ("model.vocab_size=512", "model.vocab_size", 512, 256),
+                                    ("model.tie_embeddings=true", "model.tie_embeddings", "true",
+                                     "false")]:
         cfg, _, _ = validated(f"model.init_from={tmp_path}", override)
         with pytest.raises(ConfigError) as e:
             check_init_from(cfg)

@@ -306,7 +306,10 @@ def test_export_of_a_llama3_model_round_trips(run_main, tmp_path):
      ["model.n_layers=3", "model.vocab_size=512", "add model.n_layers=2 model.vocab_size=256"]),
     ({"rope_parameters": LLAMA3}, {}, ["model.rope_type=default but config.json says llama3",
                                        "model.rope_theta=500000.0"]),
-    ({"tie_word_embeddings": True}, {}, ["tie_word_embeddings=true", "not imported yet"]),
+    ({"tie_word_embeddings": True}, {}, ["model.tie_embeddings=false but config.json says true",
+                                         "add model.tie_embeddings=true"]),
+    ({}, {"tie_embeddings": True}, ["model.tie_embeddings=true but config.json says false",
+                                    "add model.tie_embeddings=false"]),
     ({"hidden_act": "gelu"}, {}, ["hidden_act='gelu'", "silu"]),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}}, {},
      ["rope_type='yarn'", "default and llama3"]),
@@ -346,6 +349,7 @@ def _rewrite_config(path, **changes):
     ({"rope_parameters": "x"}, ["rope_parameters='x'", "object"]),
     ({"rms_norm_eps": None}, ["rms_norm_eps=None", "finite number"]),
     ({"num_hidden_layers": True}, ["num_hidden_layers=True"]),
+    ({"tie_word_embeddings": "yes"}, ["tie_word_embeddings='yes'", "true or false"]),
 ])
 def test_import_refuses_a_malformed_config_json(tmp_path, changes, fragments):
     from partrain.errors import ConfigError

@@ -244,3 +244,36 @@ def test_lr_with_composed_config():
     assert lr_at(cfg.optim.warmup_steps, cfg.optim, cfg.train.max_steps) == pytest.approx(cfg.optim.lr)
     assert lr_at(cfg.train.max_steps, cfg.optim, cfg.train.max_steps) == pytest.approx(
         cfg.optim.lr * cfg.optim.min_lr_ratio)
+
+
+# Tied embeddings (model.tie_embeddings): the head's weight is the embedding's.
+
+def test_tied_model_has_one_vocab_matrix_and_sums_both_gradients():
+    tied, untied = model_cfg("tie_embeddings=true"), model_cfg()
+    model = build_model(tied, seed=0)
+    assert model.output.weight is model.tok_embeddings.weight
+    assert "output.weight" not in dict(model.named_parameters())
+    assert sum(p.numel() for p in model.parameters()) == count_params(tied) \
+        == count_params(untied) - untied.vocab_size * untied.dim
+    # The same function as an untied model whose head holds the embedding's values; the tied
+    # weight's gradient is the lookup's plus the head's.
+    reference = build_model(untied, seed=0)
+    reference.load_state_dict({**model.state_dict(), "output.weight": model.output.weight})
+    x = torch.randint(0, tied.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    for m in (model, reference):
+        F.cross_entropy(m(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+    want = reference.tok_embeddings.weight.grad + reference.output.weight.grad
+    torch.testing.assert_close(model.tok_embeddings.weight.grad, want, rtol=1e-6, atol=1e-7)
+    assert reference.tok_embeddings.weight.grad.norm() > 0
+    assert reference.output.weight.grad.norm() > 0
+
+
+def test_tied_llama_1b_is_llama_3_2_1b():
+    model = compose("model=llama-1b", "model.tie_embeddings=true").model
+    assert count_params(model) == 1_235_814_400
+
+
+def test_flops_per_token_of_a_tied_model_counts_the_head():
+    cfg = model_cfg("tie_embeddings=true")
+    assert flops_per_token(cfg, 128) == 6 * count_params(cfg) + 6 * cfg.n_layers * 128 * cfg.dim
+    assert flops_per_token(cfg, 128) == flops_per_token(model_cfg(), 128)

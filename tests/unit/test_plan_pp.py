@@ -60,3 +60,19 @@ def test_human_plan_draws_the_timeline(run_main):
 
 def test_no_pipeline_section_without_pp(run_main):
     assert _plan(run_main)["pipeline"] is None
+
+
+def test_tied_embedding_counts_once_in_the_model_and_on_each_end_stage(run_main):
+    """A tied head is a copy of the embedding on the last stage: real memory there, one
+    parameter of the model."""
+    untied = _plan(run_main, "parallel.pp=2", "parallel.dp=1")
+    plan = _plan(run_main, "parallel.pp=2", "parallel.dp=1", "model.tie_embeddings=true")
+    matrix = 256 * 128
+    assert plan["model"]["params"] == untied["model"]["params"] - matrix
+    assert [s["params_per_rank"] for s in plan["pipeline"]["stages"]] == \
+        [s["params_per_rank"] for s in untied["pipeline"]["stages"]]
+    one = _plan(run_main, "model.tie_embeddings=true")
+    assert one["model"]["params_per_rank"] == one["model"]["params"]
+    assert (plan["model"]["tie_embeddings"], untied["model"]["tie_embeddings"]) == (True, False)
+    shown = run_main("plan", "parallel.pp=2", "parallel.dp=1", "model.tie_embeddings=true")
+    assert "norm + tied head + loss" in shown.stdout

@@ -1,13 +1,17 @@
 """The parallel layout as arithmetic (ParallelDims) and as a torch DeviceMesh.
 
-Rank order, outermost to innermost: pp, dp, tp. Global rank = (pp_rank * dp + dp_rank) * tp +
-tp_rank, so a tp group is consecutive ranks (one node) and a pp group is spread the widest.
-The arithmetic needs no process group, so `partrain plan` and the unit tests use it directly.
+Rank order, outermost to innermost: pp, dp, cp, tp. Global rank =
+((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank, so a tp group is consecutive ranks (one
+node), a cp group the next closest (its ring exchanges every layer), and a pp group is spread the
+widest. Gradients are reduced over dp x cp: cp ranks hold the same parameters and see different
+tokens of the same sequences, exactly as dp ranks see different sequences. The arithmetic needs
+no process group, so `partrain plan` and the unit tests use it directly.
 """
 
+import itertools
 from dataclasses import dataclass
 
-DIM_NAMES = ("pp", "dp", "tp")
+DIM_NAMES = ("pp", "dp", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -15,7 +19,8 @@ class ParallelDims:
     pp: int
     dp: int
     tp: int
-    zero_stage: int = 0  # 0 = DDP over dp; 1-3 = DeepSpeed ZeRO over dp
+    zero_stage: int = 0  # 0 = DDP over dp x cp; 1-3 = DeepSpeed ZeRO over dp x cp
+    cp: int = 1  # context parallelism: each sequence split over cp ranks
 
     @property
     def zero_enabled(self) -> bool:
@@ -23,15 +28,24 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
 
     @property
-    def shape(self) -> tuple[int, int, int]:
-        return (self.pp, self.dp, self.tp)
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.pp, self.dp, self.cp, self.tp)
 
     @property
     def dp_enabled(self) -> bool:
         return self.dp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def dp_cp(self) -> int:
+        """The ranks that reduce gradients together (and that ZeRO shards over)."""
+        return self.dp * self.cp
 
     @property
     def tp_enabled(self) -> bool:
@@ -42,28 +56,32 @@ class ParallelDims:
         return self.pp > 1
 
     def coords(self, rank: int) -> dict[str, int]:
-        """The (pp, dp, tp) coordinates of a global rank."""
+        """The (pp, dp, cp, tp) coordinates of a global rank."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world size {self.world_size}")
-        return {"pp": rank // (self.dp * self.tp), "dp": rank // self.tp % self.dp,
-                "tp": rank % self.tp}
+        return {"pp": rank // (self.dp * self.cp * self.tp),
+                "dp": rank // (self.cp * self.tp) % self.dp,
+                "cp": rank // self.tp % self.cp, "tp": rank % self.tp}
 
-    def rank(self, pp: int, dp: int, tp: int) -> int:
-        return (pp * self.dp + dp) * self.tp + tp
+    def rank(self, pp: int, dp: int, tp: int, cp: int = 0) -> int:
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
 
     def groups(self, dim: str) -> list[list[int]]:
-        """Every group of one dimension: the ranks that differ only in that coordinate."""
+        """Every group of one dimension: the ranks that differ only in that coordinate, ordered
+        by the other coordinates (outermost first)."""
         size = dict(zip(DIM_NAMES, self.shape))
         others = [d for d in DIM_NAMES if d != dim]
         groups = []
-        for a in range(size[others[0]]):
-            for b in range(size[others[1]]):
-                fixed = {others[0]: a, others[1]: b}
-                groups.append([self.rank(**fixed, **{dim: i}) for i in range(size[dim])])
+        for fixed in itertools.product(*(range(size[d]) for d in others)):
+            at = dict(zip(others, fixed))
+            groups.append([self.rank(**at, **{dim: i}) for i in range(size[dim])])
         return groups
 
     def build_mesh(self, device_type: str):
-        """The 3-D DeviceMesh named ("pp", "dp", "tp"); needs an initialised default group."""
+        """The 4-D DeviceMesh named ("pp", "dp", "cp", "tp"), with "dp_cp", dp and cp flattened
+        (the gradient-reduction group); needs an initialised default group."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, self.shape, mesh_dim_names=DIM_NAMES)
+        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=DIM_NAMES)
+        mesh["dp", "cp"]._flatten("dp_cp")
+        return mesh

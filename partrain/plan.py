@@ -32,7 +32,7 @@ SHOWN_AT_EACH_END = 8
 def build_plan(cfg: DictConfig, world: World, warnings: list[str]) -> dict:
     """The plan as plain data (what --json prints); cfg must be resolved and validated."""
     p, t = cfg.parallel, cfg.train
-    dims = ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp)
+    dims = ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp, cp=p.cp)
     stages = _stages(cfg, dims)
     params_per_rank = max(s["params_per_rank"] for s in stages)
     # A plan is for the machine the config names; `auto` is planned as GPUs.
@@ -50,7 +50,8 @@ def build_plan(cfg: DictConfig, world: World, warnings: list[str]) -> dict:
         "world_size": world.size,
         "nnodes": world.nnodes,
         "nproc_per_node": world.nproc_per_node,
-        "degrees": {"pp": dims.pp, "dp": dims.dp, "tp": dims.tp, "zero_stage": p.zero_stage},
+        "degrees": {"pp": dims.pp, "dp": dims.dp, "cp": dims.cp, "tp": dims.tp,
+                    "zero_stage": p.zero_stage},
         "ranks": ranks,  # every rank, or the first and last SHOWN_AT_EACH_END of a large world
         "ranks_complete": full,
         "groups": {dim: dims.groups(dim) for dim in DIM_NAMES} if full else None,
@@ -90,7 +91,8 @@ def _group_pattern(dims: ParallelDims, dim: str) -> dict:
     """One dimension's groups without listing them: how many, their size, the stride between
     members, and the first and last group."""
     size = dict(zip(DIM_NAMES, dims.shape))
-    stride = {"pp": dims.dp * dims.tp, "dp": dims.tp, "tp": 1}[dim]
+    stride = {"pp": dims.dp * dims.cp * dims.tp, "dp": dims.cp * dims.tp, "cp": dims.tp,
+              "tp": 1}[dim]
     count = dims.world_size // size[dim]
     last_start = dims.rank(**{d: size[d] - 1 for d in DIM_NAMES if d != dim}, **{dim: 0})
     return {"groups": count, "size": size[dim], "stride": stride,

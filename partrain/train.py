@@ -42,6 +42,7 @@ from partrain.launch.preemption import PreemptionFlag
 from partrain.mesh import ParallelDims
 from partrain.metrics import MetricsLog, ProgressDisplay, format_step, peak_flops, summary_table
 from partrain.models import build_model, flops_per_token
+from partrain.parallel.context import apply_context_parallel, shard_batch
 from partrain.parallel.data import apply_data_parallel
 from partrain.parallel.grads import average_gradients, clip_grad_norm
 from partrain.parallel.pipeline import apply_pipeline_parallel
@@ -81,12 +82,13 @@ def lr_at(step: int, optim_cfg, max_steps: int) -> float:
 
 def _global_mean(value: torch.Tensor, dims: ParallelDims, mesh) -> float:
     """A per-rank mean loss -> the mean over the global batch: summed over pp (only the last
-    stage holds a loss), averaged over dp (tp ranks already agree)."""
+    stage holds a loss), averaged over dp x cp (cp ranks hold equal shares of the same
+    sequences; tp ranks already agree)."""
     if dims.pp_enabled:
         dist.all_reduce(value, group=mesh["pp"].get_group())
-    if dims.dp_enabled:
-        dist.all_reduce(value, group=mesh["dp"].get_group())
-        value = value / dims.dp
+    if dims.dp_cp > 1:
+        dist.all_reduce(value, group=mesh["dp_cp"].get_group())
+        value = value / dims.dp_cp
     return value.item()
 
 
@@ -116,7 +118,7 @@ def forward_backward(model, micro, loss_fn, dims, device, autocast, tracer=None,
     loss_sum = torch.zeros((), device=device)
     for i, (x, y) in enumerate(micro):
         last = i == len(micro) - 1
-        ddp = train and dims.dp_enabled and not dims.zero_enabled
+        ddp = train and dims.dp_cp > 1 and not dims.zero_enabled
         with model.no_sync() if ddp and not last else nullcontext():
             with tracer.span(f"F{i}", "compute"), torch.set_grad_enabled(train), autocast:
                 loss = loss_fn(model(x.to(device)), y.to(device)) / len(micro)
@@ -152,8 +154,8 @@ def train_step(model, optimizer, micro, loss_fn, dims, mesh, device, autocast, g
             model.step()
         return _global_mean(loss, dims, mesh), float(model.get_global_grad_norm())
     with tracer.span("gradients: dp average, clip", "comm"):
-        if dims.pp_enabled and dims.dp_enabled:
-            average_gradients(model.parameters(), mesh["dp"].get_group())
+        if dims.pp_enabled and dims.dp_cp > 1:
+            average_gradients(model.parameters(), mesh["dp_cp"].get_group())
         tp_group = mesh["tp"].get_group() if dims.tp_enabled else None
         if sequence_parallel:
             sync_sequence_parallel_grads(model, tp_group)
@@ -175,6 +177,8 @@ def evaluate(model, splits, loss_fn, cfg, dims, mesh, coords, device, autocast) 
             splits.val, i, global_batch_size=t.global_batch_size,
             micro_batch_size=t.micro_batch_size, dp=dims.dp, dp_rank=coords["dp"],
             seq_len=t.seq_len, seed=t.seed, split="val")
+        if dims.cp_enabled:
+            micro = shard_batch(micro, dims.cp, coords["cp"])
         total += forward_backward(model, micro, loss_fn, dims, device, autocast, train=False)
     model.train()
     return _global_mean(total / t.eval_batches, dims, mesh)
@@ -197,7 +201,7 @@ def _keep_metrics_until(path: Path, step: int) -> None:
 def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) -> None:
     p, t = cfg.parallel, cfg.train
     rank = dist.get_rank()
-    dims = ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp, zero_stage=p.zero_stage)
+    dims = ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp, zero_stage=p.zero_stage, cp=p.cp)
     mesh = dims.build_mesh(device.type)
     coords = dims.coords(rank)
     log.info("rank %d of %d: mesh coordinates %s on %s", rank, dims.world_size, coords, device)
@@ -223,10 +227,13 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) 
     if dims.tp_enabled:
         model = apply_tensor_parallel(model, mesh["tp"], p)
     sequence_parallel = dims.tp_enabled and p.sequence_parallel
+    if dims.cp_enabled:
+        # Attention over the cp group; every other module works on this rank's tokens.
+        model = apply_context_parallel(model, mesh["cp"], p, t.seq_len)
     if dims.pp_enabled:
-        # What flows between stages: the residual stream of one micro-batch (a sequence shard
-        # of it under sequence parallelism).
-        seq = t.seq_len // dims.tp if sequence_parallel else t.seq_len
+        # What flows between stages: the residual stream of one micro-batch (this cp rank's
+        # tokens of it, and a sequence shard of those under sequence parallelism).
+        seq = t.seq_len // dims.cp // (dims.tp if sequence_parallel else 1)
         model = apply_pipeline_parallel(model, mesh["pp"], p,
                                         (t.micro_batch_size, seq, cfg.model.dim), tracer)
     # Checkpoint weights go into this rank's shards now, before DDP or ZeRO take the model: each
@@ -244,10 +251,10 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) 
         model, optimizer = apply_zero(model, mesh, dims, ds_config,
                                       param_groups(model, cfg.optim))
     else:
-        if dims.dp_enabled and not dims.pp_enabled:
-            # Under pp the executor runs forward and backward; gradients are averaged over dp
-            # after the schedule (train_step) instead.
-            model = apply_data_parallel(model, mesh["dp"])
+        if dims.dp_cp > 1 and not dims.pp_enabled:
+            # Gradients are averaged over dp x cp. Under pp the executor runs forward and
+            # backward; they are averaged after the schedule (train_step) instead.
+            model = apply_data_parallel(model, mesh["dp_cp"])
         optimizer = build_optimizer(model, cfg.optim)
     if resume:
         load_optimizer(model, optimizer, resume.path, tp_mesh, dims.zero_enabled)
@@ -280,7 +287,8 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) 
 
     checkpointer = Checkpointer(run_dir, cfg.checkpoint, OmegaConf.to_yaml(cfg), report)
     display.print(f"partrain: {cfg.model.name} ({n_params:,} parameters, {rank_params:,} on rank "
-                  f"0), {splits.description}, layout pp={dims.pp} dp={dims.dp} tp={dims.tp}"
+                  f"0), {splits.description}, layout pp={dims.pp} dp={dims.dp}"
+                  f"{f' cp={dims.cp} ({p.cp_method})' if dims.cp_enabled else ''} tp={dims.tp}"
                   f"{' +sp' if sequence_parallel else ''}, {t.global_batch_size} x "
                   f"{t.seq_len} tokens per step ({t.micro_batches} micro-batches of "
                   f"{t.micro_batch_size} per dp rank)")
@@ -307,6 +315,8 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) 
                 splits.train, step, global_batch_size=t.global_batch_size,
                 micro_batch_size=t.micro_batch_size, dp=dims.dp, dp_rank=coords["dp"],
                 seq_len=t.seq_len, seed=t.seed)
+            if dims.cp_enabled:
+                micro = shard_batch(micro, dims.cp, coords["cp"])
             tracer.at_step(step)
             with tracer.span(f"step {step}", "step"):
                 # A background save's copy of the state must be done before the update.
@@ -360,7 +370,8 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) 
         gathered = [None] * dims.world_size if rank == 0 else None
         dist.gather_object(tracer.spans, gathered, dst=0)
         if rank == 0:
-            labels = [f"rank {r} (pp {c['pp']}, dp {c['dp']}, tp {c['tp']})"
+            labels = [f"rank {r} (pp {c['pp']}, dp {c['dp']}, "
+                      + (f"cp {c['cp']}, " if dims.cp_enabled else "") + f"tp {c['tp']})"
                       for r, c in ((r, dims.coords(r)) for r in range(dims.world_size))]
             write_trace(run_dir / "trace.json", gathered, labels)
     if rank == 0 and history:

@@ -35,9 +35,11 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    dp: Any = "auto"  # data-parallel degree, or "auto" = world size / (tp * pp)
+    dp: Any = "auto"  # data-parallel degree, or "auto" = world size / (pp * cp * tp)
     tp: int = 1  # tensor-parallel degree (innermost mesh dimension)
     pp: int = 1  # pipeline-parallel degree (outermost mesh dimension)
+    cp: int = 1  # context-parallel degree: each sequence split over cp ranks (between dp and tp)
+    cp_method: str = "ring"  # ring (key/value blocks around a ring) | all_to_all (DeepSpeed-Ulysses)
     zero_stage: int = 0  # 0 = DDP; 1, 2, 3 = DeepSpeed ZeRO over the dp dimension
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
     pp_virtual_stages: int = 1  # model chunks per pp rank (interleaved_1f1b)

@@ -16,6 +16,7 @@ from partrain.errors import ConfigError
 from partrain.models.llama import ffn_dim
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+CP_METHODS = ("ring", "all_to_all")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 DEVICES = ("auto", "cpu", "cuda")
@@ -96,11 +97,11 @@ def _finite(cfg: DictConfig) -> None:
 
 
 def check_degrees(p: DictConfig) -> None:
-    """dp, tp and pp are whole and at least 1 (dp may be auto): checked before anything derives
-    a world size from them, so that a bad degree is named as itself."""
+    """dp, tp, pp and cp are whole and at least 1 (dp may be auto): checked before anything
+    derives a world size from them, so that a bad degree is named as itself."""
     if p.dp != "auto" and (isinstance(p.dp, bool) or not isinstance(p.dp, int)):
         raise ConfigError(f"parallel.dp={shown(p.dp)} must be a positive integer or 'auto'")
-    for key in ("dp", "tp", "pp"):
+    for key in ("dp", "tp", "pp", "cp"):
         value = p[key]
         if value != "auto" and value < 1:
             raise ConfigError(f"parallel.{key}={value} must be at least 1"
@@ -131,14 +132,14 @@ def resolve_world(cfg: DictConfig, nnodes: int | None, nproc_per_node: int | Non
             nproc, nproc_from = cuda_devices, "the visible GPUs"
         elif p.dp != "auto":
             # On CPU the degrees say how many processes: spread evenly over the nodes.
-            product = p.pp * p.dp * p.tp
+            product = p.pp * p.dp * p.cp * p.tp
             if product % nnodes:
                 raise ConfigError(
-                    f"pp({p.pp}) * dp({p.dp}) * tp({p.tp}) = {product} ranks cannot be spread "
-                    f"evenly over {nodes_from}={nnodes} nodes; change the degrees or the nodes, "
-                    "or give --nproc-per-node")
+                    f"{_product(p, p.dp)} = {product} ranks cannot be spread evenly over "
+                    f"{nodes_from}={nnodes} nodes; change the degrees or the nodes, or give "
+                    "--nproc-per-node")
             nproc = product // nnodes
-            nproc_from = (f"parallel.pp({p.pp}) * parallel.dp({p.dp}) * parallel.tp({p.tp})"
+            nproc_from = (_product(p, p.dp, "parallel.")
                           + (f" / nnodes({nnodes})" if nnodes > 1 else ""))
         else:
             raise ConfigError(
@@ -164,13 +165,20 @@ def check_startable(world: World) -> None:
             "(--nnodes) or smaller degrees")
 
 
+def _product(p: DictConfig, dp, prefix: str = "") -> str:
+    """The degrees' product as a message spells it; cp only where it is used."""
+    cp = f" * {prefix}cp({p.cp})" if p.cp > 1 else ""
+    return f"{prefix}pp({p.pp}) * {prefix}dp({dp}){cp} * {prefix}tp({p.tp})"
+
+
 def _resolve_dp(p: DictConfig, world: World) -> int:
     if p.dp == "auto":
-        inner = p.tp * p.pp
+        inner = p.tp * p.pp * p.cp
         if world.size % inner:
+            cp = f" * cp({p.cp})" if p.cp > 1 else ""
             raise ConfigError(
                 f"parallel.dp=auto needs the world size {world.size} to be divisible by "
-                f"pp({p.pp}) * tp({p.tp}) = {inner}"
+                f"pp({p.pp}){cp} * tp({p.tp}) = {inner}"
             )
         return world.size // inner
     check_degrees(p)
@@ -216,7 +224,7 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
             "(at most 128, starting with a letter or digit): it names the run dir under runs/ "
             "and the SLURM job")
     _finite(cfg)
-    _positive(cfg, ["parallel.tp", "parallel.pp", "parallel.pp_virtual_stages",
+    _positive(cfg, ["parallel.tp", "parallel.pp", "parallel.cp", "parallel.pp_virtual_stages",
                     "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.dim",
                     "model.vocab_size", "model.max_seq_len", "train.seq_len", "train.max_steps",
                     "train.global_batch_size", "train.micro_batch_size", "train.micro_batches",
@@ -307,10 +315,10 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
             f"(got {p.pp_virtual_stages}); with one chunk per rank use 1f1b")
 
     dp = _resolve_dp(p, world)
-    product = p.pp * dp * p.tp
+    product = p.pp * dp * p.cp * p.tp
     if product != world.size:
         raise ConfigError(
-            f"pp({p.pp}) * dp({dp}) * tp({p.tp}) = {product} != world size {world.size} "
+            f"{_product(p, dp)} = {product} != world size {world.size} "
             f"(nnodes {world.nnodes} * nproc_per_node {world.nproc_per_node}, from "
             f"{world.nproc_from}); change the degrees, use parallel.dp=auto, or change the "
             "world size"
@@ -326,10 +334,12 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
         raise ConfigError(
             f"parallel.pp_schedule=interleaved_1f1b runs micro-batches in groups of pp: "
             f"train.micro_batches={mb} must be divisible by parallel.pp={p.pp}")
-    if p.sequence_parallel and t.seq_len % p.tp:
+    _check_cp(cfg)
+    if p.sequence_parallel and t.seq_len % (p.tp * p.cp):
         raise ConfigError(
             f"parallel.sequence_parallel=true splits the sequence over tp: train.seq_len="
-            f"{t.seq_len} must be divisible by parallel.tp={p.tp}")
+            f"{t.seq_len} must be divisible by parallel.tp={p.tp}"
+            + (f" * parallel.cp={p.cp} (each cp rank's share is split over tp)" if p.cp > 1 else ""))
     if t.seq_len > m.max_seq_len:
         raise ConfigError(
             f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
@@ -367,6 +377,28 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
             "tensor-parallel all-reduces will cross nodes, which is slow"
         )
     return warnings
+
+
+def _check_cp(cfg: DictConfig) -> None:
+    """Context parallelism's rules: the zigzag split and the all-to-all's head split."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    _choice("parallel.cp_method", p.cp_method, CP_METHODS)
+    if p.cp == 1:
+        return
+    if t.seq_len % (2 * p.cp):
+        raise ConfigError(
+            f"parallel.cp={p.cp} cuts each sequence into 2 * cp = {2 * p.cp} chunks (two per "
+            f"rank, for load balance under the causal mask): train.seq_len={t.seq_len} must be "
+            f"divisible by {2 * p.cp}")
+    if p.cp_method == "all_to_all":
+        for key, value in (("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads)):
+            if (value // p.tp) % p.cp:
+                per_rank = f"model.{key}={value} / parallel.tp={p.tp} = {value // p.tp}" \
+                    if p.tp > 1 else f"model.{key}={value}"
+                raise ConfigError(
+                    f"parallel.cp_method=all_to_all gives each cp rank 1/cp of the heads: "
+                    f"parallel.cp={p.cp} must divide {per_rank}; use parallel.cp_method=ring "
+                    "(no head rule) or another cp")
 
 
 def _check_zero(cfg: DictConfig) -> None:

@@ -129,20 +129,28 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        # Context parallelism (parallel/context.py) sets a ContextAttention here: x is then this
+        # rank's tokens of each sequence, at the global positions it names.
+        self.context = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x (batch, seq, dim); cos/sin the full rotary tables, cut here to x's sequence (under
+        """x (batch, seq, dim); cos/sin the full rotary tables, cut here to x's positions (under
         sequence parallelism x is already gathered to the full sequence at this point)."""
         bsz, seq, _ = x.shape
-        cos, sin = cos[:seq], sin[:seq]
+        if self.context is None:
+            cos, sin = cos[:seq], sin[:seq]
+        else:
+            cos, sin = cos[self.context.positions], sin[self.context.positions]
         q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim)
         k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            is_causal=True, enable_gqa=self.n_heads != self.n_kv_heads,
-        )
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if self.context is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                 enable_gqa=self.n_heads != self.n_kv_heads)
+        else:
+            out = self.context(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 

@@ -26,6 +26,8 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 METHODS = ("ring", "all_to_all")
 
@@ -197,6 +199,32 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
     return _AllToAll.apply(out[:, :, order], group, 2, 1)
 
 
-def context_attention(q, k, v, group, method: str) -> torch.Tensor:
-    """Causal attention for cp: `method` is parallel.cp_method."""
-    return (ring_attention if method == "ring" else all_to_all_attention)(q, k, v, group)
+class ContextAttention:
+    """What a cp model's Attention calls instead of SDPA: the method over this rank's cp group,
+    and the global positions of this rank's tokens (for the rotary tables)."""
+
+    def __init__(self, group, method: str, positions: torch.Tensor):
+        self.group, self.method, self.positions = group, method, positions
+        self._attend = ring_attention if method == "ring" else all_to_all_attention
+
+    def __call__(self, q, k, v):
+        return self._attend(q, k, v, self.group)
+
+
+def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, parallel_cfg,
+                           seq_len: int) -> nn.Module:
+    """Make every attention of `model` attend over the cp group (parallel_cfg.cp_method), for
+    sequences of seq_len tokens of which this rank holds its zigzag share (`shard_batch`)."""
+    group, rank = cp_mesh.get_group(), cp_mesh.get_local_rank()
+    positions = zigzag_positions(seq_len, cp_mesh.size(), rank).to(next(model.parameters()).device)
+    for module in model.modules():
+        if hasattr(module, "context") and hasattr(module, "wq"):
+            module.context = ContextAttention(group, parallel_cfg.cp_method, positions)
+    return model
+
+
+def shard_batch(micro: list, cp: int, rank: int) -> list:
+    """This cp rank's tokens of every (inputs, targets) micro-batch: its zigzag share of each
+    sequence. The targets go with their inputs, so the loss over the cp ranks' tokens together is
+    the loss over the whole sequence."""
+    return [(shard_sequence(x, cp, rank), shard_sequence(y, cp, rank)) for x, y in micro]

@@ -1,5 +1,5 @@
 """DeepSpeed ZeRO (parallel.zero_stage = 1, 2, 3): optimizer state, gradients and parameters
-sharded over the "dp" mesh dimension, instead of DDP.
+sharded over the "dp" mesh dimension (dp x cp under context parallelism), instead of DDP.
 
 `deepspeed_config(cfg)` derives the whole DeepSpeed JSON from partrain's config in one place
 (pure, no DeepSpeed import, so `partrain show` and validation use it); `parallel.deepspeed` adds
@@ -50,7 +50,10 @@ def derived_config(cfg, on_cuda: bool = False) -> dict:
                      "stage3_prefetch_bucket_size": int(0.9 * bucket)})
     dtype = compute_dtype(t.dtype, on_cuda)
     return {
-        "train_batch_size": t.global_batch_size,
+        # DeepSpeed counts a sequence once per data-parallel rank that sees it, and under cp its
+        # data-parallel group is dp x cp: cp times partrain's batch (bookkeeping only, as the
+        # accumulation and the loss scaling are partrain's).
+        "train_batch_size": t.global_batch_size * p.cp,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,
         "gradient_accumulation_steps": t.micro_batches,
         "managed_gradient_accumulation": False,
@@ -146,7 +149,7 @@ def deepspeed_config(cfg, on_cuda: bool = False) -> dict:
 
 
 class MeshMPU:
-    """DeepSpeed's `mpu` interface over partrain's (pp, dp, tp) mesh.
+    """DeepSpeed's `mpu` interface over partrain's (pp, dp, cp, tp) mesh.
 
     ZeRO partitions over the data-parallel group. DeepSpeed's "model parallel" group is every
     rank holding a different piece of one replica (pp x tp), over which it sums the gradient
@@ -156,25 +159,29 @@ class MeshMPU:
     def __init__(self, mesh, dims):
         self.dims = dims
         self.coords = dims.coords(dist.get_rank())
-        self._dp = mesh["dp"].get_group()
+        # Under cp the data-parallel group is dp x cp: cp ranks hold the same parameters and
+        # their gradients are averaged like dp's (DeepSpeed then counts each sequence cp times in
+        # its batch size: derived_config).
+        self._dp = mesh["dp_cp"].get_group()
         self._tp = mesh["tp"].get_group()
         self._pp = mesh["pp"].get_group()
         # One group per replica (the ranks sharing a dp coordinate); every rank takes part in
         # creating every group, as new_group requires, and keeps its own.
         for d in range(dims.dp):
-            ranks = [dims.rank(pp, d, tp) for pp in range(dims.pp) for tp in range(dims.tp)]
-            group = dist.new_group(ranks)
-            if d == self.coords["dp"]:
-                self._model, self._model_rank = group, ranks.index(dist.get_rank())
+            for c in range(dims.cp):
+                ranks = [dims.rank(pp, d, tp, c) for pp in range(dims.pp) for tp in range(dims.tp)]
+                group = dist.new_group(ranks)
+                if (d, c) == (self.coords["dp"], self.coords["cp"]):
+                    self._model, self._model_rank = group, ranks.index(dist.get_rank())
 
     def get_data_parallel_group(self):
         return self._dp
 
     def get_data_parallel_rank(self):
-        return self.coords["dp"]
+        return self.coords["dp"] * self.dims.cp + self.coords["cp"]
 
     def get_data_parallel_world_size(self):
-        return self.dims.dp
+        return self.dims.dp_cp
 
     def get_model_parallel_group(self):
         return self._model
@@ -195,7 +202,7 @@ class MeshMPU:
         return self.dims.tp
 
     def get_tensor_model_parallel_src_rank(self):
-        return self.dims.rank(self.coords["pp"], self.coords["dp"], 0)
+        return self.dims.rank(self.coords["pp"], self.coords["dp"], 0, self.coords["cp"])
 
     def get_pipeline_model_parallel_group(self):
         return self._pp

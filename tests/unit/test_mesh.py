@@ -1,5 +1,6 @@
-"""ParallelDims: the (pp, dp, tp) layout as arithmetic, checked against DESIGN.md's formula
-global rank = (pp_rank * dp + dp_rank) * tp + tp_rank, and against `partrain plan --json`."""
+"""ParallelDims: the (pp, dp, cp, tp) layout as arithmetic, checked against DESIGN.md's formula
+global rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank, and against
+`partrain plan --json`."""
 
 import itertools
 import json
@@ -8,35 +9,38 @@ import pytest
 
 from partrain.mesh import DIM_NAMES, ParallelDims
 
-SHAPES = [*itertools.product((1, 2), repeat=3), (2, 4, 2), (4, 2, 4), (1, 8, 1), (2, 2, 8)]
+# (pp, dp, cp, tp)
+SHAPES = [*itertools.product((1, 2), repeat=4), (2, 4, 1, 2), (4, 2, 1, 4), (1, 8, 1, 1),
+          (2, 2, 1, 8), (1, 2, 4, 2), (2, 1, 4, 1)]
 
 
-def design_rank(pp_rank, dp_rank, tp_rank, dims):
-    return (pp_rank * dims.dp + dp_rank) * dims.tp + tp_rank
+def design_rank(pp_rank, dp_rank, cp_rank, tp_rank, dims):
+    return ((pp_rank * dims.dp + dp_rank) * dims.cp + cp_rank) * dims.tp + tp_rank
 
 
 def all_coords(dims):
-    return itertools.product(range(dims.pp), range(dims.dp), range(dims.tp))
+    return itertools.product(range(dims.pp), range(dims.dp), range(dims.cp), range(dims.tp))
 
 
-@pytest.fixture(params=SHAPES, ids=lambda s: "pp{}-dp{}-tp{}".format(*s))
+@pytest.fixture(params=SHAPES, ids=lambda s: "pp{}-dp{}-cp{}-tp{}".format(*s))
 def dims(request):
-    pp, dp, tp = request.param
-    return ParallelDims(pp=pp, dp=dp, tp=tp)
+    pp, dp, cp, tp = request.param
+    return ParallelDims(pp=pp, dp=dp, tp=tp, cp=cp)
 
 
 def test_shape_and_flags(dims):
-    assert dims.shape == (dims.pp, dims.dp, dims.tp)
-    assert dims.world_size == dims.pp * dims.dp * dims.tp
-    assert (dims.pp_enabled, dims.dp_enabled, dims.tp_enabled) == (dims.pp > 1, dims.dp > 1,
-                                                                   dims.tp > 1)
+    assert dims.shape == (dims.pp, dims.dp, dims.cp, dims.tp)
+    assert dims.world_size == dims.pp * dims.dp * dims.cp * dims.tp
+    assert (dims.pp_enabled, dims.dp_enabled, dims.cp_enabled, dims.tp_enabled) == (
+        dims.pp > 1, dims.dp > 1, dims.cp > 1, dims.tp > 1)
+    assert dims.dp_cp == dims.dp * dims.cp
 
 
 def test_rank_matches_design_formula(dims):
     seen = set()
-    for pp_rank, dp_rank, tp_rank in all_coords(dims):
-        rank = dims.rank(pp=pp_rank, dp=dp_rank, tp=tp_rank)
-        assert rank == design_rank(pp_rank, dp_rank, tp_rank, dims)
+    for pp_rank, dp_rank, cp_rank, tp_rank in all_coords(dims):
+        rank = dims.rank(pp=pp_rank, dp=dp_rank, cp=cp_rank, tp=tp_rank)
+        assert rank == design_rank(pp_rank, dp_rank, cp_rank, tp_rank, dims)
         seen.add(rank)
     assert seen == set(range(dims.world_size))  # a bijection onto 0..world-1
 
@@ -45,12 +49,11 @@ def test_coords_and_rank_are_inverses(dims):
     for rank in range(dims.world_size):
         coords = dims.coords(rank)
         assert set(coords) == set(DIM_NAMES)
-        assert 0 <= coords["pp"] < dims.pp and 0 <= coords["dp"] < dims.dp
-        assert 0 <= coords["tp"] < dims.tp
+        assert all(0 <= coords[d] < n for d, n in zip(DIM_NAMES, dims.shape))
         assert dims.rank(**coords) == rank
-    for pp_rank, dp_rank, tp_rank in all_coords(dims):
-        rank = dims.rank(pp=pp_rank, dp=dp_rank, tp=tp_rank)
-        assert dims.coords(rank) == {"pp": pp_rank, "dp": dp_rank, "tp": tp_rank}
+    for pp_rank, dp_rank, cp_rank, tp_rank in all_coords(dims):
+        rank = dims.rank(pp=pp_rank, dp=dp_rank, cp=cp_rank, tp=tp_rank)
+        assert dims.coords(rank) == {"pp": pp_rank, "dp": dp_rank, "cp": cp_rank, "tp": tp_rank}
 
 
 @pytest.mark.parametrize("dim", DIM_NAMES)
@@ -80,9 +83,11 @@ def test_tp_groups_are_consecutive_ranks(dims):
         assert group[0] % dims.tp == 0
 
 
-def test_pp_groups_stride_by_dp_times_tp(dims):
+def test_cp_groups_stride_by_tp_and_pp_groups_by_the_rest(dims):
+    for group in dims.groups("cp"):
+        assert all(b - a == dims.tp for a, b in zip(group, group[1:]))
     for group in dims.groups("pp"):
-        assert all(b - a == dims.dp * dims.tp for a, b in zip(group, group[1:]))
+        assert all(b - a == dims.dp * dims.cp * dims.tp for a, b in zip(group, group[1:]))
 
 
 @pytest.mark.parametrize("rank", [-1, 8])
@@ -91,39 +96,47 @@ def test_coords_outside_world_is_an_error(rank):
         ParallelDims(pp=2, dp=2, tp=2).coords(rank)
 
 
-def test_known_layout_2x2x2():
+def test_known_layouts():
     dims = ParallelDims(pp=2, dp=2, tp=2)
     assert dims.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert dims.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert dims.groups("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert dims.coords(5) == {"pp": 1, "dp": 0, "tp": 1}
+    assert dims.coords(5) == {"pp": 1, "dp": 0, "cp": 0, "tp": 1}
+    dims = ParallelDims(pp=1, dp=2, tp=2, cp=2)
+    assert dims.groups("cp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert dims.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert dims.coords(6) == {"pp": 0, "dp": 1, "cp": 1, "tp": 0}
 
 
 # `partrain plan --json --world-size N` prints the same layout.
 PLAN_CASES = [
-    # (overrides, world size, expected (pp, dp, tp))
-    (["parallel.dp=auto"], 2, (1, 2, 1)),
+    # (overrides, world size, expected (pp, dp, cp, tp))
+    (["parallel.dp=auto"], 2, (1, 2, 1, 1)),
     (["parallel.dp=auto", "parallel.tp=2", "parallel.pp=2", "launcher.nproc_per_node=4"], 8,
-     (2, 2, 2)),
+     (2, 2, 1, 2)),
     (["parallel.dp=auto", "parallel.tp=2", "parallel.pp=2", "model.n_layers=8",
-      "train.micro_batch_size=2"], 16, (2, 4, 2)),
+      "train.micro_batch_size=2"], 16, (2, 4, 1, 2)),
     (["parallel.dp=auto", "parallel.tp=4", "parallel.pp=4", "model.n_kv_heads=4",
-      "launcher.nproc_per_node=8", "train.micro_batch_size=1"], 32, (4, 2, 4)),
-    (["parallel.dp=auto", "launcher.nproc_per_node=4", "train.micro_batch_size=1"], 8, (1, 8, 1)),
+      "launcher.nproc_per_node=8", "train.micro_batch_size=1"], 32, (4, 2, 1, 4)),
+    (["parallel.dp=auto", "launcher.nproc_per_node=4", "train.micro_batch_size=1"], 8,
+     (1, 8, 1, 1)),
+    (["parallel.dp=auto", "parallel.cp=2", "parallel.tp=2", "train.micro_batch_size=1"], 8,
+     (1, 2, 2, 2)),
 ]
 
 
 @pytest.mark.parametrize("overrides, world_size, shape", PLAN_CASES,
-                         ids=[f"ws{w}-pp{s[0]}-dp{s[1]}-tp{s[2]}" for _, w, s in PLAN_CASES])
+                         ids=[f"ws{w}-pp{s[0]}-dp{s[1]}-cp{s[2]}-tp{s[3]}" for _, w, s in PLAN_CASES])
 def test_plan_json_agrees_with_parallel_dims(run_main, overrides, world_size, shape):
     result = run_main("plan", *overrides, "--json", "--world-size", str(world_size))
     assert result.code == 0, result.stderr
     plan = json.loads(result.stdout)
-    dims = ParallelDims(*shape)
+    pp, dp, cp, tp = shape
+    dims = ParallelDims(pp=pp, dp=dp, tp=tp, cp=cp)
     per_node = plan["nproc_per_node"]
     assert plan["world_size"] == world_size == dims.world_size
     assert plan["nnodes"] * per_node == world_size
-    assert (plan["degrees"]["pp"], plan["degrees"]["dp"], plan["degrees"]["tp"]) == shape
+    assert tuple(plan["degrees"][d] for d in DIM_NAMES) == shape
     assert [r["rank"] for r in plan["ranks"]] == list(range(world_size))
     for r in plan["ranks"]:
         assert {k: r[k] for k in DIM_NAMES} == dims.coords(r["rank"])

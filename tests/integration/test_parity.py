@@ -166,3 +166,28 @@ def test_zero_parity(cli, tmp_path, single_process, deepspeed_ops, label, overri
     assert_parity(steps, single_process, label)
     assert_no_abort(tmp_path / "run")
     _resumes(cli, tmp_path, label, steps, single_process)
+
+
+# Context parallelism (parallel.cp): the sequence split over ranks, attention through the ring or
+# the all-to-all. The eight layouts; the ring is the default method.
+@pytest.mark.parametrize("label,overrides", [
+    ("cp2", ("parallel.dp=1", "parallel.cp=2", "train.micro_batch_size=16")),
+    ("cp4", ("parallel.dp=1", "parallel.cp=4", "train.micro_batch_size=16")),
+    ("dp2 x cp2", ("parallel.dp=2", "parallel.cp=2", "train.micro_batch_size=8")),
+    ("cp2 x tp2", ("parallel.dp=1", "parallel.cp=2", "parallel.tp=2",
+                   "train.micro_batch_size=16")),
+    ("cp2 x tp2 + sequence parallel", ("parallel.dp=1", "parallel.cp=2", "parallel.tp=2",
+                                       "parallel.sequence_parallel=true",
+                                       "train.micro_batch_size=16")),
+    ("cp2 x pp2", ("parallel.dp=1", "parallel.cp=2", "parallel.pp=2",
+                   "train.micro_batch_size=4")),
+    ("zero1 cp2", ("parallel.dp=1", "parallel.cp=2", "parallel.zero_stage=1",
+                   "train.micro_batch_size=16")),
+    ("cp2 all_to_all", ("parallel.dp=1", "parallel.cp=2", "parallel.cp_method=all_to_all",
+                        "train.micro_batch_size=16")),
+])
+@pytest.mark.slow
+def test_context_parallel_parity(cli, tmp_path, single_process, deepspeed_ops, label, overrides):
+    steps = _run(cli, tmp_path, "run", *overrides)
+    assert_parity(steps, single_process, label)
+    assert_no_abort(tmp_path / "run")

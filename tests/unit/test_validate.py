@@ -56,6 +56,35 @@ RULES = [
     ("vocab-tp", ["model.vocab_size=257", "parallel.tp=2", "parallel.dp=1"], (None, 2),
      ["parallel.tp=2 must divide model.vocab_size=257", "vocabulary"],
      ["model.vocab_size=258", "parallel.tp=2", "parallel.dp=1"], (None, 2)),
+    ("world-size-cp", ["parallel.dp=2", "parallel.cp=2"], (None, 2),
+     ["pp(1) * dp(2) * cp(2) * tp(1) = 4 != world size 2"],
+     ["parallel.dp=1", "parallel.cp=2"], (None, 2)),
+    ("dp-auto-divisible-cp", ["parallel.dp=auto", "parallel.cp=4"], (None, 6),
+     ["parallel.dp=auto", "world size 6", "pp(1) * cp(4) * tp(1) = 4"],
+     ["parallel.dp=auto", "parallel.cp=4"], (None, 8)),
+    ("cp-zero", ["parallel.cp=0", "parallel.dp=2"], (None, 2), ["parallel.cp=0", "at least 1"],
+     ["parallel.cp=1", "parallel.dp=2"], (None, 2)),
+    ("cp-method", ["parallel.cp_method=ulysses"], (None, None),
+     ["parallel.cp_method=ulysses is not one of: ring, all_to_all"],
+     ["parallel.cp_method=all_to_all"], (None, None)),
+    ("cp-zigzag-seq", ["parallel.cp=4", "parallel.dp=1", "train.seq_len=100"], (None, 4),
+     ["parallel.cp=4 cuts each sequence into 2 * cp = 8 chunks",
+      "train.seq_len=100 must be divisible by 8"],
+     ["parallel.cp=4", "parallel.dp=1", "train.seq_len=104"], (None, 4)),
+    ("cp-all-to-all-heads", ["parallel.cp=4", "parallel.dp=1", "parallel.cp_method=all_to_all"],
+     (None, 4), ["parallel.cp_method=all_to_all", "parallel.cp=4 must divide model.n_kv_heads=2",
+                 "parallel.cp_method=ring"],
+     ["parallel.cp=2", "parallel.dp=2", "parallel.cp_method=all_to_all"], (None, 4)),
+    ("cp-all-to-all-heads-tp", ["parallel.cp=2", "parallel.tp=2", "parallel.dp=1",
+                                "parallel.cp_method=all_to_all"], (None, 4),
+     ["parallel.cp=2 must divide model.n_kv_heads=2 / parallel.tp=2 = 1"],
+     ["parallel.cp=2", "parallel.tp=2", "parallel.dp=1"], (None, 4)),
+    ("cp-sequence-parallel-seq", ["parallel.sequence_parallel=true", "parallel.tp=4",
+                                  "model.n_kv_heads=4", "parallel.cp=2", "parallel.dp=1",
+                                  "train.seq_len=260"],
+     (None, 8), ["train.seq_len=260 must be divisible by parallel.tp=4 * parallel.cp=2"],
+     ["parallel.sequence_parallel=true", "parallel.tp=4", "model.n_kv_heads=4", "parallel.cp=2",
+      "parallel.dp=1", "train.seq_len=264"], (None, 8)),
     ("sequence-parallel-seq", ["parallel.sequence_parallel=true", "parallel.tp=2",
                                "parallel.dp=1", "train.seq_len=255"], (None, 2),
      ["parallel.sequence_parallel=true", "train.seq_len=255 must be divisible by parallel.tp=2"],
@@ -234,7 +263,7 @@ def test_rule_rejects_bad_and_accepts_good_neighbour(bad, bad_world, fragments, 
     assert "\n" not in message  # one line: key, value, rule
     cfg, world, _ = validated(*good, nnodes=good_world[0], nproc=good_world[1])
     p, t = cfg.parallel, cfg.train
-    assert p.pp * p.dp * p.tp == world.size
+    assert p.pp * p.dp * p.cp * p.tp == world.size
     assert t.global_batch_size == t.micro_batch_size * t.micro_batches * p.dp
 
 

@@ -16,6 +16,7 @@ from partrain.mesh import DIM_NAMES, ParallelDims
 from partrain.models.llama import count_params, count_params_per_rank, flops_per_token, tied
 from partrain.parallel.pipeline import stage_layers
 from partrain.parallel.schedules import bubble_theory, build_schedule, simulate
+from partrain.parallel.context import activation_bytes, cp_traffic
 from partrain.parallel.tensor import tp_collectives, tp_step_collectives
 from partrain.checkpoint.state import true_size
 from partrain.parallel.zero import zero_memory
@@ -71,6 +72,7 @@ def build_plan(cfg: DictConfig, world: World, warnings: list[str]) -> dict:
                   "flops_per_token": flops_per_token(cfg.model, t.seq_len)},
         "memory": _memory(p.zero_stage, params_per_rank, dims.dp, dtype),
         "tp_collectives": _tp_collectives(cfg, dims, stages, low_precision=dtype != "fp32"),
+        "context": _context(cfg, dims, stages, act_bytes=4 if dtype == "fp32" else 2),
         "pipeline": _pipeline(cfg, dims, stages) if dims.pp > 1 else None,
         "checkpoint": _checkpoint(cfg, params_per_rank, dims.dp),
         "warnings": warnings,
@@ -181,12 +183,35 @@ def _tp_collectives(cfg: DictConfig, dims: ParallelDims, stages: list[dict],
     for s in stages:
         per_rank[s["pp_rank"]] += s["blocks"][1] - s["blocks"][0] + 1
     stage = OmegaConf.merge(cfg.model, {"n_layers": max(per_rank)})
-    per_micro = tp_collectives(stage, t.micro_batch_size * t.seq_len, dims.tp, sp, low_precision)
+    # Under cp a tp group works on its cp rank's share of each sequence.
+    per_micro = tp_collectives(stage, t.micro_batch_size * t.seq_len // dims.cp, dims.tp, sp,
+                               low_precision)
     rows = [{**r, **{k: r[k] * t.micro_batches for k in ("calls", "bytes", "wire_bytes")}}
             for r in per_micro] + tp_step_collectives(stage, dims.tp, sp)
     return {"sequence_parallel": sp, "layers_per_tp_group": stage.n_layers, "per_step": rows,
             "bytes_per_step": sum(r["bytes"] for r in rows),
             "wire_bytes_per_step": sum(r["wire_bytes"] for r in rows)}
+
+
+def _context(cfg: DictConfig, dims: ParallelDims, stages: list[dict], act_bytes: int) -> dict:
+    """Context parallelism: what a rank of the busiest stage sends over its cp group per step,
+    and the activations of one micro-batch it keeps (at this cp and, for contrast, at cp=1)."""
+    p, t = cfg.parallel, cfg.train
+    per_rank = [0] * dims.pp
+    for s in stages:
+        per_rank[s["pp_rank"]] += s["blocks"][1] - s["blocks"][0] + 1
+    layers = max(per_rank)
+    rows = cp_traffic(cfg.model, t.micro_batch_size, t.seq_len, dims.cp, dims.tp, p.cp_method,
+                      layers, act_bytes)
+    rows = [{**r, "calls": r["calls"] * t.micro_batches, "bytes": r["bytes"] * t.micro_batches}
+            for r in rows]
+    at = {cp: activation_bytes(cfg.model, t.micro_batch_size, t.seq_len, cp, dims.tp, layers,
+                               act_bytes) for cp in {1, dims.cp}}
+    return {"cp": dims.cp, "method": p.cp_method if dims.cp > 1 else None,
+            "tokens_per_rank": t.seq_len // dims.cp, "per_step": rows,
+            "bytes_per_step": sum(r["bytes"] for r in rows),
+            "activation_bytes_per_micro_batch": at[dims.cp],
+            "activation_bytes_per_micro_batch_cp1": at[1]}
 
 
 def _size(n: float) -> str:
@@ -209,8 +234,9 @@ def print_plan(plan: dict, console: Console) -> None:
     console.print(Text.assemble(
         (plan["name"], "bold"),
         f": {plan['world_size']} ranks = {plan['nnodes']} node(s) x "
-        f"{plan['nproc_per_node']} per node; pp({d['pp']}) * dp({d['dp']}) * tp({d['tp']}) = "
-        f"{d['pp'] * d['dp'] * d['tp']}; zero_stage {d['zero_stage']}"))
+        f"{plan['nproc_per_node']} per node; pp({d['pp']}) * dp({d['dp']}) * "
+        + (f"cp({d['cp']}) * " if d["cp"] > 1 else "")
+        + f"tp({d['tp']}) = {d['pp'] * d['dp'] * d['cp'] * d['tp']}; zero_stage {d['zero_stage']}"))
     console.print(f"model {m['name']}: {m['params']:,} parameters, {m['params_per_rank']:,} per "
                   f"rank (tp={d['tp']} splits all but the norms), "
                   f"{m['flops_per_token'] / 1e9:.2f} GFLOP per token (training)")
@@ -219,11 +245,11 @@ def print_plan(plan: dict, console: Console) -> None:
         plan["ranks"][:TABLE_END_ROWS] + [None] + plan["ranks"][-TABLE_END_ROWS:])
     ranks = Table(title="ranks" if shown is plan["ranks"] else
                   f"ranks (the first and last {TABLE_END_ROWS} of {plan['world_size']:,})")
-    for col in ("rank", "node", "local_rank", "pp", "dp", "tp"):
+    cols = ("rank", "node", "local_rank", "pp", "dp", *(("cp",) if d["cp"] > 1 else ()), "tp")
+    for col in cols:
         ranks.add_column(col, justify="right")
     for r in shown:
-        ranks.add_row(*(["..."] * 6 if r is None else
-                        [str(r[c]) for c in ("rank", "node", "local_rank", "pp", "dp", "tp")]))
+        ranks.add_row(*(["..."] * len(cols) if r is None else [str(r[c]) for c in cols]))
     console.print(ranks)
 
     groups = Table(title="process groups (ranks that communicate along each dimension)")
@@ -301,6 +327,22 @@ def print_plan(plan: dict, console: Console) -> None:
                           _size(r["bytes"]), _size(r["wire_bytes"]))
         table.add_row("total", "", "", "", _size(tpc["bytes_per_step"]),
                       _size(tpc["wire_bytes_per_step"]))
+        console.print(table)
+    ctx = plan["context"]
+    console.print(f"activations kept per micro-batch per rank: "
+                  f"{_size(ctx['activation_bytes_per_micro_batch'])}"
+                  + (f" ({ctx['tokens_per_rank']:,} tokens of each sequence; "
+                     f"{_size(ctx['activation_bytes_per_micro_batch_cp1'])} at cp=1)"
+                     if ctx["cp"] > 1 else ""))
+    if ctx["per_step"]:
+        table = Table(title=f"context-parallel traffic per step, per rank of a cp group of "
+                            f"{ctx['cp']} ({ctx['method']})")
+        for col in ("where", "op", "calls", "bytes each", "sent"):
+            table.add_column(col, justify="left" if col in ("where", "op") else "right")
+        for r in ctx["per_step"]:
+            table.add_row(r["where"], r["op"], f"{r['calls']:,}", _size(r["bytes_each"]),
+                          _size(r["bytes"]))
+        table.add_row("total", "", "", "", _size(ctx["bytes_per_step"]))
         console.print(table)
     for warning in plan["warnings"]:
         console.print(Text.assemble(("warning:", "yellow"), " ", warning))

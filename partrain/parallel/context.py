@@ -22,6 +22,7 @@ skipped; the diagonal chunk pair is causal; the rest is full.
 """
 
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -44,10 +45,32 @@ def shard_sequence(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.T
     return x.index_select(dim, zigzag_positions(x.shape[dim], cp, rank).to(x.device))
 
 
+# Bytes this rank sends over its cp group, counted while `count_traffic` is open (the tests and
+# scripts/bench_cp.py check them against `cp_traffic`).
+_sent: list | None = None
+
+
+@contextmanager
+def count_traffic():
+    """Within the block, the list it yields collects the bytes of every cp send of this rank."""
+    global _sent
+    _sent = []
+    try:
+        yield _sent
+    finally:
+        _sent = None
+
+
+def _count(nbytes: int) -> None:
+    if _sent is not None:
+        _sent.append(nbytes)
+
+
 # ---- ring ------------------------------------------------------------------------------------
 def _exchange(tensor: torch.Tensor, group, rank: int, size: int):
     """Post: send `tensor` to the next rank of the ring, receive the previous rank's. Returns the
     receive buffer and the works to wait on."""
+    _count(tensor.numel() * tensor.element_size())
     buffer = torch.empty_like(tensor)
     to = dist.get_global_rank(group, (rank + 1) % size)
     frm = dist.get_global_rank(group, (rank - 1) % size)
@@ -175,6 +198,8 @@ class _AllToAll(torch.autograd.Function):
         ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
         size = dist.get_world_size(group)
         inputs = [t.contiguous() for t in x.chunk(size, dim=scatter_dim)]
+        _count(sum(t.numel() * t.element_size() for r, t in enumerate(inputs)
+                   if r != dist.get_rank(group)))
         outputs = [torch.empty_like(inputs[0]) for _ in range(size)]
         dist.all_to_all(outputs, inputs, group=group)
         return torch.cat(outputs, dim=gather_dim)
@@ -228,3 +253,49 @@ def shard_batch(micro: list, cp: int, rank: int) -> list:
     sequence. The targets go with their inputs, so the loss over the cp ranks' tokens together is
     the loss over the whole sequence."""
     return [(shard_sequence(x, cp, rank), shard_sequence(y, cp, rank)) for x, y in micro]
+
+
+# ---- accounting (no process group: `partrain plan` and scripts/bench_cp.py) ------------------
+def cp_traffic(model_cfg, micro_batch: int, seq_len: int, cp: int, tp: int, method: str,
+               layers: int, act_bytes: int = 4) -> list[dict]:
+    """What one rank sends over its cp group for one micro-batch, forward and backward, in the
+    attention of `layers` blocks (each rank holds heads/tp of them and seq_len/cp tokens).
+
+    ring: the key/value block (k and v of the rank's tokens) goes around the ring cp-1 times in
+    the forward and again in the backward, and the fp32 key/value gradients travel cp times.
+    all_to_all: each of q, k, v and the output (and their gradients in the backward) is
+    exchanged once, a rank keeping 1/cp of it and sending the rest."""
+    if cp == 1:
+        return []
+    head_dim = model_cfg.dim // model_cfg.n_heads
+    tokens = micro_batch * seq_len // cp
+    q = tokens * model_cfg.n_heads // tp * head_dim
+    kv = 2 * tokens * model_cfg.n_kv_heads // tp * head_dim
+    if method == "ring":
+        rows = [("key/value blocks (fwd)", "send/recv", layers * (cp - 1), kv * act_bytes),
+                ("key/value blocks (bwd)", "send/recv", layers * (cp - 1), kv * act_bytes),
+                ("key/value gradients (bwd)", "send/recv", layers * cp, kv * 4)]
+    else:
+        moved = (cp - 1) / cp
+        per_layer = (2 * q + kv) * act_bytes * moved  # q, k and v in, the output back
+        rows = [("q, k, v and output (fwd)", "all_to_all", layers * 4, round(per_layer / 4)),
+                ("their gradients (bwd)", "all_to_all", layers * 4, round(per_layer / 4))]
+    return [{"where": w, "op": op, "calls": n, "bytes_each": b, "bytes": n * b}
+            for w, op, n, b in rows]
+
+
+def activation_bytes(model_cfg, micro_batch: int, seq_len: int, cp: int, tp: int, layers: int,
+                     act_bytes: int = 4) -> int:
+    """The activations one micro-batch's forward keeps for its backward on one rank, counted as
+    the tensors partrain's blocks save: per token and block the two norm inputs and outputs, q,
+    k, v (rotated, and before rotation), the attention output and its projection's input, the
+    residual, and the MLP's w1, w3, SiLU and product (a tp rank holds heads/tp and ffn/tp of
+    them); attention's own state is its output and log-sum-exp, never a seq_len^2 matrix under
+    the ring. Linear in seq_len / cp: that is what cp buys."""
+    from partrain.models.llama import ffn_dim
+
+    head_dim = model_cfg.dim // model_cfg.n_heads
+    q = model_cfg.n_heads // tp * head_dim
+    kv = model_cfg.n_kv_heads // tp * head_dim
+    per_token = (5 * model_cfg.dim + 2 * (q + 2 * kv) + 2 * q + 4 * ffn_dim(model_cfg) // tp)
+    return micro_batch * (seq_len // cp) * layers * per_token * act_bytes

@@ -2,13 +2,15 @@
 single-process `scaled_dot_product_attention(is_causal=True)`: the output and the gradients of
 q, k and v, each rank's zigzag shard of them, for the ring (cp 2 and 4) and all-to-all (cp 2, 4)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from partrain.parallel.context import (all_to_all_attention, ring_attention, shard_sequence,
-                                       zigzag_positions)
+from partrain.parallel.context import (all_to_all_attention, count_traffic, cp_traffic,
+                                       ring_attention, shard_sequence, zigzag_positions)
 from tests.distributed.helpers import run_distributed
 
 pytestmark = pytest.mark.slow
@@ -42,8 +44,14 @@ def _check(rank, world_size, group, method, heads, kv_heads):
     ref.backward(dout)
     local = [shard_sequence(t, world_size, rank, dim=2).requires_grad_() for t in (q, k, v)]
     attention = ring_attention if method == "ring" else all_to_all_attention
-    out = attention(*local, group)
-    out.backward(shard_sequence(dout, world_size, rank, dim=2))
+    with count_traffic() as sent:
+        out = attention(*local, group)
+        out.backward(shard_sequence(dout, world_size, rank, dim=2))
+    # What the rank sent is what `partrain plan` and bench_cp.py account for one layer.
+    model = SimpleNamespace(dim=heads * 8, n_heads=heads, n_kv_heads=kv_heads)
+    rows = cp_traffic(model, 2, 32, world_size, 1, method, layers=1)
+    assert sum(sent) == sum(r["bytes"] for r in rows), (sent, rows)
+    assert len(sent) == sum(r["calls"] for r in rows)
     torch.testing.assert_close(out, shard_sequence(ref, world_size, rank, dim=2), rtol=1e-5, atol=1e-5)
     for name, mine, theirs in zip("qkv", local, full):
         torch.testing.assert_close(mine.grad, shard_sequence(theirs.grad, world_size, rank, dim=2),

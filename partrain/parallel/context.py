@@ -9,7 +9,8 @@ whole causal prefix, which the cp ranks exchange. Two methods:
   log-sum-exp (the online softmax of FlashAttention), so no rank ever holds the full score
   matrix. The backward runs the ring again, recomputing each block's probabilities from the
   saved log-sum-exp; the key/value gradients travel with their block and arrive back at its
-  owner after the last step.
+  owner after the last step. A block is computed by torch's fused flash kernel on CPU (the one
+  SDPA runs there, which returns the log-sum-exp) and by the written-out softmax elsewhere.
 - `all_to_all` (DeepSpeed-Ulysses): one all-to-all turns the sequence split into a head split,
   each rank runs ordinary causal attention over the whole sequence for 1/cp of the heads, and one
   all-to-all turns it back. Heads and kv heads must divide by cp.
@@ -31,6 +32,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 METHODS = ("ring", "all_to_all")
+# The ring's blocks on CPU go through torch's fused flash kernel; False writes the softmax out,
+# as on other devices (the tests run both).
+FUSED_ON_CPU = True
 
 
 def zigzag_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -110,6 +114,28 @@ def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
     return s
 
 
+def _block_forward(q, k, v, causal: bool, scale: float):
+    """One block's attention and its log-sum-exp, (out, lse), in fp32. On CPU torch's fused
+    flash kernel (the one SDPA runs) returns both; elsewhere the softmax is written out."""
+    if q.device.type == "cpu" and FUSED_ON_CPU:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale)
+    s = _scores(q, k, causal, scale)
+    return torch.softmax(s, dim=-1) @ v, torch.logsumexp(s, dim=-1)
+
+
+def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """(dq, dk, dv) of one block, given the final output and log-sum-exp of its queries (so that
+    the block's probabilities are its share of the whole row's softmax)."""
+    if q.device.type == "cpu" and FUSED_ON_CPU:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
+            lse.contiguous(), 0.0, causal, scale=scale)
+    p = torch.exp(_scores(q, k, causal, scale) - lse[..., None])
+    ds = p * (dout @ v.transpose(-1, -2) - (dout * out).sum(-1, keepdim=True))
+    return (ds @ k) * scale, (ds.transpose(-1, -2) @ q) * scale, p.transpose(-1, -2) @ dout
+
+
 class _RingAttention(torch.autograd.Function):
     """Causal attention over the cp ring. q (batch, heads, 2c, head_dim); k, v (batch, kv_heads,
     2c, head_dim): this rank's two zigzag chunks of c tokens each."""
@@ -127,9 +153,9 @@ class _RingAttention(torch.autograd.Function):
             src = (rank - step) % size
             keys, values = _expand(kv[0].float(), groups), _expand(kv[1].float(), groups)
             for i, j, causal in _pairs(rank, src, size):
-                s = _scores(qf[:, :, i * c:(i + 1) * c], keys[:, :, j * c:(j + 1) * c], causal, scale)
-                block_lse = torch.logsumexp(s, dim=-1)
-                block = torch.softmax(s, dim=-1) @ values[:, :, j * c:(j + 1) * c]
+                block, block_lse = _block_forward(qf[:, :, i * c:(i + 1) * c],
+                                                  keys[:, :, j * c:(j + 1) * c],
+                                                  values[:, :, j * c:(j + 1) * c], causal, scale)
                 if out[i] is None:
                     out[i], lse[i] = block, block_lse
                 else:
@@ -152,7 +178,6 @@ class _RingAttention(torch.autograd.Function):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         groups, c, scale = q.shape[1] // k.shape[1], q.shape[2] // 2, q.shape[-1] ** -0.5
         qf, dout = q.float(), dout.float()
-        delta = (dout * out).sum(-1)  # rowsum(dO * O): the softmax backward's correction
         dq = torch.zeros_like(qf)
         kv = torch.stack([k, v])
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
@@ -163,13 +188,13 @@ class _RingAttention(torch.autograd.Function):
             keys, values = _expand(kv[0].float(), groups), _expand(kv[1].float(), groups)
             dk, dv = torch.zeros_like(keys), torch.zeros_like(values)
             for i, j, causal in _pairs(rank, src, size):
-                qi, rows, cols = qf[:, :, i * c:(i + 1) * c], slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
-                p = torch.exp(_scores(qi, keys[:, :, cols], causal, scale) - lse[:, :, rows, None])
-                dv[:, :, cols] += p.transpose(-1, -2) @ dout[:, :, rows]
-                ds = p * (dout[:, :, rows] @ values[:, :, cols].transpose(-1, -2)
-                          - delta[:, :, rows, None])
-                dq[:, :, rows] += (ds @ keys[:, :, cols]) * scale
-                dk[:, :, cols] += (ds.transpose(-1, -2) @ qi) * scale
+                rows, cols = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
+                dq_i, dk_j, dv_j = _block_backward(
+                    dout[:, :, rows], qf[:, :, rows], keys[:, :, cols], values[:, :, cols],
+                    out[:, :, rows], lse[:, :, rows], causal, scale)
+                dq[:, :, rows] += dq_i
+                dk[:, :, cols] += dk_j
+                dv[:, :, cols] += dv_j
             dkv += torch.stack([_reduce_heads(dk, groups), _reduce_heads(dv, groups)])
             # The gradients follow their block to the next rank; after the last step they reach
             # the block's owner.

@@ -1,6 +1,7 @@
 """Context-parallel attention (partrain.parallel.context) on real gloo groups against
 single-process `scaled_dot_product_attention(is_causal=True)`: the output and the gradients of
-q, k and v, each rank's zigzag shard of them, for the ring (cp 2 and 4) and all-to-all (cp 2, 4)."""
+q, k and v, each rank's zigzag shard of them, for the ring (cp 2 and 4; its blocks through the
+fused CPU kernel and written out) and all-to-all (cp 2, 4), and the bytes each rank sent."""
 
 from types import SimpleNamespace
 
@@ -27,8 +28,11 @@ def test_zigzag_positions_cover_the_sequence_once_and_balance_the_work():
 
 
 def _check_both(rank, world_size, cases):
+    from partrain.parallel import context
+
     group = dist.new_group(list(range(world_size)))
-    for method, heads, kv_heads in cases:
+    for method, heads, kv_heads, *unfused in cases:
+        context.FUSED_ON_CPU = not unfused  # the written-out softmax, as off the CPU
         _check(rank, world_size, group, method, heads, kv_heads)
 
 
@@ -60,7 +64,7 @@ def _check(rank, world_size, group, method, heads, kv_heads):
 
 # One process group per cp degree serves every case (spawning ranks is the slow part).
 @pytest.mark.parametrize("cp, cases", [
-    (2, [("ring", 4, 2), ("all_to_all", 4, 2), ("ring", 2, 2)]),
+    (2, [("ring", 4, 2), ("all_to_all", 4, 2), ("ring", 2, 2), ("ring", 4, 2, "unfused")]),
     (4, [("ring", 4, 1), ("all_to_all", 8, 4)]),
 ])
 def test_context_attention_matches_sdpa(cp, cases):

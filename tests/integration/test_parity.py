@@ -36,6 +36,8 @@ RESUME_ON = {
     "zero2 dp2": ("parallel.dp=2", "parallel.pp=2", "parallel.zero_stage=1",
                   "train.micro_batch_size=4"),
     "zero3 dp2": ("parallel.dp=1", "parallel.tp=2", "train.micro_batch_size=4"),
+    # A context-parallel checkpoint holds the same names as any other: cp2 x tp2 -> dp2 x cp2.
+    "cp2 x tp2": ("parallel.dp=2", "parallel.cp=2", "parallel.tp=1", "train.micro_batch_size=8"),
 }
 # Parity labels also resumed on their own layout: bit-identical to the uninterrupted run (dp2 is
 # in test_checkpoint.py, dp4 in test_slurm.py).
@@ -191,3 +193,4 @@ def test_context_parallel_parity(cli, tmp_path, single_process, deepspeed_ops, l
     steps = _run(cli, tmp_path, "run", *overrides)
     assert_parity(steps, single_process, label)
     assert_no_abort(tmp_path / "run")
+    _resumes(cli, tmp_path, label, steps, single_process)

@@ -7,9 +7,10 @@ resumes on another layout (RESUME_ON): the run dir as a job killed after step 5'
 resumed on another layout for steps 6-10, is held to the same parity bound, every step; some are
 also resumed on their own layout (EXACT), which must be bit-identical."""
 
-import pytest
-
+import json
 import shutil
+
+import pytest
 
 from tests.integration.conftest import (PARITY_COMMON, PARITY_STEPS, REFERENCE, assert_no_abort,
                                         assert_parity, read_metrics, resume_layout)
@@ -167,6 +168,11 @@ def test_zero_parity(cli, tmp_path, single_process, deepspeed_ops, label, overri
     steps = _run(cli, tmp_path, "run", *overrides)
     assert_parity(steps, single_process, label)
     assert_no_abort(tmp_path / "run")
+    if "train.trace=true" in overrides:  # the trace names each rank's cp coordinate
+        trace = json.loads((tmp_path / "run" / "trace.json").read_text())
+        names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
+                 if e["name"] == "thread_name"}
+        assert names[1] == "rank 1 (pp 0, dp 0, cp 1, tp 0)", names
     _resumes(cli, tmp_path, label, steps, single_process)
 
 
@@ -182,7 +188,7 @@ def test_zero_parity(cli, tmp_path, single_process, deepspeed_ops, label, overri
                                        "parallel.sequence_parallel=true",
                                        "train.micro_batch_size=16")),
     ("cp2 x pp2", ("parallel.dp=1", "parallel.cp=2", "parallel.pp=2",
-                   "train.micro_batch_size=4")),
+                   "train.micro_batch_size=4", "train.trace=true")),
     ("zero1 cp2", ("parallel.dp=1", "parallel.cp=2", "parallel.zero_stage=1",
                    "train.micro_batch_size=16")),
     ("cp2 all_to_all", ("parallel.dp=1", "parallel.cp=2", "parallel.cp_method=all_to_all",
@@ -193,4 +199,9 @@ def test_context_parallel_parity(cli, tmp_path, single_process, deepspeed_ops, l
     steps = _run(cli, tmp_path, "run", *overrides)
     assert_parity(steps, single_process, label)
     assert_no_abort(tmp_path / "run")
+    if "train.trace=true" in overrides:  # the trace names each rank's cp coordinate
+        trace = json.loads((tmp_path / "run" / "trace.json").read_text())
+        names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
+                 if e["name"] == "thread_name"}
+        assert names[1] == "rank 1 (pp 0, dp 0, cp 1, tp 0)", names
     _resumes(cli, tmp_path, label, steps, single_process)

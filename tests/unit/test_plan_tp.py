@@ -1,7 +1,10 @@
 """`partrain plan` for tensor parallelism: what each rank holds and the tp collectives of a step,
-checked against arithmetic done here by hand from the tiny model's shape."""
+checked against arithmetic done here by hand from the tiny model's shape; and the context
+parallelism section."""
 
 import json
+
+import pytest
 
 from tests.unit.helpers import validated
 
@@ -71,3 +74,34 @@ def test_human_plan_shows_the_tp_table(run_main):
 def test_sequence_parallel_without_tp_is_a_warning():
     _, _, warnings = validated("parallel.sequence_parallel=true")
     assert warnings == ["parallel.sequence_parallel=true has no effect with parallel.tp=1"]
+
+
+# Context parallelism in the plan: the bytes a cp rank sends per step and the activations it keeps.
+
+@pytest.mark.parametrize("method", ["ring", "all_to_all"])
+def test_plan_shows_context_parallel_traffic_and_activations(run_main, method):
+    from omegaconf import OmegaConf
+
+    from partrain.config.schema import Config
+    from partrain.parallel.context import cp_traffic
+
+    result = run_main("plan", "parallel.cp=2", "parallel.dp=2", f"parallel.cp_method={method}",
+                      "--json")
+    assert result.code == 0, result.stderr
+    plan = json.loads(result.stdout)
+    ctx, batch = plan["context"], plan["batch"]
+    assert (ctx["cp"], ctx["method"], ctx["tokens_per_rank"]) == (2, method, batch["seq_len"] // 2)
+    model = OmegaConf.structured(Config).model  # the quickstart's tiny model
+    rows = cp_traffic(model, batch["micro_batch_size"], batch["seq_len"], 2, 1, method,
+                      model.n_layers)
+    assert ctx["bytes_per_step"] == batch["micro_batches"] * sum(r["bytes"] for r in rows) > 0
+    assert ctx["activation_bytes_per_micro_batch"] * 2 == ctx["activation_bytes_per_micro_batch_cp1"]
+    assert [g for g in plan["groups"]["cp"]] == [[0, 1], [2, 3]]
+    human = run_main("plan", "parallel.cp=2", "parallel.dp=2", f"parallel.cp_method={method}")
+    assert f"context-parallel traffic per step, per rank of a cp group of 2 ({method})" in \
+        " ".join(human.stdout.split())
+
+
+def test_plan_without_cp_has_no_context_traffic(run_main):
+    plan = json.loads(run_main("plan", "--json").stdout)
+    assert plan["context"]["per_step"] == [] and plan["context"]["method"] is None

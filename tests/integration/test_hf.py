@@ -58,18 +58,23 @@ def imported(tmp_path_factory):
     hf = hf_llama(tmp_path / "hf", LLAMA3, **FOUR_LAYERS)
     model = [f"model.init_from=hf:{tmp_path / 'hf'}",
              *(f"model.{key}={value}" for key, value in LLAMA3_KEYS.items())]
-    runs = {}
     try:
-        for name, layout in LAYOUTS.items():
-            run_dir = tmp_path / name
-            res = cli.run("launch", *PARITY_COMMON, *model, *layout, "--run-dir", str(run_dir),
-                          env={"WANDB_SILENT": "true"})
-            assert res.returncode == 0, res.stderr[-3000:]
-            assert "weights from the Hugging Face model" in res.stdout
-            runs[name] = run_dir
+        runs = _launch(cli, tmp_path, model, LAYOUTS, env={"WANDB_SILENT": "true"})
     finally:
         cli.kill_all()
     return hf, model, runs
+
+
+def _launch(cli, tmp_path, model, layouts, *more, env=None) -> dict:
+    """Each layout's run of the imported model (10 parity steps); run dirs by label."""
+    runs = {}
+    for name, layout in layouts.items():
+        res = cli.run("launch", *PARITY_COMMON, *model, *layout, *more,
+                      "--run-dir", str(tmp_path / name), env=env)
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert "weights from the Hugging Face model" in res.stdout
+        runs[name] = tmp_path / name
+    return runs
 
 
 def test_hf_llama3_weights_start_a_run_at_any_layout(imported):
@@ -127,13 +132,8 @@ def imported_tied(tmp_path_factory, deepspeed_ops):
     tmp_path, cli = tmp_path_factory.mktemp("hf-tied"), CLI()
     hf = hf_llama(tmp_path / "hf", **TIED)
     model = [f"model.init_from=hf:{tmp_path / 'hf'}", "model.tie_embeddings=true"]
-    runs = {}
     try:
-        for name, layout in TIED_LAYOUTS.items():
-            res = cli.run("launch", *PARITY_COMMON, *model, *layout, "checkpoint.every=5",
-                          "--run-dir", str(tmp_path / name))
-            assert res.returncode == 0, res.stderr[-3000:]
-            runs[name] = tmp_path / name
+        runs = _launch(cli, tmp_path, model, TIED_LAYOUTS, "checkpoint.every=5")
         resumed = tmp_path / "zero1"
         shutil.copytree(runs["3d"], resumed)
         shutil.rmtree(resumed / "checkpoints" / "step-00000010")

@@ -165,6 +165,11 @@ def test_pipeline_parallel_parity(cli, tmp_path, single_process, label, override
 ])
 @pytest.mark.slow
 def test_zero_parity(cli, tmp_path, single_process, deepspeed_ops, label, overrides):
+    _check_with_resumes(cli, tmp_path, single_process, label, overrides)
+
+
+def _check_with_resumes(cli, tmp_path, single_process, label, overrides):
+    """Parity, the clean exit of every rank, the named traces, and the resumes of the label."""
     steps = _run(cli, tmp_path, "run", *overrides)
     assert_parity(steps, single_process, label)
     assert_no_abort(tmp_path / "run")
@@ -196,12 +201,4 @@ def test_zero_parity(cli, tmp_path, single_process, deepspeed_ops, label, overri
 ])
 @pytest.mark.slow
 def test_context_parallel_parity(cli, tmp_path, single_process, deepspeed_ops, label, overrides):
-    steps = _run(cli, tmp_path, "run", *overrides)
-    assert_parity(steps, single_process, label)
-    assert_no_abort(tmp_path / "run")
-    if "train.trace=true" in overrides:  # the trace names each rank's cp coordinate
-        trace = json.loads((tmp_path / "run" / "trace.json").read_text())
-        names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
-                 if e["name"] == "thread_name"}
-        assert names[1] == "rank 1 (pp 0, dp 0, cp 1, tp 0)", names
-    _resumes(cli, tmp_path, label, steps, single_process)
+    _check_with_resumes(cli, tmp_path, single_process, label, overrides)

@@ -20,14 +20,15 @@ from tests.unit.helpers import one_line
 STEP = 7
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """A run dir holding one committed checkpoint of a small GQA model (4 heads, 2 kv heads) and
-    the model itself. The weights are perturbed so that no two rows or heads are alike, and the
-    optimizer has a step, as a trained checkpoint has."""
-    run_dir = tmp_path_factory.mktemp("hf") / "run"
+def saved_run(run_dir, step: int, **model_keys):
+    """A run dir holding one committed checkpoint (at `step`) of a small GQA model (4 heads, 2 kv
+    heads, 2 layers; `model_keys` override more) and the model itself. The weights are perturbed
+    so that no two rows or heads are alike, and the optimizer has a step, as a trained
+    checkpoint has."""
     cfg = OmegaConf.structured(Config)
     cfg.model.n_layers, cfg.model.max_seq_len = 2, 64
+    for key, value in model_keys.items():
+        cfg.model[key] = value
     model = build_model(cfg.model, seed=3)
     optimizer = torch.optim.AdamW(model.parameters())
     with torch.no_grad():
@@ -39,9 +40,14 @@ def saved(tmp_path_factory):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.save(build_state(model, optimizer, None, zero=False),
-                 checkpoint_id=store.tmp_dir(root, STEP))
-    store.commit(root, STEP, {"reason": "test"}, OmegaConf.to_yaml(cfg))
+                 checkpoint_id=store.tmp_dir(root, step))
+    store.commit(root, step, {"reason": "test"}, OmegaConf.to_yaml(cfg))
     return run_dir, model.eval()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    return saved_run(tmp_path_factory.mktemp("hf") / "run", STEP)
 
 
 def _batch(vocab=BYTES, seq=48):

@@ -4,41 +4,21 @@ partrain's logits; a tied transformers checkpoint (save_pretrained writes no lm_
 imports into one weight used by the embedding and the head."""
 
 import json
-import warnings
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from omegaconf import OmegaConf
 from safetensors import safe_open
 
 from partrain.checkpoint import store
-from partrain.checkpoint.state import build_state, checkpoint_model
-from partrain.config.schema import Config
-from partrain.models import build_model
-from tests.unit.test_hf import _batch, _model_cfg, _rel_l2, hf_llama
+from partrain.checkpoint.state import checkpoint_model
+from tests.unit.test_hf import _batch, _model_cfg, _rel_l2, hf_llama, saved_run
 
 
 @pytest.fixture(scope="module")
 def saved_tied(tmp_path_factory):
     """A run dir with one committed checkpoint of a tied model (perturbed weights, one step)."""
-    run_dir = tmp_path_factory.mktemp("hf-tied") / "run"
-    cfg = OmegaConf.structured(Config)
-    cfg.model.n_layers, cfg.model.max_seq_len, cfg.model.tie_embeddings = 2, 64, True
-    model = build_model(cfg.model, seed=3)
-    optimizer = torch.optim.AdamW(model.parameters())
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(5)) * 0.05)
-    model(torch.zeros(1, 8, dtype=torch.long)).sum().backward()
-    optimizer.step()
-    root = run_dir / store.CHECKPOINTS
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.save(build_state(model, optimizer, None, zero=False),
-                 checkpoint_id=store.tmp_dir(root, 1))
-    store.commit(root, 1, {"reason": "test"}, OmegaConf.to_yaml(cfg))
-    return run_dir, model.eval()
+    return saved_run(tmp_path_factory.mktemp("hf-tied") / "run", 1, tie_embeddings=True)
 
 
 def test_a_tied_checkpoint_holds_the_embedding_once(saved_tied):

@@ -93,11 +93,12 @@ def test_existing_run_dir_is_refused(cli, tmp_path):
 
 @pytest.mark.slow
 def test_zero3_clean_exit_and_failure(cli, tmp_path, deepspeed_ops):
-    """ZeRO-3 at 4 ranks ends every rank cleanly, run after run (destroy alone aborted 4 runs in
-    8 here); a rank failing under ZeRO ends the job with exit 1, nothing left running."""
+    """ZeRO-3 at 4 ranks ends every rank cleanly (destroy alone aborted 4 runs in 8 here; the
+    ZeRO parity runs check the same at 2 ranks); a rank failing under ZeRO ends the job with
+    exit 1, nothing left running."""
     short = ("parallel.dp=4", "parallel.zero_stage=3", "--nproc-per-node", "4",
              "train.global_batch_size=8", "train.micro_batch_size=2", "train.seq_len=64")
-    for i in range(2):
+    for i in range(1):
         run_dir = tmp_path / f"run{i}"
         res = cli.run("launch", *short, "train.max_steps=2", "--run-dir", str(run_dir))
         assert res.returncode == 0, res.stderr

@@ -457,22 +457,13 @@ def data_prepare(
     import time
 
     from partrain.data import prepare_token_dir
-    from partrain.data.prepare import default_workers, vocab_to_use
+    from partrain.data.prepare import default_workers, summary
 
     workers = workers or default_workers()
     start = time.perf_counter()
     meta = prepare_token_dir(inputs, out_dir, val_fraction, tokenizer, field, eot, workers, err)
-    mb, seconds = meta["text_bytes"] / 1e6, max(time.perf_counter() - start, 1e-9)
-    tokens = meta["train_tokens"] + meta["val_tokens"]
-    how = ("byte-level" if meta["tokenizer"] == "bytes" else
-           f"{meta['tokenizer_source']}, {workers} worker process(es)")
-    out.print(f"tokenized {mb:,.1f} MB of text from {meta['files']} file(s) in {seconds:.1f} s: "
-              f"{mb / seconds:,.2f} MB/s, {tokens / seconds:,.0f} tokens/s ({how})")
-    vocab = ("" if meta["tokenizer"] == "bytes" else
-             f" model.vocab_size={vocab_to_use(meta['vocab_size'])}")
-    out.print(f"wrote {out_dir}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens "
-              f"(vocab {meta['vocab_size']}, {meta['dtype']}); train with: partrain launch "
-              f"data=tokens data.path={out_dir}{vocab}")
+    for line in summary(meta, out_dir, time.perf_counter() - start, workers):
+        out.print(line)
 
 
 def _error(message: str) -> None:

@@ -307,3 +307,18 @@ def prepare_token_dir(inputs: list[Path], out: Path, val_fraction: float, tokeni
         stage.step = "writing meta.json"
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
+
+
+def summary(meta: dict, out: Path, seconds: float, workers: int) -> list[str]:
+    """What `data prepare` prints: the throughput, then the dir and how to train on it."""
+    mb, seconds = meta["text_bytes"] / 1e6, max(seconds, 1e-9)
+    tokens = meta["train_tokens"] + meta["val_tokens"]
+    how = ("byte-level" if meta["tokenizer"] == tk.BYTES else
+           f"{meta['tokenizer_source']}, {workers} worker process(es)")
+    vocab = ("" if meta["tokenizer"] == tk.BYTES else
+             f" model.vocab_size={vocab_to_use(meta['vocab_size'])}")
+    return [f"tokenized {mb:,.1f} MB of text from {meta['files']} file(s) in {seconds:.1f} s: "
+            f"{mb / seconds:,.2f} MB/s, {tokens / seconds:,.0f} tokens/s ({how})",
+            f"wrote {out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens "
+            f"(vocab {meta['vocab_size']}, {meta['dtype']}); train with: partrain launch "
+            f"data=tokens data.path={out}{vocab}"]

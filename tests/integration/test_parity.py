@@ -37,8 +37,6 @@ RESUME_ON = {
     "zero2 dp2": ("parallel.dp=2", "parallel.pp=2", "parallel.zero_stage=1",
                   "train.micro_batch_size=4"),
     "zero3 dp2": ("parallel.dp=1", "parallel.tp=2", "train.micro_batch_size=4"),
-    # A context-parallel checkpoint holds the same names as any other: cp2 x tp2 -> dp2 x cp2.
-    "cp2 x tp2": ("parallel.dp=2", "parallel.cp=2", "parallel.tp=1", "train.micro_batch_size=8"),
 }
 # Parity labels also resumed on their own layout: bit-identical to the uninterrupted run (dp2 is
 # in test_checkpoint.py, dp4 in test_slurm.py).
@@ -98,10 +96,7 @@ def single_process(references):
 @pytest.mark.parametrize("label,overrides", [
     ("dp2 x 2 micro-batches", ("parallel.dp=2", "train.micro_batch_size=4")),
     # The quick pass (`-m "not slow"`) keeps the first parity check; the rest run in the full suite.
-    pytest.param("dp2 x 1 micro-batch", ("parallel.dp=2", "train.micro_batch_size=8"),
-                 marks=pytest.mark.slow),
-    pytest.param("dp2 x 4 micro-batches", ("parallel.dp=2", "train.micro_batch_size=2"),
-                 marks=pytest.mark.slow),
+    # DDP with one micro-batch is dp2 x cp2's layout below.
     pytest.param("dp1 x 4 micro-batches", ("parallel.dp=1", "train.micro_batch_size=4"),
                  marks=pytest.mark.slow),
 ])
@@ -115,8 +110,6 @@ def test_layout_parity(cli, tmp_path, single_process, label, overrides):
     ("tp2", ("parallel.dp=1", "parallel.tp=2", "train.micro_batch_size=8"), ()),
     ("tp4", ("parallel.dp=1", "parallel.tp=4", "train.micro_batch_size=8",
              "--nproc-per-node", "4"), KV4),
-    ("dp2 x tp2", ("parallel.dp=2", "parallel.tp=2", "train.micro_batch_size=4",
-                   "--nproc-per-node", "4"), ()),
     ("tp2 + sequence parallel", ("parallel.dp=1", "parallel.tp=2", "parallel.sequence_parallel=true",
                                  "train.micro_batch_size=8"), ()),
 ])
@@ -131,8 +124,6 @@ def test_tensor_parallel_parity(cli, tmp_path, references, deepspeed_ops, label,
 @pytest.mark.parametrize("label,overrides", [
     ("pp2 gpipe", ("parallel.dp=1", "parallel.pp=2", "parallel.pp_schedule=gpipe",
                    "train.micro_batch_size=4")),
-    ("pp2 1f1b", ("parallel.dp=1", "parallel.pp=2", "parallel.pp_schedule=1f1b",
-                  "train.micro_batch_size=4")),
     ("pp2 interleaved v2", ("parallel.dp=1", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
                             "parallel.pp_virtual_stages=2", "train.micro_batch_size=4")),
     ("pp4 1f1b", ("parallel.dp=1", "parallel.pp=4", "train.micro_batch_size=2",

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from partrain.errors import ConfigError
+from partrain.models.moe import moe_enabled
 from partrain.staging import check_out, staged_dir
 from partrain.tokenizer import TextTokenizer, copy_files, run_tokenizer_dir
 
@@ -162,6 +163,10 @@ def export_hf(checkpoint, out: Path, dtype: str = "fp32", max_shard_mb: int = 50
         raise ConfigError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}")
     check_out(out)
     model, cfg = checkpoint_model(checkpoint)
+    if moe_enabled(cfg.model):
+        raise ConfigError(
+            f"{checkpoint.path} is a mixture of experts (model.moe.n_experts="
+            f"{cfg.model.moe.n_experts}); --format hf writes Llama models, which have no experts")
     tokenizer = run_tokenizer_dir(checkpoint.path.parent.parent, cfg.data)
     state = hf_state_dict(model, cfg.model, dtype)
     del model

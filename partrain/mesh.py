@@ -21,6 +21,7 @@ class ParallelDims:
     tp: int
     zero_stage: int = 0  # 0 = DDP over dp x cp; 1-3 = DeepSpeed ZeRO over dp x cp
     cp: int = 1  # context parallelism: each sequence split over cp ranks
+    ep: int = 1  # expert parallelism: experts split over groups of ep consecutive dp ranks
 
     @property
     def zero_enabled(self) -> bool:
@@ -46,6 +47,10 @@ class ParallelDims:
     def dp_cp(self) -> int:
         """The ranks that reduce gradients together (and that ZeRO shards over)."""
         return self.dp * self.cp
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
 
     @property
     def tp_enabled(self) -> bool:
@@ -84,4 +89,16 @@ class ParallelDims:
 
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=DIM_NAMES)
         mesh["dp", "cp"]._flatten("dp_cp")
+        return mesh
+
+    def build_expert_mesh(self, device_type: str):
+        """The same ranks as (pp, edp, ep, cp, tp), dp split into dp/ep groups of ep consecutive
+        dp ranks: "ep" holds different experts, "edp_cp" (edp and cp flattened) the same ones."""
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
+
+        shape = (self.pp, self.dp // self.ep, self.ep, self.cp, self.tp)
+        mesh = DeviceMesh(device_type, torch.arange(self.world_size).view(shape),
+                          mesh_dim_names=("pp", "edp", "ep", "cp", "tp"))
+        mesh["edp", "cp"]._flatten("edp_cp")
         return mesh

@@ -58,10 +58,11 @@ class ProgressDisplay:
             self.progress = Progress(
                 TextColumn("[bold]step {task.completed}/{task.total}"), BarColumn(),
                 TextColumn("loss {task.fields[loss]}"), TextColumn("lr {task.fields[lr]}"),
-                TextColumn("{task.fields[tps]} tok/s"), TimeElapsedColumn(), TextColumn("ETA"),
-                TimeRemainingColumn(), console=self.console)
+                TextColumn("{task.fields[tps]} tok/s"), TextColumn("{task.fields[moe]}"),
+                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                console=self.console)
             self.task = self.progress.add_task("train", total=self.max_steps, loss="-", lr="-",
-                                               tps="-")
+                                               tps="-", moe="")
             self.progress.start()
 
     def print(self, text: str) -> None:
@@ -74,7 +75,8 @@ class ProgressDisplay:
         if self.live:
             self._start_live()
             self.progress.update(self.task, completed=rec["step"], loss=f"{rec['loss']:.4f}",
-                                 lr=f"{rec['lr']:.2e}", tps=f"{rec['tokens_per_s']:,.0f}")
+                                 lr=f"{rec['lr']:.2e}", tps=f"{rec['tokens_per_s']:,.0f}",
+                                 moe=_moe_text(rec) if "moe_load_balance" in rec else "")
         elif rec["step"] % self.log_every == 0 or rec["step"] in (1, self.max_steps):
             self.print(format_step(rec))
 
@@ -88,6 +90,17 @@ def format_step(rec: dict) -> str:
             f"lr {rec['lr']:.2e}  {rec['tokens_per_s']:,.0f} tok/s  {rec['step_time_s'] * 1e3:.0f} ms")
     if "mfu" in rec:
         text += f"  mfu {rec['mfu']:.1%}"
+    if "moe_load_balance" in rec:
+        text += f"  {_moe_text(rec)}"
+    return text
+
+
+def _moe_text(rec: dict) -> str:
+    """The router's state: max/mean tokens per expert (1.00 = perfectly balanced) and the
+    auxiliary loss (with balance=aux_loss)."""
+    text = f"load max/mean {rec['moe_load_balance']:.2f}"
+    if "moe_aux_loss" in rec:
+        text += f"  aux {rec['moe_aux_loss']:.4f}"
     return text
 
 

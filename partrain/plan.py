@@ -111,8 +111,8 @@ def _stages(cfg: DictConfig, dims: ParallelDims) -> list[dict]:
     return [{"stage": s, "pp_rank": s % dims.pp, "chunk": s // dims.pp,
              "blocks": [ids[0], ids[-1]] if ids else [],
              "embedding": s == 0, "head": s == last,
-             "params_per_rank": count_params_per_rank(cfg.model, dims.tp, len(ids), s == 0,
-                                                      s == last)}
+             "params_per_rank": count_params_per_rank(cfg.model, dims.tp, list(ids), s == 0,
+                                                      s == last, p.ep)}
             for s, ids in enumerate(layers)]
 
 

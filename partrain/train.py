@@ -42,8 +42,11 @@ from partrain.launch.preemption import PreemptionFlag
 from partrain.mesh import ParallelDims
 from partrain.metrics import MetricsLog, ProgressDisplay, format_step, peak_flops, summary_table
 from partrain.models import build_model, flops_per_token
+from partrain.models.moe import moe_blocks
 from partrain.parallel.context import apply_context_parallel, shard_batch
 from partrain.parallel.data import apply_data_parallel
+from partrain.parallel.expert import (apply_expert_parallel, average_expert_gradients,
+                                      finish_moe_step, moe_modules)
 from partrain.parallel.grads import average_gradients, clip_grad_norm
 from partrain.parallel.pipeline import apply_pipeline_parallel
 from partrain.parallel.tensor import (apply_tensor_parallel, sync_sequence_parallel_grads,
@@ -133,9 +136,10 @@ def forward_backward(model, micro, loss_fn, dims, device, autocast, tracer=None,
 
 
 def train_step(model, optimizer, micro, loss_fn, dims, mesh, device, autocast, grad_clip,
-               sequence_parallel, tracer, before_update=lambda: None):
+               sequence_parallel, tracer, before_update=lambda: None, expert_mesh=None):
     """One optimizer step over this rank's micro-batches; (global mean loss, grad norm before
-    clipping). `before_update` runs after backward, before the parameters change."""
+    clipping). `before_update` runs after backward, before the parameters change; `expert_mesh`
+    is given under expert parallelism."""
     loss = forward_backward(model, micro, loss_fn, dims, device, autocast, tracer)
     pipeline = (model.module if dims.zero_enabled else model) if dims.pp_enabled else None
     if pipeline is not None and pipeline.tied is not None:
@@ -156,15 +160,41 @@ def train_step(model, optimizer, micro, loss_fn, dims, mesh, device, autocast, g
     with tracer.span("gradients: dp average, clip", "comm"):
         if dims.pp_enabled and dims.dp_cp > 1:
             average_gradients(model.parameters(), mesh["dp_cp"].get_group())
+        if expert_mesh is not None:
+            # Expert slices: summed over the ranks holding the same experts, / (dp x cp).
+            average_expert_gradients(model, expert_mesh["edp_cp"].get_group(), dims.dp_cp)
         tp_group = mesh["tp"].get_group() if dims.tp_enabled else None
         if sequence_parallel:
             sync_sequence_parallel_grads(model, tp_group)
         grad_norm = clip_grad_norm(model.parameters(), grad_clip if grad_clip > 0 else math.inf,
-                                   tp_group, mesh["pp"].get_group() if dims.pp_enabled else None)
+                                   tp_group, mesh["pp"].get_group() if dims.pp_enabled else None,
+                                   expert_mesh["ep"].get_group() if expert_mesh else None)
     with tracer.span("optimizer", "compute"):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return _global_mean(loss, dims, mesh), grad_norm.item()
+
+
+def _setup_moe(layers, n_moe_blocks: int, dims: ParallelDims, mesh, sequence_parallel: bool,
+               micro_batches: int):
+    """Wire this rank's MoE blocks into the layout; return the group whose ranks route different
+    tokens (their per-expert loads are summed): dp x cp, and tp under sequence parallelism.
+    Every rank takes part (new groups are collective), with MoE blocks of its own or not."""
+    if not n_moe_blocks:
+        return None
+    # A sequence split over ranks (cp, tp's sequence shards) sums its router statistics there;
+    # the balancing loss's gradient takes the language-model loss's 1/micro_batches.
+    seq_dims = (("cp",) if dims.cp_enabled else ()) + (("tp",) if sequence_parallel else ())
+    seq_group = None
+    if len(seq_dims) == 2:
+        seq_group = mesh["cp", "tp"]._flatten("cp_tp").get_group()
+    elif seq_dims:
+        seq_group = mesh[seq_dims[0]].get_group()
+    for moe in layers:
+        moe.seq_group, moe.seq_scale, moe.aux_scale = seq_group, dims.cp, 1.0 / micro_batches
+    if sequence_parallel:
+        return mesh["dp", "cp", "tp"]._flatten("dp_cp_tp").get_group()
+    return mesh["dp_cp"].get_group() if dims.dp_cp > 1 else None
 
 
 def evaluate(model, splits, loss_fn, cfg, dims, mesh, coords, device, autocast) -> float:
@@ -201,8 +231,9 @@ def _keep_metrics_until(path: Path, step: int) -> None:
 def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) -> None:
     p, t = cfg.parallel, cfg.train
     rank = dist.get_rank()
-    dims = ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp, zero_stage=p.zero_stage, cp=p.cp)
+    dims = ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp, zero_stage=p.zero_stage, cp=p.cp, ep=p.ep)
     mesh = dims.build_mesh(device.type)
+    expert_mesh = dims.build_expert_mesh(device.type) if dims.ep_enabled else None
     coords = dims.coords(rank)
     log.info("rank %d of %d: mesh coordinates %s on %s", rank, dims.world_size, coords, device)
 
@@ -230,6 +261,12 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) 
     if dims.cp_enabled:
         # Attention over the cp group; every other module works on this rank's tokens.
         model = apply_context_parallel(model, mesh["cp"], p, t.seq_len)
+    moe_layers, n_moe_blocks = moe_modules(model), len(moe_blocks(cfg.model))
+    moe_load_group = _setup_moe(moe_layers, n_moe_blocks, dims, mesh, sequence_parallel,
+                                t.micro_batches)
+    if dims.ep_enabled:
+        # Each rank keeps 1/ep of every MoE's experts; tokens travel to them (all-to-all).
+        model = apply_expert_parallel(model, expert_mesh["ep"])
     if dims.pp_enabled:
         # What flows between stages: the residual stream of one micro-batch (this cp rank's
         # tokens of it, and a sequence shard of those under sequence parallelism).
@@ -259,6 +296,7 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) 
     if resume:
         load_optimizer(model, optimizer, resume.path, tp_mesh, dims.zero_enabled)
     loss_fn = loss_function(dims, mesh)
+    moe_layers = moe_modules(model)  # this stage's
     # ZeRO-3 leaves each parameter empty and keeps this rank's shard in `ds_tensor`.
     rank_params = sum(getattr(q, "ds_tensor", q).numel() for q in model.parameters())
 
@@ -322,11 +360,15 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) 
                 # A background save's copy of the state must be done before the update.
                 loss_value, grad_norm = train_step(model, optimizer, micro, loss_fn, dims, mesh,
                                                    device, autocast, cfg.optim.grad_clip,
-                                                   sequence_parallel, tracer, checkpointer.staged)
+                                                   sequence_parallel, tracer, checkpointer.staged,
+                                                   expert_mesh)
+                router = (finish_moe_step(moe_layers, cfg.model.moe, n_moe_blocks, moe_load_group,
+                                          mesh["pp"].get_group() if dims.pp_enabled else None,
+                                          device) if n_moe_blocks else {})
             step_time = time.perf_counter() - step_start
             rec = {"step": step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
                    "tokens": step * tokens_per_step, "tokens_per_s": tokens_per_step / step_time,
-                   "step_time_s": step_time}
+                   "step_time_s": step_time, **router}
             if peak:
                 rec["mfu"] = flops_per_step / step_time / (peak * dims.world_size)
             if device.type == "cuda":  # rank 0's peak since the start

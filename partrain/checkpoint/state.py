@@ -52,6 +52,13 @@ def named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     return params
 
 
+def checkpointed_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Buffers that are training state, by canonical name: a MoE's expert bias (DeepSeek-V3
+    balancing), saved as `model.<name>` like a weight, without moments."""
+    return {canonical_name(name): buf for name, buf in model.named_buffers()
+            if name.endswith("expert_bias")}
+
+
 def _local_shape(param: nn.Parameter) -> torch.Size:
     """This rank's shape of the parameter (ZeRO-3 leaves the parameter empty: ds_shape)."""
     return getattr(param, "ds_shape", None) or param.shape
@@ -59,8 +66,11 @@ def _local_shape(param: nn.Parameter) -> torch.Size:
 
 def as_saved(local: torch.Tensor, param: nn.Parameter, tp_mesh) -> torch.Tensor:
     """`local` (this rank's tensor for `param`, or state shaped like it) as it goes into the
-    checkpoint: a DTensor slice of the full tensor if the parameter is a tp shard."""
+    checkpoint: a DTensor slice of the full tensor if the parameter is a tp shard, or an
+    expert-parallel slice (dim 0 of stacked experts over its ep mesh)."""
     dim = getattr(param, "tp_shard_dim", None)
+    if getattr(param, "ep_sharded", False):
+        dim, tp_mesh = 0, param.ep_mesh
     if dim is None or tp_mesh is None or tp_mesh.size() == 1:
         return local
     full = list(local.shape)
@@ -127,6 +137,8 @@ def build_state(model: nn.Module, optimizer, tp_mesh, zero: bool) -> dict[str, t
         for key, value in moments.items():
             state[f"optim.{name}.{key}"] = as_saved(value, param, tp_mesh)
         state[f"optim.{name}.step"] = torch.tensor(param_step, dtype=torch.float64)
+    for name, buf in checkpointed_buffers(model).items():
+        state[f"model.{name}"] = buf.detach().clone()
     return state
 
 
@@ -149,9 +161,13 @@ def load_weights(model: nn.Module, path, tp_mesh) -> None:
     Collective: every rank calls it."""
     params = named_parameters(model)
     state = _template({n: (p, p.shape) for n, p in params.items()}, tp_mesh, ["weight"])
+    buffers = checkpointed_buffers(model)
+    state.update({f"model.{name}": torch.zeros_like(buf) for name, buf in buffers.items()})
     dcp.load(state, checkpoint_id=path)
     for name, param in params.items():
         param.copy_(_local(state[f"model.{name}"]))
+    for name, buf in buffers.items():
+        buf.copy_(state[f"model.{name}"])
 
 
 @torch.no_grad()
@@ -192,10 +208,16 @@ def true_size(model_cfg, tp: int = 1) -> int:
     """Bytes of the state a checkpoint holds, each tensor once: fp32 weights and two moments
     (12 bytes per parameter) and one 8-byte step per parameter tensor."""
     from partrain.models.llama import count_params, vocab_matrices
+    from partrain.models.moe import moe_blocks
 
-    # embedding and head (one when tied), final norm; 9 per block
-    tensors = vocab_matrices(model_cfg) + 9 * model_cfg.n_layers + 1
-    return 12 * count_params(model_cfg) + 8 * tensors
+    # embedding and head (one when tied), final norm; 9 per dense block; a MoE block has a
+    # router and 3 stacked expert matrices (and 3 shared) for the 3 MLP matrices, and its expert
+    # bias (4 bytes per expert, no moments)
+    moe = moe_blocks(model_cfg)
+    per_moe = 1 + (3 if moe and model_cfg.moe.n_shared_experts else 0)
+    tensors = vocab_matrices(model_cfg) + 9 * model_cfg.n_layers + 1 + per_moe * len(moe)
+    bias = 4 * model_cfg.moe.n_experts * len(moe) if moe else 0
+    return 12 * count_params(model_cfg) + 8 * tensors + bias
 
 
 @torch.no_grad()

@@ -33,6 +33,8 @@ def _leaves(cls, prefix: str = "") -> dict[str, object]:
 
 SCHEMA_KEYS = _leaves(Config)
 SECTIONS = {f.name for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.type)}
+# Every section at any depth, by dotted name ("model", "model.moe").
+ALL_SECTIONS = {key.rsplit(".", i)[0] for key in SCHEMA_KEYS for i in range(1, key.count(".") + 1)}
 
 
 def float_keys() -> list[str]:
@@ -145,7 +147,7 @@ def check_tree(tree: dict, where: str, prefix: str = "") -> None:
         key = f"{prefix}{name}"
         if key in SCHEMA_KEYS or _is_open(key) or (not prefix and name == "defaults"):
             continue
-        if not prefix and name in SECTIONS:
+        if key in ALL_SECTIONS:
             if not isinstance(value, dict):
                 raise ConfigError(f"{key}: {shown(value)} {where}: {key} is a section, a mapping "
                                   f"of its keys (e.g. {key}: {{{next(_keys_of(key))}: ...}})")

@@ -11,6 +11,21 @@ from hydra.core.config_store import ConfigStore
 
 
 @dataclass
+class MoEConfig:
+    n_experts: int = 0  # routed experts in each MoE block; 0 = a dense model (no MoE)
+    top_k: int = 2  # routed experts per token
+    n_shared_experts: int = 0  # experts every token passes through as well (DeepSeek), 0 = none
+    expert_ffn_dim: Optional[int] = None  # SwiGLU inner size of one expert; null = the dense ffn_dim
+    first_dense: int = 0  # the first blocks keep a dense MLP (DeepSeek-V3: 3)
+    every: int = 1  # after those, every n-th block is MoE (1 = all, 2 = every other)
+    balance: str = "aux_loss"  # aux_loss (Switch/GShard, per sequence) | bias (DeepSeek-V3, loss-free) | none
+    aux_loss_coef: float = 0.01  # weight of the auxiliary balancing loss (balance=aux_loss)
+    bias_update_rate: float = 0.001  # per-step change of the expert bias (balance=bias)
+    capacity_factor: float = 0.0  # 0 = dropless; else each expert takes at most ceil(cf * seq_len * top_k / n_experts) tokens of a sequence
+    norm_topk: bool = True  # renormalise the top-k router weights to sum to 1 (Mixtral, DeepSeek)
+
+
+@dataclass
 class ModelConfig:
     name: str = "tiny"  # label shown in plans and logs
     n_layers: int = 4  # transformer blocks
@@ -31,6 +46,7 @@ class ModelConfig:
     init_std: float = 0.02  # std of the normal weight initialisation
     tie_embeddings: bool = False  # the output head's weight is the embedding's (one (vocab_size, dim) matrix)
     init_from: Optional[str] = None  # checkpoint dir (or a run dir: its newest) whose weights start this run; fresh optimizer
+    moe: MoEConfig = field(default_factory=MoEConfig)  # mixture of experts in place of the dense MLP
 
 
 @dataclass
@@ -39,6 +55,7 @@ class ParallelConfig:
     tp: int = 1  # tensor-parallel degree (innermost mesh dimension)
     pp: int = 1  # pipeline-parallel degree (outermost mesh dimension)
     cp: int = 1  # context-parallel degree: each sequence split over cp ranks (between dp and tp)
+    ep: int = 1  # expert-parallel degree: experts split over groups of ep consecutive dp ranks (divides dp)
     cp_method: str = "ring"  # ring (key/value blocks around a ring) | all_to_all (DeepSpeed-Ulysses)
     zero_stage: int = 0  # 0 = DDP; 1, 2, 3 = DeepSpeed ZeRO over the dp dimension
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b

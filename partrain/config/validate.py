@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from partrain.config.keys import SCHEMA_KEYS, float_keys, shown
+from partrain.config.validate_moe import check_moe
 from partrain.errors import ConfigError
 from partrain.models.llama import ffn_dim
 
@@ -224,7 +225,8 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
             "(at most 128, starting with a letter or digit): it names the run dir under runs/ "
             "and the SLURM job")
     _finite(cfg)
-    _positive(cfg, ["parallel.tp", "parallel.pp", "parallel.cp", "parallel.pp_virtual_stages",
+    _positive(cfg, ["parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep",
+                    "parallel.pp_virtual_stages",
                     "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.dim",
                     "model.vocab_size", "model.max_seq_len", "train.seq_len", "train.max_steps",
                     "train.global_batch_size", "train.micro_batch_size", "train.micro_batches",
@@ -335,6 +337,7 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
             f"parallel.pp_schedule=interleaved_1f1b runs micro-batches in groups of pp: "
             f"train.micro_batches={mb} must be divisible by parallel.pp={p.pp}")
     _check_cp(cfg)
+    check_moe(cfg, dp)
     if p.sequence_parallel and t.seq_len % (p.tp * p.cp):
         raise ConfigError(
             f"parallel.sequence_parallel=true splits the sequence over tp: train.seq_len="

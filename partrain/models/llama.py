@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from partrain.models.moe import MoE, expert_ffn_dim, is_moe_block, moe_blocks
+
 
 def ffn_dim(cfg) -> int:
     """SwiGLU inner size: given, or 8/3 * dim rounded up to a multiple of `multiple_of`."""
@@ -26,13 +28,29 @@ def ffn_dim(cfg) -> int:
     return cfg.multiple_of * math.ceil(hidden / cfg.multiple_of)
 
 
-def count_params(cfg) -> int:
-    """Parameters of the full model from its shape alone (used by `plan` for models never built)."""
+def mlp_params(cfg, layer: int, ep: int = 1, active: bool = False) -> int:
+    """Parameters of block `layer`'s MLP: the dense SwiGLU, or a MoE's router, shared experts and
+    routed experts (all of them, 1/ep of them under expert parallelism, or only the top_k a
+    token uses when `active`)."""
+    if not is_moe_block(cfg, layer):
+        return 3 * cfg.dim * ffn_dim(cfg)
+    moe = cfg.moe
+    per_expert = 3 * cfg.dim * expert_ffn_dim(cfg, ffn_dim(cfg))
+    routed = moe.top_k if active else moe.n_experts // ep
+    return (routed + moe.n_shared_experts) * per_expert + cfg.dim * moe.n_experts
+
+
+def _attention_params(cfg) -> int:
     head_dim = cfg.dim // cfg.n_heads
-    attn = cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
-    mlp = 3 * cfg.dim * ffn_dim(cfg)
-    per_block = attn + mlp + 2 * cfg.dim
-    return cfg.n_layers * per_block + vocab_matrices(cfg) * cfg.vocab_size * cfg.dim + cfg.dim
+    return cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+
+
+def count_params(cfg, active: bool = False) -> int:
+    """Parameters of the full model from its shape alone (used by `plan` for models never built);
+    `active`: those one token uses (a MoE's top_k experts, not all of them)."""
+    blocks = sum(_attention_params(cfg) + mlp_params(cfg, i, active=active) + 2 * cfg.dim
+                 for i in range(cfg.n_layers))
+    return blocks + vocab_matrices(cfg) * cfg.vocab_size * cfg.dim + cfg.dim
 
 
 def tied(cfg) -> bool:
@@ -45,27 +63,31 @@ def vocab_matrices(cfg) -> int:
     return 1 if tied(cfg) else 2
 
 
-def count_params_per_rank(cfg, tp: int = 1, blocks: int | None = None, first: bool = True,
-                          last: bool = True) -> int:
-    """Parameters held by one rank: `blocks` blocks (all by default), the embedding if first,
-    final norm and head if last; tensor parallelism splits everything but the norm gains. A tied
+def count_params_per_rank(cfg, tp: int = 1, blocks=None, first: bool = True,
+                          last: bool = True, ep: int = 1) -> int:
+    """Parameters held by one rank: `blocks` (the block ids, or a count of blocks from 0; all by
+    default), the embedding if first, final norm and head if last; tensor parallelism splits
+    everything but the norm gains and the MoE MLPs (replicated within tp, split over ep). A tied
     head on the embedding's rank is the same matrix; on another pipeline stage it is a copy."""
-    blocks = cfg.n_layers if blocks is None else blocks
-    head_dim = cfg.dim // cfg.n_heads
-    block_split = cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + 3 * cfg.dim * ffn_dim(cfg)
+    ids = range(cfg.n_layers if blocks is None else blocks) if not isinstance(blocks, (list, range)) \
+        else blocks
     vocab = (first or last) if tied(cfg) else first + last
-    split = blocks * block_split + vocab * cfg.vocab_size * cfg.dim
-    return split // tp + 2 * blocks * cfg.dim + (cfg.dim if last else 0)
+    split = sum(_attention_params(cfg) + (0 if is_moe_block(cfg, i) else mlp_params(cfg, i))
+                for i in ids) + vocab * cfg.vocab_size * cfg.dim
+    replicated = sum(2 * cfg.dim + (mlp_params(cfg, i, ep) if is_moe_block(cfg, i) else 0)
+                     for i in ids)
+    return split // tp + replicated + (cfg.dim if last else 0)
 
 
 def flops_per_token(cfg, seq_len: int) -> float:
-    """Training FLOPs per token: 6 * (params less the embedding lookup) + causal attention.
-    A tied head still multiplies: its matrix counts (once) even though the lookup does not.
+    """Training FLOPs per token: 6 * (active params less the embedding lookup) + causal attention.
+    A tied head still multiplies: its matrix counts (once) even though the lookup does not. A MoE
+    counts the experts a token uses (top_k and the shared ones) and the router.
 
     Attention scores and the weighted sum cost 2 * 2 * seq * dim multiply-adds per layer and token
     forward; with backward (x3) and the causal half that is 6 * L * seq * dim.
     """
-    dense = count_params(cfg) - (vocab_matrices(cfg) - 1) * cfg.vocab_size * cfg.dim
+    dense = count_params(cfg, active=True) - (vocab_matrices(cfg) - 1) * cfg.vocab_size * cfg.dim
     return 6 * dense + 6 * cfg.n_layers * seq_len * cfg.dim
 
 
@@ -166,12 +188,14 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, layer: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, ffn_dim(cfg))
+        # A mixture of experts in place of the dense MLP where model.moe says so.
+        self.feed_forward = (MoE(cfg, ffn_dim(cfg)) if is_moe_block(cfg, layer)
+                             else FeedForward(cfg.dim, ffn_dim(cfg)))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -183,7 +207,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -223,6 +247,12 @@ class Transformer(nn.Module):
                 f"{block}.attention.wv": "colwise",
                 f"{block}.attention.wo": "rowwise",
                 f"{block}.ffn_norm": "norm",
+            })
+            if isinstance(self.layers[i].feed_forward, MoE):
+                # Experts are replicated within tp (expert parallelism splits them over dp).
+                plan[f"{block}.feed_forward"] = "replicated"
+                continue
+            plan.update({
                 f"{block}.feed_forward": "region",
                 f"{block}.feed_forward.w1": "colwise",
                 f"{block}.feed_forward.w3": "colwise",
@@ -268,7 +298,7 @@ def init_weights(model: Transformer, std: float, seed: int) -> None:
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         else:
-            scale = residual_std if name.endswith(("wo.weight", "w2.weight")) else std
+            scale = residual_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else std
             param.copy_(torch.randn(param.shape, generator=gen) * scale)
 
 

@@ -12,6 +12,9 @@ from a checkpoint, whose first step would use the first layout again, would diff
 uninterrupted run in the last bits. The price is one walk of the autograd graph per step, and
 torch's C++ warning that no parameter was unused, once in each rank's log (it bypasses Python's
 warnings filters).
+
+Expert-parallel slices (`ep_sharded`) differ between dp ranks: DDP neither broadcasts them at
+start nor averages them (partrain.parallel.expert reduces them over their own group).
 """
 
 import warnings
@@ -23,6 +26,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
     device_ids = None if dp_mesh.device_type == "cpu" else [next(model.parameters()).device]
+    experts = [name for name, p in model.named_parameters() if getattr(p, "ep_sharded", False)]
+    if experts:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, experts)
     with warnings.catch_warnings():
         # Newer torch deprecates broadcast_buffers in favour of forward_sync_buffers, whose False
         # still syncs at init; broadcast_buffers=False remains the way to skip buffers entirely.

@@ -26,19 +26,25 @@ def _spans(group) -> bool:
     return group is not None and dist.get_world_size(group) > 1
 
 
-def clip_grad_norm(parameters, max_norm: float, tp_group=None, pp_group=None) -> torch.Tensor:
+def clip_grad_norm(parameters, max_norm: float, tp_group=None, pp_group=None,
+                   ep_group=None) -> torch.Tensor:
     """Scale gradients so that their global norm is at most max_norm (inf: no clipping);
     return the norm before clipping, as torch.nn.utils.clip_grad_norm_ does."""
     params = [p for p in parameters if p.grad is not None]
     device = params[0].grad.device
     counted = [p for p in params if not getattr(p, "tied_to", None)]
+    experts = [p.grad for p in counted if getattr(p, "ep_sharded", False)]
+    counted = [p for p in counted if not getattr(p, "ep_sharded", False)]
     sharded = [p.grad for p in counted if getattr(p, "tp_sharded", False)]
     replicated = [p.grad for p in counted if not getattr(p, "tp_sharded", False)]
     sharded_sq = _sum_of_squares(sharded, device)
     if _spans(tp_group):
         note_collective("all_reduce", sharded_sq)
         dist.all_reduce(sharded_sq, group=tp_group)
-    total_sq = sharded_sq + _sum_of_squares(replicated, device)
+    expert_sq = _sum_of_squares(experts, device)
+    if _spans(ep_group):
+        dist.all_reduce(expert_sq, group=ep_group)
+    total_sq = sharded_sq + expert_sq + _sum_of_squares(replicated, device)
     if _spans(pp_group):
         dist.all_reduce(total_sq, group=pp_group)
     total = total_sq.sqrt()
@@ -50,8 +56,10 @@ def clip_grad_norm(parameters, max_norm: float, tp_group=None, pp_group=None) ->
 
 def average_gradients(parameters, dp_group) -> None:
     """Average gradients over dp in one flat all-reduce: the data-parallel step when the pipeline
-    executor, not DDP, runs forward and backward."""
-    grads = [p.grad for p in parameters if p.grad is not None]
+    executor, not DDP, runs forward and backward. Expert-parallel slices are left to
+    partrain.parallel.expert.average_expert_gradients."""
+    grads = [p.grad for p in parameters
+             if p.grad is not None and not getattr(p, "ep_sharded", False)]
     flat = torch.cat([g.flatten() for g in grads])
     dist.all_reduce(flat, group=dp_group)
     flat /= dist.get_world_size(dp_group)

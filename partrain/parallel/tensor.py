@@ -37,7 +37,8 @@ from torch import nn
 from torch.autograd import Function
 
 # Module treatments a model's plan can ask for.
-STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head", "region", "attention", "norm")
+STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head", "region", "attention", "norm",
+          "replicated")
 
 # ---------------------------------------------------------------------------------------------
 # Collective accounting: payload bytes of every tp collective (the full, unsharded tensor), used
@@ -364,7 +365,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg) -> nn.Module:
                 module.n_heads //= tp
                 module.n_kv_heads //= tp
             continue
-        if style == "norm":
+        if style in ("norm", "replicated"):
+            # Replicated over tp (norm gains, a MoE's experts). Under sequence parallelism each
+            # rank sees only its shard's tokens, so the gradients are partial sums.
             if sp:
                 for param in module.parameters():
                     param.sequence_parallel_partial = True

@@ -1,0 +1,68 @@
+"""The rules of a mixture-of-experts config (model.moe, parallel.ep), checked with the others
+before any process starts (partrain.config.validate calls `check_moe` once dp is known)."""
+
+from omegaconf import DictConfig
+
+from partrain.config.keys import shown
+from partrain.errors import ConfigError
+
+BALANCE = ("aux_loss", "bias", "none")
+
+
+def _divisors(n: int) -> str:
+    return "{" + ", ".join(str(d) for d in range(1, min(n, 4096) + 1) if n % d == 0) + "}"
+
+
+def check_moe(cfg: DictConfig, dp: int) -> None:
+    p, m = cfg.parallel, cfg.model
+    moe = m.moe
+    if not moe.n_experts >= 0:
+        raise ConfigError(f"model.moe.n_experts={moe.n_experts} must be >= 0 (0 = a dense model)")
+    if moe.n_experts == 0:
+        if p.ep > 1:
+            raise ConfigError(f"parallel.ep={p.ep} splits the experts of a mixture of experts, but "
+                              "model.moe.n_experts=0 (a dense model): set model.moe.n_experts or "
+                              "parallel.ep=1")
+        return
+    if not 1 <= moe.top_k <= moe.n_experts:
+        raise ConfigError(f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.n_experts="
+                          f"{moe.n_experts}")
+    for key in ("n_shared_experts", "first_dense"):
+        if not moe[key] >= 0:
+            raise ConfigError(f"model.moe.{key}={moe[key]} must be >= 0")
+    for key in ("every", "expert_ffn_dim"):
+        if moe[key] is not None and moe[key] < 1:
+            raise ConfigError(f"model.moe.{key}={moe[key]} must be at least 1")
+    if moe.first_dense >= m.n_layers:
+        raise ConfigError(f"model.moe.first_dense={moe.first_dense} leaves no MoE block among "
+                          f"model.n_layers={m.n_layers}: it must be below n_layers")
+    if moe.balance not in BALANCE:
+        raise ConfigError(f"model.moe.balance={shown(moe.balance)} is not one of: "
+                          f"{', '.join(BALANCE)}")
+    for key in ("aux_loss_coef", "bias_update_rate", "capacity_factor"):
+        if not moe[key] >= 0:
+            raise ConfigError(f"model.moe.{key}={moe[key]} must be >= 0"
+                              + (" (0 = dropless)" if key == "capacity_factor" else ""))
+    if moe.capacity_factor and (p.cp > 1 or (p.sequence_parallel and p.tp > 1)):
+        split = (f"parallel.cp={p.cp}" if p.cp > 1
+                 else f"sequence parallelism (parallel.tp={p.tp})")
+        raise ConfigError(
+            f"model.moe.capacity_factor={moe.capacity_factor} drops tokens by their place in "
+            f"the sequence, and {split} splits each sequence over ranks: not supported yet; use "
+            "dropless routing (model.moe.capacity_factor=0) with it")
+    if p.ep > 1 and dp % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} must divide parallel.dp={dp}: experts are split "
+                          f"over groups of ep data-parallel ranks (try ep in {_divisors(dp)})")
+    if moe.n_experts % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} must divide model.moe.n_experts={moe.n_experts} "
+                          f"(try ep in {_divisors(moe.n_experts)})")
+    if p.ep > 1 and p.zero_stage > 0:
+        raise ConfigError(
+            f"parallel.ep={p.ep} with parallel.zero_stage={p.zero_stage} is not supported yet: "
+            "DeepSpeed would reduce each rank's expert slice over all dp ranks as if they were "
+            "copies; use parallel.zero_stage=0 with ep, or parallel.ep=1 (ZeRO shards the "
+            "experts too)")
+    if m.init_from and str(m.init_from).startswith("hf:"):
+        raise ConfigError(f"model.init_from={m.init_from}: Hugging Face imports are Llama models; "
+                          "a mixture of experts (model.moe.n_experts="
+                          f"{moe.n_experts}) cannot start from one")

@@ -117,6 +117,7 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> nn.Module:
         for name in ("w1", "w3", "w2"):
             full = getattr(experts, name)
             param = nn.Parameter(full.detach()[rank * n_local:(rank + 1) * n_local].clone())
+            param.__dict__.update(full.__dict__)  # what tp marked (sequence-parallel partials)
             param.ep_sharded, param.ep_mesh = True, ep_mesh
             setattr(experts, name, param)
         experts.first = rank * n_local

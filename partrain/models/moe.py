@@ -189,9 +189,9 @@ class MoE(nn.Module):
         if not self.capacity_factor:
             return None
         cap = math.ceil(self.capacity_factor * seq * self.top_k / self.n_experts)
-        one_hot = F.one_hot(chosen.view(bsz, seq * self.top_k), self.n_experts)
+        one_hot = F.one_hot(chosen.reshape(bsz, seq * self.top_k), self.n_experts)
         position = (one_hot.cumsum(dim=1) * one_hot).sum(-1) - 1  # place in its expert's queue
-        return (position < cap).view(bsz * seq, self.top_k)
+        return (position < cap).reshape(bsz * seq, self.top_k)
 
     def _aux_loss(self, scores: torch.Tensor, chosen: torch.Tensor, bsz: int,
                   seq: int) -> torch.Tensor:

@@ -19,6 +19,9 @@ from partrain.parallel.schedules import bubble_theory, build_schedule, simulate
 from partrain.parallel.context import activation_bytes, cp_traffic
 from partrain.parallel.tensor import tp_collectives, tp_step_collectives
 from partrain.checkpoint.state import true_size
+from partrain.models.llama import ffn_dim
+from partrain.models.moe import expert_ffn_dim, moe_blocks, moe_enabled
+from partrain.parallel.expert import moe_traffic
 from partrain.parallel.zero import zero_memory
 
 TIMELINE_MAX_MICRO_BATCHES = 16  # wider timelines are drawn for fewer (labels stay 2 digits)
@@ -33,7 +36,7 @@ SHOWN_AT_EACH_END = 8
 def build_plan(cfg: DictConfig, world: World, warnings: list[str]) -> dict:
     """The plan as plain data (what --json prints); cfg must be resolved and validated."""
     p, t = cfg.parallel, cfg.train
-    dims = ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp, cp=p.cp)
+    dims = ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp, cp=p.cp, ep=p.ep)
     stages = _stages(cfg, dims)
     params_per_rank = max(s["params_per_rank"] for s in stages)
     # A plan is for the machine the config names; `auto` is planned as GPUs.
@@ -51,7 +54,7 @@ def build_plan(cfg: DictConfig, world: World, warnings: list[str]) -> dict:
         "world_size": world.size,
         "nnodes": world.nnodes,
         "nproc_per_node": world.nproc_per_node,
-        "degrees": {"pp": dims.pp, "dp": dims.dp, "cp": dims.cp, "tp": dims.tp,
+        "degrees": {"pp": dims.pp, "dp": dims.dp, "cp": dims.cp, "tp": dims.tp, "ep": dims.ep,
                     "zero_stage": p.zero_stage},
         "ranks": ranks,  # every rank, or the first and last SHOWN_AT_EACH_END of a large world
         "ranks_complete": full,
@@ -68,8 +71,10 @@ def build_plan(cfg: DictConfig, world: World, warnings: list[str]) -> dict:
             "tokens_per_step": t.global_batch_size * t.seq_len,
         },
         "model": {"name": cfg.model.name, "params": count_params(cfg.model),
+                  "active_params": count_params(cfg.model, active=True),
                   "tie_embeddings": tied(cfg.model), "params_per_rank": params_per_rank,
                   "flops_per_token": flops_per_token(cfg.model, t.seq_len)},
+        "experts": _experts(cfg, dims, stages, act_bytes=4 if dtype == "fp32" else 2),
         "memory": _memory(p.zero_stage, params_per_rank, dims.dp, dtype),
         "tp_collectives": _tp_collectives(cfg, dims, stages, low_precision=dtype != "fp32"),
         "context": _context(cfg, dims, stages, act_bytes=4 if dtype == "fp32" else 2),
@@ -214,6 +219,34 @@ def _context(cfg: DictConfig, dims: ParallelDims, stages: list[dict], act_bytes:
             "activation_bytes_per_micro_batch_cp1": at[1]}
 
 
+def _experts(cfg: DictConfig, dims: ParallelDims, stages: list[dict], act_bytes: int) -> dict | None:
+    """Mixture of experts: the experts each rank holds, the parameters (all, active per token,
+    experts per rank) and the all-to-all bytes a rank of the busiest stage sends per step under
+    uniform routing (partrain.parallel.expert.moe_traffic)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if not moe_enabled(m):
+        return None
+    blocks = moe_blocks(m)
+    per_rank = [0] * dims.pp
+    for s in stages:
+        per_rank[s["pp_rank"]] += sum(1 for b in blocks if s["blocks"] and
+                                      s["blocks"][0] <= b <= s["blocks"][1])
+    # Tokens a rank routes per step: its dp share of the batch, its cp share of each sequence,
+    # and its tp share of that under sequence parallelism (else every tp rank routes them all).
+    tokens = (t.micro_batches * t.micro_batch_size * t.seq_len // dims.cp
+              // (dims.tp if p.sequence_parallel else 1))
+    traffic = moe_traffic(m, tokens, t.micro_batches, dims.ep, max(per_rank), act_bytes)
+    per_expert = 3 * m.dim * expert_ffn_dim(m, ffn_dim(m))
+    return {"n_experts": m.moe.n_experts, "top_k": m.moe.top_k,
+            "n_shared_experts": m.moe.n_shared_experts, "moe_blocks": len(blocks),
+            "ep": dims.ep, "experts_per_rank": m.moe.n_experts // dims.ep,
+            "ep_groups": [[dims.rank(pp=0, dp=g * dims.ep + j, tp=0) for j in range(dims.ep)]
+                          for g in range(min(dims.dp // dims.ep, SHOWN_AT_EACH_END))],
+            "expert_params_per_rank": max(per_rank) * (m.moe.n_experts // dims.ep) * per_expert,
+            "balance": m.moe.balance, "capacity_factor": m.moe.capacity_factor,
+            "tokens_routed_per_rank": tokens, "all_to_all": traffic}
+
+
 def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
@@ -237,9 +270,24 @@ def print_plan(plan: dict, console: Console) -> None:
         f"{plan['nproc_per_node']} per node; pp({d['pp']}) * dp({d['dp']}) * "
         + (f"cp({d['cp']}) * " if d["cp"] > 1 else "")
         + f"tp({d['tp']}) = {d['pp'] * d['dp'] * d['cp'] * d['tp']}; zero_stage {d['zero_stage']}"))
-    console.print(f"model {m['name']}: {m['params']:,} parameters, {m['params_per_rank']:,} per "
-                  f"rank (tp={d['tp']} splits all but the norms), "
+    ex = plan["experts"]
+    console.print(f"model {m['name']}: {m['params']:,} parameters"
+                  + (f" ({m['active_params']:,} active per token)" if ex else "")
+                  + f", {m['params_per_rank']:,} per rank (tp={d['tp']} splits all but the norms"
+                  + (f" and experts; ep={d['ep']} splits the experts" if ex else "") + "), "
                   f"{m['flops_per_token'] / 1e9:.2f} GFLOP per token (training)")
+    if ex:
+        a2a = ex["all_to_all"]
+        console.print(
+            f"experts: {ex['n_experts']} per MoE block (top-{ex['top_k']}"
+            + (f", {ex['n_shared_experts']} shared" if ex["n_shared_experts"] else "")
+            + f"), {ex['moe_blocks']} MoE blocks, {ex['experts_per_rank']} per rank "
+            f"({_size(4 * ex['expert_params_per_rank'])} of fp32 expert weights on the busiest "
+            f"rank); ep groups of {ex['ep']} consecutive dp ranks "
+            + " ".join(_group_text(g, ex["ep"]) for g in ex["ep_groups"][:4])
+            + (" ..." if len(ex["ep_groups"]) > 4 else "")
+            + f"; all-to-all {_size(a2a['bytes_sent'] + a2a['count_bytes'])} sent per step per "
+            f"rank ({ex['tokens_routed_per_rank']:,} tokens routed, uniform routing)")
 
     shown = plan["ranks"] if plan["world_size"] <= 2 * TABLE_END_ROWS else (
         plan["ranks"][:TABLE_END_ROWS] + [None] + plan["ranks"][-TABLE_END_ROWS:])

@@ -168,6 +168,7 @@ class MoE(nn.Module):
         host sync per micro-batch), the sum of the aux loss values and their number."""
         device = self.router.weight.device
         self.load = torch.zeros(self.n_experts, dtype=torch.float64, device=device)
+        self.routed = 0  # (token, expert) choices made, kept or dropped
         self.aux_sum, self.aux_calls = torch.zeros((), device=device), 0
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -214,6 +215,7 @@ class MoE(nn.Module):
         kept = self._kept(chosen, bsz, seq)
         training = self.training and torch.is_grad_enabled()
         if training:
+            self.routed += chosen.numel()
             self.load += torch.bincount(chosen.flatten() if kept is None else chosen[kept],
                                         minlength=self.n_experts).to(self.load)
 

@@ -165,31 +165,34 @@ def finish_moe_step(layers: list[MoE], moe_cfg, n_moe_blocks: int, load_group, p
     its own): each local block's tokens per expert summed over the ranks that routed different
     tokens (`load_group`: dp x cp, and tp under sequence parallelism), the DeepSeek bias moved
     by them, and the step's router metrics (equal on every rank, summed over pp stages):
-    `moe_load_balance`, max over mean tokens per expert averaged over the MoE blocks, and
-    `moe_aux_loss`, the balancing loss summed over blocks (mean over micro-batches and ranks)."""
+    `moe_load_balance`, max over mean tokens per expert averaged over the MoE blocks;
+    `moe_aux_loss`, the balancing loss summed over blocks (mean over micro-batches and ranks);
+    `moe_dropped`, the share of (token, expert) choices over capacity (with a capacity factor)."""
     from partrain.models.moe import update_expert_bias
 
+    stats = torch.zeros(4, dtype=torch.float64, device=device)
     if layers:
         loads = torch.stack([m.load for m in layers])
         aux = torch.stack([m.aux_sum / max(m.aux_calls, 1) for m in layers]).to(loads)
-        packed = torch.cat([loads.flatten(), aux])
+        routed = torch.tensor([float(sum(m.routed for m in layers))]).to(loads)
+        packed = torch.cat([loads.flatten(), aux, routed])
         if load_group is not None and dist.get_world_size(load_group) > 1:
             dist.all_reduce(packed, group=load_group)
             # aux is the same on the tp ranks of a load group (sequence parallelism): the mean
             # over the group is the mean over dp x cp.
-            packed[loads.numel():] /= dist.get_world_size(load_group)
+            packed[loads.numel():-1] /= dist.get_world_size(load_group)
         loads = packed[:loads.numel()].view_as(loads)
         for moe, load in zip(layers, loads):
             if moe.balance == "bias":
                 update_expert_bias(moe, load)
             moe.reset_stats()
         balance = (loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1e-12)).sum()
-        stats = torch.stack([balance, packed[loads.numel():].sum()]).double()
-    else:
-        stats = torch.zeros(2, dtype=torch.float64, device=device)
+        stats = torch.stack([balance, packed[loads.numel():-1].sum(), loads.sum(), packed[-1]])
     if pp_group is not None:
         dist.all_reduce(stats, group=pp_group)
     record = {"moe_load_balance": stats[0].item() / n_moe_blocks}
     if moe_cfg.balance == "aux_loss":
         record["moe_aux_loss"] = stats[1].item()
+    if moe_cfg.capacity_factor:
+        record["moe_dropped"] = 1.0 - stats[2].item() / max(stats[3].item(), 1.0)
     return record

@@ -159,7 +159,7 @@ def single_process_reference(tmp_path_factory):
 # The layout keys a resume on another layout sets (a resume keeps what it is not told): every
 # degree, so nothing of the old layout lingers.
 LAYOUT_RESET = ("parallel.dp=1", "parallel.tp=1", "parallel.pp=1", "parallel.cp=1",
-                "parallel.cp_method=ring", "parallel.zero_stage=0",
+                "parallel.cp_method=ring", "parallel.ep=1", "parallel.zero_stage=0",
                 "parallel.sequence_parallel=false", "parallel.pp_schedule=1f1b",
                 "parallel.pp_virtual_stages=1")
 

@@ -1,0 +1,111 @@
+"""Mixture of experts and expert parallelism through the CLI, as a user runs them: layout parity
+(DESIGN.md: loss and grad_norm within 1e-4 of one process over 10 steps) of the tiny MoE recipe
+at ep 2 and 4 and with dp, tp (+ sequence parallelism), pp, cp and ZeRO-1; with a capacity factor
+(and the DeepSeek bias), every layout drops the same share of tokens and balances the same way;
+a checkpoint saved at ep=2 resumes at ep=4 and on one process.
+
+Short sequences (64 tokens) keep each run near its start-up cost."""
+
+import shutil
+
+import pytest
+
+from tests.integration.conftest import (PARITY_COMMON, PARITY_STEPS, assert_no_abort,
+                                        assert_parity, read_metrics, resume_layout)
+
+pytestmark = pytest.mark.slow
+
+MOE = ("moe-tiny", *PARITY_COMMON, "train.seq_len=64", "checkpoint.every=5")
+ONE = ("parallel.dp=1", "--nproc-per-node", "1", "train.micro_batch_size=16")
+# Drops and the aux-loss-free bias: both depend on routing every token alike on every layout.
+CAPACITY = ("model.moe.capacity_factor=1.0", "model.moe.balance=bias",
+            "model.moe.bias_update_rate=0.01")
+ROUTER_KEYS = ("moe_load_balance", "moe_aux_loss", "moe_dropped")
+
+
+def _run(cli, run_dir, *overrides):
+    res = cli.run("launch", *MOE, *overrides, "--run-dir", str(run_dir))
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps, _ = read_metrics(run_dir)
+    assert len(steps) == PARITY_STEPS
+    return steps
+
+
+@pytest.fixture(scope="module")
+def moe_references(tmp_path_factory):
+    """One-process runs of the tiny MoE: dropless (aux loss), and with capacity and bias."""
+    from tests.integration.conftest import CLI
+
+    cli, made = CLI(), {}
+
+    def get(variant=()):
+        if variant not in made:
+            made[variant] = _run(cli, tmp_path_factory.mktemp("moe-ref") / "run", *ONE, *variant)
+        return made[variant]
+    try:
+        yield get
+    finally:
+        cli.kill_all()
+
+
+def _assert_router_parity(steps, reference, label):
+    """The router's metrics agree too: the same tokens went to the same experts."""
+    for got, ref in zip(steps, reference):
+        for key in ROUTER_KEYS:
+            assert (key in got) == (key in ref), (label, key)
+            if key in ref:
+                assert got[key] == pytest.approx(ref[key], rel=1e-4), (label, got["step"], key)
+
+
+@pytest.mark.parametrize("label,overrides,variant", [
+    ("ep4", ("parallel.dp=4", "parallel.ep=4", "train.micro_batch_size=4"), ()),
+    ("dp4 x ep2", ("parallel.dp=4", "parallel.ep=2", "train.micro_batch_size=4"), ()),
+    ("ep2 x tp2 + sequence parallel", ("parallel.dp=2", "parallel.ep=2", "parallel.tp=2",
+                                       "parallel.sequence_parallel=true",
+                                       "train.micro_batch_size=8"), ()),
+    ("ep2 x pp2", ("parallel.dp=2", "parallel.ep=2", "parallel.pp=2",
+                   "train.micro_batch_size=4"), ()),
+    ("ep2 x cp2", ("parallel.dp=2", "parallel.ep=2", "parallel.cp=2",
+                   "train.micro_batch_size=8"), ()),
+    ("ep2 x tp2, capacity", ("parallel.dp=2", "parallel.ep=2", "parallel.tp=2",
+                             "train.micro_batch_size=8"), CAPACITY),
+    ("dp4 x ep2, capacity", ("parallel.dp=4", "parallel.ep=2", "train.micro_batch_size=4"),
+     CAPACITY),
+])
+def test_moe_layout_parity(cli, tmp_path, moe_references, label, overrides, variant):
+    steps = _run(cli, tmp_path / "run", *overrides, *variant)
+    reference = moe_references(variant)
+    assert_parity(steps, reference, label)
+    _assert_router_parity(steps, reference, label)
+    assert_no_abort(tmp_path / "run")
+    if variant:
+        assert all(s["moe_dropped"] > 0 for s in steps), "the capacity dropped nothing"
+
+
+def test_moe_zero1_parity(cli, tmp_path, moe_references, deepspeed_ops):
+    """ZeRO-1 shards the experts with everything else (ep=1; ep > 1 with ZeRO is refused)."""
+    steps = _run(cli, tmp_path / "run", "parallel.dp=2", "parallel.zero_stage=1",
+                 "train.micro_batch_size=4")
+    assert_parity(steps, moe_references(), "zero1 dp2")
+    _assert_router_parity(steps, moe_references(), "zero1 dp2")
+
+
+def test_moe_checkpoint_reshards_across_ep(cli, tmp_path, moe_references):
+    """ep=2 x pp=2 saves at step 5 (each rank its experts); resumed at ep=4 and on one process,
+    steps 6-10 keep parity (the DeepSeek bias too: it is in the checkpoint)."""
+    run_dir = tmp_path / "run"
+    steps = _run(cli, run_dir, "parallel.dp=2", "parallel.ep=2", "parallel.pp=2",
+                 "train.micro_batch_size=4", *CAPACITY)
+    reference = moe_references(CAPACITY)
+    assert_parity(steps, reference, "ep2 x pp2, capacity")
+    for name, layout in (("ep4", ("parallel.dp=4", "parallel.ep=4", "train.micro_batch_size=4")),
+                         ("one", ONE)):
+        copy = tmp_path / name
+        shutil.copytree(run_dir, copy)
+        shutil.rmtree(copy / "checkpoints" / "step-00000010")
+        res = cli.run("launch", "--resume", str(copy), *resume_layout(layout))
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert "resuming from step 5" in res.stdout
+        resumed, _ = read_metrics(copy)
+        assert_parity(resumed, reference, f"resumed at step 5 on {name}")
+        _assert_router_parity(resumed, reference, f"resumed on {name}")

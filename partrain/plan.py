@@ -269,7 +269,9 @@ def print_plan(plan: dict, console: Console) -> None:
         f": {plan['world_size']} ranks = {plan['nnodes']} node(s) x "
         f"{plan['nproc_per_node']} per node; pp({d['pp']}) * dp({d['dp']}) * "
         + (f"cp({d['cp']}) * " if d["cp"] > 1 else "")
-        + f"tp({d['tp']}) = {d['pp'] * d['dp'] * d['cp'] * d['tp']}; zero_stage {d['zero_stage']}"))
+        + f"tp({d['tp']}) = {d['pp'] * d['dp'] * d['cp'] * d['tp']}"
+        + (f"; ep {d['ep']} (experts split inside dp)" if d["ep"] > 1 else "")
+        + f"; zero_stage {d['zero_stage']}"))
     ex = plan["experts"]
     console.print(f"model {m['name']}: {m['params']:,} parameters"
                   + (f" ({m['active_params']:,} active per token)" if ex else "")

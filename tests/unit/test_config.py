@@ -13,7 +13,7 @@ from partrain.errors import ConfigError
 from partrain.paths import recipes_dir
 from tests.unit.helpers import compose, resolved
 
-RECIPES = ["llama-1b-dp8", "llama-7b-tp4-pp2", "quickstart"]
+RECIPES = ["llama-1b-dp8", "llama-7b-tp4-pp2", "mixtral-8x7b-ep8", "moe-tiny", "quickstart"]
 
 
 def test_known_recipes_are_the_files_in_recipes_dir():
@@ -69,7 +69,7 @@ def test_plan_math_llama_7b_tp4_pp2(run_main):
     assert result.code == 0, result.stderr
     plan = json.loads(result.stdout)
     assert (plan["world_size"], plan["nnodes"], plan["nproc_per_node"]) == (32, 4, 8)
-    assert plan["degrees"] == {"pp": 2, "dp": 4, "cp": 1, "tp": 4, "zero_stage": 0}  # dp: auto
+    assert plan["degrees"] == {"pp": 2, "dp": 4, "cp": 1, "tp": 4, "ep": 1, "zero_stage": 0}  # dp: auto
     batch = plan["batch"]
     assert (batch["global_batch_size"], batch["micro_batch_size"], batch["micro_batches"],
             batch["dp"]) == (1024, 1, 256, 4)
@@ -86,7 +86,7 @@ def test_plan_math_llama_1b_dp8(run_main):
     assert result.code == 0, result.stderr
     plan = json.loads(result.stdout)
     assert (plan["world_size"], plan["nnodes"], plan["nproc_per_node"]) == (8, 1, 8)
-    assert plan["degrees"] == {"pp": 1, "dp": 8, "cp": 1, "tp": 1, "zero_stage": 0}
+    assert plan["degrees"] == {"pp": 1, "dp": 8, "cp": 1, "tp": 1, "ep": 1, "zero_stage": 0}
     batch = plan["batch"]
     assert (batch["global_batch_size"], batch["micro_batch_size"], batch["micro_batches"]) == (256, 8, 4)
     assert batch["tokens_per_step"] == 256 * 4096 == 2**20  # "1M tokens per step"

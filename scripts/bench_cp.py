@@ -21,11 +21,9 @@ The same Llama-style model (same seed) on cp = 1, 2 and 4 processes, one sequenc
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -35,7 +33,7 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _spawn import run_workers  # noqa: E402
+from _spawn import join_group, max_over_ranks, run_workers  # noqa: E402
 from partrain.config.schema import Config  # noqa: E402
 from partrain.mesh import ParallelDims  # noqa: E402
 from partrain.models import build_model  # noqa: E402
@@ -95,23 +93,15 @@ def sequence(seq: int, cp: int, rank: int) -> torch.Tensor:
     return shard_sequence(tokens, cp, rank) if cp > 1 else tokens
 
 
-def _max_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
 def worker(rank, args, store_path, out_path):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     cp = args.world
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, cp), rank=rank,
-                            world_size=cp, timeout=timedelta(seconds=300))
+    join_group(rank, cp, store_path)
     mesh = ParallelDims(pp=1, dp=1, tp=1, cp=cp).build_mesh("cpu")
     result = {"cp": cp}
 
     def measure(seq):
         model = build(args, mesh, cp, "ring", seq)
-        return _max_over_ranks(saved_bytes(model, sequence(seq, cp, rank)))
+        return max_over_ranks(saved_bytes(model, sequence(seq, cp, rank)))
 
     result["bytes"] = measure(args.seq)
     # The budget: cp=1's activations at --budget-seq, measured in this process group with cp=1's
@@ -138,12 +128,12 @@ def worker(rank, args, store_path, out_path):
                 start = time.perf_counter()
                 with count_traffic() as sent:
                     F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
-                elapsed = _max_over_ranks(time.perf_counter() - start)
+                elapsed = max_over_ranks(time.perf_counter() - start)
                 if rep:
                     times.append(elapsed)
             rows = cp_traffic(model_config(args), 1, args.seq, cp, 1, method, args.layers)
             speed.append({"method": method, "tokens_per_s": args.seq / statistics.median(times),
-                          "sent_bytes": _max_over_ranks(sum(sent)),
+                          "sent_bytes": max_over_ranks(sum(sent)),
                           "formula_bytes": sum(r["bytes"] for r in rows)})
         result["speed"] = speed
     if rank == 0:

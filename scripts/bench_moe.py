@@ -21,13 +21,11 @@ own tokens, at ep = 1, 2 and 4 (ep = 1: every rank holds every expert):
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -37,7 +35,7 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _spawn import run_workers  # noqa: E402
+from _spawn import join_group, max_over_ranks, run_workers  # noqa: E402
 from partrain.config.schema import Config  # noqa: E402
 from partrain.mesh import ParallelDims  # noqa: E402
 from partrain.models import build_model  # noqa: E402
@@ -75,16 +73,8 @@ def model_config(args):
     return cfg
 
 
-def _max_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
 def worker(rank, args, store_path, out_path):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, args.world), rank=rank,
-                            world_size=args.world, timeout=timedelta(seconds=300))
+    join_group(rank, args.world, store_path)
     dims = ParallelDims(pp=1, dp=args.world, tp=1, ep=args.ep)
     mesh = dims.build_mesh("cpu")
     expert_mesh = dims.build_expert_mesh("cpu") if dims.ep_enabled else None
@@ -106,14 +96,14 @@ def worker(rank, args, store_path, out_path):
             F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).backward()
             if expert_mesh is not None:
                 average_expert_gradients(model, expert_mesh["edp_cp"].get_group(), dims.dp_cp)
-        elapsed = _max_over_ranks(time.perf_counter() - start)
+        elapsed = max_over_ranks(time.perf_counter() - start)
         ddp.zero_grad(set_to_none=True)
         if rep:
             times.append(elapsed)
     formula = moe_traffic(cfg, args.batch * args.seq, 1, args.ep, len(moe_blocks(cfg)))
     result = {"ep": args.ep, "tokens_per_s": args.world * args.batch * args.seq / statistics.median(times),
-              "rows_sent": _max_over_ranks(sent["rows_sent"]),
-              "bytes_sent": _max_over_ranks(sent["bytes_sent"] + sent["count_bytes"]),
+              "rows_sent": max_over_ranks(sent["rows_sent"]),
+              "bytes_sent": max_over_ranks(sent["bytes_sent"] + sent["count_bytes"]),
               "formula_bytes": formula["bytes_sent"] + formula["count_bytes"],
               "formula_rows": formula["rows_sent"], "expert_bytes": expert_bytes}
     if rank == 0:

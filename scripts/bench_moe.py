@@ -60,6 +60,9 @@ def parse_args(argv=None):
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--balance-steps", type=int, default=100,
                     help="training steps per balancing mode (0: skip)")
+    ap.add_argument("--bias-rate", type=float, default=0.01,
+                    help="model.moe.bias_update_rate of the bias run (DeepSeek's 0.001 is for "
+                         "runs of many thousands of steps)")
     ap.add_argument("--json", action="store_true")
     return ap.parse_args(argv)
 
@@ -113,14 +116,15 @@ def worker(rank, args, store_path, out_path):
     dist.destroy_process_group()
 
 
-def balance_run(mode: str, steps: int) -> dict:
+def balance_run(mode: str, steps: int, bias_rate: float) -> dict:
     """The moe-tiny recipe on one process for `steps` steps with model.moe.balance=mode."""
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
         cmd = [sys.executable, "-m", "partrain", "launch", "moe-tiny", "parallel.dp=1",
                "--nproc-per-node", "1", "train.micro_batch_size=16", f"train.max_steps={steps}",
                "train.eval_every=0", "checkpoint.every=0", "checkpoint.save_last=false",
-               f"model.moe.balance={mode}", "--run-dir", str(run_dir)]
+               f"model.moe.balance={mode}", f"model.moe.bias_update_rate={bias_rate}",
+               "--run-dir", str(run_dir)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode:
             raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
@@ -145,7 +149,8 @@ def main(argv=None) -> None:
         r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
         r["memory_ratio"] = r["expert_bytes"] / base["expert_bytes"]
         r["bytes_over_formula"] = r["bytes_sent"] / r["formula_bytes"] if r["formula_bytes"] else None
-    balance = [balance_run(mode, args.balance_steps) for mode in BALANCE] if args.balance_steps else []
+    balance = ([balance_run(mode, args.balance_steps, args.bias_rate) for mode in BALANCE]
+               if args.balance_steps else [])
     result = {"world": args.world, "runs": runs, "balance": balance}
     if args.json:
         print(json.dumps(result))
@@ -160,6 +165,8 @@ def main(argv=None) -> None:
               f"expert weights {r['expert_bytes'] / 2**20:6.2f} MiB per rank ({r['memory_ratio']:.3f}"
               f" of ep=1, 1/ep = {1 / r['ep']:.3f}); all-to-all sent {r['bytes_sent']:,.0f} bytes "
               f"per rank ({ratio})")
+    if balance:
+        print(f"moe-tiny on the quickstart corpus, one process (bias_update_rate {args.bias_rate}):")
     for b in balance:
         print(f"  balance={b['balance']:8s}: load max/mean {b['load_max_over_mean']:.2f} over the "
               f"last 10 of {b['steps']} steps (step 1: {b['first_step_load']:.2f}); loss "

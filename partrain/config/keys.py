@@ -50,6 +50,17 @@ def groups() -> dict[str, list[str]]:
             for d in sorted(configs_dir().iterdir()) if d.is_dir()}
 
 
+MAX_DIVISOR_SHOWN = 4096  # divisor hints ("try tp in {...}") search no further
+
+
+def divisors(n: int) -> str:
+    """The divisors of n that a degree could be (up to MAX_DIVISOR_SHOWN, so any n costs the
+    same); a long list is cut."""
+    found = [d for d in range(1, min(n, MAX_DIVISOR_SHOWN) + 1) if n % d == 0]
+    cut = found if len(found) <= 12 else found[:9] + ["..."] + found[-2:]
+    return "{" + ", ".join(map(str, cut)) + ("" if n <= MAX_DIVISOR_SHOWN else ", ...") + "}"
+
+
 def shown(value) -> str:
     """A value as the user wrote it in YAML or an override (null, true), not Python's None/True."""
     if value is None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from partrain.config.keys import SCHEMA_KEYS, float_keys, shown
+from partrain.config.keys import SCHEMA_KEYS, divisors, float_keys, shown
 from partrain.config.validate_moe import check_moe
 from partrain.errors import ConfigError
 from partrain.models.llama import ffn_dim
@@ -30,7 +30,6 @@ ROPE_TYPES = ("default", "llama3")
 MAX_WORLD_SIZE = 1 << 20
 MAX_NPROC_PER_NODE = 1024
 MAX_PIPELINE_CHUNKS = 1024  # pp * pp_virtual_stages: real pipelines have tens of stages
-MAX_DIVISOR_SHOWN = 4096  # divisor hints ("try tp in {...}") search no further
 INT64_MAX = (1 << 63) - 1  # every whole number of the config fits torch's and numpy's integers
 MAX_TIMEOUT_S = 7 * 24 * 3600
 NAME_RULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -48,14 +47,6 @@ class World:
     @property
     def size(self) -> int:
         return self.nnodes * self.nproc_per_node
-
-
-def _divisors(n: int) -> str:
-    """The divisors of n that a degree could be (up to MAX_DIVISOR_SHOWN, so any n costs the
-    same); a long list is cut."""
-    found = [d for d in range(1, min(n, MAX_DIVISOR_SHOWN) + 1) if n % d == 0]
-    shown = found if len(found) <= 12 else found[:9] + ["..."] + found[-2:]
-    return "{" + ", ".join(map(str, shown)) + ("" if n <= MAX_DIVISOR_SHOWN else ", ...") + "}"
 
 
 def _value(cfg: DictConfig, key: str):
@@ -268,7 +259,7 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
         if value % p.tp:
             raise ConfigError(
                 f"parallel.tp={p.tp} must divide model.{key}={value} "
-                f"(try tp in {_divisors(value)})"
+                f"(try tp in {divisors(value)})"
             )
     hidden = ffn_dim(m)
     if hidden % p.tp:

@@ -3,14 +3,9 @@ before any process starts (partrain.config.validate calls `check_moe` once dp is
 
 from omegaconf import DictConfig
 
-from partrain.config.keys import shown
+from partrain.config.keys import divisors, shown
 from partrain.errors import ConfigError
-
-BALANCE = ("aux_loss", "bias", "none")
-
-
-def _divisors(n: int) -> str:
-    return "{" + ", ".join(str(d) for d in range(1, min(n, 4096) + 1) if n % d == 0) + "}"
+from partrain.models.moe import BALANCE
 
 
 def check_moe(cfg: DictConfig, dp: int) -> None:
@@ -52,10 +47,10 @@ def check_moe(cfg: DictConfig, dp: int) -> None:
             "dropless routing (model.moe.capacity_factor=0) with it")
     if p.ep > 1 and dp % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide parallel.dp={dp}: experts are split "
-                          f"over groups of ep data-parallel ranks (try ep in {_divisors(dp)})")
+                          f"over groups of ep data-parallel ranks (try ep in {divisors(dp)})")
     if moe.n_experts % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide model.moe.n_experts={moe.n_experts} "
-                          f"(try ep in {_divisors(moe.n_experts)})")
+                          f"(try ep in {divisors(moe.n_experts)})")
     if p.ep > 1 and p.zero_stage > 0:
         raise ConfigError(
             f"parallel.ep={p.ep} with parallel.zero_stage={p.zero_stage} is not supported yet: "

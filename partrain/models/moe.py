@@ -102,15 +102,14 @@ class _SumOverSequence(Function):
 
 
 class GroupedExperts(nn.Module):
-    """n SwiGLU experts with stacked weights: w1, w3 (n, hidden, dim), w2 (n, dim, hidden).
-    `first` is the global id of this module's first expert (expert parallelism keeps a slice)."""
+    """n SwiGLU experts with stacked weights: w1, w3 (n, hidden, dim), w2 (n, dim, hidden)
+    (expert parallelism keeps a slice of them)."""
 
     def __init__(self, n: int, dim: int, hidden: int):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n, hidden, dim))
         self.w3 = nn.Parameter(torch.empty(n, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n, dim, hidden))
-        self.first = 0
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x: rows sorted by local expert, counts[e] rows for expert e."""
@@ -127,8 +126,6 @@ class GroupedExperts(nn.Module):
 class LocalDispatcher:
     """Every expert on this rank: sort the chosen (token, expert) pairs by expert, run each
     expert on its rows."""
-
-    traffic = None
 
     def __call__(self, experts: GroupedExperts, rows: torch.Tensor, expert_ids: torch.Tensor,
                  n_experts: int) -> torch.Tensor:

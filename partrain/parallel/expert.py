@@ -120,7 +120,6 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> nn.Module:
             param.__dict__.update(full.__dict__)  # what tp marked (sequence-parallel partials)
             param.ep_sharded, param.ep_mesh = True, ep_mesh
             setattr(experts, name, param)
-        experts.first = rank * n_local
         moe.dispatcher = ExpertParallelDispatcher(group, ep, n_local)
     return model
 

@@ -326,6 +326,7 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) 
     checkpointer = Checkpointer(run_dir, cfg.checkpoint, OmegaConf.to_yaml(cfg), report)
     display.print(f"partrain: {cfg.model.name} ({n_params:,} parameters, {rank_params:,} on rank "
                   f"0), {splits.description}, layout pp={dims.pp} dp={dims.dp}"
+                  f"{f' (ep={dims.ep})' if dims.ep_enabled else ''}"
                   f"{f' cp={dims.cp} ({p.cp_method})' if dims.cp_enabled else ''} tp={dims.tp}"
                   f"{' +sp' if sequence_parallel else ''}, {t.global_batch_size} x "
                   f"{t.seq_len} tokens per step ({t.micro_batches} micro-batches of "

@@ -261,8 +261,8 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) 
     if dims.cp_enabled:
         # Attention over the cp group; every other module works on this rank's tokens.
         model = apply_context_parallel(model, mesh["cp"], p, t.seq_len)
-    moe_layers, n_moe_blocks = moe_modules(model), len(moe_blocks(cfg.model))
-    moe_load_group = _setup_moe(moe_layers, n_moe_blocks, dims, mesh, sequence_parallel,
+    n_moe_blocks = len(moe_blocks(cfg.model))
+    moe_load_group = _setup_moe(moe_modules(model), n_moe_blocks, dims, mesh, sequence_parallel,
                                 t.micro_batches)
     if dims.ep_enabled:
         # Each rank keeps 1/ep of every MoE's experts; tokens travel to them (all-to-all).
@@ -296,7 +296,7 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) 
     if resume:
         load_optimizer(model, optimizer, resume.path, tp_mesh, dims.zero_enabled)
     loss_fn = loss_function(dims, mesh)
-    moe_layers = moe_modules(model)  # this stage's
+    moe_layers = moe_modules(model)  # this pipeline stage's, for the per-step router accounting
     # ZeRO-3 leaves each parameter empty and keeps this rank's shard in `ds_tensor`.
     rank_params = sum(getattr(q, "ds_tensor", q).numel() for q in model.parameters())
 

@@ -61,10 +61,12 @@ FAULT_ENV = "PARTRAIN_TEST_FAULT"
 
 
 def param_groups(model: torch.nn.Module, optim_cfg) -> list[dict]:
-    """Weight decay on matrices and embeddings only, never on norm gains."""
+    """Weight decay on matrices and embeddings only, never on norm gains. The names are
+    DeepSpeed's (its expert groups are split from named groups)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim_cfg.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim_cfg.weight_decay,
+             "name": "decay"},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "name": "no_decay"}]
 
 
 def build_optimizer(model: torch.nn.Module, optim_cfg) -> torch.optim.Optimizer:
@@ -286,7 +288,7 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) 
         # the derived config (over the same parameter groups).
         ds_config = deepspeed_config(cfg, on_cuda=device.type == "cuda")
         model, optimizer = apply_zero(model, mesh, dims, ds_config,
-                                      param_groups(model, cfg.optim))
+                                      param_groups(model, cfg.optim), expert_mesh)
     else:
         if dims.dp_cp > 1 and not dims.pp_enabled:
             # Gradients are averaged over dp x cp. Under pp the executor runs forward and

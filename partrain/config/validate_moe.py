@@ -51,12 +51,12 @@ def check_moe(cfg: DictConfig, dp: int) -> None:
     if moe.n_experts % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide model.moe.n_experts={moe.n_experts} "
                           f"(try ep in {divisors(moe.n_experts)})")
-    if p.ep > 1 and p.zero_stage > 0:
+    if p.ep > 1 and p.zero_stage == 3:
         raise ConfigError(
-            f"parallel.ep={p.ep} with parallel.zero_stage={p.zero_stage} is not supported yet: "
-            "DeepSpeed would reduce each rank's expert slice over all dp ranks as if they were "
-            "copies; use parallel.zero_stage=0 with ep, or parallel.ep=1 (ZeRO shards the "
-            "experts too)")
+            f"parallel.ep={p.ep} with parallel.zero_stage=3 is not supported: DeepSpeed's ZeRO-3 "
+            "does not take expert-parallel slices (its MoE support is ZeRO-1/2); use "
+            "parallel.zero_stage=1 or 2 with ep, or parallel.ep=1 (ZeRO-3 shards the experts "
+            "too)")
     if m.init_from and str(m.init_from).startswith("hf:"):
         raise ConfigError(f"model.init_from={m.init_from}: Hugging Face imports are Llama models; "
                           "a mixture of experts (model.moe.n_experts="

@@ -13,10 +13,19 @@ off: each micro-batch's backward accumulates, `engine.step()` reduces and steps 
 optimizer step), the learning rate follows partrain's warmup + cosine (set on the optimizer's
 groups each step, as for every other layout) and weight decay skips norm gains (two parameter
 groups). DeepSpeed clips and reports the norm before clipping.
+
+Under expert parallelism (ZeRO-1/2) DeepSpeed's own MoE support takes the expert slices: they are
+marked as its expert parameters (`allreduce=False`, a `group_name`), partrain's ep and
+expert-data-parallel (edp x cp) groups are registered as DeepSpeed's expert groups of that name,
+and the engine is shown partrain's MoE modules as its MoE class while it is built
+(`_expert_parallel`). DeepSpeed then partitions each slice over the ranks holding it, sums its
+gradients there divided by dp x cp (the same as `average_expert_gradients`), and sums its norm
+over every dp rank (the slices of the ep group once each).
 """
 
 import logging
 import os
+from contextlib import contextmanager
 
 import torch.distributed as dist
 from torch import nn
@@ -40,7 +49,9 @@ def derived_config(cfg, on_cuda: bool = False) -> dict:
     10 x hidden (norm gains) stay whole under ZeRO-3 rather than gathered at every use."""
     p, t, o = cfg.parallel, cfg.train, cfg.optim
     bucket = cfg.model.dim ** 2
-    zero = {"stage": p.zero_stage, "contiguous_gradients": p.zero_stage >= 2,
+    # Expert slices are reduced over their own group only on DeepSpeed's contiguous-gradient
+    # path: without it ZeRO-1 all-reduces them over every dp rank, summing different experts.
+    zero = {"stage": p.zero_stage, "contiguous_gradients": p.zero_stage >= 2 or p.ep > 1,
             "overlap_comm": on_cuda and p.zero_stage >= 2,
             "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
             "offload_optimizer": _offload(p.offload_optimizer, p.offload_nvme_path),
@@ -145,7 +156,13 @@ def deepspeed_config(cfg, on_cuda: bool = False) -> dict:
                 raise ConfigError(
                     f"parallel.deepspeed.{key} clashes with the derived {other} (from "
                     f"{SOURCES[other]}); set {SOURCES[other]} instead")
-    return _merge(derived, raw)
+    merged = _merge(derived, raw)
+    if cfg.parallel.ep > 1 and not merged["zero_optimization"]["contiguous_gradients"]:
+        raise ConfigError(
+            "parallel.deepspeed.zero_optimization.contiguous_gradients=false cannot be used with "
+            f"parallel.ep={cfg.parallel.ep}: DeepSpeed reduces expert slices over their own ranks "
+            "only on the contiguous-gradient path; drop the raw key")
+    return merged
 
 
 class MeshMPU:
@@ -218,9 +235,47 @@ def _quiet_deepspeed() -> None:
     logger.setLevel(logging.WARNING)
 
 
-def apply_zero(model: nn.Module, mesh, dims, ds_config: dict, param_groups: list[dict]):
+@contextmanager
+def _expert_parallel(model: nn.Module, expert_mesh):
+    """Within the block, DeepSpeed sees this rank's expert slices as its expert parameters over
+    partrain's ep groups: the engine built inside keeps them so (its optimizer's MoE groups)."""
+    if expert_mesh is None:
+        yield
+        return
+    from deepspeed.moe.layer import MoE as DeepSpeedMoE
+    from deepspeed.utils import groups
+
+    from partrain.parallel.expert import moe_modules
+
+    name = f"ep_size_{expert_mesh['ep'].size()}"
+    for registry, dim in ((groups._EXPERT_PARALLEL_GROUP, "ep"),
+                          (groups._EXPERT_DATA_PARALLEL_GROUP, "edp_cp")):
+        registry[name] = expert_mesh[dim].get_group()
+    for ranks, dim in ((groups._EXPERT_PARALLEL_GROUP_RANKS, "ep"),
+                       (groups._EXPERT_DATA_PARALLEL_GROUP_RANKS, "edp_cp")):
+        ranks[name] = dist.get_process_group_ranks(expert_mesh[dim].get_group())
+    for param in model.parameters():
+        if getattr(param, "ep_sharded", False):
+            param.allreduce, param.group_name = False, name
+    # The engine finds MoE layers by DeepSpeed's class only; partrain's modules pass as it while
+    # the engine is built (their groups exist already: nothing to set up).
+    swapped = [(moe, type(moe)) for moe in moe_modules(model)]
+    for moe, cls in swapped:
+        moe.__class__ = type(cls.__name__, (cls, DeepSpeedMoE), {
+            "num_experts": property(lambda self: self.n_experts),
+            "set_deepspeed_parallelism": lambda self, *args, **kwargs: None})
+    try:
+        yield
+    finally:
+        for moe, cls in swapped:
+            moe.__class__ = cls
+
+
+def apply_zero(model: nn.Module, mesh, dims, ds_config: dict, param_groups: list[dict],
+               expert_mesh=None):
     """Wrap `model` in a DeepSpeed engine; returns (engine, optimizer). `param_groups` are the
-    optimizer's groups (weight decay on matrices only); the dp group comes from the mesh."""
+    optimizer's groups (weight decay on matrices only); the dp group comes from the mesh, the
+    expert groups (under ep) from `expert_mesh`."""
     if mesh.device_type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     import deepspeed
@@ -234,9 +289,10 @@ def apply_zero(model: nn.Module, mesh, dims, ds_config: dict, param_groups: list
         # first stage (DeepSpeed's own name for a weight replicated across stages).
         if getattr(param, "tied_to", None):
             param.ds_pipe_replicated = True
-    engine, optimizer, _, _ = deepspeed.initialize(
-        model=model, model_parameters=param_groups, config=ds_config, mpu=MeshMPU(mesh, dims),
-        dist_init_required=False)
+    with _expert_parallel(model, expert_mesh):
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=model, model_parameters=param_groups, config=ds_config,
+            mpu=MeshMPU(mesh, dims), dist_init_required=False)
     return engine, optimizer
 
 

@@ -43,6 +43,7 @@ from partrain.mesh import ParallelDims
 from partrain.metrics import MetricsLog, ProgressDisplay, format_step, peak_flops, summary_table
 from partrain.models import build_model, flops_per_token
 from partrain.models.moe import moe_blocks
+from partrain.models.recompute import apply_activation_checkpointing, checkpointed_blocks
 from partrain.parallel.context import apply_context_parallel, shard_batch
 from partrain.parallel.data import apply_data_parallel
 from partrain.parallel.expert import (apply_expert_parallel, average_expert_gradients,
@@ -257,6 +258,8 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) 
     tracer = Tracer(t.trace)
     model = build_model(cfg.model, t.seed).to(device)
     n_params = sum(q.numel() for q in model.parameters())
+    # Blocks keep their checkpointing mode through every wrapper (they stay the same modules).
+    apply_activation_checkpointing(model, t.activation_checkpointing)
     if dims.tp_enabled:
         model = apply_tensor_parallel(model, mesh["tp"], p)
     sequence_parallel = dims.tp_enabled and p.sequence_parallel
@@ -332,7 +335,10 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) 
                   f"{f' cp={dims.cp} ({p.cp_method})' if dims.cp_enabled else ''} tp={dims.tp}"
                   f"{' +sp' if sequence_parallel else ''}, {t.global_batch_size} x "
                   f"{t.seq_len} tokens per step ({t.micro_batches} micro-batches of "
-                  f"{t.micro_batch_size} per dp rank)")
+                  f"{t.micro_batch_size} per dp rank)"
+                  + (f", activation checkpointing {t.activation_checkpointing} "
+                     f"({checkpointed_blocks(model)} blocks on rank 0)"
+                     if t.activation_checkpointing != "none" else ""))
     if resume:
         display.print(f"resuming from step {resume.step} ({resume.path})")
         metrics.write({"step": resume.step, "resumed_from": str(resume.path.relative_to(run_dir)),

@@ -15,6 +15,7 @@ from partrain.config.keys import SCHEMA_KEYS, divisors, float_keys, shown
 from partrain.config.validate_moe import check_moe
 from partrain.errors import ConfigError
 from partrain.models.llama import ffn_dim
+from partrain.models.recompute import MODES as RECOMPUTE_MODES
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 CP_METHODS = ("ring", "all_to_all")
@@ -236,6 +237,7 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
             raise ConfigError(f"{key}={_value(cfg, key)} must be positive")
     _choice("parallel.pp_schedule", p.pp_schedule, PP_SCHEDULES)
     _choice("train.dtype", t.dtype, DTYPES)
+    _choice("train.activation_checkpointing", t.activation_checkpointing, RECOMPUTE_MODES)
     _choice("launcher.device", cfg.launcher.device, DEVICES)
     _choice("data.source", cfg.data.source, DATA_SOURCES)
     _choice("optim.name", cfg.optim.name, OPTIMIZERS)

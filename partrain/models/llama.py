@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from partrain.models.moe import MoE, expert_ffn_dim, is_moe_block, moe_blocks
+from partrain.models.recompute import run_block
 
 
 def ffn_dim(cfg) -> int:
@@ -196,8 +197,12 @@ class TransformerBlock(nn.Module):
         # A mixture of experts in place of the dense MLP where model.moe says so.
         self.feed_forward = (MoE(cfg, ffn_dim(cfg)) if is_moe_block(cfg, layer)
                              else FeedForward(cfg.dim, ffn_dim(cfg)))
+        self.recompute = "none"  # train.activation_checkpointing (models/recompute.py)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return run_block(self._forward, self.recompute, x, cos, sin)
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
         return h + self.feed_forward(self.ffn_norm(h))
 

@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
+from partrain.models.recompute import recomputing
+
 BALANCE = ("aux_loss", "bias", "none")
 
 
@@ -211,7 +213,7 @@ class MoE(nn.Module):
         scores, chosen, weights = self.route(tokens)
         kept = self._kept(chosen, bsz, seq)
         training = self.training and torch.is_grad_enabled()
-        if training:
+        if training and not recomputing():
             self.routed += chosen.numel()
             self.load += torch.bincount(chosen.flatten() if kept is None else chosen[kept],
                                         minlength=self.n_experts).to(self.load)
@@ -232,8 +234,9 @@ class MoE(nn.Module):
         out = out.view(bsz, seq, dim)
         if self.balance == "aux_loss" and training:
             aux = self._aux_loss(scores, chosen, bsz, seq)
-            self.aux_sum = self.aux_sum + aux.detach()
-            self.aux_calls += 1
+            if not recomputing():
+                self.aux_sum = self.aux_sum + aux.detach()
+                self.aux_calls += 1
             out = _AuxLossGrad.apply(out, aux, self.aux_scale)
         return out
 

@@ -28,7 +28,7 @@ def _run(cli, tmp_path, name, *overrides):
 
 # Parity label -> the layout its step-5 checkpoint is resumed on (the issue's six pairs).
 RESUME_ON = {
-    "dp2 x tp2 x pp2": ("parallel.dp=1", "--nproc-per-node", "1", "train.micro_batch_size=16"),
+    "dp2 x tp2 x pp2, full checkpointing": ("parallel.dp=1", "--nproc-per-node", "1", "train.micro_batch_size=16"),
     "dp1 x 4 micro-batches": ("parallel.tp=2", "parallel.sequence_parallel=true",
                               "train.micro_batch_size=4"),
     "pp2 interleaved v2": ("parallel.pp=4", "parallel.pp_schedule=1f1b",
@@ -36,11 +36,12 @@ RESUME_ON = {
     "tp2": ("parallel.dp=2", "parallel.zero_stage=3", "train.micro_batch_size=4"),
     "zero2 dp2": ("parallel.dp=2", "parallel.pp=2", "parallel.zero_stage=1",
                   "train.micro_batch_size=4"),
-    "zero3 dp2": ("parallel.dp=1", "parallel.tp=2", "train.micro_batch_size=4"),
+    "zero3 dp2, full checkpointing": ("parallel.dp=1", "parallel.tp=2",
+                                      "train.micro_batch_size=4"),
 }
 # Parity labels also resumed on their own layout: bit-identical to the uninterrupted run (dp2 is
 # in test_checkpoint.py, dp4 in test_slurm.py).
-EXACT = ("zero3 dp2", "pp2 interleaved v2")
+EXACT = ("zero3 dp2, full checkpointing", "pp2 interleaved v2")
 
 
 def _resumes(cli, tmp_path, label, steps, reference):
@@ -130,8 +131,11 @@ def test_tensor_parallel_parity(cli, tmp_path, references, deepspeed_ops, label,
                   "--nproc-per-node", "4")),
     ("pp2 uneven [1, 3]", ("parallel.dp=1", "parallel.pp=2", "parallel.pp_layers=[1,3]",
                            "train.micro_batch_size=4")),
-    ("dp2 x tp2 x pp2", ("parallel.dp=2", "parallel.tp=2", "parallel.pp=2",
-                         "train.micro_batch_size=4", "--nproc-per-node", "8")),
+    # Activation checkpointing recomputes the same math: it rides on three layouts' rows (here,
+    # ZeRO-3 and cp2 x tp2 + sp) instead of runs of its own.
+    ("dp2 x tp2 x pp2, full checkpointing", ("parallel.dp=2", "parallel.tp=2", "parallel.pp=2",
+                                             "train.micro_batch_size=4", "--nproc-per-node", "8",
+                                             "train.activation_checkpointing=full")),
 ])
 @pytest.mark.slow
 def test_pipeline_parallel_parity(cli, tmp_path, single_process, label, overrides):
@@ -145,7 +149,9 @@ def test_pipeline_parallel_parity(cli, tmp_path, single_process, label, override
 @pytest.mark.parametrize("label,overrides", [
     ("zero1 dp2", ("parallel.dp=2", "parallel.zero_stage=1", "train.micro_batch_size=4")),
     ("zero2 dp2", ("parallel.dp=2", "parallel.zero_stage=2", "train.micro_batch_size=4")),
-    ("zero3 dp2", ("parallel.dp=2", "parallel.zero_stage=3", "train.micro_batch_size=4")),
+    ("zero3 dp2, full checkpointing", ("parallel.dp=2", "parallel.zero_stage=3",
+                                       "train.micro_batch_size=4",
+                                       "train.activation_checkpointing=full")),
     ("zero1 dp2 x tp2", ("parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=1",
                          "train.micro_batch_size=4", "--nproc-per-node", "4")),
     ("zero1 dp2 x pp2", ("parallel.dp=2", "parallel.pp=2", "parallel.zero_stage=1",
@@ -180,9 +186,9 @@ def _check_with_resumes(cli, tmp_path, single_process, label, overrides):
     ("dp2 x cp2", ("parallel.dp=2", "parallel.cp=2", "train.micro_batch_size=8")),
     ("cp2 x tp2", ("parallel.dp=1", "parallel.cp=2", "parallel.tp=2",
                    "train.micro_batch_size=16")),
-    ("cp2 x tp2 + sequence parallel", ("parallel.dp=1", "parallel.cp=2", "parallel.tp=2",
-                                       "parallel.sequence_parallel=true",
-                                       "train.micro_batch_size=16")),
+    ("cp2 x tp2 + sequence parallel, selective checkpointing",
+     ("parallel.dp=1", "parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+      "train.micro_batch_size=16", "train.activation_checkpointing=selective")),
     ("cp2 x pp2", ("parallel.dp=1", "parallel.cp=2", "parallel.pp=2",
                    "train.micro_batch_size=4", "train.trace=true")),
     ("zero1 cp2", ("parallel.dp=1", "parallel.cp=2", "parallel.zero_stage=1",

@@ -1,0 +1,90 @@
+"""Activation checkpointing (train.activation_checkpointing): what a transformer block keeps for
+its backward, traded against computing part of its forward again.
+
+- none: every op keeps what its backward needs (the default).
+- full: a block keeps only its input; backward runs the block's forward again first
+  (`torch.utils.checkpoint`, non-reentrant).
+- selective: per op, torch's selective activation checkpointing: the outputs of the matrix
+  products and of attention are kept (the expensive ops), the cheap element-wise ones are computed
+  again (the norms, rotary embedding, SiLU and the gate product, the router's softmax, the
+  copies, gathers and scatters around collectives). This is torchtitan's op-level "selective"; it
+  keeps more than Megatron's, whose selective mode drops the attention core's s x s scores:
+  with a fused attention kernel those are never stored in the first place.
+
+The same math either way: the recomputed ops see the same inputs, so gradients are identical.
+Collectives inside a block (tp, cp, ep) run again in the recomputation; every rank of a group
+recomputes the same blocks in the same order, so they match up. Forward side effects (the MoE
+router's load and aux-loss accounting) check `recomputing()` and happen once.
+"""
+
+from contextlib import contextmanager, nullcontext
+
+import torch
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
+                                    create_selective_checkpoint_contexts)
+
+MODES = ("none", "selective", "full")
+
+_aten = torch.ops.aten
+# Ops whose outputs selective checkpointing keeps: matrix products and attention kernels.
+KEPT_OPS = frozenset({
+    _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+})
+
+_recomputing = False
+
+
+def recomputing() -> bool:
+    """True while a block's forward runs again for its backward."""
+    return _recomputing
+
+
+@contextmanager
+def _recomputation(inner=None):
+    global _recomputing
+    previous, _recomputing = _recomputing, True
+    try:
+        with inner or nullcontext():
+            yield
+    finally:
+        _recomputing = previous
+
+
+def _policy(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in KEPT_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _full_contexts():
+    return nullcontext(), _recomputation()
+
+
+def _selective_contexts():
+    forward, recompute = create_selective_checkpoint_contexts(_policy)
+    return forward, _recomputation(recompute)
+
+
+def run_block(forward, mode: str, *args):
+    """`forward(*args)` under the block's checkpointing `mode` (only while gradients are on)."""
+    if mode == "none" or not torch.is_grad_enabled():
+        return forward(*args)
+    contexts = _full_contexts if mode == "full" else _selective_contexts
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts)
+
+
+def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> torch.nn.Module:
+    """Set every transformer block of `model` to checkpoint in `mode` (MODES)."""
+    from partrain.models.llama import TransformerBlock
+
+    for module in model.modules():
+        if isinstance(module, TransformerBlock):
+            module.recompute = mode
+    return model
+
+
+def checkpointed_blocks(model: torch.nn.Module) -> int:
+    """How many of `model`'s blocks (this rank's, under pp) checkpoint their activations."""
+    return sum(getattr(m, "recompute", "none") != "none" for m in model.modules())

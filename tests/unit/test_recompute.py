@@ -7,8 +7,8 @@ by the parity rows that carry train.activation_checkpointing (tests/integration)
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.distributed._tools.mem_tracker import MemTracker
 
+from partrain.memory import measure_step
 from partrain.models.llama import build_model
 from partrain.models.moe import MoE
 from partrain.models.recompute import MODES, apply_activation_checkpointing, checkpointed_blocks
@@ -20,18 +20,13 @@ def _step(recipe: str, mode: str):
     model = build_model(cfg.model, 0)
     apply_activation_checkpointing(model, mode)
     tokens = torch.randint(0, cfg.model.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
-    tracker = MemTracker()
-    tracker.track_external(model)
-    with tracker:
-        loss = F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
-        # What the forward left for the backward: the activations the mode keeps.
-        now = tracker.get_tracker_snapshot("current")[torch.device("cpu")]
-        loss.backward()
-    activations = next(v for k, v in now.items() if str(k).endswith("ACT"))
+    measured = measure_step(model, lambda: F.cross_entropy(model(tokens).flatten(0, 1),
+                                                           tokens.flatten()))
+    loss, activations = measured["loss"], measured["activations"]
     grads = {n: p.grad for n, p in model.named_parameters()}
     routers = [(m.load.clone(), m.routed, m.aux_calls, m.aux_sum.clone())
                for m in model.modules() if isinstance(m, MoE)]
-    return model, loss.detach(), grads, activations, routers
+    return model, loss, grads, activations, routers
 
 
 @pytest.fixture(scope="module", params=["quickstart", "moe-tiny"])

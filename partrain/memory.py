@@ -1,9 +1,85 @@
-"""Measured memory of one training step on this process, by tensor accounting: torch's MemTracker
-(torch.distributed._tools.mem_tracker) follows every tensor the step creates and the parameters,
-buffers and optimizer state it is given, by kind, on every device. Unlike the RSS of a CPU process
-it is exact and repeatable; on CUDA it agrees with the caching allocator's allocated bytes."""
+"""Measured memory of a training step on this process, by tensor accounting: every tensor storage
+alive is counted once, by its bytes, from its creation to its release. Unlike the RSS of a CPU
+process this is exact and repeatable; on CUDA it is what the caching allocator reports as
+allocated (without the allocator's rounding).
+
+- `StepMemory`: a dispatch mode over a whole step, any layout (DDP, DeepSpeed, pipeline
+  schedules): the bytes alive when it starts (parameters, gradients, optimizer state, buffers,
+  found through the garbage collector) and the peak while it runs. `train.measure_memory` uses it.
+- `measure_step`: torch's MemTracker (torch.distributed._tools.mem_tracker) over one forward and
+  backward of one module, by kind (parameters, activations, temporaries...): the activations a
+  step keeps for its backward. MemTracker follows modules with hooks and refuses a module called
+  twice in one step, so it does not fit micro-batches or pipelines; StepMemory does.
+"""
+
+import gc
+import warnings
+import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class StepMemory(TorchDispatchMode):
+    """While active: `live` bytes of tensor storages on this process and their `peak`; `base` is
+    what was alive when it started. Storages created by ops are seen as they are made and dropped
+    when released (weak references); those alive before are found through the garbage collector."""
+
+    def __init__(self):
+        super().__init__()
+        self._refs: dict[int, weakref.ref] = {}
+        self._seen: set[int] = set()
+        self.live = self.peak = self.base = 0
+
+    def _add(self, tensor: torch.Tensor) -> None:
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+            return
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse, or a wrapper subclass
+            return
+        key = storage.data_ptr()
+        size = storage.nbytes()
+        if not size or key in self._seen:
+            return
+        self._seen.add(key)
+        self.live += size
+        self.peak = max(self.peak, self.live)
+
+        def released(_, key=key, size=size):
+            self._seen.discard(key)
+            self._refs.pop(key, None)
+            self.live -= size
+        self._refs[key] = weakref.ref(storage, released)
+
+    def __enter__(self):
+        gc.collect()
+        with warnings.catch_warnings():  # isinstance on deprecated module proxies warns
+            warnings.simplefilter("ignore")
+            for obj in gc.get_objects():
+                if isinstance(obj, torch.Tensor):
+                    self._add(obj)
+                    self._add(getattr(obj, "grad", None))
+        self.base = self.peak = self.live
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_leaves(out):
+            self._add(leaf)
+        return out
+
+
+def per_rank(meter: StepMemory, device) -> dict[str, list[int]]:
+    """Every rank's base and peak bytes, in rank order (collective: every rank calls it)."""
+    import torch.distributed as dist
+
+    mine = torch.tensor([meter.base, meter.peak], dtype=torch.int64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return {"memory_base_bytes": [int(t[0]) for t in every],
+            "memory_peak_bytes": [int(t[1]) for t in every]}
 
 
 def _by_kind(snapshot: dict) -> dict[str, int]:

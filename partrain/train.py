@@ -42,6 +42,7 @@ from partrain.launch.preemption import PreemptionFlag
 from partrain.mesh import ParallelDims
 from partrain.metrics import MetricsLog, ProgressDisplay, format_step, peak_flops, summary_table
 from partrain.models import build_model, flops_per_token
+from partrain.memory import StepMemory, per_rank
 from partrain.models.moe import moe_blocks
 from partrain.models.recompute import apply_activation_checkpointing, checkpointed_blocks
 from partrain.parallel.context import apply_context_parallel, shard_batch
@@ -365,7 +366,10 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) 
             if dims.cp_enabled:
                 micro = shard_batch(micro, dims.cp, coords["cp"])
             tracer.at_step(step)
-            with tracer.span(f"step {step}", "step"):
+            # train.measure_memory: the second step of the run (optimizer state made), or the only.
+            meter = (StepMemory() if t.measure_memory and step == min(first_step + 1, t.max_steps)
+                     else None)
+            with tracer.span(f"step {step}", "step"), meter or nullcontext():
                 # A background save's copy of the state must be done before the update.
                 loss_value, grad_norm = train_step(model, optimizer, micro, loss_fn, dims, mesh,
                                                    device, autocast, cfg.optim.grad_clip,
@@ -377,7 +381,8 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) 
             step_time = time.perf_counter() - step_start
             rec = {"step": step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
                    "tokens": step * tokens_per_step, "tokens_per_s": tokens_per_step / step_time,
-                   "step_time_s": step_time, **router}
+                   "step_time_s": step_time, **router,
+                   **(per_rank(meter, device) if meter else {})}
             if peak:
                 rec["mfu"] = flops_per_step / step_time / (peak * dims.world_size)
             if device.type == "cuda":  # rank 0's peak since the start

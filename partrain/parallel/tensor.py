@@ -81,7 +81,9 @@ def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     out = front.new_empty((tp * front.shape[0], *front.shape[1:]))
     dist.all_gather_into_tensor(out, front, group=group)
     note_collective("all_gather", out)
-    return out.movedim(0, dim)
+    # Contiguous once here: a strided result would be copied by each linear layer it feeds
+    # (q, k and v; w1 and w3), and each copy kept for the backward.
+    return out.movedim(0, dim).contiguous()
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:

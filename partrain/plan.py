@@ -376,7 +376,20 @@ def print_plan(plan: dict, console: Console) -> None:
                   f"parameters, Nd = {mem['dp']}): parameters {_size(mem['param_bytes'])} + "
                   f"gradients {_size(mem['grad_bytes'])} + optimizer state "
                   f"{_size(mem['optim_bytes'])} = {mem['formula']} = {_size(mem['total'])}; "
-                  f"other stages: {others}; activations not included")
+                  f"other stages: {others}")
+    t = plan["batch"]
+    for st in plan["memory_per_stage"]:
+        state = st["param_bytes"] + st["grad_bytes"] + st["optim_bytes"]
+        parts = [f"model state {_size(state)}",
+                 f"activations {_size(st['activation_bytes'])} ({st['in_flight']} micro-batch"
+                 f"{'es' if st['in_flight'] != 1 else ''} in flight)"]
+        parts += [f"{label} {_size(st[key])}" for key, label in (
+            ("pipeline_send_bytes", "pipeline sends"), ("loss_bytes", "loss"),
+            ("backward_bytes", "a block's backward")) if st[key]]
+        where = f"pp rank {st['pp_rank']}" if len(plan["memory_per_stage"]) > 1 else "each rank"
+        console.print(f"peak memory, {where}: {_size(st['total'])} = " + ", ".join(parts)
+                      + " (the loss's and the backward's buffers are not alive together: the "
+                        "larger counts)")
     ck = plan["checkpoint"]
     when = (f"every {ck['every']} steps" if ck["every"] else "not on a schedule") + \
         (" and after the last" if ck["save_last"] else "")

@@ -26,11 +26,14 @@ class StepMemory(TorchDispatchMode):
     what was alive when it started. Storages created by ops are seen as they are made and dropped
     when released (weak references); those alive before are found through the garbage collector."""
 
-    def __init__(self):
+    def __init__(self, device=None):
         super().__init__()
         self._refs: dict[int, weakref.ref] = {}
         self._seen: set[int] = set()
         self.live = self.peak = self.base = 0
+        # On CUDA also the caching allocator's own peak of the step (max_memory_allocated).
+        self.device = device if device is not None and torch.device(device).type == "cuda" else None
+        self.cuda_peak = -1
 
     def _add(self, tensor: torch.Tensor) -> None:
         if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
@@ -62,7 +65,16 @@ class StepMemory(TorchDispatchMode):
                     self._add(obj)
                     self._add(getattr(obj, "grad", None))
         self.base = self.peak = self.live
+        if self.device is not None:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
         return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self.device is not None:
+            torch.cuda.synchronize(self.device)
+            self.cuda_peak = torch.cuda.max_memory_allocated(self.device)
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -75,11 +87,15 @@ def per_rank(meter: StepMemory, device) -> dict[str, list[int]]:
     """Every rank's base and peak bytes, in rank order (collective: every rank calls it)."""
     import torch.distributed as dist
 
-    mine = torch.tensor([meter.base, meter.peak], dtype=torch.int64, device=device)
+    mine = torch.tensor([meter.base, meter.peak, meter.cuda_peak], dtype=torch.int64,
+                        device=device)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
-    return {"memory_base_bytes": [int(t[0]) for t in every],
-            "memory_peak_bytes": [int(t[1]) for t in every]}
+    out = {"memory_base_bytes": [int(t[0]) for t in every],
+           "memory_peak_bytes": [int(t[1]) for t in every]}
+    if meter.device is not None:
+        out["memory_cuda_peak_bytes"] = [int(t[2]) for t in every]
+    return out
 
 
 def _by_kind(snapshot: dict) -> dict[str, int]:

@@ -41,93 +41,103 @@ def shape(model_cfg, tp: int, sequence_parallel: bool, ring: bool = False) -> Sh
                  ffn_dim(model_cfg) // tp, tp if sequence_parallel else 1, ring)
 
 
-def _attention_elements(s: Shape) -> float:
-    """Norm (input, input x rsqrt, rsqrt: split under sequence parallelism), its output as the
-    q/k/v projections' input (the whole sequence: gathered under sequence parallelism), rotated q
-    and k, v, the attention's log-sum-exp and output (the output projection's input); the cp
-    ring keeps its fp32 output besides the projection's input."""
-    return ((2 * s.dim + 1) / s.norm_split + s.dim + 2 * s.q + 2 * s.kv + s.heads
-            + (s.q if s.ring else 0))
+# Each part is (fp32 elements, activation-dtype elements) per token: norms work in fp32 on the
+# fp32 residual stream and the router and attention's log-sum-exp are fp32; the matrix products
+# and what they read are in the compute dtype (bf16 under autocast). int64 indices count as two
+# fp32 elements.
+
+def _attention_elements(s: Shape) -> tuple[float, float]:
+    """Norm (input, input x rsqrt, rsqrt: split under sequence parallelism) and log-sum-exp, the
+    cp ring's fp32 output; the norm's output as the q/k/v projections' input (the whole
+    sequence: gathered under sequence parallelism), rotated q and k, v, the attention output
+    (the output projection's input)."""
+    return ((2 * s.dim + 1) / s.norm_split + s.heads + (s.q if s.ring else 0),
+            s.dim + 2 * s.q + 2 * s.kv)
 
 
-def _mlp_elements(s: Shape) -> float:
-    """Norm as above, its output as w1/w3's input, w1 and w3 outputs, SiLU, their product."""
-    return (2 * s.dim + 1) / s.norm_split + s.dim + 4 * s.ffn
+def _mlp_elements(s: Shape) -> tuple[float, float]:
+    """Norm as above; its output as w1/w3's input, w1 and w3 outputs, SiLU, their product."""
+    return (2 * s.dim + 1) / s.norm_split, s.dim + 4 * s.ffn
 
 
-def _moe_elements(model_cfg, s: Shape) -> float:
-    """A MoE MLP per routed token of this rank (its own tokens; under ep the rows it receives
-    equal those it sends, with uniform routing): the norm as above, router scores (fp32),
-    top_k gathered rows and expert outputs, each expert's w1, w3, SiLU and product, the shared
-    experts' MLP, and the int64 indices (2 elements each) of the dispatch."""
+def _moe_hidden(model_cfg) -> int:
     from partrain.models.llama import ffn_dim
     from partrain.models.moe import expert_ffn_dim
 
-    moe = model_cfg.moe
-    hidden = expert_ffn_dim(model_cfg, ffn_dim(model_cfg))
+    return expert_ffn_dim(model_cfg, ffn_dim(model_cfg))
+
+
+def _moe_elements(model_cfg, s: Shape) -> tuple[float, float]:
+    """A MoE MLP per routed token of this rank (its own tokens; under ep the rows it receives
+    equal those it sends, with uniform routing): the norm as above, router scores and the
+    dispatch's indices; top_k gathered rows and expert outputs, each expert's w1, w3, SiLU and
+    product, the shared experts' MLP."""
+    moe, hidden = model_cfg.moe, _moe_hidden(model_cfg)
     k, d = moe.top_k, model_cfg.dim
-    return ((2 * d + 1) / s.norm_split + d + moe.n_experts + 2 * k * d + 4 * k * hidden
-            + 4 * hidden * moe.n_shared_experts + 3 * 2 * k + 2 * k)
+    return ((2 * d + 1) / s.norm_split + moe.n_experts + 8 * k,
+            d + 2 * k * d + 4 * k * hidden + 4 * hidden * moe.n_shared_experts)
 
 
-def _kept_elements(model_cfg, s: Shape, moe_block: bool) -> float:
+def _kept_elements(model_cfg, s: Shape, moe_block: bool) -> tuple[float, float]:
     """Selective checkpointing keeps the outputs of matrix products and of attention: q, k, v, the
     attention output and log-sum-exp, the output projection's; w1, w3, w2's (a MoE: the router
     logits and the experts' products), and the block's input."""
-    from partrain.models.llama import ffn_dim
-    from partrain.models.moe import expert_ffn_dim
-
-    attention = s.dim / s.norm_split + 2 * s.q + 2 * s.kv + s.heads + s.dim
+    fp32 = s.dim / s.norm_split + s.heads
+    act = 2 * s.q + 2 * s.kv + s.dim
     if not moe_block:
-        return attention + 2 * s.ffn + s.dim
-    moe = model_cfg.moe
-    hidden = expert_ffn_dim(model_cfg, ffn_dim(model_cfg))
-    return (attention + moe.n_experts + moe.top_k * (2 * hidden + model_cfg.dim)
+        return fp32, act + 2 * s.ffn + s.dim
+    moe, hidden = model_cfg.moe, _moe_hidden(model_cfg)
+    return (fp32 + moe.n_experts,
+            act + moe.top_k * (2 * hidden + model_cfg.dim)
             + (2 * hidden * moe.n_shared_experts + model_cfg.dim if moe.n_shared_experts else 0))
 
 
-def block_elements(model_cfg, layer: int, s: Shape, mode: str = "none") -> float:
-    """fp32-sized elements one block keeps per token of this rank for its backward."""
+def block_elements(model_cfg, layer: int, s: Shape, mode: str = "none") -> tuple[float, float]:
+    """(fp32, compute-dtype) elements one block keeps per token of this rank for its backward."""
     from partrain.models.moe import is_moe_block
 
     moe_block = is_moe_block(model_cfg, layer)
     if mode == "full":
-        return s.dim / s.norm_split
+        return s.dim / s.norm_split, 0.0
     if mode == "selective":
         return _kept_elements(model_cfg, s, moe_block)
-    mlp = _moe_elements(model_cfg, s) if moe_block else _mlp_elements(s)
-    return _attention_elements(s) + mlp
+    a32, a = _attention_elements(s)
+    m32, m = _moe_elements(model_cfg, s) if moe_block else _mlp_elements(s)
+    return a32 + m32, a + m
 
 
-def activations(model_cfg, blocks, s: Shape, tokens: int, in_flight: list[int],
+def block_bytes(model_cfg, layer: int, s: Shape, mode: str = "none", act_bytes: int = 4) -> float:
+    fp32, act = block_elements(model_cfg, layer, s, mode)
+    return 4 * fp32 + act_bytes * act
+
+
+def activations(model_cfg, blocks: list[int], s: Shape, tokens: int, in_flight: float,
                 mode: str, act_bytes: int = 4) -> dict:
-    """Bytes of a stage's activations: `blocks` per chunk (a list of block-id lists, one per local
-    chunk), `in_flight` its chunks' micro-batches alive at the peak (the same for each chunk when
-    one number is given), `tokens` per micro-batch on this rank."""
-    per_chunk = [sum(block_elements(model_cfg, i, s, mode) for i in ids) for ids in blocks]
-    kept = sum(e * n for e, n in zip(per_chunk, in_flight)) * tokens * act_bytes
-    # Checkpointing: the block whose backward runs holds what it recomputed meanwhile.
-    recompute = 0
-    if mode != "none" and any(blocks):
-        recompute = max(block_elements(model_cfg, i, s) - block_elements(model_cfg, i, s, mode)
-                        for ids in blocks for i in ids)
-    # A block's backward works on the gradient of its MLP's hidden layer and of its output.
-    from partrain.models.llama import ffn_dim
-    from partrain.models.moe import expert_ffn_dim, is_moe_block
+    """Bytes of a pipeline rank's activations: its `blocks`, `in_flight` micro-batches alive per
+    block at the peak (with several chunks per rank, the schedule's chunk-micro-batches in flight
+    spread over the chunks), `tokens` per micro-batch on this rank. Also the working set of the
+    backward of one block (`backward_bytes`)."""
+    from partrain.models.moe import is_moe_block
 
-    moe = model_cfg.moe
-    hidden = max([s.ffn] + [moe.top_k * expert_ffn_dim(model_cfg, ffn_dim(model_cfg))
-                            for ids in blocks for i in ids if is_moe_block(model_cfg, i)])
-    working = (hidden + s.dim) if any(blocks) else 0
-    return {"kept_bytes": kept, "backward_bytes": (recompute + working) * tokens * act_bytes,
-            "per_token_per_block": [e / max(1, len(ids)) for e, ids in zip(per_chunk, blocks)]}
+    if not blocks:
+        return {"kept_bytes": 0, "backward_bytes": 0}
+    kept = sum(block_bytes(model_cfg, i, s, mode, act_bytes) for i in blocks) * in_flight
+    # Checkpointing: the block whose backward runs holds what it recomputed meanwhile, and any
+    # block's backward the gradients of its MLP's hidden layer and of its output.
+    recompute = max(block_bytes(model_cfg, i, s, "none", act_bytes)
+                    - block_bytes(model_cfg, i, s, mode, act_bytes) for i in blocks)
+    hidden = max([s.ffn] + [model_cfg.moe.top_k * _moe_hidden(model_cfg)
+                            for i in blocks if is_moe_block(model_cfg, i)])
+    return {"kept_bytes": kept * tokens,
+            "backward_bytes": (recompute + (hidden + s.dim) * act_bytes) * tokens}
 
 
 def loss_bytes(model_cfg, tp: int, tokens: int, act_bytes: int = 4) -> int:
-    """The loss at the start of the backward of a micro-batch: the log-probabilities (or,
-    vocabulary-parallel, the softmax) kept by the forward, their gradient and the logits'
-    gradient: three vocabulary / tp rows per token."""
-    return 3 * model_cfg.vocab_size // tp * tokens * act_bytes
+    """The loss at the start of the backward of a micro-batch, per vocabulary / tp entry of a
+    token: the fp32 log-probabilities (or, vocabulary-parallel, the softmax) kept by the forward,
+    their gradient and the fp32 logits' gradient, 12 bytes (under autocast the loss reads an fp32
+    copy of the logits; its compute-dtype gradient comes after the log-probabilities are freed)."""
+    return 12 * (model_cfg.vocab_size // tp) * tokens
 
 
 def pipeline_send_bytes(dim: int, tokens: int, micro_batches: int, first: bool, last: bool) -> int:
@@ -136,3 +146,54 @@ def pipeline_send_bytes(dim: int, tokens: int, micro_batches: int, first: bool, 
     last) and its input's gradient sent back (all but the first), fp32."""
     sends = (not last) + (not first)
     return sends * micro_batches * tokens * dim * 4
+
+
+def memory_per_stage(cfg, dims, stages: list[dict], dtype: str) -> list[dict]:
+    """Peak bytes of a rank of each pipeline stage (plan's `stages`: blocks, parameters per
+    rank, embedding and head): model state at the ZeRO stage, the activations its schedule keeps
+    in flight, pipeline sends, and the larger transient (the loss's on the last stage, or a
+    block's backward)."""
+    from partrain.parallel.schedules import SIMULATED_MAX_ACTIONS, build_schedule, simulate
+    from partrain.parallel.zero import zero_memory
+
+    p, t = cfg.parallel, cfg.train
+    act_bytes = 4 if dtype == "fp32" else 2
+    s = shape(cfg.model, dims.tp, dims.tp > 1 and p.sequence_parallel,
+              dims.cp > 1 and p.cp_method == "ring")
+    tokens = t.micro_batch_size * t.seq_len // dims.cp
+    v = p.pp_virtual_stages if dims.pp > 1 else 1
+    in_flight = [1] * dims.pp  # without pp each micro-batch's backward follows its forward
+    if dims.pp > 1:
+        in_flight = (simulate(build_schedule(p.pp_schedule, dims.pp, t.micro_batches, v))
+                     .peak_in_flight if 2 * t.micro_batches * v * dims.pp <= SIMULATED_MAX_ACTIONS
+                     else [min(dims.pp - r, t.micro_batches) * v for r in range(dims.pp)])
+    out = []
+    for rank in range(dims.pp):
+        own = [st for st in stages if st["pp_rank"] == rank]
+        blocks = [i for st in own if st["blocks"]
+                  for i in range(st["blocks"][0], st["blocks"][1] + 1)]
+        state = zero_memory(p.zero_stage, sum(st["params_per_rank"] for st in own),
+                            dims.dp * dims.cp, dtype)
+        # in_flight counts chunk-micro-batches: per block, spread over the rank's v chunks.
+        acts = activations(cfg.model, blocks, s, tokens, in_flight[rank] / v,
+                           t.activation_checkpointing, act_bytes)
+        last = any(st["head"] for st in own)
+        loss = loss_bytes(cfg.model, dims.tp, tokens, act_bytes) if last else 0
+        seq_split = dims.tp if s.norm_split > 1 else 1
+        sends = sum(pipeline_send_bytes(cfg.model.dim, tokens // seq_split, t.micro_batches,
+                                        st["stage"] == 0, st["head"])
+                    for st in own) if dims.pp > 1 else 0
+        parts = {"param_bytes": state["param_bytes"], "grad_bytes": state["grad_bytes"],
+                 "optim_bytes": state["optim_bytes"], "activation_bytes": acts["kept_bytes"],
+                 "pipeline_send_bytes": sends, "loss_bytes": loss,
+                 "backward_bytes": acts["backward_bytes"]}
+        # The loss's buffers are gone by the time a block's backward runs. Gradients exist at
+        # the peak if an earlier micro-batch made them, or DDP's buckets or DeepSpeed hold them;
+        # one micro-batch alone makes them as its backward frees the activations.
+        grads_live = t.micro_batches > 1 or dims.dp * dims.cp > 1 or p.zero_stage > 0
+        total = (sum(parts.values()) - loss - acts["backward_bytes"]
+                 + max(loss, acts["backward_bytes"])
+                 - (0 if grads_live else state["grad_bytes"]))
+        out.append({"pp_rank": rank, "in_flight": in_flight[rank], **parts, "total": total,
+                    "largest": max(parts, key=parts.get)})
+    return out

@@ -15,19 +15,19 @@ from partrain.dist import compute_dtype
 from partrain.mesh import DIM_NAMES, ParallelDims
 from partrain.models.llama import count_params, count_params_per_rank, flops_per_token, tied
 from partrain.parallel.pipeline import stage_layers
-from partrain.parallel.schedules import bubble_theory, build_schedule, simulate
+from partrain.parallel.schedules import (SIMULATED_MAX_ACTIONS, bubble_theory, build_schedule,
+                                         simulate)
 from partrain.parallel.context import activation_bytes, cp_traffic
 from partrain.parallel.tensor import tp_collectives, tp_step_collectives
 from partrain.checkpoint.state import true_size
 from partrain.models.llama import ffn_dim
 from partrain.models.moe import expert_ffn_dim, moe_blocks, moe_enabled
 from partrain.parallel.expert import moe_traffic
-from partrain.memory_model import activations, loss_bytes, pipeline_send_bytes, shape
+from partrain.memory_model import memory_per_stage
 from partrain.parallel.zero import zero_memory
 
 TIMELINE_MAX_MICRO_BATCHES = 16  # wider timelines are drawn for fewer (labels stay 2 digits)
 TIMELINE_MAX_RANKS = 32  # a deeper pipeline is not drawn (one line per pp rank)
-SIMULATED_MAX_ACTIONS = 1 << 16  # peak activations are simulated up to this many actions
 # Worlds up to this size are listed rank by rank; larger ones by their first and last ranks and
 # the pattern of each dimension's groups, so a plan costs the same for any world size.
 FULL_LISTING_RANKS = 4096
@@ -77,7 +77,7 @@ def build_plan(cfg: DictConfig, world: World, warnings: list[str]) -> dict:
                   "flops_per_token": flops_per_token(cfg.model, t.seq_len)},
         "experts": _experts(cfg, dims, stages, act_bytes=4 if dtype == "fp32" else 2),
         "memory": _memory(p.zero_stage, params_per_rank, dims.dp, dtype),
-        "memory_per_stage": _memory_per_stage(cfg, dims, stages, dtype),
+        "memory_per_stage": memory_per_stage(cfg, dims, stages, dtype),
         "tp_collectives": _tp_collectives(cfg, dims, stages, low_precision=dtype != "fp32"),
         "context": _context(cfg, dims, stages, act_bytes=4 if dtype == "fp32" else 2),
         "pipeline": _pipeline(cfg, dims, stages) if dims.pp > 1 else None,
@@ -129,53 +129,6 @@ def _memory(stage: int, psi: int, dp: int, dtype: str) -> dict:
     per_stage = {s: zero_memory(s, psi, dp, dtype)["total"] for s in range(4)}
     return {"zero_stage": stage, "params_per_rank": psi, "dp": dp, "dtype": dtype,
             **zero_memory(stage, psi, dp, dtype), "total_by_stage": per_stage}
-
-
-def _memory_per_stage(cfg: DictConfig, dims: ParallelDims, stages: list[dict],
-                      dtype: str) -> list[dict]:
-    """Peak bytes of a rank of each pipeline stage (partrain/memory_model.py): model state at the
-    ZeRO stage, the activations its schedule keeps in flight, the loss's buffers on the last."""
-    p, t = cfg.parallel, cfg.train
-    act_bytes = 4 if dtype == "fp32" else 2
-    s = shape(cfg.model, dims.tp, dims.tp > 1 and p.sequence_parallel,
-              dims.cp > 1 and p.cp_method == "ring")
-    tokens = t.micro_batch_size * t.seq_len // dims.cp
-    in_flight = [1] * dims.pp
-    if dims.pp > 1:
-        v = p.pp_virtual_stages
-        actions = 2 * t.micro_batches * v * dims.pp
-        in_flight = (simulate(build_schedule(p.pp_schedule, dims.pp, t.micro_batches, v))
-                     .peak_in_flight if actions <= SIMULATED_MAX_ACTIONS
-                     else [min(dims.pp - r, t.micro_batches) * v for r in range(dims.pp)])
-    out = []
-    for rank in range(dims.pp):
-        own = [st for st in stages if st["pp_rank"] == rank]
-        blocks = [list(range(st["blocks"][0], st["blocks"][1] + 1)) if st["blocks"] else []
-                  for st in own]
-        psi = sum(st["params_per_rank"] for st in own)
-        state = zero_memory(p.zero_stage, psi, dims.dp * dims.cp, dtype)
-        # Chunks of one rank alternate in the schedule: their mean block count per micro-batch.
-        per_chunk = sum(len(b) for b in blocks) / len(blocks)
-        acts = activations(cfg.model, [sum(blocks, [])], s, tokens,
-                           [in_flight[rank] * per_chunk / max(1, sum(len(b) for b in blocks))],
-                           t.activation_checkpointing, act_bytes)
-        last = any(st["head"] for st in own)
-        loss = loss_bytes(cfg.model, dims.tp, tokens, act_bytes) if last else 0
-        sends = 0
-        if dims.pp > 1:
-            seq_split = dims.tp if s.norm_split > 1 else 1
-            sends = sum(pipeline_send_bytes(cfg.model.dim, tokens // seq_split, t.micro_batches,
-                                            st["stage"] == 0, st["head"]) for st in own)
-        parts = {"param_bytes": state["param_bytes"], "grad_bytes": state["grad_bytes"],
-                 "optim_bytes": state["optim_bytes"], "activation_bytes": acts["kept_bytes"],
-                 "backward_bytes": acts["backward_bytes"], "loss_bytes": loss,
-                 "pipeline_send_bytes": sends}
-        # The loss's buffers are gone by the time the blocks' backward recomputes them.
-        transient = max(loss, acts["backward_bytes"])
-        out.append({"pp_rank": rank, "in_flight": in_flight[rank], **parts,
-                    "total": sum(parts.values()) - loss - acts["backward_bytes"] + transient,
-                    "largest": max(parts, key=parts.get)})
-    return out
 
 
 def _pipeline(cfg: DictConfig, dims: ParallelDims, stages: list[dict]) -> dict:

@@ -367,7 +367,7 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) 
                 micro = shard_batch(micro, dims.cp, coords["cp"])
             tracer.at_step(step)
             # train.measure_memory: the second step of the run (optimizer state made), or the only.
-            meter = (StepMemory() if t.measure_memory and step == min(first_step + 1, t.max_steps)
+            meter = (StepMemory(device) if t.measure_memory and step == min(first_step + 1, t.max_steps)
                      else None)
             with tracer.span(f"step {step}", "step"), meter or nullcontext():
                 # A background save's copy of the state must be done before the update.

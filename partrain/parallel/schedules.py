@@ -16,6 +16,7 @@ the end cannot deadlock.
 from dataclasses import dataclass
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SIMULATED_MAX_ACTIONS = 1 << 16  # `plan` simulates schedules (peak activations) up to this size
 COMPUTE = ("F", "B")
 
 

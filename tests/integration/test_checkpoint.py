@@ -133,8 +133,11 @@ def test_sigkill_mid_save_keeps_the_last_commit(cli, tmp_path, dp2_run, where):
     proc = cli.start("launch", *common, "--run-dir", str(run_dir),
                      env={"PARTRAIN_TEST_SAVE_PAUSE": where})
     paused = [run_dir / "logs" / f"rank-{where[0]}.log"]
-    _wait_for(lambda: paused[0].exists() and "pauses" in paused[0].read_text(), proc,
-              "the save pause")
+    # Paused, and the save begun: the other rank inside DCP has made the directory (with rank 1
+    # paused before its part, rank 0 may log nothing yet when rank 1 pauses: wait for both).
+    tmp = run_dir / "checkpoints" / ".tmp-step-00000004"
+    _wait_for(lambda: paused[0].exists() and "pauses" in paused[0].read_text() and tmp.is_dir(),
+              proc, "the save pause")
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its group; the workers die with it
     proc.wait()
     deadline = time.monotonic() + 10

@@ -132,7 +132,7 @@ def activations(model_cfg, blocks: list[int], s: Shape, tokens: int, in_flight: 
             "backward_bytes": (recompute + (hidden + s.dim) * act_bytes) * tokens}
 
 
-def loss_bytes(model_cfg, tp: int, tokens: int, act_bytes: int = 4) -> int:
+def loss_bytes(model_cfg, tp: int, tokens: int) -> int:
     """The loss at the start of the backward of a micro-batch, per vocabulary / tp entry of a
     token: the fp32 log-probabilities (or, vocabulary-parallel, the softmax) kept by the forward,
     their gradient and the fp32 logits' gradient, 12 bytes (under autocast the loss reads an fp32
@@ -178,7 +178,7 @@ def memory_per_stage(cfg, dims, stages: list[dict], dtype: str) -> list[dict]:
         acts = activations(cfg.model, blocks, s, tokens, in_flight[rank] / v,
                            t.activation_checkpointing, act_bytes)
         last = any(st["head"] for st in own)
-        loss = loss_bytes(cfg.model, dims.tp, tokens, act_bytes) if last else 0
+        loss = loss_bytes(cfg.model, dims.tp, tokens) if last else 0
         seq_split = dims.tp if s.norm_split > 1 else 1
         sends = sum(pipeline_send_bytes(cfg.model.dim, tokens // seq_split, t.micro_batches,
                                         st["stage"] == 0, st["head"])

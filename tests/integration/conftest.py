@@ -142,18 +142,26 @@ def assert_parity(steps, reference, label):
 
 
 @pytest.fixture(scope="session")
-def single_process_reference(tmp_path_factory):
-    """The single-process run's steps, made once for the session."""
+def single_process_run(tmp_path_factory):
+    """The single-process run, made once for the session: its steps and its run dir, which holds
+    step 5's checkpoint (the source of a resume on another layout in test_parity.py)."""
     cli = CLI()
     run_dir = tmp_path_factory.mktemp("ref") / "dp1"
     try:
-        res = cli.run("launch", *PARITY_COMMON, *REFERENCE, "--run-dir", str(run_dir))
+        res = cli.run("launch", *PARITY_COMMON, *REFERENCE, "checkpoint.every=5", "--run-dir",
+                      str(run_dir))
     finally:
         cli.kill_all()
     assert res.returncode == 0, res.stderr
     steps, _ = read_metrics(run_dir)
     assert len(steps) == PARITY_STEPS
-    return steps
+    return steps, run_dir
+
+
+@pytest.fixture(scope="session")
+def single_process_reference(single_process_run):
+    """The single-process run's steps."""
+    return single_process_run[0]
 
 
 # The layout keys a resume on another layout sets (a resume keeps what it is not told): every

@@ -29,8 +29,7 @@ def _run(cli, tmp_path, name, *overrides):
 # Parity label -> the layout its step-5 checkpoint is resumed on (the issue's six pairs).
 RESUME_ON = {
     "dp2 x tp2 x pp2, full checkpointing": ("parallel.dp=1", "--nproc-per-node", "1", "train.micro_batch_size=16"),
-    "dp1 x 4 micro-batches": ("parallel.tp=2", "parallel.sequence_parallel=true",
-                              "train.micro_batch_size=4"),
+    "1 process": ("parallel.tp=2", "parallel.sequence_parallel=true", "train.micro_batch_size=4"),
     "pp2 interleaved v2": ("parallel.pp=4", "parallel.pp_schedule=1f1b",
                            "parallel.pp_virtual_stages=1", "train.micro_batch_size=4"),
     "tp2": ("parallel.dp=2", "parallel.zero_stage=3", "train.micro_batch_size=4"),
@@ -90,17 +89,21 @@ def single_process(references):
     return references()
 
 
-@pytest.mark.parametrize("label,overrides", [
-    ("dp2 x 2 micro-batches", ("parallel.dp=2", "train.micro_batch_size=4")),
-    # The quick pass (`-m "not slow"`) keeps the first parity check; the rest run in the full suite.
-    # DDP with one micro-batch is dp2 x cp2's layout below.
-    pytest.param("dp1 x 4 micro-batches", ("parallel.dp=1", "train.micro_batch_size=4"),
-                 marks=pytest.mark.slow),
-])
-def test_layout_parity(cli, tmp_path, single_process, label, overrides):
-    steps = _run(cli, tmp_path, "run", *overrides)
+# The quick pass (`-m "not slow"`) keeps this parity check; the rest run in the full suite. DDP with
+# one micro-batch is dp2 x cp2's layout below; this row holds gradient accumulation.
+def test_layout_parity(cli, tmp_path, single_process):
+    label = "dp2 x 2 micro-batches"
+    steps = _run(cli, tmp_path, "run", "parallel.dp=2", "train.micro_batch_size=4")
     assert_parity(steps, single_process, label)
     _resumes(cli, tmp_path, label, steps, single_process)
+
+
+@pytest.mark.slow
+def test_single_process_checkpoint_resumes_on_tp2_sp(cli, tmp_path, single_process_run):
+    """The reference run's own step-5 checkpoint (one process) resumed at tp2 + sp."""
+    steps, run_dir = single_process_run
+    shutil.copytree(run_dir, tmp_path / "run")
+    _resumes(cli, tmp_path, "1 process", steps, steps)
 
 
 @pytest.mark.parametrize("label,overrides,model", [

@@ -167,6 +167,10 @@ def memory_per_stage(cfg, dims, stages: list[dict], dtype: str) -> list[dict]:
         in_flight = (simulate(build_schedule(p.pp_schedule, dims.pp, t.micro_batches, v))
                      .peak_in_flight if 2 * t.micro_batches * v * dims.pp <= SIMULATED_MAX_ACTIONS
                      else [min(dims.pp - r, t.micro_batches) * v for r in range(dims.pp)])
+    # ZeRO-Offload keeps AdamW's state (and its fp32 master weights) in host memory: off the
+    # GPU's count. On a CPU run the host is the device, so it stays.
+    on_host = (p.zero_stage >= 1 and p.offload_optimizer != "none"
+               and cfg.launcher.device != "cpu")
     out = []
     for rank in range(dims.pp):
         own = [st for st in stages if st["pp_rank"] == rank]
@@ -184,7 +188,8 @@ def memory_per_stage(cfg, dims, stages: list[dict], dtype: str) -> list[dict]:
                                         st["stage"] == 0, st["head"])
                     for st in own) if dims.pp > 1 else 0
         parts = {"param_bytes": state["param_bytes"], "grad_bytes": state["grad_bytes"],
-                 "optim_bytes": state["optim_bytes"], "activation_bytes": acts["kept_bytes"],
+                 "optim_bytes": 0 if on_host else state["optim_bytes"],
+                 "activation_bytes": acts["kept_bytes"],
                  "pipeline_send_bytes": sends, "loss_bytes": loss,
                  "backward_bytes": acts["backward_bytes"]}
         # The loss's buffers are gone by the time a block's backward runs. Gradients exist at
@@ -195,5 +200,5 @@ def memory_per_stage(cfg, dims, stages: list[dict], dtype: str) -> list[dict]:
                  + max(loss, acts["backward_bytes"])
                  - (0 if grads_live else state["grad_bytes"]))
         out.append({"pp_rank": rank, "in_flight": in_flight[rank], **parts, "total": total,
-                    "largest": max(parts, key=parts.get)})
+                    "largest": max(parts, key=parts.get), "optim_on_host": on_host})
     return out

@@ -10,8 +10,11 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-# Dense bf16 peak FLOP/s per GPU, by a substring of torch.cuda.get_device_name().
-PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
+# Dense bf16 peak FLOP/s per GPU, by a substring of torch.cuda.get_device_name(), the first
+# that matches (the PCIe and NVL cards run at lower clocks than the SXM ones, whose names
+# carry no form factor: "NVIDIA H100 80GB HBM3").
+PEAK_BF16_FLOPS = {"H100 PCIe": 756e12, "H100 NVL": 835e12, "H200 NVL": 835e12, "H200": 989e12,
+                   "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12}
 
 
 def peak_flops(device_name: str) -> float | None:

@@ -19,7 +19,6 @@ from partrain.parallel.schedules import (SIMULATED_MAX_ACTIONS, bubble_theory, b
                                          simulate)
 from partrain.parallel.context import activation_bytes, cp_traffic
 from partrain.parallel.tensor import tp_collectives, tp_step_collectives
-from partrain.checkpoint.state import true_size
 from partrain.models.llama import ffn_dim
 from partrain.models.moe import expert_ffn_dim, moe_blocks, moe_enabled
 from partrain.parallel.expert import moe_traffic
@@ -89,6 +88,8 @@ def build_plan(cfg: DictConfig, world: World, warnings: list[str]) -> dict:
 def _checkpoint(cfg: DictConfig, params_per_rank: int, dp: int) -> dict:
     """What one checkpoint writes: fp32 weights and AdamW's two moments, each tensor once. A rank
     writes its stage's shard of them, the dp replicas sharing the work (DCP de-duplicates)."""
+    from partrain.checkpoint.state import true_size  # here: DCP and DTensor cost `launch` 0.5 s
+
     c = cfg.checkpoint
     total = true_size(cfg.model)
     return {"bytes": total, "bytes_per_rank": round(12 * params_per_rank / dp),
@@ -333,7 +334,8 @@ def print_plan(plan: dict, console: Console) -> None:
     t = plan["batch"]
     for st in plan["memory_per_stage"]:
         state = st["param_bytes"] + st["grad_bytes"] + st["optim_bytes"]
-        parts = [f"model state {_size(state)}",
+        parts = [f"model state {_size(state)}"
+                 + (" (AdamW's state on the host: ZeRO-Offload)" if st["optim_on_host"] else ""),
                  f"activations {_size(st['activation_bytes'])} ({st['in_flight']} micro-batch"
                  f"{'es' if st['in_flight'] != 1 else ''} in flight)"]
         parts += [f"{label} {_size(st[key])}" for key, label in (

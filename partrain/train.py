@@ -44,7 +44,8 @@ from partrain.metrics import MetricsLog, ProgressDisplay, format_step, peak_flop
 from partrain.models import build_model, flops_per_token
 from partrain.memory import StepMemory, per_rank
 from partrain.models.moe import moe_blocks
-from partrain.models.recompute import apply_activation_checkpointing, checkpointed_blocks
+from partrain.models.recompute import (apply_activation_checkpointing, checkpointed_blocks,
+                                       compile_blocks)
 from partrain.parallel.context import apply_context_parallel, shard_batch
 from partrain.parallel.data import apply_data_parallel
 from partrain.parallel.expert import (apply_expert_parallel, average_expert_gradients,
@@ -71,10 +72,13 @@ def param_groups(model: torch.nn.Module, optim_cfg) -> list[dict]:
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0, "name": "no_decay"}]
 
 
-def build_optimizer(model: torch.nn.Module, optim_cfg) -> torch.optim.Optimizer:
-    """AdamW over param_groups (under ZeRO, DeepSpeed builds the same from its config)."""
+def build_optimizer(model: torch.nn.Module, optim_cfg,
+                    device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
+    """AdamW over param_groups, torch's fused kernel on CUDA (under ZeRO, DeepSpeed builds the
+    same from its config)."""
     return torch.optim.AdamW(param_groups(model, optim_cfg), lr=optim_cfg.lr,
-                             betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps)
+                             betas=(optim_cfg.beta1, optim_cfg.beta2), eps=optim_cfg.eps,
+                             fused=device.type == "cuda")
 
 
 def lr_at(step: int, optim_cfg, max_steps: int) -> float:
@@ -279,6 +283,9 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) 
         seq = t.seq_len // dims.cp // (dims.tp if sequence_parallel else 1)
         model = apply_pipeline_parallel(model, mesh["pp"], p,
                                         (t.micro_batch_size, seq, cfg.model.dim), tracer)
+    if t.compile:
+        # The blocks as tp, cp, ep and pp left them; DDP and ZeRO then wrap the compiled blocks.
+        compile_blocks(model)
     # Checkpoint weights go into this rank's shards now, before DDP or ZeRO take the model: each
     # rank reads only its slices, whatever layout wrote them.
     tp_mesh = mesh["tp"] if dims.tp_enabled else None
@@ -298,7 +305,7 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) 
             # Gradients are averaged over dp x cp. Under pp the executor runs forward and
             # backward; they are averaged after the schedule (train_step) instead.
             model = apply_data_parallel(model, mesh["dp_cp"])
-        optimizer = build_optimizer(model, cfg.optim)
+        optimizer = build_optimizer(model, cfg.optim, device)
     if resume:
         load_optimizer(model, optimizer, resume.path, tp_mesh, dims.zero_enabled)
     loss_fn = loss_function(dims, mesh)
@@ -339,7 +346,8 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) 
                   f"{t.micro_batch_size} per dp rank)"
                   + (f", activation checkpointing {t.activation_checkpointing} "
                      f"({checkpointed_blocks(model)} blocks on rank 0)"
-                     if t.activation_checkpointing != "none" else ""))
+                     if t.activation_checkpointing != "none" else "")
+                  + (", blocks compiled" if t.compile else ""))
     if resume:
         display.print(f"resuming from step {resume.step} ({resume.path})")
         metrics.write({"step": resume.step, "resumed_from": str(resume.path.relative_to(run_dir)),

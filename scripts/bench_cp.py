@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _spawn import join_group, max_over_ranks, run_workers  # noqa: E402
 from partrain.config.schema import Config  # noqa: E402
+from partrain.dist import end_distributed  # noqa: E402
 from partrain.mesh import ParallelDims  # noqa: E402
 from partrain.models import build_model  # noqa: E402
 from partrain.parallel.context import (apply_context_parallel, count_traffic,  # noqa: E402
@@ -138,9 +139,8 @@ def worker(rank, args, store_path, out_path):
         result["speed"] = speed
     if rank == 0:
         Path(out_path).write_text(json.dumps(result))
-    dist.barrier()
     del mesh
-    dist.destroy_process_group()
+    end_distributed()  # barrier, gc, destroy: gloo can abort at exit otherwise
 
 
 def main(argv=None) -> None:

@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _spawn import join_group, max_over_ranks, run_workers  # noqa: E402
 from partrain.config.schema import Config  # noqa: E402
+from partrain.dist import end_distributed  # noqa: E402
 from partrain.mesh import ParallelDims  # noqa: E402
 from partrain.models import build_model  # noqa: E402
 from partrain.models.moe import moe_blocks  # noqa: E402
@@ -111,9 +112,8 @@ def worker(rank, args, store_path, out_path):
               "formula_rows": formula["rows_sent"], "expert_bytes": expert_bytes}
     if rank == 0:
         Path(out_path).write_text(json.dumps(result))
-    dist.barrier()
     del ddp, model, mesh, expert_mesh
-    dist.destroy_process_group()
+    end_distributed()  # barrier, gc, destroy: gloo can abort at exit otherwise
 
 
 def balance_run(mode: str, steps: int, bias_rate: float) -> dict:

@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _spawn import run_workers  # noqa: E402
+from partrain.dist import end_distributed  # noqa: E402
 from partrain.models import build_model  # noqa: E402
 from partrain.parallel.pipeline import apply_pipeline_parallel  # noqa: E402
 from partrain.parallel.schedules import bubble_theory  # noqa: E402
@@ -172,8 +173,7 @@ def worker(rank, a, store_path, out_path):
                        "torch": torch.__version__})
         Path(out_path).write_text(json.dumps(result))
     del mesh
-    dist.barrier()
-    dist.destroy_process_group()
+    end_distributed()  # barrier, gc, destroy: gloo can abort at exit otherwise
 
 
 def main(argv=None):

@@ -31,6 +31,7 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _spawn import run_workers  # noqa: E402
+from partrain.dist import end_distributed  # noqa: E402
 from partrain.models import build_model  # noqa: E402
 from partrain.parallel.data import apply_data_parallel  # noqa: E402
 from partrain.parallel.grads import clip_grad_norm  # noqa: E402
@@ -212,8 +213,7 @@ def worker(rank, a, store_path, out_path):
         Path(out_path).write_text(json.dumps(result))
     impls.clear()
     del mesh
-    dist.barrier()
-    dist.destroy_process_group()
+    end_distributed()  # barrier, gc, destroy: gloo can abort at exit otherwise
 
 
 def main(argv=None):

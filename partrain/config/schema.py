@@ -102,6 +102,7 @@ class TrainConfig:
     eval_batches: int = 4  # global batches of the validation split per pass
     log_every: int = 10  # steps between lines in the rank logs (and on a non-terminal stdout)
     activation_checkpointing: str = "none"  # none | selective | full: recompute in backward what a block would keep (full: all but its input; selective: all but matmul and attention outputs)
+    compile: bool = False  # torch.compile each transformer block (after tp/cp/ep/pp have rewritten it, before DDP/ZeRO); the first steps pay the compilation
     measure_memory: bool = False  # tensor accounting of the run's 2nd step: memory_base_bytes / memory_peak_bytes per rank in metrics.jsonl, and memory_cuda_peak_bytes (max_memory_allocated) on CUDA (slows that step)
     trace: bool = False  # write trace.json (Chrome trace events, one track per rank) to the run dir
     tensorboard: bool = False  # TensorBoard event files in RUN_DIR/tensorboard/ (needs partrain[tensorboard])

@@ -67,10 +67,21 @@ def _selective_contexts():
     return forward, _recomputation(recompute)
 
 
+def _compiled_selective_contexts():
+    return create_selective_checkpoint_contexts(_policy)
+
+
 def run_block(forward, mode: str, *args):
     """`forward(*args)` under the block's checkpointing `mode` (only while gradients are on)."""
     if mode == "none" or not torch.is_grad_enabled():
         return forward(*args)
+    if torch.compiler.is_compiling():
+        # train.compile: the recomputation becomes part of the compiled backward graph, so no
+        # forward side effect runs twice, and torch.compile takes only dispatch modes here.
+        if mode == "full":
+            return checkpoint(forward, *args, use_reentrant=False)
+        return checkpoint(forward, *args, use_reentrant=False,
+                          context_fn=_compiled_selective_contexts)
     contexts = _full_contexts if mode == "full" else _selective_contexts
     return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts)
 
@@ -88,3 +99,22 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> torch.n
 def checkpointed_blocks(model: torch.nn.Module) -> int:
     """How many of `model`'s blocks (this rank's, under pp) checkpoint their activations."""
     return sum(getattr(m, "recompute", "none") != "none" for m in model.modules())
+
+
+def compile_blocks(model: torch.nn.Module) -> int:
+    """train.compile: torch.compile every transformer block of `model` in place (the modules stay
+    the same objects, so wrappers that hold them see the compiled forward). A block's
+    checkpointing is part of its compiled forward. Returns the number of blocks compiled."""
+    from partrain.models.llama import TransformerBlock
+    from partrain.models.moe import MoE
+
+    blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
+    for block in blocks:
+        if isinstance(block.feed_forward, MoE) and block.recompute != "none":
+            # Dynamo cannot trace the router's data-dependent dispatch inside a checkpoint: it
+            # would run the whole block eagerly, its recomputation unmarked (the router would
+            # count tokens twice). Such a block compiles its attention only.
+            block.attention.compile()
+        else:
+            block.compile()
+    return len(blocks)

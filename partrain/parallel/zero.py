@@ -34,8 +34,9 @@ from partrain.dist import compute_dtype
 from partrain.errors import ConfigError
 
 
-def _offload(device: str, path) -> dict:
-    section = {"device": device, "pin_memory": False}
+def _offload(device: str, path, on_cuda: bool) -> dict:
+    # Pinned host buffers on CUDA: the copies to and from the GPU go by DMA, overlapped.
+    section = {"device": device, "pin_memory": on_cuda and device != "none"}
     if device == "nvme":
         section["nvme_path"] = str(path)
     return section
@@ -54,8 +55,8 @@ def derived_config(cfg, on_cuda: bool = False) -> dict:
     zero = {"stage": p.zero_stage, "contiguous_gradients": p.zero_stage >= 2 or p.ep > 1,
             "overlap_comm": on_cuda and p.zero_stage >= 2,
             "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
-            "offload_optimizer": _offload(p.offload_optimizer, p.offload_nvme_path),
-            "offload_param": _offload(p.offload_params, p.offload_nvme_path)}
+            "offload_optimizer": _offload(p.offload_optimizer, p.offload_nvme_path, on_cuda),
+            "offload_param": _offload(p.offload_params, p.offload_nvme_path, on_cuda)}
     if p.zero_stage == 3:
         zero.update({"stage3_param_persistence_threshold": 10 * cfg.model.dim,
                      "stage3_prefetch_bucket_size": int(0.9 * bucket)})
@@ -75,10 +76,11 @@ def derived_config(cfg, on_cuda: bool = False) -> dict:
         "gradient_clipping": o.grad_clip,
         "optimizer": {"type": "AdamW", "params": {
             "lr": o.lr, "betas": [o.beta1, o.beta2], "eps": o.eps, "weight_decay": o.weight_decay,
-            # Plain torch AdamW unless the optimizer runs on the CPU anyway (ZeRO-Offload's
-            # DeepSpeedCPUAdam) or on a GPU (FusedAdam): on a CPU-only run the fused op only
-            # costs a 30 s JIT build.
-            "torch_adam": p.offload_optimizer == "none" and not on_cuda}},
+            # torch's AdamW unless the optimizer runs on the CPU (ZeRO-Offload's
+            # DeepSpeedCPUAdam): on CUDA its fused kernel, the one partrain uses without ZeRO
+            # (DeepSpeed's own FusedAdam would need nvcc for a JIT build).
+            "torch_adam": p.offload_optimizer == "none",
+            **({"fused": True} if on_cuda and p.offload_optimizer == "none" else {})}},
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }

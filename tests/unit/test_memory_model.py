@@ -70,3 +70,18 @@ def test_pipeline_rules():
         parts = [v for k, v in stage.items() if k.endswith("_bytes")]
         transient = max(stage["loss_bytes"], stage["backward_bytes"])
         assert stage["total"] == sum(parts) - stage["loss_bytes"] - stage["backward_bytes"] + transient
+
+
+def test_optimizer_offload_leaves_the_gpu():
+    """ZeRO-Offload's AdamW state lives in host memory: off a GPU rank's peak (measured on an
+    H100 by scripts/gpu_check.py), still counted on a CPU run, where the host is the device."""
+    def stage(device, offload):
+        cfg, world, _ = resolved(f"launcher.device={device}", "launcher.nproc_per_node=2",
+                                 "parallel.dp=2", "train.global_batch_size=16",
+                                 "parallel.zero_stage=2", f"parallel.offload_optimizer={offload}")
+        return build_plan(cfg, world, [])["memory_per_stage"][0]
+    gpu, gpu_off = stage("cuda", "none"), stage("cuda", "cpu")
+    assert not gpu["optim_on_host"] and gpu_off["optim_on_host"]
+    assert gpu_off["optim_bytes"] == 0 and gpu["optim_bytes"] > 0
+    assert gpu_off["total"] == gpu["total"] - gpu["optim_bytes"]
+    assert stage("cpu", "cpu")["total"] == stage("cpu", "none")["total"]

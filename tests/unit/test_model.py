@@ -277,3 +277,26 @@ def test_flops_per_token_of_a_tied_model_counts_the_head():
     cfg = model_cfg("tie_embeddings=true")
     assert flops_per_token(cfg, 128) == 6 * count_params(cfg) + 6 * cfg.n_layers * 128 * cfg.dim
     assert flops_per_token(cfg, 128) == flops_per_token(model_cfg(), 128)
+
+
+@pytest.mark.parametrize("name,peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 NVL", 835e12),
+    ("NVIDIA H200", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA GeForce RTX 4090", None)])
+def test_mfu_peak_by_gpu_name(name, peak):
+    """MFU divides by the card's dense bf16 peak; the PCIe and NVL H100s are slower than SXM."""
+    from partrain.metrics import peak_flops
+
+    assert peak_flops(name) == peak
+
+
+def test_adamw_is_fused_on_cuda():
+    """Without ZeRO, AdamW is torch's fused kernel on CUDA (its for-each one on CPU)."""
+    from partrain.train import build_optimizer
+
+    cfg = compose("launcher.device=cpu", "model.n_layers=1")
+    model = build_model(cfg.model, 0)
+    assert build_optimizer(model, cfg.optim).defaults["fused"] in (None, False)
+    fused = build_optimizer(model, cfg.optim, torch.device("cuda"))  # built only, never stepped
+    assert fused.defaults["fused"] is True
+    assert [len(g["params"]) for g in fused.param_groups] == [
+        len(g["params"]) for g in build_optimizer(model, cfg.optim).param_groups]

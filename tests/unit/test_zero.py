@@ -51,7 +51,15 @@ def test_offload_and_optimizer_choice():
     assert zero["offload_param"] == {"device": "nvme", "pin_memory": False,
                                      "nvme_path": "/local/nvme"}
     assert off["optimizer"]["params"]["torch_adam"] is False  # ZeRO-Offload's CPU Adam
-    assert _ds(on_cuda=True)["optimizer"]["params"]["torch_adam"] is False  # FusedAdam
+    # On CUDA: torch's fused AdamW (DeepSpeed's FusedAdam would need nvcc for a JIT build), and
+    # offload through pinned host memory.
+    cuda = _ds("parallel.zero_stage=2", on_cuda=True)["optimizer"]["params"]
+    assert cuda["torch_adam"] is True and cuda["fused"] is True
+    cuda_off = _ds("parallel.zero_stage=2", "parallel.offload_optimizer=cpu", on_cuda=True)
+    assert cuda_off["optimizer"]["params"]["torch_adam"] is False
+    assert "fused" not in cuda_off["optimizer"]["params"]
+    assert cuda_off["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert cuda_off["zero_optimization"]["offload_param"]["pin_memory"] is False  # device none
 
 
 def test_buckets_follow_the_hidden_size():

@@ -1,0 +1,174 @@
+"""The GPU path, measured on one CUDA GPU: `partrain launch` as a user runs it, and its figures.
+
+On the machine it runs on:
+  1. a token dir made by `partrain data prepare` from text found there (the Python standard
+     library's sources, concatenated; the byte tokenizer);
+  2. a Llama-3.2-1B-shaped model (1.5B parameters untied) at seq_len 2048, bf16, one rank, NCCL,
+     trained for --steps steps in each case:
+       ddp              eager blocks (DDP is not wrapped at dp=1: the plain model), fused AdamW
+       ddp + compile    train.compile=true
+       zero1/2/3        DeepSpeed's CUDA path, bf16, torch's fused AdamW
+       zero2 + offload  DeepSpeedCPUAdam on the host (parallel.offload_optimizer=cpu)
+  3. per case, over the steps after --warmup: tokens/s, partrain's MFU, the MFU by hand
+     (plan's FLOPs per token x tokens/s / the GPU's peak), its tokens/s against ddp's, and
+     torch.cuda.max_memory_allocated (metrics.jsonl's memory_gib) against `partrain plan`'s
+     predicted peak for the same config.
+
+    python scripts/gpu_check.py                     # every case (about 6 minutes on an H100)
+    python scripts/gpu_check.py --only ddp "ddp + compile" --steps 30
+    python scripts/gpu_check.py --json
+
+What one GPU cannot show (NCCL between ranks, tp/pp/cp/ep across GPUs) is the CPU suite's.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+COMMON = ("model=llama-1b", "data=tokens", "launcher.device=cuda", "launcher.nproc_per_node=1",
+          "parallel.dp=1", "train.dtype=bf16", "train.seq_len=2048", "train.global_batch_size=8",
+          "train.micro_batch_size=4", "train.eval_every=0", "train.eval_batches=1",
+          "train.log_every=5", "checkpoint.every=0", "checkpoint.save_last=false")
+
+CASES = {
+    "ddp": (),
+    "ddp + compile": ("train.compile=true",),
+    "zero1": ("parallel.zero_stage=1",),
+    "zero2": ("parallel.zero_stage=2",),
+    "zero3": ("parallel.zero_stage=3",),
+    "zero2 + offload": ("parallel.zero_stage=2", "parallel.offload_optimizer=cpu"),
+}
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", nargs="+", choices=list(CASES), help="some cases (default: all)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=6, help="first steps left out of the means "
+                    "(compilation, allocator warm-up)")
+    ap.add_argument("--corpus-mb", type=int, default=48)
+    ap.add_argument("--extra", nargs="*", default=[], help="overrides added to every case")
+    ap.add_argument("--work", type=Path, help="keep the token dir and run dirs here (default: a "
+                    "temporary dir)")
+    ap.add_argument("--json", action="store_true")
+    return ap.parse_args(argv)
+
+
+def partrain(*args: str, capture: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "partrain", *args], capture_output=capture,
+                          text=True)
+
+
+def make_tokens(work: Path, megabytes: int) -> Path:
+    """Text from this machine (the standard library's .py files) -> `partrain data prepare`."""
+    text, size = work / "corpus.txt", 0
+    with text.open("w", encoding="utf-8") as out:
+        for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+            try:
+                chunk = path.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            out.write(chunk + "\n")
+            size += len(chunk)
+            if size >= megabytes * 2**20:
+                break
+    tokens = work / "tokens"
+    res = partrain("data", "prepare", str(text), "--out", str(tokens))
+    if res.returncode:
+        sys.exit(f"data prepare failed:\n{res.stderr}")
+    return tokens
+
+
+def plan(overrides: list[str]) -> dict:
+    res = partrain("plan", *overrides, "--json")
+    if res.returncode:
+        sys.exit(f"plan failed:\n{res.stderr}")
+    return json.loads(res.stdout)
+
+
+def run_case(name: str, overrides: list[str], work: Path, warmup: int) -> dict:
+    run_dir = work / name.replace(" ", "_").replace("+", "")
+    start = time.perf_counter()
+    res = partrain("launch", *overrides, "--run-dir", str(run_dir))
+    wall = time.perf_counter() - start
+    if res.returncode:
+        tail = (res.stdout + res.stderr)[-4000:]
+        return {"case": name, "failed": f"exit {res.returncode}", "log": tail}
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if "loss" in s]
+    steady = steps[warmup:]
+    mean = lambda key: sum(s[key] for s in steady) / len(steady)  # noqa: E731
+    return {"case": name, "wall_s": wall, "tokens_per_s": mean("tokens_per_s"),
+            "mfu": mean("mfu") if "mfu" in steady[0] else None,
+            "memory_gib": max(s["memory_gib"] for s in steps),
+            "first_step_s": steps[0]["step_time_s"], "loss_first": steps[0]["loss"],
+            "loss_last": steps[-1]["loss"]}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("gpu_check needs a CUDA GPU")
+    from partrain.metrics import peak_flops
+
+    gpu = torch.cuda.get_device_name(0)
+    peak = peak_flops(gpu)
+    print(f"{gpu}, torch {torch.__version__}, CUDA {torch.version.cuda}, peak bf16 "
+          f"{peak / 1e12 if peak else float('nan'):.0f} TFLOP/s", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        tokens = make_tokens(work, args.corpus_mb)
+        print(f"token dir made in {time.perf_counter() - start:.0f} s", flush=True)
+        for name in args.only or list(CASES):
+            overrides = [*COMMON, f"data.path={tokens}", f"train.max_steps={args.steps}",
+                         *CASES[name], *args.extra]
+            planned = plan(overrides)
+            row = run_case(name, overrides, work, args.warmup)
+            row["predicted_gib"] = planned["memory_per_stage"][0]["total"] / 2**30
+            if "failed" not in row:
+                row["mfu_by_hand"] = (planned["model"]["flops_per_token"] * row["tokens_per_s"]
+                                      / peak if peak else None)
+                row["memory_ratio"] = row["predicted_gib"] / row["memory_gib"]
+            rows.append(row)
+            print(json.dumps(row) if "failed" in row else _line(row), flush=True)
+    base = next((r for r in rows if r["case"] == "ddp" and "failed" not in r), None)
+    for row in rows:
+        if base and "failed" not in row:
+            row["vs_ddp"] = row["tokens_per_s"] / base["tokens_per_s"]
+    if args.json:
+        print(json.dumps({"gpu": gpu, "torch": torch.__version__, "rows": rows}, indent=1))
+        return
+    print(f"\n{'case':<18}{'tokens/s':>10}{'vs ddp':>8}{'MFU':>7}{'by hand':>9}"
+          f"{'peak GiB':>10}{'plan GiB':>10}{'plan/meas':>10}")
+    for r in rows:
+        if "failed" in r:
+            print(f"{r['case']:<18}  failed ({r['failed']})")
+            continue
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "-"
+        hand = f"{r['mfu_by_hand']:.1%}" if r.get("mfu_by_hand") is not None else "-"
+        print(f"{r['case']:<18}{r['tokens_per_s']:>10.0f}{r.get('vs_ddp', float('nan')):>8.3f}"
+              f"{mfu:>7}{hand:>9}{r['memory_gib']:>10.2f}{r['predicted_gib']:>10.2f}"
+              f"{r['memory_ratio']:>10.3f}")
+
+
+def _line(r: dict) -> str:
+    return (f"{r['case']}: {r['tokens_per_s']:.0f} tokens/s, mfu {r['mfu']}, peak "
+            f"{r['memory_gib']:.2f} GiB (plan {r['predicted_gib']:.2f}), first step "
+            f"{r['first_step_s']:.1f} s, loss {r['loss_first']:.3f} -> {r['loss_last']:.3f}, "
+            f"{r['wall_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

@@ -19,6 +19,9 @@ Counted as partrain's code really holds them (checked against tensor accounting 
 
 from dataclasses import dataclass
 
+from partrain.models.llama import ffn_dim
+from partrain.models.moe import expert_ffn_dim, is_moe_block
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -33,8 +36,6 @@ class Shape:
 
 
 def shape(model_cfg, tp: int, sequence_parallel: bool, ring: bool = False) -> Shape:
-    from partrain.models.llama import ffn_dim
-
     head_dim = model_cfg.dim // model_cfg.n_heads
     return Shape(model_cfg.dim, model_cfg.n_heads // tp * head_dim,
                  model_cfg.n_kv_heads // tp * head_dim, model_cfg.n_heads // tp,
@@ -61,9 +62,6 @@ def _mlp_elements(s: Shape) -> tuple[float, float]:
 
 
 def _moe_hidden(model_cfg) -> int:
-    from partrain.models.llama import ffn_dim
-    from partrain.models.moe import expert_ffn_dim
-
     return expert_ffn_dim(model_cfg, ffn_dim(model_cfg))
 
 
@@ -94,9 +92,10 @@ def _kept_elements(model_cfg, s: Shape, moe_block: bool) -> tuple[float, float]:
 
 def block_elements(model_cfg, layer: int, s: Shape, mode: str = "none") -> tuple[float, float]:
     """(fp32, compute-dtype) elements one block keeps per token of this rank for its backward."""
-    from partrain.models.moe import is_moe_block
+    return _kind_elements(model_cfg, is_moe_block(model_cfg, layer), s, mode)
 
-    moe_block = is_moe_block(model_cfg, layer)
+
+def _kind_elements(model_cfg, moe_block: bool, s: Shape, mode: str) -> tuple[float, float]:
     if mode == "full":
         return s.dim / s.norm_split, 0.0
     if mode == "selective":
@@ -117,17 +116,21 @@ def activations(model_cfg, blocks: list[int], s: Shape, tokens: int, in_flight: 
     block at the peak (with several chunks per rank, the schedule's chunk-micro-batches in flight
     spread over the chunks), `tokens` per micro-batch on this rank. Also the working set of the
     backward of one block (`backward_bytes`)."""
-    from partrain.models.moe import is_moe_block
-
     if not blocks:
         return {"kept_bytes": 0, "backward_bytes": 0}
-    kept = sum(block_bytes(model_cfg, i, s, mode, act_bytes) for i in blocks) * in_flight
+    # Blocks come in two kinds (dense, MoE), each kind the same size: count each once.
+    moe_count = sum(is_moe_block(model_cfg, i) for i in blocks)
+    counts = {kind: n for kind, n in ((False, len(blocks) - moe_count), (True, moe_count)) if n}
+
+    def nbytes(kind, m):
+        fp32, act = _kind_elements(model_cfg, kind, s, m)
+        return 4 * fp32 + act_bytes * act
+
+    kept = sum(n * nbytes(kind, mode) for kind, n in counts.items()) * in_flight
     # Checkpointing: the block whose backward runs holds what it recomputed meanwhile, and any
     # block's backward the gradients of its MLP's hidden layer and of its output.
-    recompute = max(block_bytes(model_cfg, i, s, "none", act_bytes)
-                    - block_bytes(model_cfg, i, s, mode, act_bytes) for i in blocks)
-    hidden = max([s.ffn] + [model_cfg.moe.top_k * _moe_hidden(model_cfg)
-                            for i in blocks if is_moe_block(model_cfg, i)])
+    recompute = max(nbytes(kind, "none") - nbytes(kind, mode) for kind in counts)
+    hidden = max([s.ffn] + ([model_cfg.moe.top_k * _moe_hidden(model_cfg)] if moe_count else []))
     return {"kept_bytes": kept * tokens,
             "backward_bytes": (recompute + (hidden + s.dim) * act_bytes) * tokens}
 
@@ -148,12 +151,13 @@ def pipeline_send_bytes(dim: int, tokens: int, micro_batches: int, first: bool, 
     return sends * micro_batches * tokens * dim * 4
 
 
-def memory_per_stage(cfg, dims, stages: list[dict], dtype: str) -> list[dict]:
+def memory_per_stage(cfg, dims, stages: list[dict], dtype: str, simulate: bool = True) -> list[dict]:
     """Peak bytes of a rank of each pipeline stage (plan's `stages`: blocks, parameters per
     rank, embedding and head): model state at the ZeRO stage, the activations its schedule keeps
     in flight, pipeline sends, and the larger transient (the loss's on the last stage, or a
     block's backward)."""
-    from partrain.parallel.schedules import SIMULATED_MAX_ACTIONS, build_schedule, simulate
+    from partrain.parallel.schedules import SIMULATED_MAX_ACTIONS, build_schedule
+    from partrain.parallel.schedules import simulate as run_schedule
     from partrain.parallel.zero import zero_memory
 
     p, t = cfg.parallel, cfg.train
@@ -164,8 +168,10 @@ def memory_per_stage(cfg, dims, stages: list[dict], dtype: str) -> list[dict]:
     v = p.pp_virtual_stages if dims.pp > 1 else 1
     in_flight = [1] * dims.pp  # without pp each micro-batch's backward follows its forward
     if dims.pp > 1:
-        in_flight = (simulate(build_schedule(p.pp_schedule, dims.pp, t.micro_batches, v))
-                     .peak_in_flight if 2 * t.micro_batches * v * dims.pp <= SIMULATED_MAX_ACTIONS
+        # The schedule's simulation where it is small enough (and asked for), else 1F1B's rule.
+        small = simulate and 2 * t.micro_batches * v * dims.pp <= SIMULATED_MAX_ACTIONS
+        in_flight = (run_schedule(build_schedule(p.pp_schedule, dims.pp, t.micro_batches, v))
+                     .peak_in_flight if small
                      else [min(dims.pp - r, t.micro_batches) * v for r in range(dims.pp)])
     # ZeRO-Offload keeps AdamW's state (and its fp32 master weights) in host memory: off the
     # GPU's count. On a CPU run the host is the device, so it stays.

@@ -14,8 +14,8 @@ On the machine it runs on:
      torch.cuda.max_memory_allocated (metrics.jsonl's memory_gib) against `partrain plan`'s
      predicted peak for the same config.
 
-    python scripts/gpu_check.py                     # every case (about 6 minutes on an H100)
-    python scripts/gpu_check.py --only ddp "ddp + compile" --steps 30
+    python scripts/gpu_check.py                     # every case (about 7 minutes on an H100)
+    python scripts/gpu_check.py --only ddp "ddp + compile" --extra train.global_batch_size=32
     python scripts/gpu_check.py --json
 
 What one GPU cannot show (NCCL between ranks, tp/pp/cp/ep across GPUs) is the CPU suite's.
@@ -49,8 +49,8 @@ CASES = {
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", nargs="+", choices=list(CASES), help="some cases (default: all)")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=6, help="first steps left out of the means "
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=4, help="first steps left out of the means "
                     "(compilation, allocator warm-up)")
     ap.add_argument("--corpus-mb", type=int, default=48)
     ap.add_argument("--extra", nargs="*", default=[], help="overrides added to every case")
@@ -66,7 +66,11 @@ def partrain(*args: str, capture: bool = True) -> subprocess.CompletedProcess:
 
 
 def make_tokens(work: Path, megabytes: int) -> Path:
-    """Text from this machine (the standard library's .py files) -> `partrain data prepare`."""
+    """Text from this machine (the standard library's .py files) -> `partrain data prepare`
+    (a token dir already in `work` is used as it is)."""
+    tokens = work / "tokens"
+    if (tokens / "meta.json").exists():
+        return tokens
     text, size = work / "corpus.txt", 0
     with text.open("w", encoding="utf-8") as out:
         for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
@@ -78,7 +82,6 @@ def make_tokens(work: Path, megabytes: int) -> Path:
             size += len(chunk)
             if size >= megabytes * 2**20:
                 break
-    tokens = work / "tokens"
     res = partrain("data", "prepare", str(text), "--out", str(tokens))
     if res.returncode:
         sys.exit(f"data prepare failed:\n{res.stderr}")

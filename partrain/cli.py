@@ -332,16 +332,71 @@ def plan(
                                              help="Plan for N ranks; default: the config's "
                                              "nodes x ranks per node, else the degrees' product"),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON"),
+    search: bool = typer.Option(False, "--search", help="Rank every layout of the config's model "
+                                "and batch on --gpus GPUs of --hardware by predicted tokens/s"),
+    gpus: Optional[int] = typer.Option(None, "--gpus", metavar="N", parser=_whole("--gpus"),
+                                       help="--search: the GPUs to lay out"),
+    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", metavar="G",
+                                                parser=_whole("--gpus-per-node"),
+                                                help="--search: GPUs per node (default: the "
+                                                "hardware's)"),
+    hardware: str = typer.Option("H100-SXM", "--hardware", metavar="NAME_OR_YAML",
+                                 help="--search: A100-80GB, H100-SXM, H200 or a YAML file"),
+    write_recipe: Optional[Path] = typer.Option(None, "--write-recipe", metavar="PATH",
+                                                help="--search: write the best layout as a "
+                                                "recipe that launch and slurm run as it is"),
 ) -> None:
-    """Show every rank's place in the mesh, the groups and the batch arithmetic; start nothing."""
+    """Show every rank's place in the mesh, the groups and the batch arithmetic; start nothing.
+    With --search: the best layouts for N GPUs instead."""
     from partrain.plan import build_plan, print_plan
 
+    if search:
+        _search(args, gpus, gpus_per_node, hardware, write_recipe, as_json)
+        return
+    for flag, value in (("--gpus", gpus), ("--gpus-per-node", gpus_per_node),
+                        ("--write-recipe", write_recipe)):
+        if value is not None:
+            raise ConfigError(f"{flag} is a --search option; add --search")
     cfg, world, warnings = _resolve(args, world_size=world_size)
     result = build_plan(cfg, world, warnings)
     if as_json:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
     else:
         print_plan(result, out)
+
+
+def _search(args, gpus, gpus_per_node, hardware, write_recipe, as_json) -> None:
+    import shlex
+
+    from partrain.hardware import load_hardware
+    from partrain.search import as_json as search_json
+    from partrain.search import check_request, print_search, validated
+    from partrain.search import search as run_search
+    from partrain.search import write_recipe as write
+
+    if gpus is None:
+        raise ConfigError("--search needs --gpus N")
+    hw = load_hardware(hardware)
+    if gpus_per_node is not None:
+        if gpus_per_node < 1:
+            raise ConfigError(f"--gpus-per-node {gpus_per_node} must be at least 1")
+        hw = dataclasses.replace(hw, gpus_per_node=gpus_per_node)
+    check_request(gpus, hw)
+    if write_recipe is not None and write_recipe.exists():
+        raise ConfigError(f"--write-recipe {write_recipe} exists; give a new path")
+    config, overrides = _split_args(args)
+    cfg = compose_config(config, overrides)
+    result = validated(run_search(cfg, gpus, hw, top=40), config, overrides, gpus, hw)
+    if write_recipe is not None:
+        command = " ".join(["partrain plan --search", shlex.join(args or []), f"--gpus {gpus}",
+                            f"--gpus-per-node {hw.gpus_per_node}", f"--hardware {hardware}"])
+        write(write_recipe, result, command)
+    if as_json:
+        sys.stdout.write(json.dumps(search_json(result), indent=2) + "\n")
+    else:
+        print_search(result, out)
+        if write_recipe is not None and result["best"]:
+            out.print(f"wrote {write_recipe}: partrain launch {write_recipe}")
 
 
 @app.command()

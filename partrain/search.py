@@ -1,0 +1,302 @@
+"""`partrain plan --search`: every layout partrain can run for a model on N GPUs, ranked.
+
+Enumerated: tp (dividing the heads, kv heads, MLP and vocabulary; up to two nodes' GPUs), pp
+(dividing the layers; 1F1B, and interleaved with 2 chunks per rank where it applies), cp (ring,
+2 to 8, where the sequence divides), ep (MoE models: dividing the experts and dp), dp the rest,
+ZeRO 0-3 (ZeRO-2/3 not with pp or sequence parallelism, ZeRO-3 not with ep), the micro-batch
+size, activation checkpointing none / selective / full, and ZeRO-Offload of the optimizer. Sequence
+parallelism is on whenever tp > 1 (same traffic, less memory).
+
+Each candidate's peak memory per GPU comes from the memory model (memory_model.py, the
+schedule's in-flight micro-batches by the formula rather than a simulation) and its step time from
+the time model (time_model.py). Those that fit in the GPU's memory (less a margin for the CUDA
+libraries and fragmentation) are ranked by predicted tokens/s; the best few are then checked by
+partrain's own validation, exactly as `partrain launch` would check them.
+"""
+
+import itertools
+import math
+import time
+from dataclasses import asdict, dataclass, replace
+from types import SimpleNamespace
+
+from omegaconf import DictConfig, OmegaConf
+
+from partrain.config.validate import MAX_PIPELINE_CHUNKS
+from partrain.hardware import Hardware
+from partrain.memory_model import memory_per_stage
+from partrain.mesh import ParallelDims
+from partrain.models.llama import count_params_per_rank, ffn_dim
+from partrain.models.moe import moe_enabled
+from partrain.parallel.pipeline import stage_layers
+from partrain.time_model import Layout, step_time
+
+# Memory held back from the GPU's capacity: the CUDA context and libraries' workspaces, and the
+# caching allocator's fragmentation.
+MEMORY_MARGIN = 0.9
+MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
+CP_DEGREES = (1, 2, 4, 8)
+CHECKPOINTING = ("none", "selective", "full")
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    memory_bytes: float
+    memory_largest: str
+    time: dict
+    config: object = None  # the composed config, once partrain's validation accepted it
+
+    def overrides(self) -> list[str]:
+        """The config keys that set this layout (for `launch`, `plan` and the validation)."""
+        L = self.layout
+        return [f"parallel.dp={L.dp}", f"parallel.tp={L.tp}", f"parallel.pp={L.pp}",
+                f"parallel.cp={L.cp}", f"parallel.ep={L.ep}", f"parallel.zero_stage={L.zero_stage}",
+                f"parallel.sequence_parallel={str(L.sequence_parallel).lower()}",
+                f"parallel.pp_schedule={L.pp_schedule}",
+                f"parallel.pp_virtual_stages={L.pp_virtual_stages}",
+                f"parallel.offload_optimizer={L.offload_optimizer}",
+                f"train.micro_batch_size={L.micro_batch_size}", "train.micro_batches=null",
+                f"train.activation_checkpointing={L.activation_checkpointing}"]
+
+    def describe(self) -> str:
+        L = self.layout
+        parts = [f"dp{L.dp}"] + [f"{k}{getattr(L, k)}" for k in ("tp", "pp", "cp", "ep")
+                                 if getattr(L, k) > 1]
+        text = " x ".join(parts)
+        if L.sequence_parallel:
+            text += " +sp"
+        if L.pp > 1:
+            text += (f" interleaved v{L.pp_virtual_stages}" if L.pp_virtual_stages > 1
+                     else " 1f1b")
+        if L.zero_stage:
+            text += f", ZeRO-{L.zero_stage}" + (" + offload" if L.offload_optimizer != "none"
+                                                else "")
+        text += f", mb {L.micro_batch_size}"
+        if L.activation_checkpointing != "none":
+            text += f", {L.activation_checkpointing} ckpt"
+        return text
+
+    def as_dict(self) -> dict:
+        return {"layout": asdict(self.layout), "describe": self.describe(),
+                "memory_bytes": self.memory_bytes, "memory_largest": self.memory_largest,
+                **{k: v for k, v in self.time.items()}}
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tp_degrees(m, hw: Hardware, gpus: int) -> list[int]:
+    hidden = ffn_dim(m)
+    return [t for t in (1, 2, 4, 8, 16, 32, 64)
+            if t <= min(gpus, 2 * hw.gpus_per_node) and gpus % t == 0 and not m.n_heads % t
+            and not m.n_kv_heads % t and not hidden % t and not m.vocab_size % t]
+
+
+def layouts(model_cfg, gpus: int, hw: Hardware, global_batch_size: int, seq_len: int):
+    """Every layout of the space above that the validation rules allow."""
+    moe = moe_enabled(model_cfg)
+    for tp, pp, cp in itertools.product(_tp_degrees(model_cfg, hw, gpus),
+                                        _divisors(model_cfg.n_layers), CP_DEGREES):
+        if gpus % (tp * pp * cp) or pp > gpus:
+            continue
+        dp = gpus // (tp * pp * cp)
+        if cp > 1 and (seq_len % (2 * cp) or cp * tp > seq_len):
+            continue
+        if tp > 1 and seq_len % (tp * cp):
+            continue
+        eps = [e for e in _divisors(dp) if not model_cfg.moe.n_experts % e] if moe else [1]
+        schedules = [("1f1b", 1)]
+        if pp > 1 and not model_cfg.n_layers % (2 * pp) and 2 * pp <= MAX_PIPELINE_CHUNKS:
+            schedules.append(("interleaved_1f1b", 2))
+        for mb in MICRO_BATCH_SIZES:
+            if global_batch_size % (mb * dp):
+                continue
+            m = global_batch_size // (mb * dp)
+            if pp > 1 and m < pp:
+                continue
+            for (schedule, v), ep, zero, ckpt in itertools.product(
+                    schedules, eps, (0, 1, 2, 3), CHECKPOINTING):
+                if schedule == "interleaved_1f1b" and m % pp:
+                    continue
+                if zero >= 2 and (pp > 1 or tp > 1) or zero == 3 and ep > 1:
+                    continue  # ZeRO-2/3 not with pp or sequence parallelism; ZeRO-3 not with ep
+                for offload in (("none", "cpu") if zero else ("none",)):
+                    yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero,
+                                 sequence_parallel=tp > 1, pp_schedule=schedule,
+                                 pp_virtual_stages=v, micro_batch_size=mb,
+                                 activation_checkpointing=ckpt, offload_optimizer=offload)
+
+
+def _memory(model, layout: Layout, global_batch_size: int, seq_len: int, stages_cache: dict) -> dict:
+    """The largest rank's peak bytes by the memory model (no schedule simulation)."""
+    L = layout
+    key = (L.tp, L.pp, L.pp_virtual_stages, L.ep)
+    if key not in stages_cache:
+        layers = stage_layers(model.n_layers, L.pp, L.pp_virtual_stages, None)
+        last = len(layers) - 1
+        stages_cache[key] = [
+            {"stage": s, "pp_rank": s % L.pp, "blocks": [ids[0], ids[-1]] if ids else [],
+             "embedding": s == 0, "head": s == last,
+             "params_per_rank": count_params_per_rank(model, L.tp, list(ids), s == 0,
+                                                      s == last, L.ep)}
+            for s, ids in enumerate(layers)]
+    m = global_batch_size // (L.micro_batch_size * L.dp)
+    view = SimpleNamespace(
+        model=model, launcher=SimpleNamespace(device="cuda"),
+        parallel=SimpleNamespace(zero_stage=L.zero_stage, sequence_parallel=L.sequence_parallel,
+                                 cp_method=L.cp_method, pp_virtual_stages=L.pp_virtual_stages,
+                                 pp_schedule=L.pp_schedule, offload_optimizer=L.offload_optimizer),
+        train=SimpleNamespace(micro_batch_size=L.micro_batch_size, seq_len=seq_len,
+                              micro_batches=m, activation_checkpointing=L.activation_checkpointing))
+    dims = ParallelDims(pp=L.pp, dp=L.dp, tp=L.tp, cp=L.cp, ep=L.ep)
+    per_stage = memory_per_stage(view, dims, stages_cache[key], "bf16", simulate=False)
+    return max(per_stage, key=lambda s: s["total"])
+
+
+# Predictions within this factor of each other are a tie, broken toward the simpler layout: the
+# model does not see DeepSpeed's own overheads (at dp=1 ZeRO-1/2/3 measured 0.96/0.83/0.36 of DDP
+# on an H100, README "On GPUs"), nor a degree's cost in debugging.
+TIE = 1.01
+
+
+def _rank(c: Candidate) -> tuple:
+    L = c.layout
+    simpler = (L.zero_stage > 0, L.offload_optimizer != "none",
+               CHECKPOINTING.index(L.activation_checkpointing), L.pp, L.cp, L.tp, L.zero_stage,
+               L.pp_virtual_stages, -L.micro_batch_size)
+    return (-math.floor(math.log(c.time["tokens_per_s"]) / math.log(TIE)), simpler)
+
+
+def search(cfg, gpus: int, hw: Hardware, top: int = 10) -> dict:
+    """Rank every layout for `cfg`'s model and batch on `gpus` GPUs of `hw`; cfg is composed
+    (its parallel and micro-batch keys are ignored: the search sets them)."""
+    start = time.perf_counter()
+    t = cfg.train
+    # Plain attribute access: the model config is read millions of times.
+    model = OmegaConf.to_object(cfg.model) if isinstance(cfg.model, DictConfig) else cfg.model
+    seq_len, gbs = t.seq_len, t.global_batch_size
+    budget = hw.memory_bytes * MEMORY_MARGIN
+    stages_cache: dict = {}
+    fits, counted, too_big = [], 0, None
+    for layout in layouts(model, gpus, hw, gbs, seq_len):
+        counted += 1
+        mem = _memory(model, layout, gbs, seq_len, stages_cache)
+        if mem["total"] > budget:
+            if too_big is None or mem["total"] < too_big.memory_bytes:
+                too_big = Candidate(layout, mem["total"], mem["largest"], {})
+            continue
+        timing = step_time(model, layout, gbs, seq_len, hw)
+        fits.append(Candidate(layout, mem["total"], mem["largest"], timing))
+    fits.sort(key=_rank)
+    return {"gpus": gpus, "hardware": asdict(hw), "candidates": counted, "fit": len(fits),
+            "best": fits[:top], "smallest_that_does_not_fit": too_big,
+            "seconds": time.perf_counter() - start}
+
+
+def world_overrides(gpus: int, hw: Hardware) -> list[str]:
+    """The launcher keys of N GPUs in nodes of hw.gpus_per_node (one partial node if fewer)."""
+    per_node = min(gpus, hw.gpus_per_node)
+    return ["launcher.device=cuda", f"launcher.nnodes={gpus // per_node}",
+            f"launcher.nproc_per_node={per_node}"]
+
+
+def check_request(gpus: int, hw: Hardware) -> None:
+    from partrain.errors import ConfigError
+
+    if gpus < 1:
+        raise ConfigError(f"--gpus {gpus} must be at least 1")
+    if gpus > hw.gpus_per_node and gpus % hw.gpus_per_node:
+        raise ConfigError(f"--gpus {gpus} must be a multiple of --gpus-per-node "
+                          f"{hw.gpus_per_node} (whole nodes), or at most one node")
+
+
+def validated(result: dict, config: str | None, overrides: list[str], gpus: int, hw: Hardware,
+              show: int = 10) -> dict:
+    """Keep the best candidates that partrain's own validation accepts, as `launch` would
+    compose and check them (each with its reason if refused), up to `show` of them."""
+    from partrain.config import compose_config, resolve_and_validate
+    from partrain.config.validate import resolve_world
+    from partrain.errors import ConfigError
+
+    kept, refused = [], []
+    for cand in result["best"]:
+        if len(kept) == show:
+            break
+        keys = [*overrides, *world_overrides(gpus, hw), *cand.overrides()]
+        try:
+            cfg = compose_config(config, keys)
+            world = resolve_world(cfg, None, None, 0)
+            resolve_and_validate(cfg, world)
+        except ConfigError as e:
+            refused.append((cand, str(e)))
+            continue
+        cand.config = cfg
+        kept.append(cand)
+    return {**result, "best": kept, "refused": refused}
+
+
+def as_json(result: dict) -> dict:
+    too_big = result["smallest_that_does_not_fit"]
+    return {"gpus": result["gpus"], "hardware": result["hardware"],
+            "candidates": result["candidates"], "fit": result["fit"],
+            "seconds": round(result["seconds"], 3),
+            "best": [c.as_dict() | {"overrides": c.overrides()} for c in result["best"]],
+            "refused": [{"describe": c.describe(), "reason": r} for c, r in result["refused"]],
+            "smallest_that_does_not_fit": too_big and {
+                "describe": too_big.describe(), "memory_bytes": too_big.memory_bytes,
+                "memory_largest": too_big.memory_largest}}
+
+
+def print_search(result: dict, console) -> None:
+    from rich.table import Table
+
+    hw = result["hardware"]
+    gib = 2**30
+    console.print(f"{result['candidates']:,} layouts of {result['gpus']} x {hw['name']} "
+                  f"({hw['gpus_per_node']} per node, {hw['memory_gib']:g} GiB each); "
+                  f"{result['fit']:,} fit in {MEMORY_MARGIN:.0%} of the memory "
+                  f"({result['seconds']:.1f} s)")
+    if not result["best"]:
+        too_big = result["smallest_that_does_not_fit"]
+        console.print("nothing fits" + (f": the smallest is {too_big.describe()}, "
+                                        f"{too_big.memory_bytes / gib:.1f} GiB per GPU "
+                                        f"(largest part: {too_big.memory_largest})"
+                                        if too_big else ""))
+        return
+    table = Table(title="best predicted layouts (partrain's memory and time models)")
+    for col in ("#", "layout", "memory/GPU", "largest part", "tokens/s", "MFU", "limited by"):
+        table.add_column(col, justify="right" if col in ("#", "memory/GPU", "tokens/s", "MFU")
+                         else "left")
+    for i, c in enumerate(result["best"], 1):
+        table.add_row(str(i), c.describe(), f"{c.memory_bytes / gib:.1f} GiB",
+                      c.memory_largest.removesuffix("_bytes").replace("_", " "),
+                      f"{c.time['tokens_per_s']:,.0f}", f"{c.time['mfu']:.1%}", c.time["limits"])
+    console.print(table)
+    for c, reason in result["refused"]:
+        console.print(f"refused by validation: {c.describe()}: {reason}")
+
+
+def write_recipe(path, result: dict, command: str) -> None:
+    """The winner as a recipe `partrain launch PATH` and `partrain slurm PATH` run as it is: the
+    whole composed config over the defaults, written under a temporary name and renamed."""
+    import os
+    from pathlib import Path
+
+    from partrain.errors import ConfigError
+
+    if not result["best"]:
+        raise ConfigError(f"--write-recipe {path}: no layout fits, nothing to write")
+    best = result["best"][0]
+    body = OmegaConf.to_container(best.config)
+    body = {"defaults": ["config", "_self_"], **body}
+    header = (f"# Written by `{command}`: {best.describe()}; predicted "
+              f"{best.time['tokens_per_s']:,.0f} tokens/s, MFU {best.time['mfu']:.1%}, "
+              f"{best.memory_bytes / 2**30:.1f} GiB per GPU.\n")
+    path = Path(path)
+    if path.exists():
+        raise ConfigError(f"--write-recipe {path} exists; give a new path")
+    tmp = path.with_name(f".{path.name}.partial")
+    tmp.write_text(header + OmegaConf.to_yaml(OmegaConf.create(body)))
+    os.replace(tmp, path)

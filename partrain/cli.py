@@ -382,8 +382,6 @@ def _search(args, gpus, gpus_per_node, hardware, write_recipe, as_json) -> None:
             raise ConfigError(f"--gpus-per-node {gpus_per_node} must be at least 1")
         hw = dataclasses.replace(hw, gpus_per_node=gpus_per_node)
     check_request(gpus, hw)
-    if write_recipe is not None and write_recipe.exists():
-        raise ConfigError(f"--write-recipe {write_recipe} exists; give a new path")
     config, overrides = _split_args(args)
     cfg = compose_config(config, overrides)
     result = validated(run_search(cfg, gpus, hw, top=40), config, overrides, gpus, hw)

@@ -26,9 +26,9 @@ from partrain.config.validate import MAX_PIPELINE_CHUNKS
 from partrain.hardware import Hardware
 from partrain.memory_model import memory_per_stage
 from partrain.mesh import ParallelDims
-from partrain.models.llama import count_params_per_rank, ffn_dim
+from partrain.models.llama import ffn_dim
 from partrain.models.moe import moe_enabled
-from partrain.parallel.pipeline import stage_layers
+from partrain.plan import _stages as plan_stages
 from partrain.time_model import Layout, step_time
 
 # Memory held back from the GPU's capacity: the CUDA context and libraries' workspaces, and the
@@ -132,16 +132,12 @@ def layouts(model_cfg, gpus: int, hw: Hardware, global_batch_size: int, seq_len:
 def _memory(model, layout: Layout, global_batch_size: int, seq_len: int, stages_cache: dict) -> dict:
     """The largest rank's peak bytes by the memory model (no schedule simulation)."""
     L = layout
+    dims = ParallelDims(pp=L.pp, dp=L.dp, tp=L.tp, cp=L.cp, ep=L.ep)
     key = (L.tp, L.pp, L.pp_virtual_stages, L.ep)
-    if key not in stages_cache:
-        layers = stage_layers(model.n_layers, L.pp, L.pp_virtual_stages, None)
-        last = len(layers) - 1
-        stages_cache[key] = [
-            {"stage": s, "pp_rank": s % L.pp, "blocks": [ids[0], ids[-1]] if ids else [],
-             "embedding": s == 0, "head": s == last,
-             "params_per_rank": count_params_per_rank(model, L.tp, list(ids), s == 0,
-                                                      s == last, L.ep)}
-            for s, ids in enumerate(layers)]
+    if key not in stages_cache:  # plan's own stage list, for the keys it reads
+        stages_cache[key] = plan_stages(SimpleNamespace(
+            model=model, parallel=SimpleNamespace(pp_virtual_stages=L.pp_virtual_stages,
+                                                  pp_layers=None, ep=L.ep)), dims)
     m = global_batch_size // (L.micro_batch_size * L.dp)
     view = SimpleNamespace(
         model=model, launcher=SimpleNamespace(device="cuda"),
@@ -150,7 +146,6 @@ def _memory(model, layout: Layout, global_batch_size: int, seq_len: int, stages_
                                  pp_schedule=L.pp_schedule, offload_optimizer=L.offload_optimizer),
         train=SimpleNamespace(micro_batch_size=L.micro_batch_size, seq_len=seq_len,
                               micro_batches=m, activation_checkpointing=L.activation_checkpointing))
-    dims = ParallelDims(pp=L.pp, dp=L.dp, tp=L.tp, cp=L.cp, ep=L.ep)
     per_stage = memory_per_stage(view, dims, stages_cache[key], "bf16", simulate=False)
     return max(per_stage, key=lambda s: s["total"])
 

@@ -11,7 +11,8 @@ Counted as partrain's code really holds them (checked against tensor accounting 
   micro-batches in flight on its pipeline stage at once (the schedule's simulated peak: GPipe all
   of them, 1F1B at most pp - stage, interleaved by its own rule; one without pp).
 - the loss: log-probabilities and two gradients of a micro-batch (vocabulary / tp per token).
-- pipeline sends: buffers the executor holds until the end of the step.
+- pipeline sends and receives: the p2p buffers the executor's program holds at most at once
+  (a send until the peer has posted its receive, a receive from its early post to its wait).
 - transients, one at a time: the loss's at the start of the backward, or a block's backward:
   the gradients of its MLP's hidden layer and of its output, and under checkpointing the part
   of the block it recomputed; the peak takes the larger.
@@ -143,12 +144,11 @@ def loss_bytes(model_cfg, tp: int, tokens: int) -> int:
     return 12 * (model_cfg.vocab_size // tp) * tokens
 
 
-def pipeline_send_bytes(dim: int, tokens: int, micro_batches: int, first: bool, last: bool) -> int:
-    """The pipeline executor holds every send's buffer until the end of the step (it never
-    waits on a send mid-schedule): each micro-batch's output sent forward (all stages but the
-    last) and its input's gradient sent back (all but the first), fp32."""
-    sends = (not last) + (not first)
-    return sends * micro_batches * tokens * dim * 4
+def pipeline_buffer_bytes(dim: int, tokens: int, buffers: int) -> int:
+    """The pipeline executor's p2p buffers at their peak (`schedules.peak_buffers`: sends not
+    yet released, receives posted early and not yet waited for), each one micro-batch's
+    activation between stages in fp32."""
+    return buffers * tokens * dim * 4
 
 
 def memory_per_stage(cfg, dims, stages: list[dict], dtype: str, simulate: bool = True) -> list[dict]:
@@ -156,7 +156,8 @@ def memory_per_stage(cfg, dims, stages: list[dict], dtype: str, simulate: bool =
     rank, embedding and head): model state at the ZeRO stage, the activations its schedule keeps
     in flight, pipeline sends, and the larger transient (the loss's on the last stage, or a
     block's backward)."""
-    from partrain.parallel.schedules import SIMULATED_MAX_ACTIONS, build_schedule
+    from partrain.parallel.schedules import (SIMULATED_MAX_ACTIONS, build_schedule,
+                                             peak_buffers)
     from partrain.parallel.schedules import simulate as run_schedule
     from partrain.parallel.zero import zero_memory
 
@@ -168,6 +169,9 @@ def memory_per_stage(cfg, dims, stages: list[dict], dtype: str, simulate: bool =
     v = p.pp_virtual_stages if dims.pp > 1 else 1
     in_flight = [1] * dims.pp  # without pp each micro-batch's backward follows its forward
     if dims.pp > 1:
+        # gloo (CPU runs) posts receives a compute early; NCCL posts them in place.
+        buffers = peak_buffers(p.pp_schedule, dims.pp, t.micro_batches, v,
+                               early=cfg.launcher.device == "cpu")
         # The schedule's simulation where it is small enough (and asked for), else 1F1B's rule.
         small = simulate and 2 * t.micro_batches * v * dims.pp <= SIMULATED_MAX_ACTIONS
         in_flight = (run_schedule(build_schedule(p.pp_schedule, dims.pp, t.micro_batches, v))
@@ -190,13 +194,12 @@ def memory_per_stage(cfg, dims, stages: list[dict], dtype: str, simulate: bool =
         last = any(st["head"] for st in own)
         loss = loss_bytes(cfg.model, dims.tp, tokens) if last else 0
         seq_split = dims.tp if s.norm_split > 1 else 1
-        sends = sum(pipeline_send_bytes(cfg.model.dim, tokens // seq_split, t.micro_batches,
-                                        st["stage"] == 0, st["head"])
-                    for st in own) if dims.pp > 1 else 0
+        sends = pipeline_buffer_bytes(cfg.model.dim, tokens // seq_split,
+                                      buffers[rank]) if dims.pp > 1 else 0
         parts = {"param_bytes": state["param_bytes"], "grad_bytes": state["grad_bytes"],
                  "optim_bytes": 0 if on_host else state["optim_bytes"],
                  "activation_bytes": acts["kept_bytes"],
-                 "pipeline_send_bytes": sends, "loss_bytes": loss,
+                 "pipeline_buffer_bytes": sends, "loss_bytes": loss,
                  "backward_bytes": acts["backward_bytes"]}
         # The loss's buffers are gone by the time a block's backward runs. Gradients exist at
         # the peak if an earlier micro-batch made them, or DDP's buckets or DeepSpeed hold them;

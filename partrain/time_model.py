@@ -12,7 +12,8 @@ The step of the slowest pipeline stage, from its parts:
 - cp: the ring's key/value blocks or the all-to-alls (context.cp_traffic), on the critical path;
 - ep: the token all-to-alls of the MoE blocks (expert.moe_traffic), on the critical path;
 - pp: the schedule's bubble, (p-1)/(m+p-1) of the step ((p-1)/(v m + p-1) interleaved), and the
-  point-to-point sends, which wait in line with compute in partrain's executor;
+  point-to-point sends, priced in line with compute: on NCCL partrain's executor posts them in
+  the schedule's order (gloo's early receives are a CPU matter: scripts/bench_pp.py);
 - dp: the gradient reduction over dp x cp with the overlap partrain really has: DDP's buckets
   overlap the last micro-batch's backward; under pp the average comes after the schedule; ZeRO-1/2
   reduce-scatter at DeepSpeed's step and all-gather the updated weights; ZeRO-3 also gathers every

@@ -6,7 +6,13 @@ One run, P=2 stages on 2 processes (each with a core of its own here), one model
 2. For each partrain schedule (gpipe, 1f1b, interleaved_1f1b with 2 chunks per rank) and m in
    {P, 2P, 4P}: the measured bubble, each rank's idle time in the step (the step time less its
    F/B compute spans from the tracer), averaged over ranks, against (p-1)/(m+p-1)
-   (interleaved (p-1)/(v*m+p-1)).
+   (interleaved (p-1)/(v*m+p-1)); and the replayed bubble: the schedule simulated with the
+   step's own measured compute times and free communication. Measured minus replayed is what the
+   executor and its transfers add; replayed minus theory is the compute times being unequal
+   (stages, cores, noise), which no executor removes.
+
+Each rank is pinned to a core of its own where the machine has enough, and a case's figure is
+the median over its timed steps.
 
     python scripts/bench_pp.py            # tables
     python scripts/bench_pp.py --json     # {"partrain_tokens_per_s", "torch_tokens_per_s", "ratio", "bubble": [...]}
@@ -14,6 +20,7 @@ One run, P=2 stages on 2 processes (each with a core of its own here), one model
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -31,7 +38,7 @@ from _spawn import run_workers  # noqa: E402
 from partrain.dist import end_distributed  # noqa: E402
 from partrain.models import build_model  # noqa: E402
 from partrain.parallel.pipeline import apply_pipeline_parallel  # noqa: E402
-from partrain.parallel.schedules import bubble_theory  # noqa: E402
+from partrain.parallel.schedules import bubble_theory, build_schedule, simulate  # noqa: E402
 from partrain.trace import Tracer  # noqa: E402
 
 PP = 2
@@ -44,7 +51,7 @@ def parse_args(argv=None):
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--micro-batch-size", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per round and case")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per round and case")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", action="store_true")
     return ap.parse_args(argv)
@@ -102,6 +109,8 @@ def worker(rank, a, store_path, out_path):
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
+    if len(os.sched_getaffinity(0)) >= PP:  # a core each: the other rank's threads stay off it
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})
     store = dist.FileStore(store_path, PP)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=PP,
                             timeout=timedelta(seconds=300))
@@ -149,7 +158,8 @@ def worker(rank, a, store_path, out_path):
             micro = micro_batches(a, m)
             model.run(micro, loss_fn, nullctx)  # warm-up
             opt.zero_grad(set_to_none=True)
-            idle = []
+            idle, replayed = [], []
+            ranks = build_schedule(schedule, PP, m, v)
             for _ in range(a.steps):
                 tracer.spans.clear()
                 dist.barrier()
@@ -158,12 +168,18 @@ def worker(rank, a, store_path, out_path):
                 step = torch.tensor(time.perf_counter() - start)
                 dist.all_reduce(step, op=dist.ReduceOp.MAX)  # the step ends on its slowest rank
                 opt.zero_grad(set_to_none=True)
-                compute = sum(end - begin for _, cat, begin, end in tracer.spans if cat == "compute")
-                share = torch.tensor(1 - compute / step.item())
+                spans = {name: end - begin for name, cat, begin, end in tracer.spans
+                         if cat == "compute"}
+                share = torch.tensor(1 - sum(spans.values()) / step.item())
                 dist.all_reduce(share)  # mean over ranks
                 idle.append(share.item() / PP)
+                every = [None] * PP
+                dist.all_gather_object(every, spans)
+                sim = simulate(ranks, durations=lambda r, x: every[r][f"{x.op}{x.chunk}.{x.mb}"])
+                replayed.append(sim.bubble())
             result["bubble"].append({"schedule": schedule, "m": m, "v": v,
                                      "measured": statistics.median(idle),
+                                     "replayed": statistics.median(replayed),
                                      "theory": bubble_theory(schedule, PP, m, v)})
             del model, opt
 
@@ -193,13 +209,16 @@ def main(argv=None):
     head.add_row(f"{result['partrain_tokens_per_s']:,.0f}", f"{result['torch_tokens_per_s']:,.0f}",
                  f"{result['ratio']:.2f}")
     console.print(head)
-    bubbles = Table(title="bubble: idle share of a step, measured from the trace vs theory")
-    for col in ("schedule", "m", "measured", "theory", "difference"):
+    bubbles = Table(title="bubble: idle share of a step, measured from the trace vs theory; "
+                          "replayed: the schedule with the measured compute times, free transfers")
+    for col in ("schedule", "m", "measured", "theory", "difference", "replayed",
+                "measured - replayed"):
         bubbles.add_column(col, justify="right")
     for b in result["bubble"]:
         name = b["schedule"] + (f" (v={b['v']})" if b["v"] > 1 else "")
         bubbles.add_row(name, str(b["m"]), f"{b['measured']:.3f}", f"{b['theory']:.3f}",
-                        f"{b['measured'] - b['theory']:+.3f}")
+                        f"{b['measured'] - b['theory']:+.3f}", f"{b['replayed']:.3f}",
+                        f"{b['measured'] - b['replayed']:+.3f}")
     console.print(bubbles)
 
 

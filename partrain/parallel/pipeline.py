@@ -14,13 +14,19 @@ coordinates: Megatron's embedding group), so both take the same step and stay eq
 copy carries `tied_to` (the embedding's name): checkpoints save it under that name, and the
 gradient norm counts the weight once, on the first stage.
 
-`PipelineModel.run` executes this rank's action list from partrain.parallel.schedules: compute
-F/B; each run of consecutive sends/receives posted together (batch_isend_irecv), receives waited
-on where the schedule needs them, sends never, as the schedule's simulation assumes. Messages
-carry a tag naming (direction, stage, micro-batch) for gloo; NCCL ignores tags and matches in
-order, which the schedules also satisfy (sends from a to b in the order b receives them; a unit
-test checks it). Each micro-batch's loss is scaled by
-1/micro_batches, so the accumulated gradient is that of the mean loss, as without pp.
+`PipelineModel.run` executes this rank's program (partrain.parallel.schedules.build_program) for
+its action list: compute F/B; post each run of sends together with the receives that come next
+(batch_isend_irecv); wait for a receive just before the compute that needs it; release a send (wait
+on it and drop its buffer) once the schedule proves the peer has posted its receive. On gloo, which
+moves a message only once its receive is posted, receives are posted one compute ahead, so the
+transfer overlaps that compute instead of waiting in line with it (scripts/bench_pp.py: the
+executor and its transfers add at most about 0.015 to the bubble on 2 CPU ranks). On NCCL the program keeps the schedule's
+order: its transfers run on their own stream while the CPU runs ahead, and one rank's sends and
+receives to a peer share that stream in order, which an early receive could block. Messages carry
+a tag naming (direction, stage, micro-batch) for gloo; NCCL ignores tags and matches in order,
+which the schedules also satisfy (sends from a to b in the order b receives them; a unit test
+checks it). Each micro-batch's loss is scaled by 1/micro_batches, so the accumulated gradient is
+that of the mean loss, as without pp.
 
 Every compute and communication span goes to the tracer (partrain.trace), if one is recording.
 """
@@ -29,7 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from partrain.parallel.schedules import build_schedule, message_key
+from partrain.parallel.schedules import (COMPUTE_STEP, POST, Step, build_program, build_schedule,
+                                         message_key)
 from partrain.trace import Tracer
 
 
@@ -64,7 +71,10 @@ class PipelineModel(nn.Module):
         self.last_stage = self.pp * len(chunks) - 1
         self.activation_shape = tuple(activation_shape)
         self.tracer = tracer or Tracer(False)
-        self._plans: dict[tuple[int, bool], list] = {}
+        # Receives posted a compute ahead on gloo, whose transfers wait for the receive; NCCL's
+        # run on their own stream while the CPU runs ahead, so they are posted in place.
+        self.early = dist.get_backend(group) == "gloo"
+        self._plans: dict[tuple[int, bool], list[Step]] = {}
 
     @property
     def tied(self) -> nn.Parameter | None:
@@ -77,55 +87,45 @@ class PipelineModel(nn.Module):
         if self.tied is not None and self.tied.grad is not None:
             dist.all_reduce(self.tied.grad, group=self.embedding_group)
 
-    def _actions(self, m: int, train: bool):
+    def _program(self, m: int, train: bool) -> list[Step]:
         if (m, train) not in self._plans:
-            actions = build_schedule(self.schedule, self.pp, m, len(self.chunks))[self.rank]
+            ranks = build_schedule(self.schedule, self.pp, m, len(self.chunks))
             if not train:
                 # Forward only (evaluation): the same order without backwards cannot deadlock,
                 # since forward messages only flow to later stages.
-                actions = [a for a in actions if a.op in ("F", "RECV_F", "SEND_F")]
-            self._plans[(m, train)] = actions
+                ranks = [[a for a in actions if a.op in ("F", "RECV_F", "SEND_F")]
+                         for actions in ranks]
+            self._plans[(m, train)] = build_program(ranks, early=self.early)[self.rank]
         return self._plans[(m, train)]
 
     def _tag(self, action) -> int:
         direction, stage, mb = message_key(action, self.rank, self.pp)
         return (stage * 2 + (direction == "B")) * 100_000 + mb
 
-    def _communicate(self, batch, device, inputs, outputs, grads, sends, train) -> None:
-        """Post a run of consecutive sends and receives together (batch_isend_irecv: one NCCL
-        group, so a send and a receive between the same two ranks cannot wait on each other),
-        then wait for the receives. Sends stay in flight, their buffers held, until the end of
-        the step: the executor never waits on a send, as the schedule's simulation assumes."""
-        ops, received = [], []
+    def _post(self, batch, device, outputs, inputs, posted, train) -> None:
+        """Post sends and receives together (batch_isend_irecv: one NCCL group, so a send and a
+        receive between the same two ranks cannot wait on each other). gloo gives a work per
+        operation, kept until its wait or release step; NCCL one for the group, waited on here
+        (a stream wait: the CPU goes on)."""
+        ops = []
         for a in batch:
             key = (a.chunk, a.mb)
-            if a.op.startswith("SEND"):
-                if a.op == "SEND_F":
-                    out = outputs[key] if train else outputs.pop(key)
-                    tensor = out.detach().float().contiguous()
-                else:
-                    tensor = inputs.pop(key).grad.float().contiguous()
-                ops.append(dist.P2POp(dist.isend, tensor, self.peers[a.peer], tag=self._tag(a)))
+            if a.op == "SEND_F":
+                out = outputs[key] if train else outputs.pop(key)
+                tensor = out.detach().float().contiguous()
+            elif a.op == "SEND_B":
+                tensor = inputs.pop(key).grad.float().contiguous()
             else:
                 tensor = torch.empty(self.activation_shape, device=device)
-                ops.append(dist.P2POp(dist.irecv, tensor, self.peers[a.peer], tag=self._tag(a)))
-                received.append((a, tensor))
+            op = dist.isend if a.op.startswith("SEND") else dist.irecv
+            ops.append(dist.P2POp(op, tensor, self.peers[a.peer], tag=self._tag(a)))
         works = dist.batch_isend_irecv(ops)
-        if len(works) == len(ops):
-            for op, work in zip(ops, works):
-                if op.op is dist.isend:
-                    sends.append((work, op.tensor))
-                else:
-                    work.wait()
-        else:  # coalesced (NCCL): the batch completes as one
+        if len(works) != len(ops):  # coalesced (NCCL): the group completes as one
             for work in works:
                 work.wait()
-        for a, tensor in received:
-            key = (a.chunk, a.mb)
-            if a.op == "RECV_F":
-                inputs[key] = tensor.requires_grad_(train)
-            else:
-                grads[key] = tensor
+            works = [None] * len(ops)
+        for a, op, work in zip(batch, ops, works):
+            posted[(a.op, a.chunk, a.mb)] = (work, op.tensor)
 
     def run(self, micro, loss_fn, autocast, train: bool = True) -> torch.Tensor:
         """One pass of the schedule over this dp rank's micro-batches [(tokens, targets)];
@@ -134,20 +134,24 @@ class PipelineModel(nn.Module):
         m = len(micro)
         device = next(self.parameters()).device
         total = torch.zeros((), device=device)
-        inputs, outputs, grads, losses, sends = {}, {}, {}, {}, []
-        actions, i = self._actions(m, train), 0
-        while i < len(actions):
-            a = actions[i]
-            if a.op not in ("F", "B"):
-                j = i
-                while j < len(actions) and actions[j].op not in ("F", "B"):
-                    j += 1
-                batch = actions[i:j]
-                with self.tracer.span(" ".join(f"{b.op.lower()} {b.chunk}.{b.mb}" for b in batch),
-                                      "comm"):
-                    self._communicate(batch, device, inputs, outputs, grads, sends, train)
-                i = j
+        inputs, outputs, grads, losses, posted = {}, {}, {}, {}, {}
+        for step in self._program(m, train):
+            if step.kind != COMPUTE_STEP:
+                with self.tracer.span(f"{step.kind} " + " ".join(
+                        f"{a.op.lower()} {a.chunk}.{a.mb}" for a in step.actions), "comm"):
+                    if step.kind == POST:
+                        self._post(step.actions, device, outputs, inputs, posted, train)
+                        continue
+                    for a in step.actions:  # wait for receives, or release sends
+                        work, tensor = posted.pop((a.op, a.chunk, a.mb))
+                        if work is not None:
+                            work.wait()
+                        if a.op == "RECV_F":
+                            inputs[(a.chunk, a.mb)] = tensor.requires_grad_(train)
+                        elif a.op == "RECV_B":
+                            grads[(a.chunk, a.mb)] = tensor
                 continue
+            a = step.actions[0]
             stage, key = a.chunk * self.pp + self.rank, (a.chunk, a.mb)
             with self.tracer.span(f"{a.op}{a.chunk}.{a.mb}", "compute"):
                 if a.op == "F":
@@ -169,10 +173,6 @@ class PipelineModel(nn.Module):
                 else:
                     out = outputs.pop(key)
                     torch.autograd.backward(out, grads.pop(key).to(out.dtype))
-            i += 1
-        with self.tracer.span("wait sends", "comm"):
-            for work, _ in sends:
-                work.wait()
         return total
 
 

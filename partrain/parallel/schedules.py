@@ -8,12 +8,15 @@ non-adjacent pieces of the model (Megatron's interleaving) and the last stage's 
 rank pp-1 back to rank 0.
 
 Actions. F and B compute a micro-batch through a chunk; RECV_F/SEND_F move activations to the
-next stage, RECV_B/SEND_B gradients to the previous one. The executor posts sends without waiting
-and blocks on receives, which is exactly what `simulate` models, so a schedule that simulates to
-the end cannot deadlock.
+next stage, RECV_B/SEND_B gradients to the previous one. `simulate` runs the lists with sends
+that never wait and receives that block until their send; `build_program` turns them into what
+the executor does (when to post, wait and release), and `simulate_program` checks that under
+gloo's rules.
 """
 
+from collections import Counter
 from dataclasses import dataclass
+from functools import lru_cache
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 SIMULATED_MAX_ACTIONS = 1 << 16  # `plan` simulates schedules (peak activations) up to this size
@@ -136,10 +139,12 @@ class Simulation:
         return sum(1 - b / self.makespan for b in busy) / len(busy)
 
 
-def simulate(ranks: list[list[Action]], f_time: float = 1.0, b_time: float = 2.0) -> Simulation:
-    """Run the lists as the executor does (sends never wait, receives block until the matching
-    send happened) with fixed compute times and free communication. Raises RuntimeError on a
-    deadlock or an unmatched message."""
+def simulate(ranks: list[list[Action]], f_time: float = 1.0, b_time: float = 2.0,
+             durations=None) -> Simulation:
+    """Run the lists with free communication: sends never wait, receives block until the
+    matching send happened. Compute takes f_time / b_time, or `durations(rank, action)` (a
+    measured step replayed: scripts/bench_pp.py). Raises RuntimeError on a deadlock or an
+    unmatched message."""
     pp = len(ranks)
     pos, now = [0] * pp, [0.0] * pp
     sent: dict[tuple, float] = {}
@@ -163,7 +168,8 @@ def simulate(ranks: list[list[Action]], f_time: float = 1.0, b_time: float = 2.0
                     received.add(key)
                     now[r] = max(now[r], sent[key])
                 else:
-                    duration = f_time if action.op == "F" else b_time
+                    duration = (durations(r, action) if durations
+                                else f_time if action.op == "F" else b_time)
                     spans[r].append((action, now[r], now[r] + duration))
                     now[r] += duration
                     in_flight[r] += 1 if action.op == "F" else -1
@@ -177,3 +183,146 @@ def simulate(ranks: list[list[Action]], f_time: float = 1.0, b_time: float = 2.0
     if unmatched:
         raise RuntimeError(f"sent but never received: {sorted(unmatched)[:5]}")
     return Simulation(spans, max(now), peak)
+
+
+# Programs: how the executor runs a rank's actions. A receive is posted before the compute that
+# precedes the one needing it (`early`: gloo), so its transfer overlaps that compute, and waited
+# on just before it is needed; each run of sends is posted right after the compute that made it.
+# A send is released (waited on, its buffer dropped) once a later receive from the same peer
+# proves that the peer has posted the matching receive: gloo moves a message only after its
+# receive is posted, and the peer's notice of that receive travels on the same connection ahead
+# of the message we waited for, so the wait is short. Sends with no such receive end the step.
+POST, WAIT, RELEASE, COMPUTE_STEP = "post", "wait", "release", "compute"
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: str  # post, wait, release, compute
+    actions: tuple[Action, ...]
+
+    def __str__(self) -> str:
+        return f"{self.kind}({' '.join(map(str, self.actions))})"
+
+
+def _rank_program(actions: list[Action], early: bool) -> list[Step]:
+    runs, computes = [[]], []
+    for a in actions:
+        if a.op in COMPUTE:
+            computes.append(a)
+            runs.append([])
+        else:
+            runs[-1].append(a)
+    posts = [list(run) for run in runs]
+    waits = [[a for a in run if a.op.startswith("RECV")] for run in runs]
+    if early:  # run k precedes compute k: its receives go to run k-1, before compute k-1
+        for k in range(1, len(computes)):
+            posts[k - 1] += waits[k]
+            posts[k] = [a for a in runs[k] if not a.op.startswith("RECV")]
+    steps = []
+    for k, run in enumerate(posts):
+        if run:
+            steps.append(Step(POST, tuple(run)))
+        if waits[k]:
+            steps.append(Step(WAIT, tuple(waits[k])))
+        if k < len(computes):
+            steps.append(Step(COMPUTE_STEP, (computes[k],)))
+    return steps
+
+
+def build_program(ranks: list[list[Action]], early: bool = True) -> list[list[Step]]:
+    """Every rank's program for the action lists of `build_schedule` (or their forward-only
+    subset), with the releases of its sends; the last step releases what is left."""
+    pp = len(ranks)
+    programs = [_rank_program(actions, early) for actions in ranks]
+    posted = []  # per rank: message key -> index of the step that posts it
+    for r, program in enumerate(programs):
+        posted.append({(a.op[:4], message_key(a, r, pp)): i
+                       for i, step in enumerate(program) if step.kind == POST
+                       for a in step.actions})
+    out = []
+    for r, program in enumerate(programs):
+        pending, releases = [], {}  # sends not yet released; wait index -> sends it releases
+        for i, step in enumerate(program):
+            if step.kind == POST:
+                pending += [(i, a) for a in step.actions if a.op.startswith("SEND")]
+            elif step.kind == WAIT:
+                for recv in step.actions:
+                    # The peer posted this message's send after these sends' receives.
+                    sent_at = posted[recv.peer][("SEND", message_key(recv, r, pp))]
+                    done = [(j, s) for j, s in pending if s.peer == recv.peer
+                            and posted[s.peer][("RECV", message_key(s, r, pp))] < sent_at]
+                    releases.setdefault(i, []).extend(s for _, s in done)
+                    pending = [p for p in pending if p not in done]
+        steps = []
+        for i, step in enumerate(program):
+            steps.append(step)
+            if releases.get(i):
+                steps.append(Step(RELEASE, tuple(releases[i])))
+        if pending:
+            steps.append(Step(RELEASE, tuple(s for _, s in pending)))
+        out.append(steps)
+    return out
+
+
+@dataclass
+class ProgramRun:
+    makespan: float
+    peak_buffers: list[int]  # per rank: most sends unreleased plus receives posted, not waited
+
+
+def simulate_program(programs: list[list[Step]], f_time: float = 1.0,
+                     b_time: float = 2.0) -> ProgramRun:
+    """Run programs under gloo's rules: posting never blocks; a wait blocks until the peer has
+    posted the matching send, a release until it has posted the matching receive. Raises
+    RuntimeError on a deadlock or on a message not waited for or not released once."""
+    pp = len(programs)
+    pos, now = [0] * pp, [0.0] * pp
+    posted: dict[tuple, float] = {}
+    buffers, peak = [0] * pp, [0] * pp
+    waited: Counter = Counter()
+    while any(pos[r] < len(programs[r]) for r in range(pp)):
+        progressed = False
+        for r in range(pp):
+            while pos[r] < len(programs[r]):
+                step = programs[r][pos[r]]
+                keys = [message_key(a, r, pp) for a in step.actions if a.op not in COMPUTE]
+                if step.kind == POST:
+                    for a, key in zip(step.actions, keys):
+                        if (a.op[:4], key) in posted:
+                            raise RuntimeError(f"rank {r}: {a} posts {key} twice")
+                        posted[(a.op[:4], key)] = now[r]
+                    buffers[r] += len(step.actions)
+                elif step.kind in (WAIT, RELEASE):
+                    other = "SEND" if step.kind == WAIT else "RECV"
+                    if any((other, key) not in posted for key in keys):
+                        break
+                    now[r] = max([now[r]] + [posted[(other, key)] for key in keys])
+                    waited.update((step.kind, key) for key in keys)
+                    buffers[r] -= len(step.actions)
+                else:
+                    now[r] += f_time if step.actions[0].op == "F" else b_time
+                peak[r] = max(peak[r], buffers[r])
+                pos[r] += 1
+                progressed = True
+        if not progressed:
+            stuck = {r: str(programs[r][pos[r]]) for r in range(pp) if pos[r] < len(programs[r])}
+            raise RuntimeError(f"deadlock: ranks wait on {stuck}")
+    sends = {key for (kind, key) in posted if kind == "SEND"}
+    for kind in (WAIT, RELEASE):
+        done = {key for (k, key) in waited if k == kind}
+        if done != sends or any(n != 1 for (k, _), n in waited.items() if k == kind):
+            raise RuntimeError(f"not every message {'received' if kind == WAIT else 'released'} "
+                               "exactly once")
+    return ProgramRun(max(now), peak)
+
+
+@lru_cache(maxsize=4096)
+def peak_buffers(schedule: str, pp: int, m: int, v: int = 1, early: bool = True) -> tuple[int, ...]:
+    """Per rank, the most activation-sized p2p buffers its program holds at once (sends not yet
+    released, receives posted and not yet waited for). 1F1B's and interleaved's stop growing
+    at 2 x pp micro-batches and GPipe's grow by one per micro-batch (tests hold both), so a
+    large m is simulated at 2 x pp and extrapolated."""
+    small = min(m, 2 * pp)
+    run = simulate_program(build_program(build_schedule(schedule, pp, small, v), early))
+    grow = m - small if schedule == "gpipe" else 0
+    return tuple(n + grow for n in run.peak_buffers)

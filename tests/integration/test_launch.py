@@ -150,6 +150,17 @@ def test_trace_json_shows_every_rank_and_microbatch(cli, tmp_path):
     assert any("send_f" in e["name"] for e in comm if e["tid"] == 0)
     assert any("recv_f" in e["name"] for e in comm if e["tid"] == 1)
 
+    # The first step's program (gloo): rank 1 posts the receive of micro-batch 1's activation
+    # before its backward of micro-batch 0, so the transfer overlaps that compute; rank 0
+    # releases its first send before its last backward, not at the end of the step.
+    def first(rank, name, cat):
+        return min((e["ts"] for e in spans if e["tid"] == rank and e["cat"] == cat
+                    and name(e["name"])), default=None)
+    assert first(1, lambda n: n.startswith("post") and "recv_f 0.1" in n, "comm") \
+        < first(1, lambda n: n == "B0.0", "compute")
+    assert first(0, lambda n: n.startswith("release") and "send_f 0.0" in n, "comm") \
+        < first(0, lambda n: n == "B0.3", "compute")
+
 
 @pytest.mark.slow
 def test_measured_memory_matches_the_plan(cli, tmp_path):

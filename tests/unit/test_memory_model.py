@@ -56,8 +56,9 @@ def test_activation_rules():
 
 
 def test_pipeline_rules():
-    """1F1B keeps at most pp - stage micro-batches in flight, GPipe all of them; sends are held
-    to the end of the step; the loss lives on the last stage only."""
+    """1F1B keeps at most pp - stage micro-batches in flight, GPipe all of them; the p2p
+    buffers are the program's peak (1F1B's do not grow with the micro-batches, GPipe's do); the
+    loss lives on the last stage only."""
     common = ("parallel.dp=1", "parallel.pp=2", "train.micro_batch_size=2")  # 8 micro-batches
     one_f = _stages(*common)
     gpipe = _stages(*common, "parallel.pp_schedule=gpipe")
@@ -65,7 +66,11 @@ def test_pipeline_rules():
     assert [s["in_flight"] for s in gpipe] == [8, 8]
     assert gpipe[0]["activation_bytes"] == 4 * one_f[0]["activation_bytes"]
     assert one_f[0]["loss_bytes"] == 0 < one_f[1]["loss_bytes"]
-    assert one_f[0]["pipeline_send_bytes"] == one_f[1]["pipeline_send_bytes"] > 0
+    buffer = 2 * 256 * 128 * 4  # micro_batch_size x seq_len x dim, fp32
+    assert [s["pipeline_buffer_bytes"] for s in one_f] == [3 * buffer, 2 * buffer]
+    assert [s["pipeline_buffer_bytes"] for s in gpipe] == [10 * buffer, 8 * buffer]
+    fewer = _stages(*common, "train.global_batch_size=8")  # 4 micro-batches
+    assert [s["pipeline_buffer_bytes"] for s in fewer] == [3 * buffer, 2 * buffer]
     for stage in one_f:
         parts = [v for k, v in stage.items() if k.endswith("_bytes")]
         transient = max(stage["loss_bytes"], stage["backward_bytes"])

@@ -1,13 +1,16 @@
 """Pipeline schedules as data (partrain.parallel.schedules), checked without processes: every
 micro-batch forwarded and backwarded once per chunk, sends match receives, the lists run to the
-end under the executor's rules (simulation), peak in-flight activations, bubble vs theory."""
+end (simulation), peak in-flight activations, bubble vs theory; and the executor's programs
+(early receives, sends released mid-step) under gloo's rules."""
 
 from collections import Counter
 
 import pytest
 
-from partrain.parallel.schedules import (bubble_theory, build_schedule, check_shape,
-                                         message_key, simulate)
+from partrain.parallel.schedules import (COMPUTE_STEP, POST, RELEASE, WAIT, Step,
+                                         bubble_theory, build_program, build_schedule,
+                                         check_shape, message_key, peak_buffers, simulate,
+                                         simulate_program)
 
 GRID = [(s, p, m, v)
         for s, vs in (("gpipe", [1]), ("1f1b", [1]), ("interleaved_1f1b", [2, 3]))
@@ -107,3 +110,68 @@ def test_simulation_detects_a_deadlock():
 def test_shape_rules(args, message):
     with pytest.raises(ValueError, match=message):
         check_shape(*args)
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["early", "in-place"])
+@pytest.mark.parametrize("case", GRID, ids=[_ids(c) for c in GRID])
+def test_program_runs_and_releases_every_send(case, early):
+    """The executor's program keeps the schedule's compute order, runs to the end under gloo's
+    rules with every message waited for and released once (simulate_program raises otherwise),
+    and is never slower than the schedule; early, each receive is posted before the compute
+    ahead of the one that needs it."""
+    schedule, p, m, v = case
+    ranks = build_schedule(schedule, p, m, v)
+    programs = build_program(ranks, early)
+    assert simulate_program(programs).makespan == simulate(ranks).makespan
+    for actions, program in zip(ranks, programs):
+        assert [st.actions[0] for st in program if st.kind == COMPUTE_STEP] == \
+            [a for a in actions if a.op in ("F", "B")]
+        at = {(st.kind, a): i for i, st in enumerate(program) for a in st.actions}
+        computes = [i for i, st in enumerate(program) if st.kind == COMPUTE_STEP]
+        for a in actions:
+            if a.op.startswith("RECV"):
+                post, wait = at[(POST, a)], at[(WAIT, a)]
+                ahead = [i for i in computes if i < wait]
+                if early and ahead:
+                    assert post < ahead[-1], a
+                else:
+                    assert not any(post < i < wait for i in computes), a
+            elif a.op.startswith("SEND"):
+                assert at[(POST, a)] < at[(RELEASE, a)]
+        # Sends are released mid-step: what is left to the end does not grow with m (GPipe's
+        # last stage sends every gradient after its last receive).
+        last = program[-1]
+        if schedule != "gpipe" and last.kind == RELEASE:
+            assert len(last.actions) <= p * (v + 1)
+
+
+def test_pipeline_buffers_do_not_grow_with_micro_batches():
+    """1F1B and interleaved hold a bounded number of p2p buffers however many micro-batches
+    (sends released as their receives are posted); GPipe one more per micro-batch; the
+    extrapolation from 2 x pp micro-batches equals the full simulation."""
+    assert peak_buffers("1f1b", 4, 64) == peak_buffers("1f1b", 4, 8) == (5, 5, 4, 2)
+    assert max(peak_buffers("interleaved_1f1b", 4, 64, 2)) <= 12
+    assert peak_buffers("gpipe", 2, 16) == (18, 16)
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
+        for p in (2, 3, 4):
+            for early in (True, False):
+                full = simulate_program(build_program(build_schedule(schedule, p, 5 * p, v), early))
+                assert peak_buffers(schedule, p, 5 * p, v, early) == tuple(full.peak_buffers)
+
+
+def test_program_simulation_detects_a_deadlock_and_a_lost_release():
+    programs = build_program(build_schedule("1f1b", 2, 2), early=True)
+    # Rank 0 waiting for a gradient before it posts the activation that would produce it.
+    wait = next(st for st in programs[0] if st.kind == WAIT)
+    with pytest.raises(RuntimeError, match="deadlock"):
+        simulate_program([[wait] + [st for st in programs[0] if st != wait], programs[1]])
+    # Rank 1 never releasing its sends.
+    kept = [st for st in programs[1] if st.kind != RELEASE]
+    with pytest.raises(RuntimeError, match="released"):
+        simulate_program([programs[0], kept])
+    # A release whose receive the peer never posts blocks.
+    send = next(a for st in programs[0] for a in st.actions if a.op == "SEND_F")
+    early = [programs[0][0], programs[0][1], Step(RELEASE, (send,))] + programs[0][2:]
+    stuck = [st for st in programs[1] if not (st.kind == POST and st.actions[0].op == "RECV_F")]
+    with pytest.raises(RuntimeError, match="deadlock|received"):
+        simulate_program([early, stuck])

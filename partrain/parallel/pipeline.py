@@ -20,13 +20,13 @@ its action list: compute F/B; post each run of sends together with the receives 
 on it and drop its buffer) once the schedule proves the peer has posted its receive. On gloo, which
 moves a message only once its receive is posted, receives are posted one compute ahead, so the
 transfer overlaps that compute instead of waiting in line with it (scripts/bench_pp.py: the
-executor and its transfers add at most about 0.015 to the bubble on 2 CPU ranks). On NCCL the program keeps the schedule's
-order: its transfers run on their own stream while the CPU runs ahead, and one rank's sends and
-receives to a peer share that stream in order, which an early receive could block. Messages carry
-a tag naming (direction, stage, micro-batch) for gloo; NCCL ignores tags and matches in order,
-which the schedules also satisfy (sends from a to b in the order b receives them; a unit test
-checks it). Each micro-batch's loss is scaled by 1/micro_batches, so the accumulated gradient is
-that of the mean loss, as without pp.
+executor and its transfers add at most about 0.015 to the bubble on 2 CPU ranks). On NCCL the
+program keeps the schedule's order: its transfers run on their own stream while the CPU runs
+ahead, and one rank's sends and receives to a peer share that stream in order, which an early
+receive could block. Messages carry a tag naming (direction, stage, micro-batch) for gloo; NCCL
+ignores tags and matches in order, which the schedules also satisfy (sends from a to b in the
+order b receives them; a unit test checks it). Each micro-batch's loss is scaled by
+1/micro_batches, so the accumulated gradient is that of the mean loss, as without pp.
 
 Every compute and communication span goes to the tracer (partrain.trace), if one is recording.
 """

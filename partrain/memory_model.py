@@ -5,7 +5,8 @@ Counted as partrain's code really holds them (checked against tensor accounting 
 `scripts/bench_memory.py`):
 
 - model state: weights, gradients and AdamW's state at the ZeRO stage (`zero_memory`); under
-  expert parallelism the expert slices are sharded over their own dp/ep x cp ranks.
+  expert parallelism ZeRO shards the expert slices over their own dp/ep x cp ranks
+  (`model_state`).
 - activations: what autograd keeps per token of a block for its backward (`block_elements`),
   times this rank's tokens per micro-batch (micro_batch x seq_len / cp), its blocks, and the
   micro-batches in flight on its pipeline stage at once (the schedule's simulated peak: GPipe all
@@ -151,6 +152,26 @@ def pipeline_buffer_bytes(dim: int, tokens: int, buffers: int) -> int:
     return buffers * tokens * dim * 4
 
 
+def model_state(cfg, dims, params: int, blocks: list[int], dtype: str) -> dict:
+    """Weights, gradients and optimizer state of a rank's `params` at the ZeRO stage. ZeRO
+    shards over dp x cp; under ep > 1 the routed experts' slices (blocks' MoE layers, 1/ep of
+    the experts each) are DeepSpeed's expert parameters, sharded over their own dp/ep x cp ranks."""
+    from partrain.parallel.zero import zero_memory
+
+    p, m = cfg.parallel, cfg.model
+    experts = 0
+    if dims.ep > 1 and getattr(m, "moe", None):
+        per_expert = 3 * m.dim * expert_ffn_dim(m, ffn_dim(m))
+        experts = (sum(is_moe_block(m, i) for i in blocks) * (m.moe.n_experts // dims.ep)
+                   * per_expert)
+    dense = zero_memory(p.zero_stage, params - experts, dims.dp * dims.cp, dtype)
+    if not experts:
+        return dense
+    sliced = zero_memory(p.zero_stage, experts, dims.dp // dims.ep * dims.cp, dtype)
+    return {k: dense[k] + sliced[k]
+            for k in ("param_bytes", "grad_bytes", "optim_bytes", "total")}
+
+
 def memory_per_stage(cfg, dims, stages: list[dict], dtype: str, simulate: bool = True) -> list[dict]:
     """Peak bytes of a rank of each pipeline stage (plan's `stages`: blocks, parameters per
     rank, embedding and head): model state at the ZeRO stage, the activations its schedule keeps
@@ -159,8 +180,6 @@ def memory_per_stage(cfg, dims, stages: list[dict], dtype: str, simulate: bool =
     from partrain.parallel.schedules import (SIMULATED_MAX_ACTIONS, build_schedule,
                                              peak_buffers)
     from partrain.parallel.schedules import simulate as run_schedule
-    from partrain.parallel.zero import zero_memory
-
     p, t = cfg.parallel, cfg.train
     act_bytes = 4 if dtype == "fp32" else 2
     s = shape(cfg.model, dims.tp, dims.tp > 1 and p.sequence_parallel,
@@ -186,8 +205,7 @@ def memory_per_stage(cfg, dims, stages: list[dict], dtype: str, simulate: bool =
         own = [st for st in stages if st["pp_rank"] == rank]
         blocks = [i for st in own if st["blocks"]
                   for i in range(st["blocks"][0], st["blocks"][1] + 1)]
-        state = zero_memory(p.zero_stage, sum(st["params_per_rank"] for st in own),
-                            dims.dp * dims.cp, dtype)
+        state = model_state(cfg, dims, sum(st["params_per_rank"] for st in own), blocks, dtype)
         # in_flight counts chunk-micro-batches: per block, spread over the rank's v chunks.
         acts = activations(cfg.model, blocks, s, tokens, in_flight[rank] / v,
                            t.activation_checkpointing, act_bytes)

@@ -50,6 +50,8 @@ LAYOUTS = {
     "selective, tp2 + sp": ("parallel.dp=1", "parallel.tp=2", "parallel.sequence_parallel=true",
                             "train.micro_batch_size=16", "train.activation_checkpointing=selective"),
     "moe ep2": ("moe-tiny", "parallel.dp=2", "parallel.ep=2", "train.micro_batch_size=8"),
+    "moe ep2, zero2": ("moe-tiny", "parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=2",
+                       "train.micro_batch_size=8"),
     "dp2 x tp2 x pp2": ("parallel.dp=2", "parallel.tp=2", "parallel.pp=2",
                         "train.micro_batch_size=4"),
 }

@@ -165,7 +165,7 @@ def test_trace_json_shows_every_rank_and_microbatch(cli, tmp_path):
 @pytest.mark.slow
 def test_measured_memory_matches_the_plan(cli, tmp_path):
     """train.measure_memory writes every rank's tensor-accounted peak of step 2; `plan`'s memory
-    model predicts it within 10% (scripts/bench_memory.py holds 16 layouts to the same). pp2 with
+    model predicts it within 10% (scripts/bench_memory.py holds 17 layouts to the same). pp2 with
     1F1B and selective checkpointing: stages with different micro-batches in flight, pipeline
     sends, the loss on one stage only, the recomputation's transient."""
     layout = ("launcher.device=cpu", "parallel.dp=1", "parallel.pp=2", "train.micro_batch_size=4",

@@ -1,12 +1,13 @@
 """The memory model `plan` prints (partrain/memory_model.py, plan's memory_per_stage) and the
-measurement it is held to (partrain/memory.py). The model against real runs on 16 layouts is
+measurement it is held to (partrain/memory.py). The model against real runs on 17 layouts is
 scripts/bench_memory.py; tests/integration/test_launch.py holds one pipeline layout to 10%."""
 
 import torch
 import torch.nn.functional as F
 
 from partrain.memory import StepMemory, measure_step
-from partrain.models.llama import build_model
+from partrain.models.llama import build_model, ffn_dim
+from partrain.models.moe import expert_ffn_dim, is_moe_block
 from partrain.plan import build_plan
 from tests.unit.helpers import compose, resolved
 
@@ -90,3 +91,24 @@ def test_optimizer_offload_leaves_the_gpu():
     assert gpu_off["optim_bytes"] == 0 and gpu["optim_bytes"] > 0
     assert gpu_off["total"] == gpu["total"] - gpu["optim_bytes"]
     assert stage("cpu", "cpu")["total"] == stage("cpu", "none")["total"]
+
+
+def test_zero_shards_expert_slices_over_their_own_ranks():
+    """Under ep, ZeRO shards the routed experts' slices over dp/ep x cp ranks, the rest over
+    dp x cp: at dp2 x ep2 each slice has one rank, so ep halves the weights a rank holds but
+    not its ZeRO-1 optimizer state (half the experts, unsharded, against all of them over 2)."""
+    common = ("parallel.dp=2", "parallel.zero_stage=1", "launcher.device=cpu",
+              "train.global_batch_size=16")
+
+    def stage(*more):
+        cfg, world, _ = resolved(*common, *more, config="moe-tiny")
+        return cfg, build_plan(cfg, world, [])["memory_per_stage"][0]
+
+    cfg, ep1 = stage()
+    _, ep2 = stage("parallel.ep=2")
+    m = cfg.model
+    experts = (sum(1 for i in range(m.n_layers) if is_moe_block(m, i)) * m.moe.n_experts
+               * 3 * m.dim * expert_ffn_dim(m, ffn_dim(m)))
+    assert experts > 0
+    assert ep2["param_bytes"] == ep1["param_bytes"] - 4 * experts / 2  # fp32 on CPU
+    assert ep2["optim_bytes"] == ep1["optim_bytes"]

@@ -139,6 +139,21 @@ class Simulation:
         return sum(1 - b / self.makespan for b in busy) / len(busy)
 
 
+def _round_robin(lists: list[list], advance) -> None:
+    """Move every rank along its list, in turn, as far as `advance(rank, item)` lets it (False:
+    the item blocks for now); RuntimeError naming what each rank waits on when none can move."""
+    pos = [0] * len(lists)
+    while any(pos[r] < len(items) for r, items in enumerate(lists)):
+        progressed = False
+        for r, items in enumerate(lists):
+            while pos[r] < len(items) and advance(r, items[pos[r]]):
+                pos[r] += 1
+                progressed = True
+        if not progressed:
+            stuck = {r: str(items[pos[r]]) for r, items in enumerate(lists) if pos[r] < len(items)}
+            raise RuntimeError(f"deadlock: ranks wait on {stuck}")
+
+
 def simulate(ranks: list[list[Action]], f_time: float = 1.0, b_time: float = 2.0,
              durations=None) -> Simulation:
     """Run the lists with free communication: sends never wait, receives block until the
@@ -146,39 +161,34 @@ def simulate(ranks: list[list[Action]], f_time: float = 1.0, b_time: float = 2.0
     measured step replayed: scripts/bench_pp.py). Raises RuntimeError on a deadlock or an
     unmatched message."""
     pp = len(ranks)
-    pos, now = [0] * pp, [0.0] * pp
+    now = [0.0] * pp
     sent: dict[tuple, float] = {}
     received: set = set()
     spans = [[] for _ in range(pp)]
     in_flight, peak = [0] * pp, [0] * pp
-    while any(pos[r] < len(ranks[r]) for r in range(pp)):
-        progressed = False
-        for r in range(pp):
-            while pos[r] < len(ranks[r]):
-                action = ranks[r][pos[r]]
-                if action.op.startswith("SEND"):
-                    key = message_key(action, r, pp)
-                    if key in sent:
-                        raise RuntimeError(f"rank {r}: {action} sends {key} twice")
-                    sent[key] = now[r]
-                elif action.op.startswith("RECV"):
-                    key = message_key(action, r, pp)
-                    if key not in sent:
-                        break
-                    received.add(key)
-                    now[r] = max(now[r], sent[key])
-                else:
-                    duration = (durations(r, action) if durations
-                                else f_time if action.op == "F" else b_time)
-                    spans[r].append((action, now[r], now[r] + duration))
-                    now[r] += duration
-                    in_flight[r] += 1 if action.op == "F" else -1
-                    peak[r] = max(peak[r], in_flight[r])
-                pos[r] += 1
-                progressed = True
-        if not progressed:
-            stuck = {r: str(ranks[r][pos[r]]) for r in range(pp) if pos[r] < len(ranks[r])}
-            raise RuntimeError(f"deadlock: ranks wait on {stuck}")
+
+    def advance(r: int, action: Action) -> bool:
+        if action.op.startswith("SEND"):
+            key = message_key(action, r, pp)
+            if key in sent:
+                raise RuntimeError(f"rank {r}: {action} sends {key} twice")
+            sent[key] = now[r]
+        elif action.op.startswith("RECV"):
+            key = message_key(action, r, pp)
+            if key not in sent:
+                return False
+            received.add(key)
+            now[r] = max(now[r], sent[key])
+        else:
+            duration = (durations(r, action) if durations
+                        else f_time if action.op == "F" else b_time)
+            spans[r].append((action, now[r], now[r] + duration))
+            now[r] += duration
+            in_flight[r] += 1 if action.op == "F" else -1
+            peak[r] = max(peak[r], in_flight[r])
+        return True
+
+    _round_robin(ranks, advance)
     unmatched = set(sent) - received
     if unmatched:
         raise RuntimeError(f"sent but never received: {sorted(unmatched)[:5]}")
@@ -276,37 +286,32 @@ def simulate_program(programs: list[list[Step]], f_time: float = 1.0,
     posted the matching send, a release until it has posted the matching receive. Raises
     RuntimeError on a deadlock or on a message not waited for or not released once."""
     pp = len(programs)
-    pos, now = [0] * pp, [0.0] * pp
+    now = [0.0] * pp
     posted: dict[tuple, float] = {}
     buffers, peak = [0] * pp, [0] * pp
     waited: Counter = Counter()
-    while any(pos[r] < len(programs[r]) for r in range(pp)):
-        progressed = False
-        for r in range(pp):
-            while pos[r] < len(programs[r]):
-                step = programs[r][pos[r]]
-                keys = [message_key(a, r, pp) for a in step.actions if a.op not in COMPUTE]
-                if step.kind == POST:
-                    for a, key in zip(step.actions, keys):
-                        if (a.op[:4], key) in posted:
-                            raise RuntimeError(f"rank {r}: {a} posts {key} twice")
-                        posted[(a.op[:4], key)] = now[r]
-                    buffers[r] += len(step.actions)
-                elif step.kind in (WAIT, RELEASE):
-                    other = "SEND" if step.kind == WAIT else "RECV"
-                    if any((other, key) not in posted for key in keys):
-                        break
-                    now[r] = max([now[r]] + [posted[(other, key)] for key in keys])
-                    waited.update((step.kind, key) for key in keys)
-                    buffers[r] -= len(step.actions)
-                else:
-                    now[r] += f_time if step.actions[0].op == "F" else b_time
-                peak[r] = max(peak[r], buffers[r])
-                pos[r] += 1
-                progressed = True
-        if not progressed:
-            stuck = {r: str(programs[r][pos[r]]) for r in range(pp) if pos[r] < len(programs[r])}
-            raise RuntimeError(f"deadlock: ranks wait on {stuck}")
+
+    def advance(r: int, step: Step) -> bool:
+        keys = [message_key(a, r, pp) for a in step.actions if a.op not in COMPUTE]
+        if step.kind == POST:
+            for a, key in zip(step.actions, keys):
+                if (a.op[:4], key) in posted:
+                    raise RuntimeError(f"rank {r}: {a} posts {key} twice")
+                posted[(a.op[:4], key)] = now[r]
+            buffers[r] += len(step.actions)
+        elif step.kind in (WAIT, RELEASE):
+            other = "SEND" if step.kind == WAIT else "RECV"
+            if any((other, key) not in posted for key in keys):
+                return False
+            now[r] = max([now[r]] + [posted[(other, key)] for key in keys])
+            waited.update((step.kind, key) for key in keys)
+            buffers[r] -= len(step.actions)
+        else:
+            now[r] += f_time if step.actions[0].op == "F" else b_time
+        peak[r] = max(peak[r], buffers[r])
+        return True
+
+    _round_robin(programs, advance)
     sends = {key for (kind, key) in posted if kind == "SEND"}
     for kind in (WAIT, RELEASE):
         done = {key for (k, key) in waited if k == kind}

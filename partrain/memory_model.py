@@ -21,7 +21,7 @@ Counted as partrain's code really holds them (checked against tensor accounting 
 
 from dataclasses import dataclass
 
-from partrain.models.llama import ffn_dim
+from partrain.models.llama import expert_params, ffn_dim
 from partrain.models.moe import expert_ffn_dim, is_moe_block
 
 
@@ -161,9 +161,8 @@ def model_state(cfg, dims, params: int, blocks: list[int], dtype: str) -> dict:
     p, m = cfg.parallel, cfg.model
     experts = 0
     if dims.ep > 1 and getattr(m, "moe", None):
-        per_expert = 3 * m.dim * expert_ffn_dim(m, ffn_dim(m))
         experts = (sum(is_moe_block(m, i) for i in blocks) * (m.moe.n_experts // dims.ep)
-                   * per_expert)
+                   * expert_params(m))
     dense = zero_memory(p.zero_stage, params - experts, dims.dp * dims.cp, dtype)
     if not experts:
         return dense

@@ -19,8 +19,8 @@ from partrain.parallel.schedules import (SIMULATED_MAX_ACTIONS, bubble_theory, b
                                          simulate)
 from partrain.parallel.context import activation_bytes, cp_traffic
 from partrain.parallel.tensor import tp_collectives, tp_step_collectives
-from partrain.models.llama import ffn_dim
-from partrain.models.moe import expert_ffn_dim, moe_blocks, moe_enabled
+from partrain.models.llama import expert_params
+from partrain.models.moe import moe_blocks, moe_enabled
 from partrain.parallel.expert import moe_traffic
 from partrain.memory_model import memory_per_stage
 from partrain.parallel.zero import zero_memory
@@ -239,13 +239,13 @@ def _experts(cfg: DictConfig, dims: ParallelDims, stages: list[dict], act_bytes:
     tokens = (t.micro_batches * t.micro_batch_size * t.seq_len // dims.cp
               // (dims.tp if p.sequence_parallel else 1))
     traffic = moe_traffic(m, tokens, t.micro_batches, dims.ep, max(per_rank), act_bytes)
-    per_expert = 3 * m.dim * expert_ffn_dim(m, ffn_dim(m))
     return {"n_experts": m.moe.n_experts, "top_k": m.moe.top_k,
             "n_shared_experts": m.moe.n_shared_experts, "moe_blocks": len(blocks),
             "ep": dims.ep, "experts_per_rank": m.moe.n_experts // dims.ep,
             "ep_groups": [[dims.rank(pp=0, dp=g * dims.ep + j, tp=0) for j in range(dims.ep)]
                           for g in range(min(dims.dp // dims.ep, SHOWN_AT_EACH_END))],
-            "expert_params_per_rank": max(per_rank) * (m.moe.n_experts // dims.ep) * per_expert,
+            "expert_params_per_rank": (max(per_rank) * (m.moe.n_experts // dims.ep)
+                                       * expert_params(m)),
             "balance": m.moe.balance, "capacity_factor": m.moe.capacity_factor,
             "tokens_routed_per_rank": tokens, "all_to_all": traffic}
 

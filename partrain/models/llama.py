@@ -29,6 +29,11 @@ def ffn_dim(cfg) -> int:
     return cfg.multiple_of * math.ceil(hidden / cfg.multiple_of)
 
 
+def expert_params(cfg) -> int:
+    """Parameters of one routed (or shared) expert: a SwiGLU of the expert's hidden size."""
+    return 3 * cfg.dim * expert_ffn_dim(cfg, ffn_dim(cfg))
+
+
 def mlp_params(cfg, layer: int, ep: int = 1, active: bool = False) -> int:
     """Parameters of block `layer`'s MLP: the dense SwiGLU, or a MoE's router, shared experts and
     routed experts (all of them, 1/ep of them under expert parallelism, or only the top_k a
@@ -36,9 +41,8 @@ def mlp_params(cfg, layer: int, ep: int = 1, active: bool = False) -> int:
     if not is_moe_block(cfg, layer):
         return 3 * cfg.dim * ffn_dim(cfg)
     moe = cfg.moe
-    per_expert = 3 * cfg.dim * expert_ffn_dim(cfg, ffn_dim(cfg))
     routed = moe.top_k if active else moe.n_experts // ep
-    return (routed + moe.n_shared_experts) * per_expert + cfg.dim * moe.n_experts
+    return (routed + moe.n_shared_experts) * expert_params(cfg) + cfg.dim * moe.n_experts
 
 
 def _attention_params(cfg) -> int:

@@ -254,22 +254,22 @@ def build_program(ranks: list[list[Action]], early: bool = True) -> list[list[St
         pending, releases = [], {}  # sends not yet released; wait index -> sends it releases
         for i, step in enumerate(program):
             if step.kind == POST:
-                pending += [(i, a) for a in step.actions if a.op.startswith("SEND")]
+                pending += [a for a in step.actions if a.op.startswith("SEND")]
             elif step.kind == WAIT:
                 for recv in step.actions:
                     # The peer posted this message's send after these sends' receives.
                     sent_at = posted[recv.peer][("SEND", message_key(recv, r, pp))]
-                    done = [(j, s) for j, s in pending if s.peer == recv.peer
+                    done = [s for s in pending if s.peer == recv.peer
                             and posted[s.peer][("RECV", message_key(s, r, pp))] < sent_at]
-                    releases.setdefault(i, []).extend(s for _, s in done)
-                    pending = [p for p in pending if p not in done]
+                    releases.setdefault(i, []).extend(done)
+                    pending = [s for s in pending if s not in done]
         steps = []
         for i, step in enumerate(program):
             steps.append(step)
             if releases.get(i):
                 steps.append(Step(RELEASE, tuple(releases[i])))
         if pending:
-            steps.append(Step(RELEASE, tuple(s for _, s in pending)))
+            steps.append(Step(RELEASE, tuple(pending)))
         out.append(steps)
     return out
 

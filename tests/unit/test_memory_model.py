@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from partrain.memory import StepMemory, measure_step
-from partrain.models.llama import build_model, ffn_dim
-from partrain.models.moe import expert_ffn_dim, is_moe_block
+from partrain.models.llama import build_model, expert_params
+from partrain.models.moe import is_moe_block
 from partrain.plan import build_plan
 from tests.unit.helpers import compose, resolved
 
@@ -108,7 +108,7 @@ def test_zero_shards_expert_slices_over_their_own_ranks():
     _, ep2 = stage("parallel.ep=2")
     m = cfg.model
     experts = (sum(1 for i in range(m.n_layers) if is_moe_block(m, i)) * m.moe.n_experts
-               * 3 * m.dim * expert_ffn_dim(m, ffn_dim(m)))
+               * expert_params(m))
     assert experts > 0
     assert ep2["param_bytes"] == ep1["param_bytes"] - 4 * experts / 2  # fp32 on CPU
     assert ep2["optim_bytes"] == ep1["optim_bytes"]

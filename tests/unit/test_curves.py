@@ -112,7 +112,10 @@ def test_wandb_offline_run_files_and_a_resume(tmp_path, monkeypatch):
     finally:
         wandb.teardown()
     run_id = (run_dir / "wandb" / "run-id").read_text().strip()
-    runs = sorted((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))
+    # wandb names a run's directory by the second it started, plus "-1" when a directory of
+    # that name is already there (both runs starting within one second).
+    runs = sorted(p for pattern in (f"offline-run-*-{run_id}", f"offline-run-*-{run_id}-*")
+                  for p in (run_dir / "wandb").glob(pattern))
     assert len(runs) == 2, list((run_dir / "wandb").iterdir())  # the resume kept the id
     rows = [row for run in runs for row in wandb_history(run / f"run-{run_id}.wandb")]
     losses = {row["_step"]: row["train/loss"] for row in rows if "train/loss" in row}

@@ -16,8 +16,12 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.text import Text
 
-from partrain.config import (check_startable, compose_config, resolve_and_validate,
-                             resolve_world)
+from partrain.config.compose import compose_config
+from partrain.config.validate import (
+    check_startable,
+    resolve_and_validate,
+    resolve_world,
+)
 from partrain.errors import ConfigError
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False,
@@ -147,18 +151,21 @@ def launch(
 ) -> None:
     """Compose, validate, write the run dir and train on this node's ranks (or continue the run
     a run dir holds, from its newest checkpoint)."""
-    from partrain.data import check_data
-    from partrain.launch import ElasticLaunch, default_run_dir, launch_workers, write_run_dir
-    from partrain.launch.cluster import detect_place
-    from partrain.launch.netif import check_local_addr, pick_network, set_ifname_variables
-    from partrain.launch.rundir import check_run_dir
-    from partrain.plan import build_plan, print_plan
-
     # Inside SLURM the node count, this node's rank and the endpoint come from the job (flags
     # win); under torchrun, or with one srun task per GPU, this refuses to start.
     from partrain.checkpoint.resume import check_init_from, check_resumable
-    from partrain.curves import check_curves
+    from partrain.data.tokens import check_data
+    from partrain.launch.cluster import detect_place
+    from partrain.launch.local import ElasticLaunch, launch_workers
+    from partrain.launch.netif import (
+        check_local_addr,
+        pick_network,
+        set_ifname_variables,
+    )
     from partrain.launch.preemption import FORWARDER
+    from partrain.launch.rundir import check_run_dir, default_run_dir, write_run_dir
+    from partrain.observe.curves import check_curves
+    from partrain.plan.layout import build_plan, print_plan
 
     FORWARDER.install()  # a preemption signal from here on is passed to the workers
     if resume is not None and run_dir is not None and run_dir.absolute() != resume.absolute():
@@ -259,14 +266,19 @@ def slurm(
                                  "(`> job.sh` gives a runnable script); submit nothing"),
 ) -> None:
     """Validate for nodes x ranks, write the run dir and its sbatch script, and submit it."""
-    from partrain.data import check_data
-    from partrain.launch import default_run_dir, write_run_dir
-    from partrain.launch.rundir import check_run_dir
-    from partrain.launch.slurm import (SlurmJob, partrain_command, passed_through_env,
-                                       remove_prepared, render_script, submit, write_script)
-
     from partrain.checkpoint.resume import check_init_from
-    from partrain.curves import check_curves
+    from partrain.data.tokens import check_data
+    from partrain.launch.rundir import check_run_dir, default_run_dir, write_run_dir
+    from partrain.launch.slurm import (
+        SlurmJob,
+        partrain_command,
+        passed_through_env,
+        remove_prepared,
+        render_script,
+        submit,
+        write_script,
+    )
+    from partrain.observe.curves import check_curves
 
     cfg, world, warnings = _resolve(args, nodes, nproc_per_node or gpus_per_node)
     check_startable(world)
@@ -348,7 +360,7 @@ def plan(
 ) -> None:
     """Show every rank's place in the mesh, the groups and the batch arithmetic; start nothing.
     With --search: the best layouts for N GPUs instead."""
-    from partrain.plan import build_plan, print_plan
+    from partrain.plan.layout import build_plan, print_plan
 
     if search:
         _search(args, gpus, gpus_per_node, hardware, write_recipe, as_json)
@@ -368,11 +380,11 @@ def plan(
 def _search(args, gpus, gpus_per_node, hardware, write_recipe, as_json) -> None:
     import shlex
 
-    from partrain.hardware import load_hardware
-    from partrain.search import as_json as search_json
-    from partrain.search import check_request, print_search, validated
-    from partrain.search import search as run_search
-    from partrain.search import write_recipe as write
+    from partrain.plan.hardware import load_hardware
+    from partrain.plan.search import as_json as search_json
+    from partrain.plan.search import check_request, print_search, validated
+    from partrain.plan.search import search as run_search
+    from partrain.plan.search import write_recipe as write
 
     if gpus is None:
         raise ConfigError("--search needs --gpus N")
@@ -430,7 +442,7 @@ def export(
 ) -> None:
     """Write a checkpoint's weights in another library's format, on one process."""
     from partrain.checkpoint.store import find
-    from partrain.hf import export_hf
+    from partrain.interop.hf import export_hf
 
     if fmt != "hf":
         raise ConfigError(f"--format {fmt} is not a format partrain writes (formats: hf)")
@@ -459,8 +471,8 @@ def sample(
     """Generate text from a checkpoint on one process, streamed as it comes."""
     from partrain.checkpoint.state import checkpoint_model
     from partrain.checkpoint.store import find
-    from partrain.sample import check_options, encode, generate
-    from partrain.tokenizer import TextTokenizer, run_tokenizer_dir
+    from partrain.data.tokenizer import TextTokenizer, run_tokenizer_dir
+    from partrain.interop.sample import check_options, encode, generate
 
     check_options(prompt, max_new_tokens, temperature, top_k, seed)
     if device not in ("auto", "cpu", "cuda"):
@@ -509,8 +521,7 @@ def data_prepare(
     """Tokenize text into a token dir for data=tokens data.path=DIR."""
     import time
 
-    from partrain.data import prepare_token_dir
-    from partrain.data.prepare import default_workers, summary
+    from partrain.data.prepare import default_workers, prepare_token_dir, summary
 
     workers = workers or default_workers()
     start = time.perf_counter()

@@ -55,19 +55,31 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _spawn import run_workers  # noqa: E402
+
 from partrain.checkpoint.checkpointer import _result, storage_writer  # noqa: E402
-from partrain.checkpoint.state import (build_state, load_optimizer, load_weights,  # noqa: E402
-                                       true_size)
-from partrain.config import compose_config, resolve_and_validate  # noqa: E402
-from partrain.config.validate import World  # noqa: E402
+from partrain.checkpoint.state import (
+    build_state,
+    load_optimizer,
+    load_weights,
+    true_size,
+)
+from partrain.config.compose import compose_config
+from partrain.config.validate import (
+    World,  # noqa: E402
+    resolve_and_validate,  # noqa: E402
+)
 from partrain.errors import ConfigError  # noqa: E402
-from partrain.mesh import ParallelDims  # noqa: E402
-from partrain.models import build_model  # noqa: E402
+from partrain.models.llama import build_model  # noqa: E402
+from partrain.observe.trace import Tracer  # noqa: E402
 from partrain.parallel.data import apply_data_parallel  # noqa: E402
+from partrain.parallel.mesh import ParallelDims  # noqa: E402
 from partrain.parallel.tensor import apply_tensor_parallel  # noqa: E402
-from partrain.trace import Tracer  # noqa: E402
-from partrain.train import (build_optimizer, forward_backward, loss_function,  # noqa: E402
-                            train_step)
+from partrain.train.loop import (
+    build_optimizer,
+    forward_backward,
+    loss_function,
+    train_step,
+)
 
 WORLD = 2
 LAYOUTS = {"dp2": (2, 1), "tp2": (1, 2)}  # name: (dp, tp)

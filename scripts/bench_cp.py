@@ -34,12 +34,17 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _spawn import join_group, max_over_ranks, run_workers  # noqa: E402
+
 from partrain.config.schema import Config  # noqa: E402
-from partrain.dist import end_distributed  # noqa: E402
-from partrain.mesh import ParallelDims  # noqa: E402
-from partrain.models import build_model  # noqa: E402
-from partrain.parallel.context import (apply_context_parallel, count_traffic,  # noqa: E402
-                                       cp_traffic, shard_sequence)
+from partrain.models.llama import build_model  # noqa: E402
+from partrain.parallel.context import (
+    apply_context_parallel,
+    count_traffic,
+    cp_traffic,
+    shard_sequence,
+)
+from partrain.parallel.dist import end_distributed  # noqa: E402
+from partrain.parallel.mesh import ParallelDims  # noqa: E402
 
 GRAIN = 1  # sequence lengths searched are multiples of 2 * cp * GRAIN (the zigzag needs 2 * cp)
 

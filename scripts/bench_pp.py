@@ -35,11 +35,12 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _spawn import run_workers  # noqa: E402
-from partrain.dist import end_distributed  # noqa: E402
-from partrain.models import build_model  # noqa: E402
+
+from partrain.models.llama import build_model  # noqa: E402
+from partrain.observe.trace import Tracer  # noqa: E402
+from partrain.parallel.dist import end_distributed  # noqa: E402
 from partrain.parallel.pipeline import apply_pipeline_parallel  # noqa: E402
 from partrain.parallel.schedules import bubble_theory, build_schedule, simulate  # noqa: E402
-from partrain.trace import Tracer  # noqa: E402
 
 PP = 2
 

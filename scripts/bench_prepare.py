@@ -78,8 +78,7 @@ def main() -> None:
 
     from tokenizers import Tokenizer
 
-    from partrain.data import prepare_token_dir
-    from partrain.data.prepare import default_workers
+    from partrain.data.prepare import default_workers, prepare_token_dir
 
     workers = args.workers or default_workers()
     with tempfile.TemporaryDirectory(prefix="bench-prepare-") as tmp:

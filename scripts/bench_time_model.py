@@ -27,8 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from partrain.hardware import PRESETS  # noqa: E402
-from partrain.time_model import Implementation, Layout, step_time  # noqa: E402
+from partrain.plan.hardware import PRESETS  # noqa: E402
+from partrain.plan.time_model import Implementation, Layout, step_time  # noqa: E402
 
 # Megatron-LM as of those runs: the data-parallel all-reduce after the backward (no overlap),
 # fp16 pipeline sends, each tp rank sending 1/tp of them (its scatter/gather optimization).

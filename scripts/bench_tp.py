@@ -31,12 +31,17 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _spawn import run_workers  # noqa: E402
-from partrain.dist import end_distributed  # noqa: E402
-from partrain.models import build_model  # noqa: E402
+
+from partrain.models.llama import build_model  # noqa: E402
 from partrain.parallel.data import apply_data_parallel  # noqa: E402
+from partrain.parallel.dist import end_distributed  # noqa: E402
 from partrain.parallel.grads import clip_grad_norm  # noqa: E402
-from partrain.parallel.tensor import (apply_tensor_parallel, tp_collectives,  # noqa: E402
-                                      tp_step_collectives, vocab_parallel_cross_entropy)
+from partrain.parallel.tensor import (
+    apply_tensor_parallel,
+    tp_collectives,
+    tp_step_collectives,
+    vocab_parallel_cross_entropy,
+)
 
 
 def parse_args(argv=None):
@@ -106,8 +111,12 @@ def build_partrain(a, mesh):
 
 def build_dtensor(a, mesh):
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        loss_parallel,
+        parallelize_module,
+    )
 
     model = build_model(model_cfg(a), seed=0)
     plan = {"tok_embeddings": RowwiseParallel(input_layouts=Replicate()),

@@ -120,7 +120,7 @@ def main(argv=None) -> None:
 
     if not torch.cuda.is_available():
         sys.exit("gpu_check needs a CUDA GPU")
-    from partrain.metrics import peak_flops
+    from partrain.observe.metrics import peak_flops
 
     gpu = torch.cuda.get_device_name(0)
     peak = peak_flops(gpu)

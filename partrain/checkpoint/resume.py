@@ -72,7 +72,7 @@ def check_resumable(checkpoint: store.Checkpoint, cfg) -> None:
 def check_init_from(cfg) -> store.Checkpoint | None:
     """model.init_from names a committed checkpoint whose weights fit model.*: the checkpoint
     (None for none, and for a Hugging Face directory, `hf:DIR`, which is checked here too)."""
-    from partrain.hf import check_hf_init, is_hf
+    from partrain.interop.hf import check_hf_init, is_hf
 
     if not cfg.model.init_from:
         return None

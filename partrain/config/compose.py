@@ -15,11 +15,15 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from partrain.config.keys import (check_defaults_list, check_no_interpolation, check_overrides,
-                                  check_tree)
+from partrain.config.keys import (
+    check_defaults_list,
+    check_no_interpolation,
+    check_overrides,
+    check_tree,
+)
+from partrain.config.paths import configs_dir, recipes_dir
 from partrain.config.schema import register
 from partrain.errors import ConfigError
-from partrain.paths import configs_dir, recipes_dir
 
 DEFAULT_RECIPE = "quickstart"
 MAX_CONFIG_BYTES = 1 << 20  # a config is a page of YAML; anything larger is the wrong file

@@ -13,9 +13,9 @@ import typing
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
+from partrain.config.paths import configs_dir
 from partrain.config.schema import Config
 from partrain.errors import ConfigError
-from partrain.paths import configs_dir
 
 OPEN_KEYS = ("parallel.deepspeed",)  # raw DeepSpeed keys: free by design
 

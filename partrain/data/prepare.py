@@ -33,7 +33,7 @@ from typing import Iterator
 
 import numpy as np
 
-from partrain import tokenizer as tk
+from partrain.data import tokenizer as tk
 from partrain.data.tokens import FORMAT
 from partrain.errors import ConfigError
 from partrain.staging import check_out, staged_dir
@@ -236,8 +236,14 @@ def _byte_ids(docs: Iterator[tuple[bytes, int]]):
 
 
 def _progress(console):
-    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn,
-                               TimeRemainingColumn, TransferSpeedColumn)
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
 
     return Progress(TextColumn("tokenizing"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                     TimeRemainingColumn(), console=console, transient=True,

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from partrain.data.tokenizer import BYTE_VOCAB, TOKENIZER_FILE
 from partrain.errors import ConfigError
-from partrain.tokenizer import BYTE_VOCAB, TOKENIZER_FILE
 
 FORMAT = "partrain-tokens/1"
 DTYPES = ("uint8", "uint16", "uint32")

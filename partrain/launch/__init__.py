@@ -1,6 +1,3 @@
-"""Start the workers: torch's elastic agent on this node (c10d rendezvous across nodes)."""
-
-from partrain.launch.local import ElasticLaunch, launch_workers
-from partrain.launch.rundir import default_run_dir, write_run_dir
-
-__all__ = ["ElasticLaunch", "launch_workers", "default_run_dir", "write_run_dir"]
+"""Start the workers on this node and across nodes (torch's elastic agent, c10d rendezvous,
+SLURM), with every check before a start; no training math. Starts `partrain.train` by module name
+and never imports it."""

@@ -15,8 +15,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from partrain.data.tokenizer import RUN_TOKENIZER, copy_files, data_tokenizer_dir
 from partrain.errors import ConfigError
-from partrain.tokenizer import RUN_TOKENIZER, copy_files, data_tokenizer_dir
 
 CONFIG = "config.yaml"
 MIN_FREE_BYTES = 1 << 20  # a run dir with less room fails at its first write of metrics

@@ -1,5 +1,2 @@
-"""Models partrain trains. One for now: a Llama-style decoder (partrain.models.llama)."""
-
-from partrain.models.llama import Transformer, build_model, count_params, flops_per_token
-
-__all__ = ["Transformer", "build_model", "count_params", "flops_per_token"]
+"""Model definitions and their arithmetic. One family for now: a Llama-style decoder
+(llama), with mixture-of-experts blocks (moe). Never imports partrain.parallel."""

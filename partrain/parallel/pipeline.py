@@ -35,9 +35,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from partrain.parallel.schedules import (COMPUTE_STEP, POST, Step, build_program, build_schedule,
-                                         message_key)
-from partrain.trace import Tracer
+from partrain.observe.trace import Tracer
+from partrain.parallel.schedules import (
+    COMPUTE_STEP,
+    POST,
+    Step,
+    build_program,
+    build_schedule,
+    message_key,
+)
 
 
 def stage_layers(n_layers: int, pp: int, v: int = 1, pp_layers=None) -> list[range]:

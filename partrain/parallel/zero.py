@@ -30,8 +30,8 @@ from contextlib import contextmanager
 import torch.distributed as dist
 from torch import nn
 
-from partrain.dist import compute_dtype
 from partrain.errors import ConfigError
+from partrain.parallel.dist import compute_dtype
 
 
 def _offload(device: str, path, on_cuda: bool) -> dict:

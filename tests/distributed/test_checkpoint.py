@@ -30,17 +30,23 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
-from partrain.checkpoint.state import build_state, load_optimizer, load_weights, named_parameters
-from partrain.config import World, compose_config, resolve_and_validate
-from partrain.data import rank_micro_batches
-from partrain.mesh import ParallelDims
-from partrain.models import build_model
+from partrain.checkpoint.state import (
+    build_state,
+    load_optimizer,
+    load_weights,
+    named_parameters,
+)
+from partrain.config.compose import compose_config
+from partrain.config.validate import World, resolve_and_validate
+from partrain.data.batches import rank_micro_batches
+from partrain.models.llama import build_model
+from partrain.observe.trace import Tracer
 from partrain.parallel.data import apply_data_parallel
+from partrain.parallel.mesh import ParallelDims
 from partrain.parallel.pipeline import apply_pipeline_parallel
 from partrain.parallel.tensor import apply_tensor_parallel
 from partrain.parallel.zero import apply_zero, deepspeed_config
-from partrain.trace import Tracer
-from partrain.train import build_optimizer, loss_function, param_groups, train_step
+from partrain.train.loop import build_optimizer, loss_function, param_groups, train_step
 from tests.distributed.helpers import run_distributed
 
 # A one-process layout saves and loads without a process group, as DCP allows (and says).

@@ -7,11 +7,11 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from partrain.config import compose_config
-from partrain.data import rank_micro_batches
-from partrain.mesh import ParallelDims
-from partrain.models import build_model
+from partrain.config.compose import compose_config
+from partrain.data.batches import rank_micro_batches
+from partrain.models.llama import build_model
 from partrain.parallel.data import apply_data_parallel
+from partrain.parallel.mesh import ParallelDims
 from tests.distributed.helpers import run_distributed
 
 GLOBAL, SEQ = 8, 32

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from partrain.mesh import DIM_NAMES, ParallelDims
+from partrain.parallel.mesh import DIM_NAMES, ParallelDims
 from tests.distributed.helpers import run_distributed
 
 

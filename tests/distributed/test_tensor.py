@@ -119,12 +119,18 @@ MODEL = dict(name="t", n_layers=2, n_heads=4, n_kv_heads=4, dim=32, ffn_dim=64, 
 
 
 def _model_body(rank, tp, sp, kv_heads, tied=False):
-    from partrain.models import build_model
-    from partrain.parallel.grads import clip_grad_norm
-    from partrain.parallel.tensor import (apply_tensor_parallel, count_collectives,
-                                          sync_sequence_parallel_grads, tp_collectives,
-                                          tp_step_collectives, vocab_parallel_cross_entropy)
     from torch.distributed.device_mesh import init_device_mesh
+
+    from partrain.models.llama import build_model
+    from partrain.parallel.grads import clip_grad_norm
+    from partrain.parallel.tensor import (
+        apply_tensor_parallel,
+        count_collectives,
+        sync_sequence_parallel_grads,
+        tp_collectives,
+        tp_step_collectives,
+        vocab_parallel_cross_entropy,
+    )
 
     cfg = OmegaConf.create({**MODEL, "n_kv_heads": kv_heads, "tie_embeddings": tied})
     dense = build_model(cfg, seed=1)

@@ -39,7 +39,7 @@ def _tied_pipeline_body(rank, pp, schedule, v):
     from torch.distributed.device_mesh import init_device_mesh
 
     from partrain.checkpoint.state import named_parameters
-    from partrain.models import build_model
+    from partrain.models.llama import build_model
     from partrain.parallel.grads import clip_grad_norm
     from partrain.parallel.pipeline import apply_pipeline_parallel
 

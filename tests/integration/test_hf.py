@@ -13,7 +13,12 @@ model.tie_embeddings=true; the 3-D run's step-5 checkpoint holds the tied weight
 import pytest
 import torch
 
-from tests.integration.conftest import PARITY_COMMON, REFERENCE, assert_parity, read_metrics
+from tests.integration.conftest import (
+    PARITY_COMMON,
+    REFERENCE,
+    assert_parity,
+    read_metrics,
+)
 from tests.unit.test_hf import LLAMA3, LLAMA3_KEYS, hf_llama
 
 pytestmark = pytest.mark.slow
@@ -23,8 +28,9 @@ FOUR_LAYERS = {"num_hidden_layers": 4}
 
 def _first_batch_loss(hf, overrides) -> float:
     """transformers' mean loss on the global batch of step 1 of a run with these overrides."""
-    from partrain.config import compose_config
-    from partrain.data import load_tokens, rank_micro_batches
+    from partrain.config.compose import compose_config
+    from partrain.data.batches import rank_micro_batches
+    from partrain.data.tokens import load_tokens
 
     cfg = compose_config(None, list(overrides))
     t = cfg.train

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import yaml
 from omegaconf import OmegaConf
 
-from partrain.config import compose_config, resolve_and_validate, resolve_world
+from partrain.config.compose import compose_config
+from partrain.config.validate import resolve_and_validate, resolve_world
 
 
 def compose(*overrides: str, config: str | None = None):

@@ -7,10 +7,10 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from partrain.config import (compose_config, find_recipe, known_recipes, resolve_and_validate,
-                             resolve_world)
+from partrain.config.compose import compose_config, find_recipe, known_recipes
+from partrain.config.paths import recipes_dir
+from partrain.config.validate import resolve_and_validate, resolve_world
 from partrain.errors import ConfigError
-from partrain.paths import recipes_dir
 from tests.unit.helpers import compose, resolved
 
 RECIPES = ["llama-1b-dp8", "llama-7b-tp4-pp2", "mixtral-8x7b-ep8", "moe-tiny", "quickstart"]

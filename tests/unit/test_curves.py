@@ -8,8 +8,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from partrain.config.schema import Config
-from partrain.curves import Curves, check_curves
 from partrain.errors import ConfigError
+from partrain.observe.curves import Curves, check_curves
 
 
 def _cfg(**train):

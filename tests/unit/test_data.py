@@ -10,11 +10,17 @@ import numpy as np
 import pytest
 import torch
 
-from partrain.data import (check_data, global_batch_rows, load_tokens, prepare_token_dir,
-                           rank_micro_batches)
-from partrain.data import tokens as tokens_module
 from partrain.data import prepare as prepare_module
-from partrain.data.tokens import SAMPLE_BLOCK, SAMPLE_BLOCKS, sample_max_token_id
+from partrain.data import tokens as tokens_module
+from partrain.data.batches import global_batch_rows, rank_micro_batches
+from partrain.data.prepare import prepare_token_dir
+from partrain.data.tokens import (
+    SAMPLE_BLOCK,
+    SAMPLE_BLOCKS,
+    check_data,
+    load_tokens,
+    sample_max_token_id,
+)
 from partrain.errors import ConfigError
 from tests.unit.helpers import one_line, quick
 

@@ -12,9 +12,9 @@ from omegaconf import OmegaConf
 from partrain.checkpoint import store
 from partrain.checkpoint.state import build_state, checkpoint_model
 from partrain.config.schema import Config
-from partrain.hf import from_rotate_half, hf_name, to_rotate_half
-from partrain.models import build_model
-from partrain.tokenizer import BYTE_VOCAB as BYTES
+from partrain.data.tokenizer import BYTE_VOCAB as BYTES
+from partrain.interop.hf import from_rotate_half, hf_name, to_rotate_half
+from partrain.models.llama import build_model
 from tests.unit.helpers import one_line
 
 STEP = 7
@@ -251,7 +251,7 @@ def _model_cfg(path, **keys):
 
 @pytest.mark.parametrize("rope, keys", [(None, {}), (LLAMA3, LLAMA3_KEYS)], ids=["rope", "llama3"])
 def test_import_computes_transformers_logits(tmp_path, rope, keys):
-    from partrain.hf import check_hf_init, load_hf_weights
+    from partrain.interop.hf import check_hf_init, load_hf_weights
     from partrain.models.llama import Transformer
 
     hf = hf_llama(tmp_path / "hf", rope)
@@ -282,7 +282,7 @@ def test_export_of_a_llama3_model_round_trips(run_main, tmp_path):
     same logits from the export (rope_parameters written as read)."""
     from transformers import AutoModelForCausalLM
 
-    from partrain.hf import load_hf_weights
+    from partrain.interop.hf import load_hf_weights
     from partrain.models.llama import Transformer
 
     hf = hf_llama(tmp_path / "hf", LLAMA3)
@@ -322,7 +322,7 @@ def test_export_of_a_llama3_model_round_trips(run_main, tmp_path):
 ])
 def test_import_refuses_what_does_not_fit(tmp_path, overrides, keys, fragments):
     from partrain.errors import ConfigError
-    from partrain.hf import check_hf_init
+    from partrain.interop.hf import check_hf_init
 
     hf_llama(tmp_path / "hf", **overrides)
     with pytest.raises(ConfigError) as e:
@@ -333,7 +333,7 @@ def test_import_refuses_what_does_not_fit(tmp_path, overrides, keys, fragments):
 
 def test_import_refuses_a_dir_without_weights(tmp_path):
     from partrain.errors import ConfigError
-    from partrain.hf import check_hf_init
+    from partrain.interop.hf import check_hf_init
 
     hf_llama(tmp_path / "hf")
     (tmp_path / "hf" / "model.safetensors").unlink()
@@ -359,7 +359,7 @@ def _rewrite_config(path, **changes):
 ])
 def test_import_refuses_a_malformed_config_json(tmp_path, changes, fragments):
     from partrain.errors import ConfigError
-    from partrain.hf import check_hf_init
+    from partrain.interop.hf import check_hf_init
 
     hf_llama(tmp_path / "hf")
     _rewrite_config(tmp_path / "hf", **changes)
@@ -374,7 +374,7 @@ def test_import_refuses_weights_that_do_not_fit(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from partrain.errors import ConfigError
-    from partrain.hf import check_hf_init
+    from partrain.interop.hf import check_hf_init
 
     path = tmp_path / "hf"
     hf_llama(path)

@@ -52,7 +52,7 @@ def test_tied_export_loads_in_transformers_with_partrains_logits(run_main, saved
 
 
 def test_tied_import_computes_transformers_logits(tmp_path):
-    from partrain.hf import check_hf_init, load_hf_weights
+    from partrain.interop.hf import check_hf_init, load_hf_weights
     from partrain.models.llama import Transformer
 
     hf = hf_llama(tmp_path / "hf", tie_word_embeddings=True)

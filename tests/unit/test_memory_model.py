@@ -5,10 +5,10 @@ scripts/bench_memory.py; tests/integration/test_launch.py holds one pipeline lay
 import torch
 import torch.nn.functional as F
 
-from partrain.memory import StepMemory, measure_step
 from partrain.models.llama import build_model, expert_params
 from partrain.models.moe import is_moe_block
-from partrain.plan import build_plan
+from partrain.observe.memory import StepMemory, measure_step
+from partrain.plan.layout import build_plan
 from tests.unit.helpers import compose, resolved
 
 

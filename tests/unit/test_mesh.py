@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from partrain.mesh import DIM_NAMES, ParallelDims
+from partrain.parallel.mesh import DIM_NAMES, ParallelDims
 
 # (pp, dp, cp, tp)
 SHAPES = [*itertools.product((1, 2), repeat=4), (2, 4, 1, 2), (4, 2, 1, 4), (1, 8, 1, 1),

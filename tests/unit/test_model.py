@@ -8,9 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from partrain.models import build_model, count_params, flops_per_token
-from partrain.models.llama import Attention, apply_rope, ffn_dim
-from partrain.train import lr_at
+from partrain.models.llama import (
+    Attention,
+    apply_rope,
+    build_model,
+    count_params,
+    ffn_dim,
+    flops_per_token,
+)
+from partrain.train.loop import lr_at
 from tests.unit.helpers import compose, quick
 
 
@@ -284,14 +290,14 @@ def test_flops_per_token_of_a_tied_model_counts_the_head():
     ("NVIDIA H200", 989e12), ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA GeForce RTX 4090", None)])
 def test_mfu_peak_by_gpu_name(name, peak):
     """MFU divides by the card's dense bf16 peak; the PCIe and NVL H100s are slower than SXM."""
-    from partrain.metrics import peak_flops
+    from partrain.observe.metrics import peak_flops
 
     assert peak_flops(name) == peak
 
 
 def test_adamw_is_fused_on_cuda():
     """Without ZeRO, AdamW is torch's fused kernel on CUDA (its for-each one on CPU)."""
-    from partrain.train import build_optimizer
+    from partrain.train.loop import build_optimizer
 
     cfg = compose("launcher.device=cpu", "model.n_layers=1")
     model = build_model(cfg.model, 0)

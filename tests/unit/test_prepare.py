@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from partrain.data import check_data, load_tokens, prepare_token_dir
-from partrain.data.prepare import vocab_to_use
+from partrain.data.prepare import prepare_token_dir, vocab_to_use
+from partrain.data.tokens import check_data, load_tokens
 from partrain.errors import ConfigError
 from tests.unit.helpers import one_line, quick
 
@@ -229,8 +229,8 @@ def bpe_run(tmp_path_factory, bpe):
     from partrain.checkpoint import store
     from partrain.checkpoint.state import build_state
     from partrain.config.schema import Config
-    from partrain.models import build_model
-    from partrain.tokenizer import RUN_TOKENIZER, write_files
+    from partrain.data.tokenizer import RUN_TOKENIZER, write_files
+    from partrain.models.llama import build_model
 
     path, _ = bpe
     run_dir = tmp_path_factory.mktemp("bpe-run") / "run"

@@ -8,11 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from partrain.memory import measure_step
 from partrain.models.llama import build_model
 from partrain.models.moe import MoE
-from partrain.models.recompute import (MODES, apply_activation_checkpointing, checkpointed_blocks,
-                                       compile_blocks)
+from partrain.models.recompute import (
+    MODES,
+    apply_activation_checkpointing,
+    checkpointed_blocks,
+    compile_blocks,
+)
+from partrain.observe.memory import measure_step
 from tests.unit.helpers import compose
 
 

@@ -7,10 +7,21 @@ from collections import Counter
 
 import pytest
 
-from partrain.parallel.schedules import (COMPUTE_STEP, POST, RELEASE, WAIT, Step,
-                                         bubble_theory, build_program, build_schedule,
-                                         check_shape, message_key, peak_buffers, simulate,
-                                         simulate_program)
+from partrain.parallel.schedules import (
+    COMPUTE_STEP,
+    POST,
+    RELEASE,
+    WAIT,
+    Step,
+    bubble_theory,
+    build_program,
+    build_schedule,
+    check_shape,
+    message_key,
+    peak_buffers,
+    simulate,
+    simulate_program,
+)
 
 GRID = [(s, p, m, v)
         for s, vs in (("gpipe", [1]), ("1f1b", [1]), ("interleaved_1f1b", [2, 3]))

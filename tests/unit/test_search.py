@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from partrain.hardware import PRESETS, load_hardware
-from partrain.time_model import Layout, step_time
+from partrain.plan.hardware import PRESETS, load_hardware
+from partrain.plan.time_model import Layout, step_time
 from tests.unit.helpers import compose
 
 H100 = PRESETS["H100-SXM"]
@@ -126,7 +126,7 @@ def test_megatron_a100_table_within_20_percent():
 
 
 def _best(model, gpus, seq, gbs, hw=H100, *more):
-    from partrain.search import search
+    from partrain.plan.search import search
 
     cfg = compose(f"model={model}", f"train.seq_len={seq}", f"train.global_batch_size={gbs}",
                   f"model.max_seq_len={max(seq, 4096)}", *more)

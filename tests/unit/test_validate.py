@@ -388,7 +388,7 @@ def test_tp_within_node_is_no_warning():
 
 
 def test_validate_fills_in_place_and_is_idempotent():
-    from partrain.config import resolve_and_validate
+    from partrain.config.validate import resolve_and_validate
 
     cfg, world, _ = validated("parallel.dp=auto", "train.micro_batch_size=null",
                              "train.micro_batches=4", nproc=4)

@@ -176,8 +176,11 @@ def memory_per_stage(cfg, dims, stages: list[dict], dtype: str, simulate: bool =
     rank, embedding and head): model state at the ZeRO stage, the activations its schedule keeps
     in flight, pipeline sends, and the larger transient (the loss's on the last stage, or a
     block's backward)."""
-    from partrain.parallel.schedules import (SIMULATED_MAX_ACTIONS, build_schedule,
-                                             peak_buffers)
+    from partrain.parallel.schedules import (
+        SIMULATED_MAX_ACTIONS,
+        build_schedule,
+        peak_buffers,
+    )
     from partrain.parallel.schedules import simulate as run_schedule
     p, t = cfg.parallel, cfg.train
     act_bytes = 4 if dtype == "fp32" else 2

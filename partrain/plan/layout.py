@@ -11,19 +11,28 @@ from rich.table import Table
 from rich.text import Text
 
 from partrain.config.validate import World
-from partrain.dist import compute_dtype
-from partrain.mesh import DIM_NAMES, ParallelDims
-from partrain.models.llama import count_params, count_params_per_rank, flops_per_token, tied
-from partrain.parallel.pipeline import stage_layers
-from partrain.parallel.schedules import (SIMULATED_MAX_ACTIONS, bubble_theory, build_schedule,
-                                         simulate)
-from partrain.parallel.context import activation_bytes, cp_traffic
-from partrain.parallel.tensor import tp_collectives, tp_step_collectives
-from partrain.models.llama import expert_params
+from partrain.models.llama import (
+    count_params,
+    count_params_per_rank,
+    expert_params,
+    flops_per_token,
+    tied,
+)
 from partrain.models.moe import moe_blocks, moe_enabled
+from partrain.parallel.context import activation_bytes, cp_traffic
+from partrain.parallel.dist import compute_dtype
 from partrain.parallel.expert import moe_traffic
-from partrain.memory_model import memory_per_stage
+from partrain.parallel.mesh import DIM_NAMES, ParallelDims
+from partrain.parallel.pipeline import stage_layers
+from partrain.parallel.schedules import (
+    SIMULATED_MAX_ACTIONS,
+    bubble_theory,
+    build_schedule,
+    simulate,
+)
+from partrain.parallel.tensor import tp_collectives, tp_step_collectives
 from partrain.parallel.zero import zero_memory
+from partrain.plan.memory_model import memory_per_stage
 
 TIMELINE_MAX_MICRO_BATCHES = 16  # wider timelines are drawn for fewer (labels stay 2 digits)
 TIMELINE_MAX_RANKS = 32  # a deeper pipeline is not drawn (one line per pp rank)
@@ -88,7 +97,9 @@ def build_plan(cfg: DictConfig, world: World, warnings: list[str]) -> dict:
 def _checkpoint(cfg: DictConfig, params_per_rank: int, dp: int) -> dict:
     """What one checkpoint writes: fp32 weights and AdamW's two moments, each tensor once. A rank
     writes its stage's shard of them, the dp replicas sharing the work (DCP de-duplicates)."""
-    from partrain.checkpoint.state import true_size  # here: DCP and DTensor cost `launch` 0.5 s
+    from partrain.checkpoint.state import (
+        true_size,  # here: DCP and DTensor cost `launch` 0.5 s
+    )
 
     c = cfg.checkpoint
     total = true_size(cfg.model)

@@ -23,13 +23,13 @@ from types import SimpleNamespace
 from omegaconf import DictConfig, OmegaConf
 
 from partrain.config.validate import MAX_PIPELINE_CHUNKS
-from partrain.hardware import Hardware
-from partrain.memory_model import memory_per_stage
-from partrain.mesh import ParallelDims
 from partrain.models.llama import ffn_dim
 from partrain.models.moe import moe_enabled
-from partrain.plan import _stages as plan_stages
-from partrain.time_model import Layout, step_time
+from partrain.parallel.mesh import ParallelDims
+from partrain.plan.hardware import Hardware
+from partrain.plan.layout import _stages as plan_stages
+from partrain.plan.memory_model import memory_per_stage
+from partrain.plan.time_model import Layout, step_time
 
 # Memory held back from the GPU's capacity: the CUDA context and libraries' workspaces, and the
 # caching allocator's fragmentation.
@@ -211,8 +211,8 @@ def validated(result: dict, config: str | None, overrides: list[str], gpus: int,
               show: int = 10) -> dict:
     """Keep the best candidates that partrain's own validation accepts, as `launch` would
     compose and check them (each with its reason if refused), up to `show` of them."""
-    from partrain.config import compose_config, resolve_and_validate
-    from partrain.config.validate import resolve_world
+    from partrain.config.compose import compose_config
+    from partrain.config.validate import resolve_and_validate, resolve_world
     from partrain.errors import ConfigError
 
     kept, refused = [], []

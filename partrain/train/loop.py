@@ -6,15 +6,6 @@ metrics.jsonl and the progress display. Errors are recorded in the elastic error
 launcher can name the failing rank and its message.
 """
 
-if __name__ == "__main__":
-    # Before torch is imported (seconds): SLURM signals every process of the job step, and the
-    # default action of SIGUSR2 would end this rank. Noted here; PreemptionFlag takes it over.
-    import signal as _signal
-    import time as _time
-
-    _EARLY_SIGNAL: list[float] = []
-    _signal.signal(_signal.SIGUSR2, lambda signum, frame: _EARLY_SIGNAL.append(_time.time()))
-
 import logging
 import math
 import os
@@ -33,29 +24,52 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from partrain.checkpoint import store
 from partrain.checkpoint.checkpointer import Checkpointer
 from partrain.checkpoint.state import build_state, load_optimizer, load_weights
-from partrain.curves import Curves
-from partrain.hf import hf_dir, is_hf, load_hf_weights
-from partrain.data import load_tokens, rank_micro_batches
-from partrain.dist import compute_dtype, end_distributed, env_rank, init_distributed, pick_device
+from partrain.data.batches import rank_micro_batches
+from partrain.data.tokens import load_tokens
+from partrain.interop.hf import hf_dir, is_hf, load_hf_weights
 from partrain.launch.lifeline import hold_lifeline
 from partrain.launch.preemption import PreemptionFlag
-from partrain.mesh import ParallelDims
-from partrain.metrics import MetricsLog, ProgressDisplay, format_step, peak_flops, summary_table
-from partrain.models import build_model, flops_per_token
-from partrain.memory import StepMemory, per_rank
+from partrain.models.llama import build_model, flops_per_token
 from partrain.models.moe import moe_blocks
-from partrain.models.recompute import (apply_activation_checkpointing, checkpointed_blocks,
-                                       compile_blocks)
+from partrain.models.recompute import (
+    apply_activation_checkpointing,
+    checkpointed_blocks,
+    compile_blocks,
+)
+from partrain.observe.curves import Curves
+from partrain.observe.memory import StepMemory, per_rank
+from partrain.observe.metrics import (
+    MetricsLog,
+    ProgressDisplay,
+    format_step,
+    peak_flops,
+    summary_table,
+)
+from partrain.observe.trace import Tracer, write_trace
 from partrain.parallel.context import apply_context_parallel, shard_batch
 from partrain.parallel.data import apply_data_parallel
-from partrain.parallel.expert import (apply_expert_parallel, average_expert_gradients,
-                                      finish_moe_step, moe_modules)
+from partrain.parallel.dist import (
+    compute_dtype,
+    end_distributed,
+    env_rank,
+    init_distributed,
+    pick_device,
+)
+from partrain.parallel.expert import (
+    apply_expert_parallel,
+    average_expert_gradients,
+    finish_moe_step,
+    moe_modules,
+)
 from partrain.parallel.grads import average_gradients, clip_grad_norm
+from partrain.parallel.mesh import ParallelDims
 from partrain.parallel.pipeline import apply_pipeline_parallel
-from partrain.parallel.tensor import (apply_tensor_parallel, sync_sequence_parallel_grads,
-                                      vocab_parallel_cross_entropy)
+from partrain.parallel.tensor import (
+    apply_tensor_parallel,
+    sync_sequence_parallel_grads,
+    vocab_parallel_cross_entropy,
+)
 from partrain.parallel.zero import apply_zero, deepspeed_config
-from partrain.trace import Tracer, write_trace
 
 log = logging.getLogger("partrain")
 
@@ -473,22 +487,3 @@ def main(run_dir: str, preemption: PreemptionFlag | None = None) -> None:
     train(cfg, run_dir, device, preemption or PreemptionFlag())
     end_distributed()
     log.info("rank %d done", rank)
-
-
-if __name__ == "__main__":
-    # First of all: from here on, a launcher killed with SIGKILL takes this rank along.
-    hold_lifeline()
-    # Then: SIGUSR2 asks for a checkpoint and a clean stop (the launcher passes SLURM's on).
-    preemption = PreemptionFlag()
-    preemption.install()
-    if _EARLY_SIGNAL and preemption.at is None:
-        preemption.at = _EARLY_SIGNAL[0]
-    try:
-        main(sys.argv[1], preemption)
-    except BaseException:
-        # @record has written the error file for the launcher. Skip interpreter teardown: the other
-        # ranks are being stopped, and gloo's destructors could abort on a half-open group.
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)

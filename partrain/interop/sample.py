@@ -17,6 +17,7 @@ import torch
 
 from partrain.errors import ConfigError
 
+
 def check_options(prompt: str, max_new_tokens: int, temperature: float, top_k: int,
                   seed: int) -> None:
     if seed >= 2**64:

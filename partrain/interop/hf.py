@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
+from partrain.data.tokenizer import TextTokenizer, copy_files, run_tokenizer_dir
 from partrain.errors import ConfigError
 from partrain.models.moe import moe_enabled
 from partrain.staging import check_out, staged_dir
-from partrain.tokenizer import TextTokenizer, copy_files, run_tokenizer_dir
 
 TOP_LEVEL = {"tok_embeddings.weight": "model.embed_tokens.weight",
              "norm.weight": "model.norm.weight",

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-_PKG = Path(__file__).resolve().parent
+_PKG = Path(__file__).resolve().parent.parent  # the partrain package
 
 
 def _find(name: str) -> Path:

@@ -78,7 +78,7 @@ def _split_args(args: Optional[List[str]]) -> tuple[Optional[str], list[str]]:
 
 def _resolve(args, nnodes=None, nproc_per_node=None, world_size=None, probe_cuda=False,
              gpus_on_node=None, resume=None):
-    from partrain.launch.rundir import is_frozen_config, load_frozen_config
+    from partrain.config.frozen import is_frozen_config, load_frozen_config
 
     config, overrides = _split_args(args)
     if resume is not None:
@@ -153,7 +153,7 @@ def launch(
     a run dir holds, from its newest checkpoint)."""
     # Inside SLURM the node count, this node's rank and the endpoint come from the job (flags
     # win); under torchrun, or with one srun task per GPU, this refuses to start.
-    from partrain.checkpoint.resume import check_init_from, check_resumable
+    from partrain.checkpoint.resume import check_resumable
     from partrain.data.tokens import check_data
     from partrain.launch.cluster import detect_place
     from partrain.launch.local import ElasticLaunch, launch_workers
@@ -163,6 +163,7 @@ def launch(
         set_ifname_variables,
     )
     from partrain.launch.preemption import FORWARDER
+    from partrain.launch.preflight import check_init_from
     from partrain.launch.rundir import check_run_dir, default_run_dir, write_run_dir
     from partrain.observe.curves import check_curves
     from partrain.plan.layout import build_plan, print_plan
@@ -266,8 +267,8 @@ def slurm(
                                  "(`> job.sh` gives a runnable script); submit nothing"),
 ) -> None:
     """Validate for nodes x ranks, write the run dir and its sbatch script, and submit it."""
-    from partrain.checkpoint.resume import check_init_from
     from partrain.data.tokens import check_data
+    from partrain.launch.preflight import check_init_from
     from partrain.launch.rundir import check_run_dir, default_run_dir, write_run_dir
     from partrain.launch.slurm import (
         SlurmJob,
@@ -415,7 +416,7 @@ def show(args: Optional[List[str]] = typer.Argument(None, help=ARGS_HELP, show_d
     cfg, _, warnings = _resolve(args)
     sys.stdout.write(OmegaConf.to_yaml(cfg))
     if cfg.parallel.zero_stage > 0:
-        from partrain.parallel.zero import deepspeed_config
+        from partrain.config.deepspeed import deepspeed_config
 
         text = json.dumps(deepspeed_config(cfg, _runs_on_cuda(cfg)), indent=2)
         sys.stdout.write("# The DeepSpeed config the workers derive (partrain/parallel/zero.py):\n"
@@ -469,7 +470,7 @@ def sample(
     device: str = typer.Option("auto", "--device", help="auto (CUDA when visible), cpu or cuda"),
 ) -> None:
     """Generate text from a checkpoint on one process, streamed as it comes."""
-    from partrain.checkpoint.state import checkpoint_model
+    from partrain.checkpoint.offline import checkpoint_model
     from partrain.checkpoint.store import find
     from partrain.data.tokenizer import TextTokenizer, run_tokenizer_dir
     from partrain.interop.sample import check_options, encode, generate

@@ -5,9 +5,8 @@ a worker, join that group and take the largest of a number over the ranks."""
 import json
 import os
 import tempfile
-from pathlib import Path
-
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist

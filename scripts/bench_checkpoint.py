@@ -57,23 +57,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _spawn import run_workers  # noqa: E402
 
 from partrain.checkpoint.checkpointer import _result, storage_writer  # noqa: E402
-from partrain.checkpoint.state import (
-    build_state,
-    load_optimizer,
-    load_weights,
-    true_size,
-)
+from partrain.checkpoint.state import build_state, load_optimizer, load_weights
 from partrain.config.compose import compose_config
-from partrain.config.validate import (
-    World,  # noqa: E402
-    resolve_and_validate,  # noqa: E402
-)
+from partrain.config.validate import World, resolve_and_validate
 from partrain.errors import ConfigError  # noqa: E402
 from partrain.models.llama import build_model  # noqa: E402
 from partrain.observe.trace import Tracer  # noqa: E402
 from partrain.parallel.data import apply_data_parallel  # noqa: E402
 from partrain.parallel.mesh import ParallelDims  # noqa: E402
 from partrain.parallel.tensor import apply_tensor_parallel  # noqa: E402
+from partrain.plan.costs import true_size
 from partrain.train.loop import (
     build_optimizer,
     forward_backward,

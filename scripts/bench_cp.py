@@ -40,11 +40,11 @@ from partrain.models.llama import build_model  # noqa: E402
 from partrain.parallel.context import (
     apply_context_parallel,
     count_traffic,
-    cp_traffic,
     shard_sequence,
 )
 from partrain.parallel.dist import end_distributed  # noqa: E402
 from partrain.parallel.mesh import ParallelDims  # noqa: E402
+from partrain.plan.costs import cp_traffic
 
 GRAIN = 1  # sequence lengths searched are multiples of 2 * cp * GRAIN (the zigzag needs 2 * cp)
 

@@ -38,17 +38,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _spawn import join_group, max_over_ranks, run_workers  # noqa: E402
 
 from partrain.config.schema import Config  # noqa: E402
+from partrain.models.arith import moe_blocks  # noqa: E402
 from partrain.models.llama import build_model  # noqa: E402
-from partrain.models.moe import moe_blocks  # noqa: E402
 from partrain.parallel.data import apply_data_parallel  # noqa: E402
 from partrain.parallel.dist import end_distributed  # noqa: E402
 from partrain.parallel.expert import (
     apply_expert_parallel,
     average_expert_gradients,
     count_traffic,
-    moe_traffic,
 )
 from partrain.parallel.mesh import ParallelDims  # noqa: E402
+from partrain.plan.costs import moe_traffic
 
 BALANCE = ("none", "aux_loss", "bias")
 

@@ -29,9 +29,10 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from partrain.config.schema import Config  # noqa: E402
+from partrain.models.arith import RECOMPUTE_MODES as MODES
 from partrain.models.llama import build_model  # noqa: E402
-from partrain.models.recompute import MODES, apply_activation_checkpointing  # noqa: E402
 from partrain.observe.memory import measure_step  # noqa: E402
+from partrain.parallel.parallelize import apply_activation_checkpointing  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -36,12 +36,8 @@ from partrain.models.llama import build_model  # noqa: E402
 from partrain.parallel.data import apply_data_parallel  # noqa: E402
 from partrain.parallel.dist import end_distributed  # noqa: E402
 from partrain.parallel.grads import clip_grad_norm  # noqa: E402
-from partrain.parallel.tensor import (
-    apply_tensor_parallel,
-    tp_collectives,
-    tp_step_collectives,
-    vocab_parallel_cross_entropy,
-)
+from partrain.parallel.tensor import apply_tensor_parallel, vocab_parallel_cross_entropy
+from partrain.plan.costs import tp_collectives, tp_step_collectives
 
 
 def parse_args(argv=None):

@@ -35,18 +35,17 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 from _spawn import run_workers  # noqa: E402
 
 from partrain.config.compose import compose_config
-from partrain.config.validate import (
-    World,  # noqa: E402
-    resolve_and_validate,  # noqa: E402
-)
+from partrain.config.deepspeed import deepspeed_config
+from partrain.config.resolve import compute_dtype  # noqa: E402
+from partrain.config.validate import World, resolve_and_validate
 from partrain.data.batches import rank_micro_batches  # noqa: E402
 from partrain.data.tokens import load_tokens
 from partrain.models.llama import build_model  # noqa: E402
 from partrain.parallel.data import apply_data_parallel  # noqa: E402
-from partrain.parallel.dist import compute_dtype  # noqa: E402
 from partrain.parallel.mesh import ParallelDims  # noqa: E402
-from partrain.parallel.zero import apply_zero, deepspeed_config, zero_memory  # noqa: E402
-from partrain.train.loop import (  # noqa: E402
+from partrain.parallel.zero import apply_zero
+from partrain.plan.costs import zero_memory  # noqa: E402
+from partrain.train.loop import (
     build_optimizer,
     forward_backward,
     loss_function,

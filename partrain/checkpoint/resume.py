@@ -43,7 +43,7 @@ def saved_config(checkpoint: store.Checkpoint) -> dict:
     """The config a checkpoint was saved with, typed against today's schema like a run dir's
     frozen config: keys added to partrain since take their defaults, which are the behaviour the
     checkpoint was trained with."""
-    from partrain.launch.rundir import load_frozen_config
+    from partrain.config.frozen import load_frozen_config
 
     frozen = load_frozen_config(str(checkpoint.path / store.SAVED_CONFIG), [])
     return OmegaConf.to_container(frozen, resolve=True)
@@ -69,34 +69,13 @@ def check_resumable(checkpoint: store.Checkpoint, cfg) -> None:
             "train.max_steps, or start a new run with model.init_from)")
 
 
-def check_init_from(cfg) -> store.Checkpoint | None:
-    """model.init_from names a committed checkpoint whose weights fit model.*: the checkpoint
-    (None for none, and for a Hugging Face directory, `hf:DIR`, which is checked here too)."""
-    from partrain.interop.hf import check_hf_init, is_hf
-
-    if not cfg.model.init_from:
-        return None
-    if is_hf(cfg.model.init_from):
-        check_hf_init(cfg.model)
-        return None
-    checkpoint = store.find(Path(cfg.model.init_from), "model.init_from")
-    saved = _flat(saved_config(checkpoint).get("model", {}), "model.")
-    new = _flat(OmegaConf.to_container(cfg.model, resolve=True), "model.")
-    for key in sorted(new):
-        if key not in NOT_SHAPE and key in saved and saved[key] != new[key]:
-            raise ConfigError(
-                f"{key}={shown(new[key])} does not match {shown(saved[key])} of the checkpoint "
-                f"model.init_from={checkpoint.path}: its weights have that model's shape")
-    return checkpoint
-
-
 def resume_config(run_dir: Path, overrides: list[str]):
     """The frozen config of `run_dir` with the layout overrides of a resume on top. Keys derived
     from the old layout that the overrides do not set are derived again: the micro-batch split
     (at the same global batch) when dp changes, pp_layers when pp changes, the processes per
     node when a degree changes."""
+    from partrain.config.frozen import CONFIG, load_frozen_config
     from partrain.config.keys import check_overrides, groups
-    from partrain.launch.rundir import CONFIG, load_frozen_config
 
     if store.STEP_DIR.fullmatch(run_dir.name) and run_dir.parent.name == store.CHECKPOINTS:
         raise ConfigError(f"--resume {run_dir} is a checkpoint, not a run dir: give the run dir "

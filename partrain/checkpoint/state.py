@@ -116,7 +116,10 @@ def build_state(model: nn.Module, optimizer, tp_mesh, zero: bool) -> dict[str, t
     """The checkpoint's state on this rank (collective under ZeRO: every dp rank calls it)."""
     state = {}
     if zero:
-        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+        from deepspeed.utils import (
+            safe_get_full_fp32_param,
+            safe_get_full_optimizer_state,
+        )
 
         step = _zero_step(optimizer)
         if step:
@@ -202,43 +205,3 @@ def load_optimizer(model: nn.Module, optimizer, path, tp_mesh, zero: bool) -> No
         safe_set_full_fp32_param(param, _local(state[f"model.{name}"]))
         for key in MOMENTS:
             safe_set_full_optimizer_state(param, _local(state[f"optim.{name}.{key}"]), key)
-
-
-def true_size(model_cfg, tp: int = 1) -> int:
-    """Bytes of the state a checkpoint holds, each tensor once: fp32 weights and two moments
-    (12 bytes per parameter) and one 8-byte step per parameter tensor."""
-    from partrain.models.llama import count_params, vocab_matrices
-    from partrain.models.moe import moe_blocks
-
-    # embedding and head (one when tied), final norm; 9 per dense block; a MoE block has a
-    # router and 3 stacked expert matrices (and 3 shared) for the 3 MLP matrices, and its expert
-    # bias (4 bytes per expert, no moments)
-    moe = moe_blocks(model_cfg)
-    per_moe = 1 + (3 if moe and model_cfg.moe.n_shared_experts else 0)
-    tensors = vocab_matrices(model_cfg) + 9 * model_cfg.n_layers + 1 + per_moe * len(moe)
-    bias = 4 * model_cfg.moe.n_experts * len(moe) if moe else 0
-    return 12 * count_params(model_cfg) + 8 * tensors + bias
-
-
-@torch.no_grad()
-def checkpoint_model(checkpoint, device: str = "cpu"):
-    """The single-process model of a committed checkpoint with its weights, and the config it
-    was saved with: what `export` and `sample` read, on one process with no process group. The
-    model is built empty (no initialisation to throw away) and filled by DCP."""
-    import warnings
-
-    from omegaconf import OmegaConf
-
-    from partrain.checkpoint.resume import saved_config
-    from partrain.models.llama import Transformer
-
-    cfg = OmegaConf.create(saved_config(checkpoint))
-    with torch.device("meta"):
-        model = Transformer(cfg.model)
-    model.to_empty(device=device)
-    model.tie_weights()
-    model.init_rope(device)
-    with warnings.catch_warnings():  # DCP's note that it loads in a single process: it does
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        load_weights(model, checkpoint.path, None)
-    return model.eval(), cfg

@@ -14,8 +14,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from partrain.config.keys import SCHEMA_KEYS, divisors, float_keys, shown
 from partrain.config.validate_moe import check_moe
 from partrain.errors import ConfigError
-from partrain.models.llama import ffn_dim
-from partrain.models.recompute import MODES as RECOMPUTE_MODES
+from partrain.models.arith import RECOMPUTE_MODES
+from partrain.models.arith import ffn_dim
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 CP_METHODS = ("ring", "all_to_all")
@@ -357,7 +357,7 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
         t.global_batch_size, t.micro_batch_size, t.micro_batches = g, b, mb
         cfg.launcher.nnodes, cfg.launcher.nproc_per_node = world.nnodes, world.nproc_per_node
     if p.zero_stage > 0:
-        from partrain.parallel.zero import deepspeed_config
+        from partrain.config.deepspeed import deepspeed_config
 
         deepspeed_config(cfg)  # raises on a raw key that contradicts a derived one
 

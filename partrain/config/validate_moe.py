@@ -5,7 +5,7 @@ from omegaconf import DictConfig
 
 from partrain.config.keys import divisors, shown
 from partrain.errors import ConfigError
-from partrain.models.moe import BALANCE
+from partrain.models.arith import BALANCE
 
 
 def check_moe(cfg: DictConfig, dp: int) -> None:

@@ -34,7 +34,7 @@ from typing import Iterator
 import numpy as np
 
 from partrain.data import tokenizer as tk
-from partrain.data.tokens import FORMAT
+from partrain.data.format import FORMAT, vocab_to_use
 from partrain.errors import ConfigError
 from partrain.staging import check_out, staged_dir
 
@@ -46,13 +46,6 @@ ROWS_PER_BATCH = 4096  # Parquet rows read at a time
 
 def _reason(e: OSError) -> str:
     return e.strerror or str(e)
-
-
-def vocab_to_use(vocab_size: int, tp: int = 1) -> int:
-    """model.vocab_size for a tokenizer of `vocab_size` tokens: rounded up to a multiple of
-    128 * tp, as Megatron pads it (tp shards of whole 128-row blocks)."""
-    step = 128 * tp
-    return -(-vocab_size // step) * step
 
 
 # ---- inputs ----------------------------------------------------------------------------------

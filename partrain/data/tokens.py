@@ -15,18 +15,16 @@ later on a rank with an IndexError in the embedding.
 
 import json
 import math
-import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from partrain.data.format import DTYPES, FORMAT
 from partrain.data.tokenizer import BYTE_VOCAB, TOKENIZER_FILE
 from partrain.errors import ConfigError
 
-FORMAT = "partrain-tokens/1"
-DTYPES = ("uint8", "uint16", "uint32")
 # The ids of a split are checked over at most SAMPLE_BLOCKS contiguous blocks of SAMPLE_BLOCK
 # ids, spread evenly from the first id to the last: at most 256 Ki ids (1 MiB of uint32) and 64
 # seeks per split, whatever the file's size. Contiguous blocks read whole pages, where single
@@ -246,7 +244,7 @@ def check_data(cfg) -> str:
     source = (f"data.path={cfg.data.path}" if cfg.data.source == "tokens" else
               f"data.source=stdlib with data.stdlib_max_bytes={cfg.data.stdlib_max_bytes}")
     if splits.vocab_size > cfg.model.vocab_size:
-        from partrain.data.prepare import vocab_to_use
+        from partrain.data.format import vocab_to_use
 
         raise ConfigError(
             f"{source}: the data's vocab_size={splits.vocab_size} exceeds model.vocab_size="

@@ -29,7 +29,7 @@ import torch
 
 from partrain.data.tokenizer import TextTokenizer, copy_files, run_tokenizer_dir
 from partrain.errors import ConfigError
-from partrain.models.moe import moe_enabled
+from partrain.models.arith import moe_enabled
 from partrain.staging import check_out, staged_dir
 
 TOP_LEVEL = {"tok_embeddings.weight": "model.embed_tokens.weight",
@@ -77,7 +77,7 @@ def from_rotate_half(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 def rope_parameters(model_cfg) -> dict:
     """The rotary embedding as transformers describes it (`rope_parameters`, since 5.0)."""
-    from partrain.models.llama import rope_scaling
+    from partrain.models.layers import rope_scaling
 
     scaling = rope_scaling(model_cfg)
     return {"rope_type": "llama3" if scaling else "default",
@@ -90,7 +90,7 @@ def hf_config(model_cfg, dtype: str) -> dict:
     """config.json of the LlamaForCausalLM that computes what partrain's model computes. The
     rotary base is written both ways transformers has read it (rope_theta before 5.0,
     rope_parameters since)."""
-    from partrain.models.llama import ffn_dim, tied
+    from partrain.models.arith import ffn_dim, tied
 
     m = model_cfg
     return {
@@ -157,7 +157,7 @@ def export_hf(checkpoint, out: Path, dtype: str = "fp32", max_shard_mb: int = 50
     left at `out` if it fails: it is written under a temporary name and renamed at the end."""
     from safetensors import SafetensorError
 
-    from partrain.checkpoint.state import checkpoint_model
+    from partrain.checkpoint.offline import checkpoint_model
 
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}")
@@ -274,7 +274,8 @@ def model_keys(hf: dict, where: str) -> dict:
 def check_hf_init(model_cfg) -> Path:
     """model.init_from=hf:DIR: a Llama of this config's shape whose safetensors hold every
     weight at its full shape; the DIR. Each rank then reads without further checks."""
-    from partrain.models.llama import Transformer, ffn_dim, tied
+    from partrain.models.arith import ffn_dim, tied
+    from partrain.models.llama import Transformer
 
     path = hf_dir(model_cfg.init_from)
     where = f"model.init_from={model_cfg.init_from}"

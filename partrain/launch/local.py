@@ -25,14 +25,18 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs, SignalException
+from torch.distributed.elastic.multiprocessing.api import (
+    LogsDest,
+    LogsSpecs,
+    SignalException,
+)
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from partrain.launch.lifeline import LAUNCHER_PID_ENV
-from partrain.launch.preemption import FORWARDER
 from partrain.launch.netif import split_endpoint, wait_for_endpoint
+from partrain.launch.preemption import FORWARDER
 
 EXIT_OK, EXIT_RANK_FAILED, EXIT_PREEMPTED, EXIT_INTERRUPTED = 0, 1, 3, 130
 

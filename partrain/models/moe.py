@@ -35,38 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
+from partrain.models.arith import expert_ffn_dim
 from partrain.models.recompute import recomputing
-
-BALANCE = ("aux_loss", "bias", "none")
-
-
-def moe_enabled(model_cfg) -> bool:
-    moe = getattr(model_cfg, "moe", None)
-    return moe is not None and moe.n_experts > 0
-
-
-def is_moe_block(model_cfg, layer: int) -> bool:
-    """Whether block `layer` has a MoE in place of the dense MLP: after the first `first_dense`
-    blocks, every `every`-th one."""
-    if not moe_enabled(model_cfg):
-        return False
-    moe = model_cfg.moe
-    return layer >= moe.first_dense and (layer - moe.first_dense) % moe.every == 0
-
-
-def moe_blocks(model_cfg) -> list[int]:
-    return [i for i in range(model_cfg.n_layers) if is_moe_block(model_cfg, i)]
-
-
-def expert_ffn_dim(model_cfg, dense_ffn: int) -> int:
-    return model_cfg.moe.expert_ffn_dim or dense_ffn
-
-
-def capacity(moe_cfg, seq_len: int) -> int | None:
-    """Tokens one expert takes from one sequence, or None (dropless)."""
-    if not moe_cfg.capacity_factor:
-        return None
-    return math.ceil(moe_cfg.capacity_factor * seq_len * moe_cfg.top_k / moe_cfg.n_experts)
 
 
 class _AuxLossGrad(Function):
@@ -152,7 +122,7 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(moe.n_experts, model_cfg.dim, hidden)
         self.shared = None
         if moe.n_shared_experts:
-            from partrain.models.llama import FeedForward
+            from partrain.models.layers import FeedForward
 
             self.shared = FeedForward(model_cfg.dim, hidden * moe.n_shared_experts)
         # DeepSeek-V3's balancing bias: state, not a weight (no gradient), saved in checkpoints.

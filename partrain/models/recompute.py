@@ -20,10 +20,11 @@ router's load and aux-loss accounting) check `recomputing()` and happen once.
 from contextlib import contextmanager, nullcontext
 
 import torch
-from torch.utils.checkpoint import (CheckpointPolicy, checkpoint,
-                                    create_selective_checkpoint_contexts)
-
-MODES = ("none", "selective", "full")
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 _aten = torch.ops.aten
 # Ops whose outputs selective checkpointing keeps: matrix products and attention kernels.
@@ -84,37 +85,3 @@ def run_block(forward, mode: str, *args):
                           context_fn=_compiled_selective_contexts)
     contexts = _full_contexts if mode == "full" else _selective_contexts
     return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts)
-
-
-def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> torch.nn.Module:
-    """Set every transformer block of `model` to checkpoint in `mode` (MODES)."""
-    from partrain.models.llama import TransformerBlock
-
-    for module in model.modules():
-        if isinstance(module, TransformerBlock):
-            module.recompute = mode
-    return model
-
-
-def checkpointed_blocks(model: torch.nn.Module) -> int:
-    """How many of `model`'s blocks (this rank's, under pp) checkpoint their activations."""
-    return sum(getattr(m, "recompute", "none") != "none" for m in model.modules())
-
-
-def compile_blocks(model: torch.nn.Module) -> int:
-    """train.compile: torch.compile every transformer block of `model` in place (the modules stay
-    the same objects, so wrappers that hold them see the compiled forward). A block's
-    checkpointing is part of its compiled forward. Returns the number of blocks compiled."""
-    from partrain.models.llama import TransformerBlock
-    from partrain.models.moe import MoE
-
-    blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
-    for block in blocks:
-        if isinstance(block.feed_forward, MoE) and block.recompute != "none":
-            # Dynamo cannot trace the router's data-dependent dispatch inside a checkpoint: it
-            # would run the whole block eagerly, its recomputation unmarked (the router would
-            # count tokens twice). Such a block compiles its attention only.
-            block.attention.compile()
-        else:
-            block.compile()
-    return len(blocks)

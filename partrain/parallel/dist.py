@@ -21,11 +21,6 @@ def pick_device(device: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def compute_dtype(dtype: str, on_cuda: bool) -> str:
-    """train.dtype with `auto` resolved: bf16 on CUDA, fp32 on CPU."""
-    return dtype if dtype != "auto" else ("bf16" if on_cuda else "fp32")
-
-
 def init_distributed(device: torch.device, timeout_s: int) -> None:
     """The default process group from the elastic agent's environment: NCCL on CUDA, gloo on CPU."""
     if device.type == "cuda":

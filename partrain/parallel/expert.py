@@ -143,21 +143,6 @@ def average_expert_gradients(model: nn.Module, edp_group, ranks_averaged: int) -
         grad.copy_(chunk.view_as(grad))
 
 
-def moe_traffic(model_cfg, tokens_per_rank: int, micro_batches: int, ep: int,
-                n_moe_blocks: int, bytes_per_element: int = 4) -> dict:
-    """What one rank sends to other ranks per step, by the formula: under uniform, dropless
-    routing each of its tokens_per_rank * top_k rows goes to another rank with probability
-    (ep-1)/ep, out and back, forward and backward (4 exchanges of dim elements), in every MoE
-    block; and per micro-batch and block the counts, 8 bytes per expert of other ranks."""
-    if ep == 1 or not n_moe_blocks:
-        return {"rows_sent": 0, "bytes_sent": 0, "count_bytes": 0}
-    moe = model_cfg.moe
-    rows = tokens_per_rank * moe.top_k * (ep - 1) / ep * 4 * n_moe_blocks
-    counts = 8 * moe.n_experts * (ep - 1) // ep * micro_batches * n_moe_blocks
-    return {"rows_sent": round(rows), "bytes_sent": round(rows * model_cfg.dim * bytes_per_element),
-            "count_bytes": counts}
-
-
 def finish_moe_step(layers: list[MoE], moe_cfg, n_moe_blocks: int, load_group, pp_group,
                     device) -> dict:
     """After a step's forward and backward (every rank calls it, with or without MoE blocks of

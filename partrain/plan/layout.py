@@ -10,28 +10,33 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from partrain.config.resolve import compute_dtype
 from partrain.config.validate import World
-from partrain.models.llama import (
+from partrain.models.arith import (
     count_params,
     count_params_per_rank,
     expert_params,
     flops_per_token,
+    moe_blocks,
+    moe_enabled,
     tied,
 )
-from partrain.models.moe import moe_blocks, moe_enabled
-from partrain.parallel.context import activation_bytes, cp_traffic
-from partrain.parallel.dist import compute_dtype
-from partrain.parallel.expert import moe_traffic
 from partrain.parallel.mesh import DIM_NAMES, ParallelDims
-from partrain.parallel.pipeline import stage_layers
 from partrain.parallel.schedules import (
     SIMULATED_MAX_ACTIONS,
     bubble_theory,
     build_schedule,
     simulate,
+    stage_layers,
 )
-from partrain.parallel.tensor import tp_collectives, tp_step_collectives
-from partrain.parallel.zero import zero_memory
+from partrain.plan.costs import (
+    activation_bytes,
+    cp_traffic,
+    moe_traffic,
+    tp_collectives,
+    tp_step_collectives,
+    zero_memory,
+)
 from partrain.plan.memory_model import memory_per_stage
 
 TIMELINE_MAX_MICRO_BATCHES = 16  # wider timelines are drawn for fewer (labels stay 2 digits)
@@ -97,9 +102,7 @@ def build_plan(cfg: DictConfig, world: World, warnings: list[str]) -> dict:
 def _checkpoint(cfg: DictConfig, params_per_rank: int, dp: int) -> dict:
     """What one checkpoint writes: fp32 weights and AdamW's two moments, each tensor once. A rank
     writes its stage's shard of them, the dp replicas sharing the work (DCP de-duplicates)."""
-    from partrain.checkpoint.state import (
-        true_size,  # here: DCP and DTensor cost `launch` 0.5 s
-    )
+    from partrain.plan.costs import true_size
 
     c = cfg.checkpoint
     total = true_size(cfg.model)

@@ -17,14 +17,13 @@ partrain's own validation, exactly as `partrain launch` would check them.
 import itertools
 import math
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 
 from omegaconf import DictConfig, OmegaConf
 
 from partrain.config.validate import MAX_PIPELINE_CHUNKS
-from partrain.models.llama import ffn_dim
-from partrain.models.moe import moe_enabled
+from partrain.models.arith import ffn_dim, moe_enabled
 from partrain.parallel.mesh import ParallelDims
 from partrain.plan.hardware import Hardware
 from partrain.plan.layout import _stages as plan_stages

@@ -27,12 +27,9 @@ all-gather or reduce-scatter, at the per-GPU bandwidth of the links the group us
 import math
 from dataclasses import dataclass
 
-from partrain.models.llama import count_params, flops_per_token
-from partrain.models.moe import moe_blocks
-from partrain.parallel.context import cp_traffic
-from partrain.parallel.expert import moe_traffic
+from partrain.models.arith import count_params, flops_per_token, moe_blocks
 from partrain.parallel.schedules import bubble_theory
-from partrain.parallel.tensor import tp_collectives
+from partrain.plan.costs import cp_traffic, moe_traffic, tp_collectives
 from partrain.plan.hardware import Hardware
 
 # DeepSpeed's own work beyond the collectives, per parameter of the rank: the bf16 -> fp32

@@ -11,7 +11,6 @@ import math
 import os
 import sys
 import time
-import traceback
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -24,18 +23,14 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from partrain.checkpoint import store
 from partrain.checkpoint.checkpointer import Checkpointer
 from partrain.checkpoint.state import build_state, load_optimizer, load_weights
+from partrain.config.deepspeed import deepspeed_config
+from partrain.config.resolve import compute_dtype
 from partrain.data.batches import rank_micro_batches
 from partrain.data.tokens import load_tokens
 from partrain.interop.hf import hf_dir, is_hf, load_hf_weights
-from partrain.launch.lifeline import hold_lifeline
 from partrain.launch.preemption import PreemptionFlag
-from partrain.models.llama import build_model, flops_per_token
-from partrain.models.moe import moe_blocks
-from partrain.models.recompute import (
-    apply_activation_checkpointing,
-    checkpointed_blocks,
-    compile_blocks,
-)
+from partrain.models.arith import flops_per_token, moe_blocks
+from partrain.models.llama import build_model
 from partrain.observe.curves import Curves
 from partrain.observe.memory import StepMemory, per_rank
 from partrain.observe.metrics import (
@@ -49,7 +44,6 @@ from partrain.observe.trace import Tracer, write_trace
 from partrain.parallel.context import apply_context_parallel, shard_batch
 from partrain.parallel.data import apply_data_parallel
 from partrain.parallel.dist import (
-    compute_dtype,
     end_distributed,
     env_rank,
     init_distributed,
@@ -63,13 +57,18 @@ from partrain.parallel.expert import (
 )
 from partrain.parallel.grads import average_gradients, clip_grad_norm
 from partrain.parallel.mesh import ParallelDims
+from partrain.parallel.parallelize import (
+    apply_activation_checkpointing,
+    checkpointed_blocks,
+    compile_blocks,
+)
 from partrain.parallel.pipeline import apply_pipeline_parallel
 from partrain.parallel.tensor import (
     apply_tensor_parallel,
     sync_sequence_parallel_grads,
     vocab_parallel_cross_entropy,
 )
-from partrain.parallel.zero import apply_zero, deepspeed_config
+from partrain.parallel.zero import apply_zero
 
 log = logging.getLogger("partrain")
 

@@ -37,6 +37,7 @@ from partrain.checkpoint.state import (
     named_parameters,
 )
 from partrain.config.compose import compose_config
+from partrain.config.deepspeed import deepspeed_config
 from partrain.config.validate import World, resolve_and_validate
 from partrain.data.batches import rank_micro_batches
 from partrain.models.llama import build_model
@@ -45,7 +46,7 @@ from partrain.parallel.data import apply_data_parallel
 from partrain.parallel.mesh import ParallelDims
 from partrain.parallel.pipeline import apply_pipeline_parallel
 from partrain.parallel.tensor import apply_tensor_parallel
-from partrain.parallel.zero import apply_zero, deepspeed_config
+from partrain.parallel.zero import apply_zero
 from partrain.train.loop import build_optimizer, loss_function, param_groups, train_step
 from tests.distributed.helpers import run_distributed
 

@@ -10,8 +10,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from partrain.parallel.context import (all_to_all_attention, count_traffic, cp_traffic,
-                                       ring_attention, shard_sequence, zigzag_positions)
+from partrain.parallel.context import (
+    all_to_all_attention,
+    count_traffic,
+    ring_attention,
+    shard_sequence,
+    zigzag_positions,
+)
+from partrain.plan.costs import cp_traffic
 from tests.distributed.helpers import run_distributed
 
 pytestmark = pytest.mark.slow

@@ -127,10 +127,9 @@ def _model_body(rank, tp, sp, kv_heads, tied=False):
         apply_tensor_parallel,
         count_collectives,
         sync_sequence_parallel_grads,
-        tp_collectives,
-        tp_step_collectives,
         vocab_parallel_cross_entropy,
     )
+    from partrain.plan.costs import tp_collectives, tp_step_collectives
 
     cfg = OmegaConf.create({**MODEL, "n_kv_heads": kv_heads, "tie_embeddings": tied})
     dense = build_model(cfg, seed=1)

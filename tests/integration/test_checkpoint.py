@@ -16,8 +16,14 @@ import time
 
 import pytest
 
-from tests.integration.conftest import (PARITY_COMMON, PARITY_STEPS, assert_no_abort,
-                                        assert_parity, processes_mentioning, read_metrics)
+from tests.integration.conftest import (
+    PARITY_COMMON,
+    PARITY_STEPS,
+    assert_no_abort,
+    assert_parity,
+    processes_mentioning,
+    read_metrics,
+)
 
 EVERY5 = ("checkpoint.every=5",)
 LAYOUTS = {

@@ -6,7 +6,11 @@ from collections import Counter
 import pytest
 from omegaconf import OmegaConf
 
-from tests.integration.conftest import assert_no_abort, processes_mentioning, read_metrics
+from tests.integration.conftest import (
+    assert_no_abort,
+    processes_mentioning,
+    read_metrics,
+)
 
 REQUIRED = {"step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "step_time_s"}
 

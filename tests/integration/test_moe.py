@@ -12,8 +12,14 @@ import shutil
 
 import pytest
 
-from tests.integration.conftest import (PARITY_COMMON, PARITY_STEPS, assert_no_abort,
-                                        assert_parity, read_metrics, resume_layout)
+from tests.integration.conftest import (
+    PARITY_COMMON,
+    PARITY_STEPS,
+    assert_no_abort,
+    assert_parity,
+    read_metrics,
+    resume_layout,
+)
 
 pytestmark = pytest.mark.slow
 

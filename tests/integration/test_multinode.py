@@ -13,8 +13,14 @@ import uuid
 
 import pytest
 
-from tests.integration.conftest import (PARITY_COMMON, assert_parity, processes_mentioning,
-                                        read_metrics, running, survivors)
+from tests.integration.conftest import (
+    PARITY_COMMON,
+    assert_parity,
+    processes_mentioning,
+    read_metrics,
+    running,
+    survivors,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,15 @@ import shutil
 
 import pytest
 
-from tests.integration.conftest import (PARITY_COMMON, PARITY_STEPS, REFERENCE, assert_no_abort,
-                                        assert_parity, read_metrics, resume_layout)
+from tests.integration.conftest import (
+    PARITY_COMMON,
+    PARITY_STEPS,
+    REFERENCE,
+    assert_no_abort,
+    assert_parity,
+    read_metrics,
+    resume_layout,
+)
 
 
 def _run(cli, tmp_path, name, *overrides):

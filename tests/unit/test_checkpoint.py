@@ -15,10 +15,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from partrain.checkpoint import store
-from partrain.checkpoint.resume import check_init_from, check_resumable, resume_config
+from partrain.checkpoint.resume import check_resumable, resume_config
 from partrain.checkpoint.state import canonical_name
 from partrain.config.validate import resolve_and_validate, resolve_world
 from partrain.errors import ConfigError
+from partrain.launch.preflight import check_init_from
 from tests.unit.helpers import one_line, validated
 from tests.unit.hostile import frozen_text
 

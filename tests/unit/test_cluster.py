@@ -7,10 +7,21 @@ import socket
 import pytest
 
 from partrain.errors import ConfigError
-from partrain.launch.cluster import (SlurmEnvironment, TorchElasticEnvironment, detect_place,
-                                     expand_nodelist, slurm_port)
-from partrain.launch.netif import (interface_of, pick_network, route_to, set_ifname_variables,
-                                   split_endpoint, wait_for_endpoint)
+from partrain.launch.cluster import (
+    SlurmEnvironment,
+    TorchElasticEnvironment,
+    detect_place,
+    expand_nodelist,
+    slurm_port,
+)
+from partrain.launch.netif import (
+    interface_of,
+    pick_network,
+    route_to,
+    set_ifname_variables,
+    split_endpoint,
+    wait_for_endpoint,
+)
 
 
 @pytest.mark.parametrize("nodelist, hosts", [

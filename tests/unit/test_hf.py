@@ -10,7 +10,8 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 
 from partrain.checkpoint import store
-from partrain.checkpoint.state import build_state, checkpoint_model
+from partrain.checkpoint.offline import checkpoint_model
+from partrain.checkpoint.state import build_state
 from partrain.config.schema import Config
 from partrain.data.tokenizer import BYTE_VOCAB as BYTES
 from partrain.interop.hf import from_rotate_half, hf_name, to_rotate_half
@@ -265,7 +266,7 @@ def test_import_computes_transformers_logits(tmp_path, rope, keys):
 
 
 def test_llama3_rope_scaling_changes_the_frequencies():
-    from partrain.models.llama import rope_scaling, rope_tables
+    from partrain.models.layers import rope_scaling, rope_tables
 
     cfg = OmegaConf.structured(Config).model
     plain = rope_tables(32, 128, 500000.0)

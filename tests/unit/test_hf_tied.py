@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
 from partrain.checkpoint import store
-from partrain.checkpoint.state import checkpoint_model
+from partrain.checkpoint.offline import checkpoint_model
 from tests.unit.test_hf import _batch, _model_cfg, _rel_l2, hf_llama, saved_run
 
 

@@ -22,8 +22,14 @@ Rows run in-process through `run_main`; test_hostile_io.py also runs a few as re
 
 import pytest
 
-from tests.unit.hostile import (FLOAT_KEYS, RECIPE_HEAD, Ctx, check_row,
-                                isolated, row)  # noqa: F401 (isolated: an autouse fixture)
+from tests.unit.hostile import (
+    FLOAT_KEYS,
+    RECIPE_HEAD,
+    Ctx,
+    check_row,
+    isolated,  # noqa: F401 (isolated: an autouse fixture)
+    row,
+)
 
 # ------------------------------------------------------------------------------------------------
 # The table. Fragments: the key or flag, the value as the user gave it, a word of the rule.

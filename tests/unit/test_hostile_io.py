@@ -11,10 +11,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.unit.hostile import (ENV_PREFIXES, MULTI_NODE, RECIPE_HEAD, UNRESOLVABLE, Ctx,
-                                assert_refused, assert_untouched, check_row,
-                                isolated, row, tree)  # noqa: F401 (isolated: an autouse fixture)
 from tests.unit.helpers import finish, start_cli
+from tests.unit.hostile import (
+    ENV_PREFIXES,
+    MULTI_NODE,
+    RECIPE_HEAD,
+    UNRESOLVABLE,
+    Ctx,
+    assert_refused,
+    assert_untouched,
+    check_row,
+    isolated,  # noqa: F401 (isolated: an autouse fixture)
+    row,
+    tree,
+)
+
 
 def _run_dir_with_other_config(c: Ctx) -> str:
     c.frozen("other/config.yaml", lambda t: t.replace("\n  seed: 0\n", "\n  seed: 5\n"))

@@ -19,8 +19,15 @@ import pytest
 
 from partrain.checkpoint import store
 from tests.unit.helpers import one_line
-from tests.unit.hostile import (Ctx, assert_untouched, check_row, frozen_text,
-                                isolated, row, tree)  # noqa: F401 (isolated: an autouse fixture)
+from tests.unit.hostile import (
+    Ctx,
+    assert_untouched,
+    check_row,
+    frozen_text,
+    isolated,  # noqa: F401 (isolated: an autouse fixture)
+    row,
+    tree,
+)
 from tests.unit.test_checkpoint import write_checkpoint, write_run_dir
 
 

@@ -5,8 +5,8 @@ scripts/bench_memory.py; tests/integration/test_launch.py holds one pipeline lay
 import torch
 import torch.nn.functional as F
 
-from partrain.models.llama import build_model, expert_params
-from partrain.models.moe import is_moe_block
+from partrain.models.arith import expert_params, is_moe_block
+from partrain.models.llama import build_model
 from partrain.observe.memory import StepMemory, measure_step
 from partrain.plan.layout import build_plan
 from tests.unit.helpers import compose, resolved

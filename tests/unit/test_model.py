@@ -8,14 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from partrain.models.llama import (
-    Attention,
-    apply_rope,
-    build_model,
-    count_params,
-    ffn_dim,
-    flops_per_token,
-)
+from partrain.models.arith import count_params, ffn_dim, flops_per_token
+from partrain.models.layers import Attention, apply_rope
+from partrain.models.llama import build_model
 from partrain.train.loop import lr_at
 from tests.unit.helpers import compose, quick
 
@@ -193,7 +188,7 @@ def test_gqa_and_mha_models_run_forward_and_backward(n_kv_heads):
 
 def test_rope_keeps_norms_and_position_zero():
     x = torch.randn(1, 6, 2, 16)
-    from partrain.models.llama import rope_tables
+    from partrain.models.layers import rope_tables
 
     cos, sin = rope_tables(16, 6, 10000.0)
     y = apply_rope(x, cos, sin)

@@ -9,8 +9,14 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from partrain.config.schema import ModelConfig
-from partrain.models.llama import build_model, count_params, count_params_per_rank, flops_per_token
-from partrain.models.moe import MoE, moe_blocks, update_expert_bias
+from partrain.models.arith import (
+    count_params,
+    count_params_per_rank,
+    flops_per_token,
+    moe_blocks,
+)
+from partrain.models.llama import build_model
+from partrain.models.moe import MoE, update_expert_bias
 
 
 def model_cfg(**moe):

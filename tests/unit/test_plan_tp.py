@@ -83,7 +83,7 @@ def test_plan_shows_context_parallel_traffic_and_activations(run_main, method):
     from omegaconf import OmegaConf
 
     from partrain.config.schema import Config
-    from partrain.parallel.context import cp_traffic
+    from partrain.plan.costs import cp_traffic
 
     result = run_main("plan", "parallel.cp=2", "parallel.dp=2", f"parallel.cp_method={method}",
                       "--json")

@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from partrain.data.prepare import prepare_token_dir, vocab_to_use
+from partrain.data.format import vocab_to_use
+from partrain.data.prepare import prepare_token_dir
 from partrain.data.tokens import check_data, load_tokens
 from partrain.errors import ConfigError
 from tests.unit.helpers import one_line, quick

@@ -8,15 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from partrain.models.arith import RECOMPUTE_MODES as MODES
 from partrain.models.llama import build_model
 from partrain.models.moe import MoE
-from partrain.models.recompute import (
-    MODES,
+from partrain.observe.memory import measure_step
+from partrain.parallel.parallelize import (
     apply_activation_checkpointing,
     checkpointed_blocks,
     compile_blocks,
 )
-from partrain.observe.memory import measure_step
 from tests.unit.helpers import compose
 
 

@@ -6,8 +6,9 @@ import json
 import pytest
 import yaml
 
+from partrain.config.deepspeed import deepspeed_config
 from partrain.errors import ConfigError
-from partrain.parallel.zero import deepspeed_config, zero_memory
+from partrain.plan.costs import zero_memory
 from tests.unit.helpers import validated
 
 

@@ -1,0 +1,29 @@
+"""A committed checkpoint's model on one process, with no process group: what `export` and
+`sample` read."""
+
+import torch
+from omegaconf import OmegaConf
+
+from partrain.checkpoint.state import load_weights
+
+
+@torch.no_grad()
+def checkpoint_model(checkpoint, device: str = "cpu"):
+    """The single-process model of a committed checkpoint with its weights, and the config it
+    was saved with: what `export` and `sample` read, on one process with no process group. The
+    model is built empty (no initialisation to throw away) and filled by DCP."""
+    import warnings
+
+    from partrain.checkpoint.resume import saved_config
+    from partrain.models.llama import Transformer
+
+    cfg = OmegaConf.create(saved_config(checkpoint))
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    model.to_empty(device=device)
+    model.tie_weights()
+    model.init_rope(device)
+    with warnings.catch_warnings():  # DCP's note that it loads in a single process: it does
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        load_weights(model, checkpoint.path, None)
+    return model.eval(), cfg

@@ -166,7 +166,8 @@ def launch(
     from partrain.launch.preflight import check_init_from
     from partrain.launch.rundir import check_run_dir, default_run_dir, write_run_dir
     from partrain.observe.curves import check_curves
-    from partrain.plan.layout import build_plan, print_plan
+    from partrain.plan.layout import build_plan
+    from partrain.plan.render import print_plan
 
     FORWARDER.install()  # a preemption signal from here on is passed to the workers
     if resume is not None and run_dir is not None and run_dir.absolute() != resume.absolute():
@@ -361,7 +362,8 @@ def plan(
 ) -> None:
     """Show every rank's place in the mesh, the groups and the batch arithmetic; start nothing.
     With --search: the best layouts for N GPUs instead."""
-    from partrain.plan.layout import build_plan, print_plan
+    from partrain.plan.layout import build_plan
+    from partrain.plan.render import print_plan
 
     if search:
         _search(args, gpus, gpus_per_node, hardware, write_recipe, as_json)

@@ -14,8 +14,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from partrain.config.keys import SCHEMA_KEYS, divisors, float_keys, shown
 from partrain.config.validate_moe import check_moe
 from partrain.errors import ConfigError
-from partrain.models.arith import RECOMPUTE_MODES
-from partrain.models.arith import ffn_dim
+from partrain.models.arith import RECOMPUTE_MODES, ffn_dim
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 CP_METHODS = ("ring", "all_to_all")

@@ -26,7 +26,7 @@ from partrain.config.validate import MAX_PIPELINE_CHUNKS
 from partrain.models.arith import ffn_dim, moe_enabled
 from partrain.parallel.mesh import ParallelDims
 from partrain.plan.hardware import Hardware
-from partrain.plan.layout import _stages as plan_stages
+from partrain.plan.layout import stage_plan
 from partrain.plan.memory_model import memory_per_stage
 from partrain.plan.time_model import Layout, step_time
 
@@ -134,7 +134,7 @@ def _memory(model, layout: Layout, global_batch_size: int, seq_len: int, stages_
     dims = ParallelDims(pp=L.pp, dp=L.dp, tp=L.tp, cp=L.cp, ep=L.ep)
     key = (L.tp, L.pp, L.pp_virtual_stages, L.ep)
     if key not in stages_cache:  # plan's own stage list, for the keys it reads
-        stages_cache[key] = plan_stages(SimpleNamespace(
+        stages_cache[key] = stage_plan(SimpleNamespace(
             model=model, parallel=SimpleNamespace(pp_virtual_stages=L.pp_virtual_stages,
                                                   pp_layers=None, ep=L.ep)), dims)
     m = global_batch_size // (L.micro_batch_size * L.dp)

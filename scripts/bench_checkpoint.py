@@ -63,16 +63,12 @@ from partrain.config.validate import World, resolve_and_validate
 from partrain.errors import ConfigError  # noqa: E402
 from partrain.models.llama import build_model  # noqa: E402
 from partrain.observe.trace import Tracer  # noqa: E402
-from partrain.parallel.data import apply_data_parallel  # noqa: E402
+from partrain.parallel.data import DDPBackend, apply_data_parallel  # noqa: E402
 from partrain.parallel.mesh import ParallelDims  # noqa: E402
 from partrain.parallel.tensor import apply_tensor_parallel  # noqa: E402
 from partrain.plan.costs import true_size
-from partrain.train.loop import (
-    build_optimizer,
-    forward_backward,
-    loss_function,
-    train_step,
-)
+from partrain.train.optim import build_optimizer
+from partrain.train.step import forward_backward, loss_function, train_step
 
 WORLD = 2
 LAYOUTS = {"dp2": (2, 1), "tp2": (1, 2)}  # name: (dp, tp)
@@ -202,21 +198,21 @@ def measure(layout: str, cfg, a, rank: int, group) -> dict:
     if dims.dp_enabled:
         model = apply_data_parallel(model, mesh["dp"])
     optimizer = build_optimizer(model, cfg.optim)
+    backend = DDPBackend(model, optimizer, dims, mesh, None, False, cfg.optim.grad_clip)
     tp_mesh = mesh["tp"] if dims.tp_enabled else None
 
     # One real step (tp ranks of a dp rank see the same batch) so that the moments exist.
     gen = torch.Generator().manual_seed(dims.coords(rank)["dp"])
     x = torch.randint(0, cfg.model.vocab_size, (1, cfg.train.seq_len + 1), generator=gen)
-    train_step(model, optimizer, [(x[:, :-1], x[:, 1:])], loss_function(dims, mesh), dims, mesh,
-               torch.device("cpu"), torch.autocast("cpu", enabled=False), cfg.optim.grad_clip,
-               False, Tracer(False))
+    train_step(backend, [(x[:, :-1], x[:, 1:])], loss_function(dims, mesh), dims, mesh,
+               torch.device("cpu"), torch.autocast("cpu", enabled=False), Tracer(False))
     state = build_state(model, optimizer, tp_mesh, zero=False)
     expected = digests(state)
     loss_fn = loss_function(dims, mesh)
 
     def next_step():
         """The next step's forward and backward (what overlaps an asynchronous save)."""
-        forward_backward(model, [(x[:, :-1], x[:, 1:])], loss_fn, dims, torch.device("cpu"),
+        forward_backward(backend, [(x[:, :-1], x[:, 1:])], loss_fn, dims, torch.device("cpu"),
                          torch.autocast("cpu", enabled=False))
         model.zero_grad(set_to_none=True)
 

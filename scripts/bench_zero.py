@@ -41,16 +41,12 @@ from partrain.config.validate import World, resolve_and_validate
 from partrain.data.batches import rank_micro_batches  # noqa: E402
 from partrain.data.tokens import load_tokens
 from partrain.models.llama import build_model  # noqa: E402
-from partrain.parallel.data import apply_data_parallel  # noqa: E402
+from partrain.parallel.data import DDPBackend, apply_data_parallel  # noqa: E402
 from partrain.parallel.mesh import ParallelDims  # noqa: E402
-from partrain.parallel.zero import apply_zero
+from partrain.parallel.zero import ZeroBackend, apply_zero
 from partrain.plan.costs import zero_memory  # noqa: E402
-from partrain.train.loop import (
-    build_optimizer,
-    forward_backward,
-    loss_function,
-    param_groups,
-)
+from partrain.train.optim import build_optimizer, param_groups
+from partrain.train.step import forward_backward, loss_function
 
 DP = 2
 
@@ -150,9 +146,11 @@ def worker(rank, a, store_path, out_path):
         if stage:
             model, optimizer = apply_zero(model, mesh, dims, deepspeed_config(cfg),
                                           param_groups(model, cfg.optim))
+            backend = ZeroBackend(model, optimizer)
         else:
             model = apply_data_parallel(model, mesh["dp"])
             optimizer = build_optimizer(model, cfg.optim)
+            backend = DDPBackend(model, optimizer, dims, mesh, None, False, cfg.optim.grad_clip)
         splits = load_tokens(cfg.data)
         loss_fn = loss_function(dims, mesh)
         autocast = torch.autocast("cpu", enabled=False)
@@ -164,7 +162,7 @@ def worker(rank, a, store_path, out_path):
                                       seq_len=t.seq_len, seed=t.seed)
 
         def step(s):
-            forward_backward(model, micro(s), loss_fn, dims, device, autocast)
+            forward_backward(backend, micro(s), loss_fn, dims, device, autocast)
             model.step() if stage else optimizer.step()
             optimizer.zero_grad(set_to_none=True) if not stage else None
 
@@ -177,7 +175,7 @@ def worker(rank, a, store_path, out_path):
             elapsed = torch.tensor(time.perf_counter() - start)
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             times.append(elapsed.item())
-        forward_backward(model, micro(a.steps + 1), loss_fn, dims, device, autocast)
+        forward_backward(backend, micro(a.steps + 1), loss_fn, dims, device, autocast)
         gc.collect()
         totals, paths = held_bytes(model, optimizer)
         predicted = zero_memory(stage, n_params, DP, compute_dtype(cfg.train.dtype, False))
@@ -188,7 +186,7 @@ def worker(rank, a, store_path, out_path):
                         "tokens_per_s": t.global_batch_size * t.seq_len / statistics.median(times),
                         "largest": {k: sorted(v, key=lambda x: -x[1])[:4] for k, v in paths.items()}})
         model.step() if stage else optimizer.step()
-        del model, optimizer, mesh
+        del model, optimizer, mesh, backend
         gc.collect()
         dist.barrier()
     if rank == 0:

@@ -1,4 +1,10 @@
-"""Data parallelism (parallel.zero_stage=0): DDP over the "dp" mesh dimension.
+"""Data parallelism (parallel.zero_stage=0): DDP over the "dp" mesh dimension, and the one small
+interface every data-parallel backend answers (DDP here, DeepSpeed ZeRO in zero.py).
+
+A backend owns how gradients meet across the data-parallel ranks and who steps the optimizer, so
+the train step never branches on the backend (Lightning Fabric's Strategy): `no_sync(last)` around
+each micro-batch, `backward(loss)`, and `step(tracer)`, which reduces, clips and steps and returns
+the gradient norm before clipping.
 
 Each dp rank holds the whole (or tp/pp-sharded) model and a slice of the global batch; DDP
 all-reduces (averages) gradients over the dp group in buckets, overlapped with backward. Under
@@ -17,11 +23,37 @@ Expert-parallel slices (`ep_sharded`) differ between dp ranks: DDP neither broad
 start nor averages them (partrain.parallel.expert reduces them over their own group).
 """
 
+import math
 import warnings
+from contextlib import nullcontext
+from typing import ContextManager, Protocol
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
+
+from partrain.parallel.expert import average_expert_gradients
+from partrain.parallel.grads import average_gradients, clip_grad_norm
+from partrain.parallel.tensor import sync_sequence_parallel_grads
+
+
+class DataParallelBackend(Protocol):
+    """What the train step asks of a data-parallel backend."""
+
+    model: nn.Module  # what forward runs: the wrapped model
+    module: nn.Module  # the model under the wrapper (the pipeline executor under pp)
+    optimizer: torch.optim.Optimizer
+
+    def no_sync(self, last: bool) -> ContextManager:
+        """Around one micro-batch's forward and backward: skip the gradient reduction unless
+        `last` (one reduction per optimizer step)."""
+
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    def step(self, tracer) -> float:
+        """Reduce the accumulated gradients, clip, step the optimizer, zero the gradients;
+        return the global gradient norm before clipping."""
 
 
 def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
@@ -42,3 +74,45 @@ def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
             gradient_as_bucket_view=True,
             find_unused_parameters=True,  # one bucket layout for the whole run (docstring)
         )
+
+
+class DDPBackend:
+    """zero_stage=0: DDP's bucketed all-reduce during backward (or, under pp, one flat average
+    after the schedule), then partrain's clipping over every model-parallel group and AdamW."""
+
+    def __init__(self, model: nn.Module, optimizer, dims, mesh, expert_mesh,
+                 sequence_parallel: bool, grad_clip: float):
+        self.model, self.optimizer = model, optimizer
+        self.module = model.module if isinstance(model, DistributedDataParallel) else model
+        self.max_norm = grad_clip if grad_clip > 0 else math.inf
+        # Under pp the executor, not DDP, runs backward: the backend averages over dp x cp.
+        self.dp_group = mesh["dp_cp"].get_group() if dims.pp_enabled and dims.dp_cp > 1 else None
+        # Expert slices: summed over the ranks holding the same experts, / (dp x cp).
+        self.edp_group = expert_mesh["edp_cp"].get_group() if expert_mesh is not None else None
+        self.dp_cp = dims.dp_cp
+        self.tp_group = mesh["tp"].get_group() if dims.tp_enabled else None
+        self.pp_group = mesh["pp"].get_group() if dims.pp_enabled else None
+        self.ep_group = expert_mesh["ep"].get_group() if expert_mesh is not None else None
+        self.sequence_parallel = sequence_parallel
+
+    def no_sync(self, last: bool) -> ContextManager:
+        ddp = isinstance(self.model, DistributedDataParallel)
+        return self.model.no_sync() if ddp and not last else nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self, tracer) -> float:
+        with tracer.span("gradients: dp average, clip", "comm"):
+            if self.dp_group is not None:
+                average_gradients(self.model.parameters(), self.dp_group)
+            if self.edp_group is not None:
+                average_expert_gradients(self.model, self.edp_group, self.dp_cp)
+            if self.sequence_parallel:
+                sync_sequence_parallel_grads(self.model, self.tp_group)
+            grad_norm = clip_grad_norm(self.model.parameters(), self.max_norm, self.tp_group,
+                                       self.pp_group, self.ep_group)
+        with tracer.span("optimizer", "compute"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm.item()

@@ -1,12 +1,123 @@
-"""The wrappers a worker applies to its model, in one order."""
+"""The wrappers a worker applies to its model, in the only place their order is written.
+
+`parallelize` takes the full single-process model (the same weights for every layout) and returns
+it wrapped for this rank, with the data-parallel backend that the step drives:
+
+    activation checkpointing -> tensor -> context -> MoE wiring -> expert -> pipeline -> compile
+    -> (the weights to start from) -> DDP or ZeRO
+
+Each step sees what the one before produced, and the comment on each says why it comes there
+(torchtitan's parallelize_llama is the model). Every apply_* gets its own mesh slice and config
+section; the order is not repeated anywhere else (docs/design.md points here).
+"""
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
+from partrain.config.deepspeed import deepspeed_config
+from partrain.models.arith import moe_blocks
+from partrain.models.llama import TransformerBlock
+from partrain.models.moe import MoE
+from partrain.parallel.context import apply_context_parallel
+from partrain.parallel.data import DataParallelBackend, DDPBackend, apply_data_parallel
+from partrain.parallel.expert import apply_expert_parallel, moe_modules
+from partrain.parallel.mesh import ParallelDims
+from partrain.parallel.pipeline import apply_pipeline_parallel
+from partrain.parallel.tensor import apply_tensor_parallel
+from partrain.parallel.zero import ZeroBackend, apply_zero
+
+
+@dataclass
+class Parallelized:
+    """What `parallelize` built: the data-parallel backend (the wrapped model and its optimizer),
+    and the group whose ranks route different tokens (MoE load accounting), if any."""
+    backend: DataParallelBackend
+    moe_load_group: object | None
+    sequence_parallel: bool
+
+
+def parallelize(model: torch.nn.Module, cfg, dims: ParallelDims, mesh, expert_mesh, tracer, *,
+                load_weights: Callable[[torch.nn.Module], None],
+                param_groups: Callable[[torch.nn.Module], list[dict]],
+                build_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]
+                ) -> Parallelized:
+    """Wrap `model` for this rank's place in `mesh`, in the one order, and build its optimizer.
+    `load_weights(model)` puts the starting weights (a checkpoint's or a Hugging Face model's, or
+    none) into this rank's shards; `param_groups` and `build_optimizer` are the optimizer's."""
+    p, t = cfg.parallel, cfg.train
+    # Blocks keep their checkpointing mode through every wrapper (they stay the same modules).
+    apply_activation_checkpointing(model, t.activation_checkpointing)
+    if dims.tp_enabled:
+        # First, on the full model: column- then row-parallel linears, heads split over tp.
+        model = apply_tensor_parallel(model, mesh["tp"], p)
+    sequence_parallel = dims.tp_enabled and p.sequence_parallel
+    if dims.cp_enabled:
+        # Attention over the cp group; every other module works on this rank's tokens.
+        model = apply_context_parallel(model, mesh["cp"], p, t.seq_len)
+    # The MoE blocks learn their sequence groups before ep swaps their dispatcher.
+    moe_load_group = setup_moe(moe_modules(model), len(moe_blocks(cfg.model)), dims, mesh,
+                               sequence_parallel, t.micro_batches)
+    if dims.ep_enabled:
+        # Each rank keeps 1/ep of every MoE's experts; tokens travel to them (all-to-all).
+        model = apply_expert_parallel(model, expert_mesh["ep"])
+    if dims.pp_enabled:
+        # What flows between stages: the residual stream of one micro-batch (this cp rank's
+        # tokens of it, and a sequence shard of those under sequence parallelism).
+        seq = t.seq_len // dims.cp // (dims.tp if sequence_parallel else 1)
+        model = apply_pipeline_parallel(model, mesh["pp"], p,
+                                        (t.micro_batch_size, seq, cfg.model.dim), tracer)
+    if t.compile:
+        # The blocks as tp, cp, ep and pp left them; DDP and ZeRO then wrap the compiled blocks.
+        compile_blocks(model)
+    # Checkpoint weights go into this rank's shards now, before DDP or ZeRO take the model: each
+    # rank reads only its slices, whatever layout wrote them (and ZeRO copies them to its fp32
+    # master weights when it starts).
+    load_weights(model)
+    if dims.zero_enabled:
+        # ZeRO replaces DDP and the optimizer: DeepSpeed shards over dp and builds AdamW from
+        # the derived config (over the same parameter groups).
+        ds_config = deepspeed_config(cfg, on_cuda=mesh.device_type == "cuda")
+        engine, optimizer = apply_zero(model, mesh, dims, ds_config, param_groups(model),
+                                       expert_mesh)
+        backend = ZeroBackend(engine, optimizer, mesh["tp"].get_group() if sequence_parallel
+                              else None)
+    else:
+        if dims.dp_cp > 1 and not dims.pp_enabled:
+            # Gradients are averaged over dp x cp. Under pp the executor runs forward and
+            # backward; the backend averages after the schedule instead.
+            model = apply_data_parallel(model, mesh["dp_cp"])
+        backend = DDPBackend(model, build_optimizer(model), dims, mesh, expert_mesh,
+                             sequence_parallel, cfg.optim.grad_clip)
+    return Parallelized(backend, moe_load_group, sequence_parallel)
+
+
+def setup_moe(layers, n_moe_blocks: int, dims: ParallelDims, mesh, sequence_parallel: bool,
+              micro_batches: int):
+    """Wire this rank's MoE blocks into the layout; return the group whose ranks route different
+    tokens (their per-expert loads are summed): dp x cp, and tp under sequence parallelism.
+    Every rank takes part (new groups are collective), with MoE blocks of its own or not."""
+    if not n_moe_blocks:
+        return None
+    # A sequence split over ranks (cp, tp's sequence shards) sums its router statistics there;
+    # the balancing loss's gradient takes the language-model loss's 1/micro_batches.
+    seq_dims = (("cp",) if dims.cp_enabled else ()) + (("tp",) if sequence_parallel else ())
+    seq_group = None
+    if len(seq_dims) == 2:
+        seq_group = mesh["cp", "tp"]._flatten("cp_tp").get_group()
+    elif seq_dims:
+        seq_group = mesh[seq_dims[0]].get_group()
+    for moe in layers:
+        moe.seq_group, moe.seq_scale, moe.aux_scale = seq_group, dims.cp, 1.0 / micro_batches
+    if sequence_parallel:
+        return mesh["dp", "cp", "tp"]._flatten("dp_cp_tp").get_group()
+    return mesh["dp_cp"].get_group() if dims.dp_cp > 1 else None
+
 
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> torch.nn.Module:
-    """Set every transformer block of `model` to checkpoint in `mode` (partrain.models.arith.RECOMPUTE_MODES)."""
-    from partrain.models.llama import TransformerBlock
-
+    """Set every transformer block of `model` to checkpoint in `mode` (models.arith.RECOMPUTE_MODES;
+    the mechanism is partrain.models.recompute)."""
     for module in model.modules():
         if isinstance(module, TransformerBlock):
             module.recompute = mode
@@ -22,9 +133,6 @@ def compile_blocks(model: torch.nn.Module) -> int:
     """train.compile: torch.compile every transformer block of `model` in place (the modules stay
     the same objects, so wrappers that hold them see the compiled forward). A block's
     checkpointing is part of its compiled forward. Returns the number of blocks compiled."""
-    from partrain.models.llama import TransformerBlock
-    from partrain.models.moe import MoE
-
     blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
     for block in blocks:
         if isinstance(block.feed_forward, MoE) and block.recompute != "none":

@@ -25,10 +25,12 @@ over every dp rank (the slices of the ep group once each).
 
 import logging
 import os
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch.distributed as dist
 from torch import nn
+
+from partrain.parallel.tensor import sync_sequence_parallel_grads
 
 
 class MeshMPU:
@@ -160,3 +162,27 @@ def apply_zero(model: nn.Module, mesh, dims, ds_config: dict, param_groups: list
             model=model, model_parameters=param_groups, config=ds_config,
             mpu=MeshMPU(mesh, dims), dist_init_required=False)
     return engine, optimizer
+
+
+class ZeroBackend:
+    """zero_stage 1-3: DeepSpeed's engine accumulates in its backward and, in `engine.step()`,
+    reduces over dp (and syncs sequence-parallel norms first, at stage 1), clips and steps; its
+    norm is the one before clipping, summed over the replica (pp x tp)."""
+
+    def __init__(self, engine, optimizer, sequence_parallel_group=None):
+        self.model, self.optimizer = engine, optimizer
+        self.module = engine.module
+        self.sequence_parallel_group = sequence_parallel_group
+
+    def no_sync(self, last: bool):
+        return nullcontext()  # the engine reduces once, in step()
+
+    def backward(self, loss) -> None:
+        self.model.backward(loss, scale_wrt_gas=False)
+
+    def step(self, tracer) -> float:
+        with tracer.span("zero: reduce, clip, step", "comm"):
+            if self.sequence_parallel_group is not None:
+                sync_sequence_parallel_grads(self.module, self.sequence_parallel_group)
+            self.model.step()
+        return float(self.model.get_global_grad_norm())

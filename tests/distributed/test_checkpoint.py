@@ -13,7 +13,7 @@ Starting ranks costs far more than anything they do here, so the ranks of one gr
 count, with or without DeepSpeed) build, train, save and load every layout of that group in one
 run and write what they found under a directory; the tests judge those files, in this process.
 The one-process layout without ZeRO runs here too, without a process group. Each layout is built
-in the order partrain.train builds it and trained with its own train_step.
+by partrain's own parallelize and trained with its own train_step.
 """
 
 import gc
@@ -37,17 +37,14 @@ from partrain.checkpoint.state import (
     named_parameters,
 )
 from partrain.config.compose import compose_config
-from partrain.config.deepspeed import deepspeed_config
 from partrain.config.validate import World, resolve_and_validate
 from partrain.data.batches import rank_micro_batches
 from partrain.models.llama import build_model
 from partrain.observe.trace import Tracer
-from partrain.parallel.data import apply_data_parallel
 from partrain.parallel.mesh import ParallelDims
-from partrain.parallel.pipeline import apply_pipeline_parallel
-from partrain.parallel.tensor import apply_tensor_parallel
-from partrain.parallel.zero import apply_zero
-from partrain.train.loop import build_optimizer, loss_function, param_groups, train_step
+from partrain.parallel.parallelize import parallelize
+from partrain.train.optim import build_optimizer, param_groups
+from partrain.train.step import loss_function, train_step
 from tests.distributed.helpers import run_distributed
 
 # A one-process layout saves and loads without a process group, as DCP allows (and says).
@@ -118,44 +115,42 @@ def config(layout: str):
 
 
 # ---------------------------------------------------------------------------------------------
-# One rank's model and optimizer, built, trained and read back as partrain.train does it.
+# One rank's model and optimizer, built, trained and read back as a worker does it.
 
 @dataclass
 class Rank:
     dims: ParallelDims
     mesh: object
     tp_mesh: object
-    model: torch.nn.Module
-    optimizer: object
+    backend: object  # the data-parallel backend: the wrapped model and its optimizer
+
+    @property
+    def model(self):
+        return self.backend.model
+
+    @property
+    def optimizer(self):
+        return self.backend.optimizer
 
 
 def setup(cfg, load: Path | None = None) -> Rank:
-    """build_model -> TP -> PP -> load_weights -> ZeRO, or DDP and AdamW -> load_optimizer."""
+    """partrain.parallel.parallelize, with the weights of `load` (then its optimizer state)."""
     p, t = cfg.parallel, cfg.train
     dims = ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp, zero_stage=p.zero_stage)
     mesh = dims.build_mesh("cpu") if dist.is_initialized() else None
-    model = build_model(cfg.model, t.seed)
-    if dims.tp_enabled:
-        model = apply_tensor_parallel(model, mesh["tp"], p)
-    if dims.pp_enabled:
-        model = apply_pipeline_parallel(model, mesh["pp"], p,
-                                        (t.micro_batch_size, t.seq_len, cfg.model.dim))
     tp_mesh = mesh["tp"] if dims.tp_enabled else None
-    if load:
-        load_weights(model, load, tp_mesh)
     if dims.zero_enabled:
         # What torch's elastic agent sets for a worker, and DeepSpeed asks for.
         rank = str(dist.get_rank())
         os.environ.update(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=str(dims.world_size))
-        model, optimizer = apply_zero(model, mesh, dims, deepspeed_config(cfg),
-                                      param_groups(model, cfg.optim))
-    else:
-        if dims.dp_enabled and not dims.pp_enabled:
-            model = apply_data_parallel(model, mesh["dp"])
-        optimizer = build_optimizer(model, cfg.optim)
+    built = parallelize(build_model(cfg.model, t.seed), cfg, dims, mesh, None, Tracer(False),
+                        load_weights=lambda model: load and load_weights(model, load, tp_mesh),
+                        param_groups=lambda model: param_groups(model, cfg.optim),
+                        build_optimizer=lambda model: build_optimizer(model, cfg.optim))
+    r = Rank(dims, mesh, tp_mesh, built.backend)
     if load:
-        load_optimizer(model, optimizer, load, tp_mesh, dims.zero_enabled)
-    return Rank(dims, mesh, tp_mesh, model, optimizer)
+        load_optimizer(r.model, r.optimizer, load, tp_mesh, dims.zero_enabled)
+    return r
 
 
 def train(r: Rank, cfg, steps) -> None:
@@ -169,8 +164,8 @@ def train(r: Rank, cfg, steps) -> None:
         micro = rank_micro_batches(tokens, step, global_batch_size=t.global_batch_size,
                                    micro_batch_size=t.micro_batch_size, dp=r.dims.dp,
                                    dp_rank=dp_rank, seq_len=t.seq_len, seed=t.seed)
-        train_step(r.model, r.optimizer, micro, loss_fn, r.dims, r.mesh, torch.device("cpu"),
-                   torch.autocast("cpu", enabled=False), cfg.optim.grad_clip, False, Tracer(False))
+        train_step(r.backend, micro, loss_fn, r.dims, r.mesh, torch.device("cpu"),
+                   torch.autocast("cpu", enabled=False), Tracer(False))
 
 
 def _gather_tp(local: torch.Tensor, dim: int, r: Rank) -> torch.Tensor:

@@ -25,3 +25,13 @@ def run_main(monkeypatch, capsys):
         return CliResult(code, captured.out, captured.err)
 
     return run
+
+
+# Two small text files to prepare a token dir from (test_data_prepare.py, test_data_tokens.py).
+@pytest.fixture
+def text_files(tmp_path):
+    a = tmp_path / "a.txt"
+    b = tmp_path / "b.txt"
+    a.write_bytes(("first file, with some text é\n" * 40).encode())
+    b.write_bytes(b"second file\x00\xff bytes too\n" * 30)
+    return [a, b]

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from partrain.models.arith import count_params, ffn_dim, flops_per_token
 from partrain.models.layers import Attention, apply_rope
 from partrain.models.llama import build_model
-from partrain.train.loop import lr_at
+from partrain.train.optim import lr_at
 from tests.unit.helpers import compose, quick
 
 
@@ -292,7 +292,7 @@ def test_mfu_peak_by_gpu_name(name, peak):
 
 def test_adamw_is_fused_on_cuda():
     """Without ZeRO, AdamW is torch's fused kernel on CUDA (its for-each one on CPU)."""
-    from partrain.train.loop import build_optimizer
+    from partrain.train.optim import build_optimizer
 
     cfg = compose("launcher.device=cpu", "model.n_layers=1")
     model = build_model(cfg.model, 0)

@@ -1,10 +1,11 @@
 """Every rule in partrain/config/validate.py: a bad value is a ConfigError whose message names the
-key, the value and the rule; the good neighbour passes. A handful go through the real CLI too."""
+key, the value and the rule; the good neighbour passes. What validation fills in and allows is
+test_validate_resolve.py's; the rules through the CLI, test_validate_cli.py's."""
 
 import pytest
 
 from partrain.errors import ConfigError
-from tests.unit.helpers import compose, finish, quick, start_cli, validated
+from tests.unit.helpers import compose, quick, validated
 
 # The quickstart default: dp=2, nproc_per_node=2, global_batch_size=16, micro_batch_size=4,
 # model tiny (n_layers=4, n_heads=4, n_kv_heads=2, dim=128, max_seq_len=512).
@@ -319,163 +320,6 @@ def test_rule_rejects_bad_and_accepts_good_neighbour(bad, bad_world, fragments, 
     assert t.global_batch_size == t.micro_batch_size * t.micro_batches * p.dp
 
 
-@pytest.mark.parametrize("nnodes, nproc, tp, pp, dp", [
-    (1, 2, 1, 1, 2), (1, 8, 2, 1, 4), (1, 8, 2, 2, 2), (2, 4, 2, 1, 4), (4, 8, 4, 2, 4),
-    (1, 4, 4, 1, 1),
-])
-def test_dp_auto_is_world_over_tp_pp(nnodes, nproc, tp, pp, dp):
-    cfg, world, _ = validated("parallel.dp=auto", f"parallel.tp={tp}", f"parallel.pp={pp}",
-                             "model.n_kv_heads=4", "model.n_layers=8",
-                             "train.global_batch_size=64", "train.micro_batch_size=1",
-                             nnodes=nnodes, nproc=nproc)
-    assert cfg.parallel.dp == dp
-    assert cfg.train.micro_batches == 64 // dp
-    assert (cfg.launcher.nnodes, cfg.launcher.nproc_per_node) == (nnodes, nproc)
-
-
-@pytest.mark.parametrize("g, b, m, expected", [
-    (16, 4, None, (16, 4, 2)),
-    (16, None, 2, (16, 4, 2)),
-    (None, 4, 2, (16, 4, 2)),
-    (16, 4, 2, (16, 4, 2)),
-    (32, 1, None, (32, 1, 16)),
-    (None, 3, 5, (30, 3, 5)),
-])
-def test_batch_triple_any_two_fix_the_third(g, b, m, expected):
-    def v(x):
-        return "null" if x is None else str(x)
-
-    cfg, _, _ = validated(f"train.global_batch_size={v(g)}", f"train.micro_batch_size={v(b)}",
-                         f"train.micro_batches={v(m)}")  # dp=2
-    t = cfg.train
-    assert (t.global_batch_size, t.micro_batch_size, t.micro_batches) == expected
-
-
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
-def test_every_pp_schedule_is_accepted(schedule):
-    virtual = 2 if schedule == "interleaved_1f1b" else 1
-    cfg, _, _ = validated("parallel.pp=2", "parallel.dp=1", f"parallel.pp_schedule={schedule}",
-                          f"parallel.pp_virtual_stages={virtual}")
-    assert cfg.parallel.pp_schedule == schedule
-
-
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_every_zero_stage_validates(stage):
-    cfg, _, _ = validated(f"parallel.zero_stage={stage}")
-    assert cfg.parallel.zero_stage == stage
-
-
-TP_OVER_NODE = ["parallel.tp=4", "parallel.dp=1", "model.n_kv_heads=4"]
-
-
-@pytest.mark.parametrize("device", ["auto", "cuda"])
-def test_tp_larger_than_gpus_per_node_is_a_warning(device):
-    cfg, world, warnings = validated(*TP_OVER_NODE, f"launcher.device={device}", nnodes=2, nproc=2)
-    assert world.size == 4
-    assert len(warnings) == 1
-    assert "parallel.tp=4" in warnings[0]
-    assert "2 GPUs per node" in warnings[0]
-
-
-def test_tp_larger_than_node_on_cpu_is_no_warning():
-    _, _, warnings = validated(*TP_OVER_NODE, "launcher.device=cpu", nnodes=2, nproc=2)
-    assert warnings == []
-
-
-def test_tp_within_node_is_no_warning():
-    _, _, warnings = validated(*TP_OVER_NODE, "launcher.device=cuda", nnodes=1, nproc=4)
-    assert warnings == []
-
-
-def test_validate_fills_in_place_and_is_idempotent():
-    from partrain.config.validate import resolve_and_validate
-
-    cfg, world, _ = validated("parallel.dp=auto", "train.micro_batch_size=null",
-                             "train.micro_batches=4", nproc=4)
-    assert (cfg.parallel.dp, cfg.train.micro_batch_size) == (4, 1)
-    before = dict(cfg.train)
-    assert resolve_and_validate(cfg, world) == []
-    assert dict(cfg.train) == before
-
-
-# The same rules through the CLI, in-process (main() with sys.argv): exit 2, the message on
-# stderr, no traceback, nothing on stdout.
-CLI_CASES = [
-    (["plan", "parallel.dp=3", "--world-size", "2"], "pp(1) * dp(3) * tp(1) = 3 != world size 2"),
-    (["plan", "parallel.tp=3", "parallel.dp=1", "--world-size", "3"],
-     "parallel.tp=3 must divide model.n_heads=4 (try tp in {1, 2, 4})"),
-    (["plan", "parallel.pp=3", "parallel.dp=1"], "model.n_layers=4 must be divisible by pp(3)"),
-    (["plan", "train.micro_batches=3"], "train.global_batch_size=16 != micro_batch_size(4)"),
-    (["plan", "parallel.dp=auto", "parallel.tp=2", "--world-size", "3"],
-     "parallel.dp=auto needs the world size 3 to be divisible by pp(1) * tp(2) = 2"),
-    (["plan", "--world-size", "0"], "--world-size=0 must be at least 1"),
-    (["plan", "parallel.pp=2", "parallel.dp=1", "train.global_batch_size=4"],
-     "train.micro_batches=1 must be at least parallel.pp=2"),
-    (["show", "train.seq_len=4096"], "train.seq_len=4096 exceeds model.max_seq_len=512"),
-    (["show", "parallel.zero_stage=5"], "parallel.zero_stage=5 must be 0 (DDP), 1, 2 or 3"),
-    (["show", "parallel.pp_schedule=zb"], "parallel.pp_schedule=zb is not one of"),
-    (["show", "model.foo=1"], "unknown config key model.foo"),
-    (["show", "parallel.tp=abc"], "parallel.tp=abc"),
-    (["show", "nosuch"], "unknown recipe 'nosuch'; known recipes: llama-1b-dp8, llama-7b-tp4-pp2"),
-    (["launch", "parallel.zero_stage=2", "parallel.pp=2", "parallel.dp=1", "--dry-run"],
-     "parallel.zero_stage=2 with parallel.pp=2"),
-    (["show", "parallel.zero_stage=1", "+parallel.deepspeed.gradient_clipping=0.5"],
-     "parallel.deepspeed.gradient_clipping=0.5 contradicts the derived gradient_clipping=1.0 "
-     "(from optim.grad_clip)"),
-    (["launch", "--node-rank", "1", "--dry-run"], "--node-rank=1 must be in 0..0"),
-    (["launch", "--nnodes", "2", "parallel.dp=4", "--dry-run"], "--rdzv-endpoint"),
-]
-
-
-@pytest.mark.parametrize("args, fragment", CLI_CASES, ids=[" ".join(a) for a, _ in CLI_CASES])
-def test_cli_in_process_exit_2(run_main, args, fragment):
-    result = run_main(*args)
-    assert result.code == 2, (result.stdout, result.stderr)
-    assert fragment in result.stderr
-    assert result.stderr.startswith("error: ")
-    assert "Traceback" not in result.stderr
-    assert result.stdout == ""
-
-
-def test_cli_show_prints_the_tp_warning_on_stderr(run_main):
-    result = run_main("show", *TP_OVER_NODE, "launcher.device=cuda", "launcher.nnodes=2")
-    assert result.code == 0, result.stderr
-    assert "warning:" in result.stderr and "parallel.tp=4" in result.stderr
-    assert "tp: 4" in result.stdout
-
-
-# A few through a real subprocess, started together to keep the suite fast.
-SUBPROCESS_CASES = [
-    (["show", "parallel.dp=3", "launcher.nproc_per_node=2"],
-     "pp(1) * dp(3) * tp(1) = 3 != world size 2"),
-    (["show", "parallel.tp=3", "parallel.dp=1", "launcher.nproc_per_node=3"],
-     "parallel.tp=3 must divide model.n_heads=4 (try tp in {1, 2, 4})"),
-    (["show", "train.global_batch_size=18"],
-     "train.global_batch_size=18 is not divisible by micro_batch_size(4) * dp(2) = 8"),
-    (["show", "parallel.zero_stage=7"], "parallel.zero_stage=7 must be 0 (DDP), 1, 2 or 3"),
-    (["show", "parallel.tp=abc"], "parallel.tp=abc"),
-    (["plan", "nosuch"], "unknown recipe 'nosuch'"),
-]
-
-
-@pytest.fixture(scope="module")
-def subprocess_results():
-    procs = [start_cli(*args) for args, _ in SUBPROCESS_CASES]
-    return [finish(proc) for proc in procs]
-
-
-@pytest.mark.parametrize("index", range(len(SUBPROCESS_CASES)),
-                         ids=[" ".join(a) for a, _ in SUBPROCESS_CASES])
-def test_cli_subprocess_exit_2(subprocess_results, index):
-    result = subprocess_results[index]
-    fragment = SUBPROCESS_CASES[index][1]
-    assert result.code == 2, (result.stdout, result.stderr)
-    assert fragment in result.stderr
-    assert "error:" in result.stderr
-    assert "Traceback" not in result.stderr
-    assert result.stdout == ""
-
-
 # Values that would otherwise fail later, in the workers or in `plan`: each is a ConfigError up
 # front, naming the key. The second field says what happened before validation caught it.
 GAPS = [
@@ -502,9 +346,3 @@ def test_values_that_fail_later_are_rejected_up_front(override, consequence):
     with pytest.raises(ConfigError) as info:
         validated(override)
     assert override.split("=")[0] in str(info.value)
-
-
-def test_cli_plan_multiple_of_zero_is_exit_2(run_main):
-    result = run_main("plan", "model.multiple_of=0")
-    assert result.code == 2
-    assert "model.multiple_of=0" in result.stderr

@@ -1,6 +1,6 @@
-"""Data: the global batch of a step depends only on (seed, step); dp ranks and micro-batches slice
-it without changing it. Token streams: the stdlib corpus and prepared token dirs, and their
-errors."""
+"""Token streams (partrain/data/tokens.py: `load_tokens`, `check_data`): the stdlib corpus and
+prepared token dirs, and their errors: corrupt dirs, ids that the meta.json or the model do not
+allow, files partrain cannot read. `text_files` is tests/unit/conftest.py's."""
 
 import errno
 import json
@@ -8,11 +8,8 @@ import os
 
 import numpy as np
 import pytest
-import torch
 
-from partrain.data import prepare as prepare_module
 from partrain.data import tokens as tokens_module
-from partrain.data.batches import global_batch_rows, rank_micro_batches
 from partrain.data.prepare import prepare_token_dir
 from partrain.data.tokens import (
     SAMPLE_BLOCK,
@@ -23,102 +20,6 @@ from partrain.data.tokens import (
 )
 from partrain.errors import ConfigError
 from tests.unit.helpers import one_line, quick
-
-SEQ_LEN = 32
-GLOBAL = 16
-
-
-@pytest.fixture(scope="module")
-def tokens():
-    return np.random.default_rng(123).integers(0, 256, size=5000).astype(np.uint8)
-
-
-def test_global_batch_rows_deterministic_for_seed_and_step():
-    a = global_batch_rows(10_000, 5, 16, 64, seed=1)
-    b = global_batch_rows(10_000, 5, 16, 64, seed=1)
-    np.testing.assert_array_equal(a, b)
-    assert a.shape == (16,)
-
-
-def test_global_batch_rows_differ_across_steps_seeds_and_splits():
-    base = global_batch_rows(10_000, 5, 16, 64, seed=1)
-    assert not np.array_equal(base, global_batch_rows(10_000, 6, 16, 64, seed=1))
-    assert not np.array_equal(base, global_batch_rows(10_000, 5, 16, 64, seed=2))
-    assert not np.array_equal(base, global_batch_rows(10_000, 5, 16, 64, seed=1, split="val"))
-
-
-def test_global_batch_rows_stay_in_bounds():
-    n, seq = 300, 100
-    starts = np.concatenate([global_batch_rows(n, s, 64, seq, seed=0) for s in range(20)])
-    assert starts.min() >= 0
-    assert starts.max() + seq + 1 <= n
-    # The last possible window is reachable (endpoint inclusive) over many draws.
-    assert starts.max() == n - seq - 1
-    # Exactly seq_len + 1 tokens: only one window fits.
-    assert set(global_batch_rows(seq + 1, 0, 8, seq, seed=0)) == {0}
-
-
-def _whole(tokens, step, dp, micro_batch_size, seed=0, split="train"):
-    """Concatenate every dp rank's micro-batches in (dp rank, micro-batch) order."""
-    xs, ys, shapes = [], [], []
-    for dp_rank in range(dp):
-        micro = rank_micro_batches(tokens, step, global_batch_size=GLOBAL,
-                                   micro_batch_size=micro_batch_size, dp=dp, dp_rank=dp_rank,
-                                   seq_len=SEQ_LEN, seed=seed, split=split)
-        assert len(micro) == GLOBAL // (dp * micro_batch_size)
-        for x, y in micro:
-            shapes.append(tuple(x.shape))
-            xs.append(x)
-            ys.append(y)
-    assert set(shapes) == {(micro_batch_size, SEQ_LEN)}
-    return torch.cat(xs), torch.cat(ys)
-
-
-@pytest.mark.parametrize("dp, micro_batch_size", [
-    (1, 4), (1, 1), (2, 8), (2, 2), (4, 4), (4, 1), (8, 2), (16, 1),
-])
-@pytest.mark.parametrize("step", [1, 7])
-def test_every_split_sees_the_same_global_batch(tokens, dp, micro_batch_size, step):
-    ref_x, ref_y = _whole(tokens, step, dp=1, micro_batch_size=GLOBAL)
-    x, y = _whole(tokens, step, dp, micro_batch_size)
-    assert torch.equal(x, ref_x)
-    assert torch.equal(y, ref_y)
-
-
-def test_batch_is_the_windows_at_the_drawn_starts(tokens):
-    starts = global_batch_rows(len(tokens), 3, GLOBAL, SEQ_LEN, seed=0)
-    (x, y), = rank_micro_batches(tokens, 3, global_batch_size=GLOBAL, micro_batch_size=GLOBAL,
-                                 dp=1, dp_rank=0, seq_len=SEQ_LEN, seed=0)
-    assert x.dtype == torch.int64 and y.dtype == torch.int64
-    for row, s in enumerate(starts):
-        np.testing.assert_array_equal(x[row].numpy(), tokens[s:s + SEQ_LEN])
-        np.testing.assert_array_equal(y[row].numpy(), tokens[s + 1:s + SEQ_LEN + 1])
-
-
-def test_targets_are_inputs_shifted_by_one(tokens):
-    for x, y in rank_micro_batches(tokens, 2, global_batch_size=GLOBAL, micro_batch_size=4, dp=2,
-                                   dp_rank=1, seq_len=SEQ_LEN, seed=0):
-        assert torch.equal(x[:, 1:], y[:, :-1])
-
-
-def test_dp_ranks_get_disjoint_slices(tokens):
-    a = rank_micro_batches(tokens, 1, global_batch_size=GLOBAL, micro_batch_size=8, dp=2,
-                           dp_rank=0, seq_len=SEQ_LEN, seed=0)
-    b = rank_micro_batches(tokens, 1, global_batch_size=GLOBAL, micro_batch_size=8, dp=2,
-                           dp_rank=1, seq_len=SEQ_LEN, seed=0)
-    assert not torch.equal(a[0][0], b[0][0])
-
-
-def test_steps_and_splits_give_different_batches(tokens):
-    one, = rank_micro_batches(tokens, 1, global_batch_size=GLOBAL, micro_batch_size=GLOBAL, dp=1,
-                              dp_rank=0, seq_len=SEQ_LEN, seed=0)
-    two, = rank_micro_batches(tokens, 2, global_batch_size=GLOBAL, micro_batch_size=GLOBAL, dp=1,
-                              dp_rank=0, seq_len=SEQ_LEN, seed=0)
-    val, = rank_micro_batches(tokens, 1, global_batch_size=GLOBAL, micro_batch_size=GLOBAL, dp=1,
-                              dp_rank=0, seq_len=SEQ_LEN, seed=0, split="val")
-    assert not torch.equal(one[0], two[0])
-    assert not torch.equal(one[0], val[0])
-
 
 # The stdlib corpus.
 
@@ -148,78 +49,6 @@ def test_stdlib_default_corpus_is_big_enough_for_quickstart():
 
 
 # Prepared token dirs.
-
-@pytest.fixture
-def text_files(tmp_path):
-    a = tmp_path / "a.txt"
-    b = tmp_path / "b.txt"
-    a.write_bytes(("first file, with some text é\n" * 40).encode())
-    b.write_bytes(b"second file\x00\xff bytes too\n" * 30)
-    return [a, b]
-
-
-def test_prepare_token_dir_round_trip(tmp_path, text_files):
-    out = tmp_path / "tok"
-    meta = prepare_token_dir(text_files, out, 0.1)
-    stream = b"\n".join(f.read_bytes() for f in text_files)
-    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
-    assert json.loads((out / "meta.json").read_text()) == meta
-    assert meta["format"] == "partrain-tokens/1" and meta["vocab_size"] == 256
-    assert meta["train_tokens"] + meta["val_tokens"] == len(stream)
-    assert meta["val_tokens"] == len(stream) - int(len(stream) * 0.9)
-    # No temp dir left beside it.
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt", "tok"]
-
-    splits = load_tokens(quick("data.source=tokens", f"data.path={out}").data)
-    assert splits.vocab_size == 256
-    assert splits.train.tobytes() + splits.val.tobytes() == stream
-    assert len(splits.train) == meta["train_tokens"]
-
-
-def test_prepare_into_an_existing_empty_dir(tmp_path, text_files):
-    out = tmp_path / "empty"
-    out.mkdir()
-    meta = prepare_token_dir(text_files, out, 0.5)
-    assert (out / "meta.json").is_file()
-    assert meta["val_tokens"] > 0
-
-
-def test_prepare_missing_input_file(tmp_path, text_files):
-    missing = tmp_path / "nope.txt"
-    with pytest.raises(ConfigError, match="input file .*nope.txt does not exist"):
-        prepare_token_dir([text_files[0], missing], tmp_path / "tok", 0.1)
-    assert not (tmp_path / "tok").exists()
-
-
-def test_prepare_refuses_a_non_empty_out(tmp_path, text_files):
-    out = tmp_path / "tok"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
-    with pytest.raises(ConfigError, match="exists and is not empty"):
-        prepare_token_dir(text_files, out, 0.1)
-    assert (out / "keep.txt").read_text() == "mine"
-
-
-def test_prepare_refuses_an_out_that_is_a_file(tmp_path, text_files):
-    out = tmp_path / "a-file"
-    out.write_text("x")
-    with pytest.raises(ConfigError):
-        prepare_token_dir(text_files, out, 0.1)
-
-
-@pytest.mark.parametrize("fraction", [0.0, 1.0, -0.1, 1.5, float("nan"), float("inf"),
-                                      float("-inf")])
-def test_prepare_bad_val_fraction(tmp_path, text_files, fraction):
-    with pytest.raises(ConfigError, match=f"--val-fraction={fraction} must be between 0 and 1"):
-        prepare_token_dir(text_files, tmp_path / "tok", fraction)
-
-
-def test_prepare_too_little_text(tmp_path):
-    small = tmp_path / "small.txt"
-    small.write_bytes(b"abc")
-    with pytest.raises(ConfigError, match="3 bytes"):
-        prepare_token_dir([small], tmp_path / "tok", 0.1)
-
 
 @pytest.fixture
 def token_dir(tmp_path, text_files):
@@ -312,29 +141,6 @@ def test_check_data_rejects_too_short_train_split(token_dir):
     assert f"the train split has {meta['train_tokens']:,} tokens" in str(info.value)
 
 
-# `partrain data prepare` through the CLI (in-process).
-
-def test_cli_data_prepare(run_main, tmp_path, text_files):
-    out = tmp_path / "tok"
-    result = run_main("data", "prepare", *map(str, text_files), "--out", str(out),
-                      "--val-fraction", "0.2")
-    assert result.code == 0, result.stderr
-    meta = json.loads((out / "meta.json").read_text())
-    text = one_line(result.stdout.splitlines()[-1])
-    assert f"{meta['train_tokens']:,} train" in text
-    assert f"{meta['val_tokens']:,} val tokens" in text
-    assert text.startswith("wrote ")
-    assert "data=tokens" in text
-    assert meta["val_tokens"] == sum(f.stat().st_size for f in text_files) + 1 - meta["train_tokens"]
-
-
-def test_cli_data_prepare_error_is_exit_2(run_main, tmp_path, text_files):
-    result = run_main("data", "prepare", str(tmp_path / "nope.txt"), "--out", str(tmp_path / "t"))
-    assert result.code == 2
-    assert "nope.txt does not exist" in result.stderr
-    assert not (tmp_path / "t").exists()
-
-
 # Data that lies: ids that the meta.json or the model do not allow, found before any process.
 
 def _write_token_dir(path, train, val, dtype, vocab_size, **extra):
@@ -356,14 +162,6 @@ def _refused(cfg) -> str:
         check_data(cfg)
     assert str(again.value) == str(info.value)
     return str(info.value)
-
-
-def test_prepare_records_the_max_token_id(tmp_path):
-    text = tmp_path / "t.txt"
-    text.write_bytes(b"abc\n" * 100)
-    meta = prepare_token_dir([text], tmp_path / "tok", 0.1)
-    assert meta["max_token_id"] == ord("c")
-    assert json.loads((tmp_path / "tok" / "meta.json").read_text())["max_token_id"] == ord("c")
 
 
 @pytest.mark.parametrize("split, index", [("train", 0), ("train", 77), ("train", 99), ("val", 40)])
@@ -581,139 +379,3 @@ def test_check_data_error_through_the_cli_is_exit_2(run_main, tmp_path):
     assert "Traceback" not in result.stderr
     assert "train.bin holds token id 300 (at index 50)" in one_line(result.stderr)
     assert not run_dir.exists()
-
-
-# `partrain data prepare` where --out cannot be written or the input cannot be read: exit 2,
-# one message, and nothing left behind (no --out, no `.NAME.tmp-*`, no parent made for it).
-
-def _prepare(run_main, files, out, *more):
-    result = run_main("data", "prepare", *map(str, files), "--out", str(out), *more)
-    assert result.code == 2, result.stdout
-    assert "Traceback" not in result.stderr
-    return one_line(result.stderr)
-
-
-def test_prepare_out_under_a_file(run_main, tmp_path, text_files):
-    out = tmp_path / "file.txt" / "out"
-    (tmp_path / "file.txt").write_text("mine")
-    message = _prepare(run_main, text_files, out)
-    assert f"--out {out}: {tmp_path / 'file.txt'} is a file, not a directory" in message
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt", "file.txt"]
-    assert (tmp_path / "file.txt").read_text() == "mine"
-
-
-@pytest.mark.parametrize("under", ["tok", "a/b/tok"])
-def test_prepare_on_a_read_only_file_system(run_main, readonly_fs, text_files, under):
-    out = readonly_fs / under
-    message = _prepare(run_main, text_files, out)
-    assert f"--out {out} cannot be written: Read-only file system (" in message
-    assert "nothing was left behind" in message
-    assert list(readonly_fs.iterdir()) == []
-
-
-@pytest.mark.parametrize("full_fs, step", [
-    (0, "writing train.bin"), (4096, "writing val.bin"), (8192, "writing meta.json"),
-], indirect=["full_fs"])
-@pytest.mark.parametrize("under", ["tok", "a/b/tok"])
-def test_prepare_on_a_full_disk(run_main, full_fs, text_files, step, under):
-    # ~2 KB of text: train.bin takes one 4 KiB page of the tmpfs, val.bin another.
-    out = full_fs / under
-    message = _prepare(run_main, text_files, out)
-    assert f"--out {out} cannot be written: No space left on device ({step}); nothing was left behind" in message
-    assert list(full_fs.iterdir()) == []  # no .tok.tmp-*, no half-written dir, no a/b
-
-
-def test_prepare_interrupted_leaves_nothing(tmp_path, text_files, monkeypatch):
-    real_open = open
-
-    def interrupted(file, *args, **kwargs):
-        if str(file).endswith("val.bin"):
-            raise KeyboardInterrupt
-        return real_open(file, *args, **kwargs)
-
-    monkeypatch.setattr(prepare_module, "open", interrupted, raising=False)
-    with pytest.raises(KeyboardInterrupt):
-        prepare_token_dir(text_files, tmp_path / "new" / "tok", 0.1)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt", "b.txt"]
-
-
-def test_prepare_creates_missing_parents(tmp_path, text_files):
-    out = tmp_path / "a" / "b" / "tok"
-    prepare_token_dir(text_files, out, 0.1)
-    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
-    assert sorted(p.name for p in out.parent.iterdir()) == ["tok"]
-
-
-@pytest.mark.parametrize("target", ["file", "empty-dir", "missing"])
-def test_prepare_refuses_an_out_that_is_a_symlink(run_main, tmp_path, text_files, target):
-    pointed = tmp_path / "target"
-    if target == "file":
-        pointed.write_text("mine")
-    elif target == "empty-dir":
-        pointed.mkdir()
-    out = tmp_path / "link"
-    out.symlink_to(pointed)
-    message = _prepare(run_main, text_files, out)
-    assert f"--out {out} is a symbolic link (to {pointed}); give a new directory, not a link" in message
-    assert out.is_symlink()
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["a.txt", "b.txt", "link"] + ([] if target == "missing" else ["target"]))
-    if target == "file":
-        assert pointed.read_text() == "mine"
-
-
-@pytest.mark.parametrize("out", [".", ".."])
-def test_prepare_refuses_the_current_or_parent_dir(run_main, tmp_path, text_files, monkeypatch, out):
-    here = tmp_path / "empty" / "here"
-    here.mkdir(parents=True)
-    monkeypatch.chdir(here)
-    message = _prepare(run_main, text_files, out)
-    assert f"--out {out} must name a new directory, not the current or a parent one" in message
-    assert here.is_dir() and list(here.iterdir()) == []
-
-
-def test_prepare_input_that_is_an_empty_directory(run_main, tmp_path, text_files):
-    folder = tmp_path / "folder"
-    (folder / ".hidden").mkdir(parents=True)
-    (folder / ".hidden" / "a.txt").write_text("skipped")
-    (folder / ".b.txt").write_text("skipped")
-    message = _prepare(run_main, [text_files[0], folder], tmp_path / "tok")
-    assert f"input directory {folder} holds no files (hidden ones are skipped)" in message
-    assert not (tmp_path / "tok").exists()
-
-
-def test_prepare_input_that_is_a_pipe(run_main, tmp_path, text_files):
-    fifo = tmp_path / "fifo"
-    os.mkfifo(fifo)
-    message = _prepare(run_main, [fifo], tmp_path / "tok")
-    assert f"input file {fifo} is not a regular file (a pipe, socket or device)" in message
-    assert not (tmp_path / "tok").exists()
-
-
-def test_prepare_input_that_cannot_be_read(run_main, tmp_path, text_files, monkeypatch):
-    real_read_bytes = type(text_files[1]).read_bytes
-
-    def denied(self):
-        if self == text_files[1]:
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
-        return real_read_bytes(self)
-
-    monkeypatch.setattr(type(text_files[1]), "read_bytes", denied)
-    message = _prepare(run_main, text_files, tmp_path / "tok")
-    assert f"input file {text_files[1]} cannot be read: Permission denied" in message
-    assert not (tmp_path / "tok").exists()
-
-
-@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "0", "1"])
-def test_prepare_val_fraction_through_the_cli(run_main, tmp_path, text_files, value):
-    message = _prepare(run_main, text_files, tmp_path / "tok", "--val-fraction", value)
-    assert f"--val-fraction={float(value)} must be between 0 and 1 (exclusive)" in message
-    assert not (tmp_path / "tok").exists()
-
-
-def test_prepare_val_fraction_too_small_for_a_val_split(tmp_path, text_files):
-    with pytest.raises(ConfigError) as info:
-        prepare_token_dir(text_files, tmp_path / "tok", 1e-9)
-    assert str(info.value) == ("the input files hold 1921 bytes; --val-fraction=1e-09 splits them "
-                               "into 1920 train and 1 val tokens, and each split needs at least 2")
-    assert not (tmp_path / "tok").exists()

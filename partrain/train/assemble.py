@@ -1,0 +1,212 @@
+"""Build one worker's run once: mesh -> where to start -> model -> parallelize -> optimizer, data,
+metrics, checkpointer. The loop then steps with the `Run` this returns and never builds anything.
+
+Cross-cutting work attaches here, so the loop stays short: the MoE router accounting becomes
+`Run.after_step`, the backend (DDP or ZeRO) hides which one reduces and steps.
+"""
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from partrain.checkpoint import store
+from partrain.checkpoint.checkpointer import Checkpointer
+from partrain.checkpoint.state import load_optimizer, load_weights
+from partrain.config.resolve import compute_dtype
+from partrain.data.tokens import TokenSplits, load_tokens
+from partrain.interop.hf import hf_dir, is_hf, load_hf_weights
+from partrain.models.arith import flops_per_token, moe_blocks
+from partrain.models.llama import build_model
+from partrain.observe.curves import Curves
+from partrain.observe.metrics import MetricsLog, ProgressDisplay, peak_flops
+from partrain.observe.trace import Tracer
+from partrain.parallel.data import DataParallelBackend
+from partrain.parallel.expert import finish_moe_step, moe_modules
+from partrain.parallel.mesh import ParallelDims
+from partrain.parallel.parallelize import checkpointed_blocks, parallelize
+from partrain.train.optim import build_optimizer, param_groups
+from partrain.train.step import loss_function
+
+log = logging.getLogger("partrain")
+
+
+@dataclass
+class Start:
+    """Where the weights come from: the run dir's newest checkpoint (a resume, optimizer too),
+    else model.init_from's checkpoint or Hugging Face directory, else the seed."""
+    resume: store.Checkpoint | None
+    init_from: store.Checkpoint | None
+    hf_from: Path | None
+
+
+@dataclass
+class Run:
+    """What a worker built once; the loop steps with it."""
+    cfg: object
+    run_dir: Path
+    rank: int
+    device: torch.device
+    dims: ParallelDims
+    mesh: object
+    coords: dict
+    backend: DataParallelBackend
+    loss_fn: Callable
+    autocast: object
+    tracer: Tracer
+    splits: TokenSplits
+    tp_mesh: object
+    start: Start
+    first_step: int
+    checkpointer: Checkpointer
+    metrics: MetricsLog
+    display: ProgressDisplay
+    after_step: Callable[[], dict]  # per-step accounting attached at build time (MoE routers)
+    flops_per_step: float
+    peak_flops: float | None
+
+
+def find_start(cfg, run_dir: Path, rank: int) -> Start:
+    """Resume from the newest committed checkpoint, if the run dir holds one. Rank 0 first removes
+    what an interrupted save left; the barrier keeps every rank's first write after that."""
+    ckpt_root = run_dir / store.CHECKPOINTS
+    if rank == 0:
+        for path in store.clean_leftovers(ckpt_root):
+            log.info("removed %s, left by an interrupted save", path)
+    resume = store.newest(ckpt_root)
+    fresh_from = cfg.model.init_from if resume is None else None
+    hf_from = hf_dir(fresh_from) if is_hf(fresh_from) else None
+    init_from = (store.find(Path(fresh_from), "model.init_from")
+                 if fresh_from and hf_from is None else None)
+    dist.barrier()
+    return Start(resume, init_from, hf_from)
+
+
+def load_start_weights(model: torch.nn.Module, start: Start, model_cfg, tp_mesh) -> None:
+    """This rank's slices of the starting weights, whatever layout wrote them."""
+    source = start.resume or start.init_from
+    if source:
+        load_weights(model, source.path, tp_mesh)
+    elif start.hf_from:
+        load_hf_weights(model, start.hf_from, model_cfg, tp_mesh)
+
+
+def build(cfg, run_dir: Path, device: torch.device) -> Run:
+    p, t = cfg.parallel, cfg.train
+    rank = dist.get_rank()
+    dims = ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp, zero_stage=p.zero_stage, cp=p.cp, ep=p.ep)
+    mesh = dims.build_mesh(device.type)
+    expert_mesh = dims.build_expert_mesh(device.type) if dims.ep_enabled else None
+    coords = dims.coords(rank)
+    log.info("rank %d of %d: mesh coordinates %s on %s", rank, dims.world_size, coords, device)
+    start = find_start(cfg, run_dir, rank)
+
+    # The full model from the seed, identical for every layout; parallelize takes it apart.
+    tracer = Tracer(t.trace)
+    model = build_model(cfg.model, t.seed).to(device)
+    n_params = sum(q.numel() for q in model.parameters())
+    tp_mesh = mesh["tp"] if dims.tp_enabled else None
+    built = parallelize(model, cfg, dims, mesh, expert_mesh, tracer,
+                        load_weights=partial(load_start_weights, start=start,
+                                             model_cfg=cfg.model, tp_mesh=tp_mesh),
+                        param_groups=partial(param_groups, optim_cfg=cfg.optim),
+                        build_optimizer=partial(build_optimizer, optim_cfg=cfg.optim,
+                                                device=device))
+    backend = built.backend
+    if start.resume:
+        load_optimizer(backend.model, backend.optimizer, start.resume.path, tp_mesh,
+                       dims.zero_enabled)
+
+    # Under ZeRO, DeepSpeed keeps bf16/fp16 weights with fp32 master copies itself.
+    use_bf16 = compute_dtype(t.dtype, device.type == "cuda") == "bf16"
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16,
+                              enabled=use_bf16 and not dims.zero_enabled)
+    splits = load_tokens(cfg.data)
+    first_step = start.resume.step + 1 if start.resume else 1
+    metrics, display, checkpointer = _outputs(cfg, run_dir, rank, start, first_step)
+    n_moe_blocks = len(moe_blocks(cfg.model))
+    # This pipeline stage's MoE blocks, for the per-step router accounting.
+    after_step = (partial(finish_moe_step, moe_modules(backend.model), cfg.model.moe,
+                          n_moe_blocks, built.moe_load_group,
+                          mesh["pp"].get_group() if dims.pp_enabled else None, device)
+                  if n_moe_blocks else dict)
+    run = Run(cfg=cfg, run_dir=run_dir, rank=rank, device=device, dims=dims, mesh=mesh,
+              coords=coords, backend=backend, loss_fn=loss_function(dims, mesh),
+              autocast=autocast, tracer=tracer, splits=splits, tp_mesh=tp_mesh, start=start,
+              first_step=first_step, checkpointer=checkpointer, metrics=metrics,
+              display=display, after_step=after_step,
+              flops_per_step=flops_per_token(cfg.model, t.seq_len) * t.global_batch_size
+              * t.seq_len,
+              peak_flops=(peak_flops(torch.cuda.get_device_name(device))
+                          if device.type == "cuda" else None))
+    _announce(run, n_params, built.sequence_parallel)
+    return run
+
+
+def _outputs(cfg, run_dir: Path, rank: int, start: Start, first_step: int):
+    """metrics.jsonl (and curves), the progress display and the checkpointer; rank 0 writes."""
+    if rank == 0 and start.resume:
+        _keep_metrics_until(run_dir / "metrics.jsonl", start.resume.step)
+    metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=rank == 0,
+                         curves=Curves(run_dir, cfg, first_step, enabled=rank == 0))
+    display = ProgressDisplay(cfg.train.max_steps, cfg.train.log_every, enabled=rank == 0)
+
+    def report(record: dict) -> None:
+        metrics.write(record)
+        display.print(f"step {record['step']:>6}  checkpoint {record['checkpoint']}: "
+                      f"{record['bytes']:,} bytes in {record['seconds']:.2f} s"
+                      + (f" ({record['reason']})" if record["reason"] != "every" else ""))
+
+    checkpointer = Checkpointer(run_dir, cfg.checkpoint, OmegaConf.to_yaml(cfg), report)
+    return metrics, display, checkpointer
+
+
+def _keep_metrics_until(path: Path, step: int) -> None:
+    """On resume: drop the metrics lines of steps after the checkpoint (the interrupted run
+    trained them, and they are trained again), so that metrics.jsonl has one line per step."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+def _announce(run: Run, n_params: int, sequence_parallel: bool) -> None:
+    """The run's first lines on rank 0: the model, the data, the layout, where it starts."""
+    cfg, dims, t, p = run.cfg, run.dims, run.cfg.train, run.cfg.parallel
+    model = run.backend.model
+    # ZeRO-3 leaves each parameter empty and keeps this rank's shard in `ds_tensor`.
+    rank_params = sum(getattr(q, "ds_tensor", q).numel() for q in model.parameters())
+    run.display.print(
+        f"partrain: {cfg.model.name} ({n_params:,} parameters, {rank_params:,} on rank "
+        f"0), {run.splits.description}, layout pp={dims.pp} dp={dims.dp}"
+        f"{f' (ep={dims.ep})' if dims.ep_enabled else ''}"
+        f"{f' cp={dims.cp} ({p.cp_method})' if dims.cp_enabled else ''} tp={dims.tp}"
+        f"{' +sp' if sequence_parallel else ''}, {t.global_batch_size} x "
+        f"{t.seq_len} tokens per step ({t.micro_batches} micro-batches of "
+        f"{t.micro_batch_size} per dp rank)"
+        + (f", activation checkpointing {t.activation_checkpointing} "
+           f"({checkpointed_blocks(model)} blocks on rank 0)"
+           if t.activation_checkpointing != "none" else "")
+        + (", blocks compiled" if t.compile else ""))
+    start = run.start
+    if start.resume:
+        run.display.print(f"resuming from step {start.resume.step} ({start.resume.path})")
+        run.metrics.write({"step": start.resume.step,
+                           "resumed_from": str(start.resume.path.relative_to(run.run_dir)),
+                           "world_size": dims.world_size})
+    elif start.init_from:
+        run.display.print(f"weights from {start.init_from.path} (step {start.init_from.step}); "
+                          "fresh optimizer")
+    elif start.hf_from:
+        run.display.print(f"weights from the Hugging Face model in {start.hf_from}; "
+                          "fresh optimizer")

@@ -1,0 +1,101 @@
+"""One optimizer step of one rank, and an evaluation pass: forward and backward over this rank's
+micro-batches, then the data-parallel backend's reduce, clip and step.
+
+Each micro-batch's loss is scaled by 1/micro_batches, so the accumulated gradient is that of the
+mean loss for every layout. Under pp the pipeline executor runs the schedule (the loss lives on
+the last stage). Otherwise the backend's `no_sync` keeps it to one gradient reduction per step.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from partrain.data.batches import rank_micro_batches
+from partrain.observe.trace import Tracer
+from partrain.parallel.context import shard_batch
+from partrain.parallel.data import DataParallelBackend
+from partrain.parallel.mesh import ParallelDims
+from partrain.parallel.tensor import vocab_parallel_cross_entropy
+
+
+def loss_function(dims: ParallelDims, mesh):
+    """Mean cross-entropy over tokens; under tp the logits are vocabulary shards and the loss is
+    computed from them without gathering (every tp rank gets the same value)."""
+    if dims.tp_enabled:
+        tp_group = mesh["tp"].get_group()
+        return lambda logits, target: vocab_parallel_cross_entropy(logits, target, tp_group)
+    return lambda logits, target: F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+
+def global_mean(value: torch.Tensor, dims: ParallelDims, mesh) -> float:
+    """A per-rank mean loss -> the mean over the global batch: summed over pp (only the last
+    stage holds a loss), averaged over dp x cp (cp ranks hold equal shares of the same
+    sequences; tp ranks already agree)."""
+    if dims.pp_enabled:
+        dist.all_reduce(value, group=mesh["pp"].get_group())
+    if dims.dp_cp > 1:
+        dist.all_reduce(value, group=mesh["dp_cp"].get_group())
+        value = value / dims.dp_cp
+    return value.item()
+
+
+def forward_backward(backend: DataParallelBackend, micro, loss_fn, dims: ParallelDims, device,
+                     autocast, tracer=None, train: bool = True) -> torch.Tensor:
+    """This rank's mean loss over its micro-batches, with gradients accumulated when `train`."""
+    if dims.pp_enabled:
+        return backend.module.run(micro, loss_fn, autocast, train=train)
+    tracer = tracer or Tracer(False)
+    loss_sum = torch.zeros((), device=device)
+    for i, (x, y) in enumerate(micro):
+        last = i == len(micro) - 1
+        with backend.no_sync(last or not train):
+            with tracer.span(f"F{i}", "compute"), torch.set_grad_enabled(train), autocast:
+                loss = loss_fn(backend.model(x.to(device)), y.to(device)) / len(micro)
+            if train:
+                with tracer.span(f"B{i}", "compute"):
+                    backend.backward(loss)
+        loss_sum += loss.detach()
+    return loss_sum
+
+
+def train_step(backend: DataParallelBackend, micro, loss_fn, dims: ParallelDims, mesh, device,
+               autocast, tracer, before_update=lambda: None) -> tuple[float, float]:
+    """One optimizer step over this rank's micro-batches; (global mean loss, grad norm before
+    clipping). `before_update` runs after backward, before the parameters change."""
+    loss = forward_backward(backend, micro, loss_fn, dims, device, autocast, tracer)
+    pipeline = backend.module if dims.pp_enabled else None
+    if pipeline is not None and pipeline.tied is not None:
+        # Tied embeddings: the first stage's embedding and the last stage's head are copies of
+        # one weight, each holding part of its gradient; both get the sum (before DeepSpeed's
+        # dp reduction under ZeRO-1, which reduces p.grad at step()).
+        with tracer.span("gradients: tied embedding", "comm"):
+            pipeline.all_reduce_tied_grads()
+    before_update()
+    grad_norm = backend.step(tracer)
+    return global_mean(loss, dims, mesh), grad_norm
+
+
+def micro_batches(tokens, step: int, cfg, dims: ParallelDims, coords: dict,
+                  split: str = "train") -> list:
+    """This rank's micro-batches of global batch `step`: its dp slice, and its cp shard of each
+    sequence under context parallelism."""
+    t = cfg.train
+    micro = rank_micro_batches(tokens, step, global_batch_size=t.global_batch_size,
+                               micro_batch_size=t.micro_batch_size, dp=dims.dp,
+                               dp_rank=coords["dp"], seq_len=t.seq_len, seed=t.seed, split=split)
+    if dims.cp_enabled:
+        micro = shard_batch(micro, dims.cp, coords["cp"])
+    return micro
+
+
+def evaluate(backend: DataParallelBackend, splits, loss_fn, cfg, dims: ParallelDims, mesh,
+             coords: dict, device, autocast) -> float:
+    """Mean loss over `eval_batches` fixed global batches of the validation split."""
+    t = cfg.train
+    backend.model.eval()
+    total = torch.zeros((), device=device)
+    for i in range(t.eval_batches):
+        micro = micro_batches(splits.val, i, cfg, dims, coords, split="val")
+        total += forward_backward(backend, micro, loss_fn, dims, device, autocast, train=False)
+    backend.model.train()
+    return global_mean(total / t.eval_batches, dims, mesh)

@@ -48,7 +48,21 @@ def _group_text(first_members: list[int], size: int) -> str:
 
 
 def print_plan(plan: dict, console: Console) -> None:
-    d, b, m = plan["degrees"], plan["batch"], plan["model"]
+    """The plan, section by section: world and model, ranks and groups, batch and memory, the
+    pipeline, the tp and cp traffic, then the warnings."""
+    _print_world(plan, console)
+    _print_ranks(plan, console)
+    _print_memory(plan, console)
+    if plan["pipeline"]:
+        _print_pipeline(plan, console)
+    _print_tp_collectives(plan, console)
+    _print_context(plan, console)
+    for warning in plan["warnings"]:
+        console.print(Text.assemble(("warning:", "yellow"), " ", warning))
+
+
+def _print_world(plan: dict, console: Console) -> None:
+    d, m = plan["degrees"], plan["model"]
     console.print(Text.assemble(
         (plan["name"], "bold"),
         f": {plan['world_size']} ranks = {plan['nnodes']} node(s) x "
@@ -76,6 +90,9 @@ def print_plan(plan: dict, console: Console) -> None:
             + f"; all-to-all {_size(a2a['bytes_sent'] + a2a['count_bytes'])} sent per step per "
             f"rank ({ex['tokens_routed_per_rank']:,} tokens routed, uniform routing)")
 
+
+def _print_ranks(plan: dict, console: Console) -> None:
+    d = plan["degrees"]
     shown = plan["ranks"] if plan["world_size"] <= 2 * TABLE_END_ROWS else (
         plan["ranks"][:TABLE_END_ROWS] + [None] + plan["ranks"][-TABLE_END_ROWS:])
     ranks = Table(title="ranks" if shown is plan["ranks"] else
@@ -102,6 +119,9 @@ def print_plan(plan: dict, console: Console) -> None:
         groups.add_row(dim, f"{pattern['groups']:,}", text)
     console.print(groups)
 
+
+def _print_memory(plan: dict, console: Console) -> None:
+    b = plan["batch"]
     console.print(f"batch: global_batch_size {b['rule']}; seq_len {b['seq_len']}; "
                   f"{b['tokens_per_step']:,} tokens per step")
     mem = plan["memory"]
@@ -113,7 +133,6 @@ def print_plan(plan: dict, console: Console) -> None:
                   f"gradients {_size(mem['grad_bytes'])} + optimizer state "
                   f"{_size(mem['optim_bytes'])} = {mem['formula']} = {_size(mem['total'])}; "
                   f"other stages: {others}")
-    t = plan["batch"]
     for st in plan["memory_per_stage"]:
         state = st["param_bytes"] + st["grad_bytes"] + st["optim_bytes"]
         parts = [f"model state {_size(state)}"
@@ -133,35 +152,41 @@ def print_plan(plan: dict, console: Console) -> None:
     console.print(f"checkpoint: {_size(ck['bytes'])} (fp32 weights + AdamW moments), about "
                   f"{_size(ck['bytes_per_rank'])} written per rank; {when}, newest {ck['keep']} "
                   f"kept ({_size(ck['disk_bytes'])} on disk){', in the background' if ck['async_save'] else ''}")
+
+
+def _print_pipeline(plan: dict, console: Console) -> None:
     pipe = plan["pipeline"]
-    if pipe:
-        stage_table = Table(title="pipeline stages")
-        for col in ("stage", "pp rank", "chunk", "blocks", "also", "params per rank"):
-            stage_table.add_column(col, justify="right")
-        # A tied head on another stage than the embedding is a copy of it (memory there too).
-        head = "norm + tied head + loss" if plan["model"]["tie_embeddings"] \
-            else "norm + head + loss"
-        for s in pipe["stages"]:
-            also = ", ".join(x for x, on in (("embedding", s["embedding"]), (head, s["head"]))
-                             if on)
-            stage_table.add_row(str(s["stage"]), str(s["pp_rank"]), str(s["chunk"]),
-                                f"{s['blocks'][0]}-{s['blocks'][1]}", also,
-                                f"{s['params_per_rank']:,}")
-        console.print(stage_table)
-        m, shown = pipe["micro_batches"], pipe["timeline_micro_batches"]
-        note = "" if shown == m else f" (drawn for {shown} micro-batches; the run has {m})"
-        console.print(f"schedule {pipe['schedule']}, {m} micro-batches"
-                      f"{', ' + str(pipe['virtual_stages']) + ' chunks per rank' if pipe['virtual_stages'] > 1 else ''}"
-                      f"; timeline{note}: F/B = forward/backward of micro-batch n, a backward "
-                      "taking twice a forward, ··· = idle")
-        if pipe["timeline"] is None:
-            console.print(f"(not drawn for more than {TIMELINE_MAX_RANKS} pp ranks)")
-        for row in _timeline_rows(pipe["timeline"] or []):
-            console.print(row, soft_wrap=True, highlight=False, markup=True)  # generated text only
-        peak = pipe["peak_in_flight"]
-        console.print(f"bubble {pipe['rule']} = {pipe['bubble_theory']:.3f} of each step idle; "
-                      "peak activations in flight per rank: "
-                      f"{peak if peak is not None else 'not simulated (too many micro-batches)'}")
+    stage_table = Table(title="pipeline stages")
+    for col in ("stage", "pp rank", "chunk", "blocks", "also", "params per rank"):
+        stage_table.add_column(col, justify="right")
+    # A tied head on another stage than the embedding is a copy of it (memory there too).
+    head = "norm + tied head + loss" if plan["model"]["tie_embeddings"] \
+        else "norm + head + loss"
+    for s in pipe["stages"]:
+        also = ", ".join(x for x, on in (("embedding", s["embedding"]), (head, s["head"]))
+                         if on)
+        stage_table.add_row(str(s["stage"]), str(s["pp_rank"]), str(s["chunk"]),
+                            f"{s['blocks'][0]}-{s['blocks'][1]}", also,
+                            f"{s['params_per_rank']:,}")
+    console.print(stage_table)
+    m, shown = pipe["micro_batches"], pipe["timeline_micro_batches"]
+    note = "" if shown == m else f" (drawn for {shown} micro-batches; the run has {m})"
+    console.print(f"schedule {pipe['schedule']}, {m} micro-batches"
+                  f"{', ' + str(pipe['virtual_stages']) + ' chunks per rank' if pipe['virtual_stages'] > 1 else ''}"
+                  f"; timeline{note}: F/B = forward/backward of micro-batch n, a backward "
+                  "taking twice a forward, ··· = idle")
+    if pipe["timeline"] is None:
+        console.print(f"(not drawn for more than {TIMELINE_MAX_RANKS} pp ranks)")
+    for row in _timeline_rows(pipe["timeline"] or []):
+        console.print(row, soft_wrap=True, highlight=False, markup=True)  # generated text only
+    peak = pipe["peak_in_flight"]
+    console.print(f"bubble {pipe['rule']} = {pipe['bubble_theory']:.3f} of each step idle; "
+                  "peak activations in flight per rank: "
+                  f"{peak if peak is not None else 'not simulated (too many micro-batches)'}")
+
+
+def _print_tp_collectives(plan: dict, console: Console) -> None:
+    d = plan["degrees"]
     tpc = plan["tp_collectives"]
     if tpc["per_step"]:
         stages = (f"; a pp stage's {tpc['layers_per_tp_group']} blocks, embedding rows on the "
@@ -177,6 +202,9 @@ def print_plan(plan: dict, console: Console) -> None:
         table.add_row("total", "", "", "", _size(tpc["bytes_per_step"]),
                       _size(tpc["wire_bytes_per_step"]))
         console.print(table)
+
+
+def _print_context(plan: dict, console: Console) -> None:
     ctx = plan["context"]
     console.print(f"activations kept per micro-batch per rank: "
                   f"{_size(ctx['activation_bytes_per_micro_batch'])}"
@@ -193,5 +221,3 @@ def print_plan(plan: dict, console: Console) -> None:
                           _size(r["bytes"]))
         table.add_row("total", "", "", "", _size(ctx["bytes_per_step"]))
         console.print(table)
-    for warning in plan["warnings"]:
-        console.print(Text.assemble(("warning:", "yellow"), " ", warning))

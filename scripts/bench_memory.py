@@ -6,7 +6,7 @@ activation checkpointing, micro-batches), on CPU with gloo:
   predicted  `partrain plan --json`'s peak bytes per rank (memory_per_stage: model state,
              activations in flight, the loss's buffers, a recomputed block)
   measured   `partrain launch ... train.measure_memory=true`: tensor accounting of the run's 2nd
-             step on every rank (partrain/memory.py: every storage alive, from the model state
+             step on every rank (partrain/observe/memory.py: every storage alive, from the model state
              found at the start to the step's peak)
 
 and prints, per layout, the largest rank's measured peak, the prediction for that rank and their

@@ -4,7 +4,7 @@ The same Llama-style model (same seed, same batch) with train.activation_checkpo
 selective and full:
 
   activations  the bytes autograd keeps at the end of the forward for the backward, measured by
-               tensor accounting (partrain.memory.measure_step: torch's MemTracker), and their
+               tensor accounting (partrain.observe.memory.measure_step: torch's MemTracker), and their
                ratio to none
   peak         the step's highest total (parameters, gradients, activations, temporaries)
   speed        tokens/s of forward + backward (median of --reps, untracked) and its ratio to none:

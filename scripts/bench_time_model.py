@@ -1,4 +1,4 @@
-"""Benchmark: `partrain plan`'s time model (partrain/time_model.py) against published throughput.
+"""Benchmark: `partrain plan`'s time model (partrain/plan/time_model.py) against published throughput.
 
 The table: Megatron-LM's weak-scaling runs of GPT models from 1.7B to 1T parameters on up to 3072
 A100-80GB GPUs (Narayanan et al., SC'21, Table 1; the Megatron-LM README's 2021 table): sequence

@@ -1,14 +1,22 @@
-"""Which keys and group options exist, and the nearest real one to a typo.
+"""Which keys and group options exist, what each key means, and the nearest real one to a typo.
 
 Hydra lets `+key=value` add any key (it opens the config for it), and its own messages for a
 misspelt key advise exactly that. partrain's config is closed: every key is declared in the
 schema, and only `parallel.deepspeed` takes free keys. So overrides, a user's YAML and the composed
 result are all checked here against the schema, and a wrong key is named with a suggestion.
+
+The key table (`key_table`, `render_markdown`) is read from the schema's field docstrings, so
+`partrain show --keys` and docs/config-keys.md cannot drift from it. Regenerate the docs with
+`python -m partrain.config.keys > docs/config-keys.md`.
 """
 
+import ast
 import dataclasses
 import difflib
+import inspect
+import sys
 import typing
+from typing import Any, NamedTuple
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
@@ -20,15 +28,18 @@ from partrain.errors import ConfigError
 OPEN_KEYS = ("parallel.deepspeed",)  # raw DeepSpeed keys: free by design
 
 
-def _leaves(cls, prefix: str = "") -> dict[str, object]:
-    """Every key of a schema dataclass, by its dotted name, with its declared type."""
-    out = {}
+def _fields(cls, prefix: str = ""):
+    """(dotted name, field, the dataclass declaring it) for every field of a schema dataclass,
+    sections included, depth first in declaration order."""
     for f in dataclasses.fields(cls):
+        yield f"{prefix}{f.name}", f, cls
         if dataclasses.is_dataclass(f.type):
-            out.update(_leaves(f.type, f"{prefix}{f.name}."))
-        else:
-            out[f"{prefix}{f.name}"] = f.type
-    return out
+            yield from _fields(f.type, f"{prefix}{f.name}.")
+
+
+def _leaves(cls) -> dict[str, object]:
+    """Every key of a schema dataclass, by its dotted name, with its declared type."""
+    return {key: f.type for key, f, _ in _fields(cls) if not dataclasses.is_dataclass(f.type)}
 
 
 SCHEMA_KEYS = _leaves(Config)
@@ -201,3 +212,90 @@ def check_defaults_list(defaults, where: str) -> None:
                 f"{where}: defaults list entry `{head}: {shown(option)}`: {shown(option)} is not an option of "
                 f"the config group {group}{suggest(option, known_groups[group])} (options: "
                 f"{', '.join(known_groups[group])})")
+
+
+class Key(NamedTuple):
+    """One row of the key table."""
+
+    key: str  # dotted name, as an override writes it
+    type: str  # in YAML's words: int, float, str, bool, list of int, mapping, any; "or null"
+    default: Any  # the schema's default (a config group or recipe may set another)
+    help: str  # the field's docstring on one line: meaning, unit, choices
+
+
+def field_docs(cls) -> dict[str, str]:
+    """Each field's docstring in a schema dataclass (the string on the line after the field), on
+    one line; '' for a field without one."""
+    module = ast.parse(inspect.getsource(sys.modules[cls.__module__]))
+    body = next(node.body for node in module.body
+                if isinstance(node, ast.ClassDef) and node.name == cls.__name__)
+    docs = {f.name: "" for f in dataclasses.fields(cls)}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def _type_name(t) -> str:
+    args = [a for a in typing.get_args(t) if a is not type(None)]
+    if typing.get_origin(t) is typing.Union and len(args) == 1:
+        return f"{_type_name(args[0])} or null"
+    if typing.get_origin(t) is list:
+        return f"list of {_type_name(args[0])}"
+    if typing.get_origin(t) is dict:
+        return "mapping"
+    return "any" if t is Any else t.__name__
+
+
+def _default(f: dataclasses.Field):
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def key_table() -> list[Key]:
+    """Every key of the schema, in declaration order, with its type, default and help."""
+    docs = {cls: field_docs(cls) for cls in {cls for _, _, cls in _fields(Config)}}
+    return [Key(key, _type_name(f.type), _default(f), docs[cls][f.name])
+            for key, f, cls in _fields(Config) if not dataclasses.is_dataclass(f.type)]
+
+
+def sections() -> dict[str, str]:
+    """Each section's dotted name and its help (the docstring of its field)."""
+    return {key: field_docs(cls)[f.name]
+            for key, f, cls in _fields(Config) if dataclasses.is_dataclass(f.type)}
+
+
+def _cell(text: str) -> str:
+    """Text for a Markdown table cell: a `|` would end the cell, a `<` open an HTML tag."""
+    return text.replace("|", "\\|").replace("<", "\\<")
+
+
+def render_markdown() -> str:
+    """docs/config-keys.md: one table per section, in the schema's order."""
+    helps = sections()
+    lines = ["# Config keys", "",
+             f"Generated from the field docstrings of partrain/config/schema.py by "
+             f"`{REGENERATE}`; do not edit by hand.", "",
+             "Defaults are the schema's. The config groups under configs/ and a recipe set some "
+             "keys to other values (configs/train/default.yaml sets the batch, for one); "
+             "`partrain show [RECIPE]` prints a recipe's resolved values. Set a key with an "
+             "override, `partrain launch RECIPE section.key=value`, or in a recipe's YAML."]
+    current = None
+    for row in key_table():
+        section = row.key.rpartition(".")[0]
+        if section != current:
+            current = section
+            title = f"`{section}`" if section else "Top level"
+            lines += ["", f"## {title}", ""]
+            if section:
+                lines += [_cell(helps[section]), ""]
+            lines += ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+        lines.append(f"| `{row.key}` | {row.type} | `{shown(row.default)}` | {_cell(row.help)} |")
+    return "\n".join(lines) + "\n"
+
+
+REGENERATE = "python -m partrain.config.keys > docs/config-keys.md"
+
+if __name__ == "__main__":
+    sys.stdout.write(render_markdown())

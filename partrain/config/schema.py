@@ -2,6 +2,11 @@
 
 Hydra merges the YAML groups under configs/ and the recipe into these dataclasses, so an unknown
 key or a value of the wrong type fails at compose time, before anything starts.
+
+Each field's docstring, the string on the line after it (torchtitan's job_config convention, read
+by editors and by `partrain.config.keys.key_table`), is the key's help: what it means, its unit,
+its choices; a section's is on its field in the section above. `partrain show --keys` and
+docs/config-keys.md are generated from them (tests/unit/test_keys_doc.py holds both to it).
 """
 
 from dataclasses import dataclass, field
@@ -12,131 +17,235 @@ from hydra.core.config_store import ConfigStore
 
 @dataclass
 class MoEConfig:
-    n_experts: int = 0  # routed experts in each MoE block; 0 = a dense model (no MoE)
-    top_k: int = 2  # routed experts per token
-    n_shared_experts: int = 0  # experts every token passes through as well (DeepSeek), 0 = none
-    expert_ffn_dim: Optional[int] = None  # SwiGLU inner size of one expert; null = the dense ffn_dim
-    first_dense: int = 0  # the first blocks keep a dense MLP (DeepSeek-V3: 3)
-    every: int = 1  # after those, every n-th block is MoE (1 = all, 2 = every other)
-    balance: str = "aux_loss"  # aux_loss (Switch/GShard, per sequence) | bias (DeepSeek-V3, loss-free) | none
-    aux_loss_coef: float = 0.01  # weight of the auxiliary balancing loss (balance=aux_loss)
-    bias_update_rate: float = 0.001  # per-step change of the expert bias (balance=bias)
-    capacity_factor: float = 0.0  # 0 = dropless; else each expert takes at most ceil(cf * seq_len * top_k / n_experts) tokens of a sequence
-    norm_topk: bool = True  # renormalise the top-k router weights to sum to 1 (Mixtral, DeepSeek)
+    n_experts: int = 0
+    """Routed experts in each MoE block; 0 = a dense model (no MoE)."""
+    top_k: int = 2
+    """Routed experts per token."""
+    n_shared_experts: int = 0
+    """Experts every token passes through as well (DeepSeek); 0 = none."""
+    expert_ffn_dim: Optional[int] = None
+    """SwiGLU inner size of one expert; null = the dense model.ffn_dim."""
+    first_dense: int = 0
+    """The first blocks keep a dense MLP (DeepSeek-V3: 3)."""
+    every: int = 1
+    """After those, every n-th block is MoE (1 = all, 2 = every other)."""
+    balance: str = "aux_loss"
+    """aux_loss (Switch/GShard, per sequence) | bias (DeepSeek-V3, loss-free) | none."""
+    aux_loss_coef: float = 0.01
+    """Weight of the auxiliary balancing loss (balance=aux_loss)."""
+    bias_update_rate: float = 0.001
+    """Per-step change of the expert bias (balance=bias)."""
+    capacity_factor: float = 0.0
+    """0 = dropless; else each expert takes at most ceil(cf * seq_len * top_k / n_experts) tokens
+    of a sequence."""
+    norm_topk: bool = True
+    """Renormalise the top-k router weights to sum to 1 (Mixtral, DeepSeek)."""
 
 
 @dataclass
 class ModelConfig:
-    name: str = "tiny"  # label shown in plans and logs
-    n_layers: int = 4  # transformer blocks
-    n_heads: int = 4  # query heads
-    n_kv_heads: int = 2  # key/value heads (grouped-query attention); must divide n_heads
-    dim: int = 128  # hidden size
-    ffn_dim: Optional[int] = None  # SwiGLU inner size; null = 8/3 * dim rounded up to multiple_of
-    multiple_of: int = 32  # rounding of the derived ffn_dim
-    vocab_size: int = 256  # embedding rows; the byte-level corpus needs 256
-    max_seq_len: int = 512  # longest sequence the rotary tables are built for
-    rope_theta: float = 10000.0  # rotary embedding base
-    rope_type: str = "default"  # default | llama3: Llama-3.1/3.2 frequency scaling by the rope_* keys below
-    rope_factor: float = 8.0  # llama3: wavelengths longer than original_max_seq_len / low_freq_factor are divided by it
-    rope_low_freq_factor: float = 1.0  # llama3: see rope_factor; between it and high_freq_factor, a blend
-    rope_high_freq_factor: float = 4.0  # llama3: wavelengths under original_max_seq_len / high_freq_factor stay
-    rope_original_max_seq_len: int = 8192  # llama3: the context length the frequencies were trained for
-    norm_eps: float = 1e-5  # RMSNorm epsilon
-    init_std: float = 0.02  # std of the normal weight initialisation
-    tie_embeddings: bool = False  # the output head's weight is the embedding's (one (vocab_size, dim) matrix)
-    init_from: Optional[str] = None  # checkpoint dir (or a run dir: its newest) whose weights start this run; fresh optimizer
-    moe: MoEConfig = field(default_factory=MoEConfig)  # mixture of experts in place of the dense MLP
+    name: str = "tiny"
+    """Label shown in plans and logs."""
+    n_layers: int = 4
+    """Transformer blocks."""
+    n_heads: int = 4
+    """Query heads."""
+    n_kv_heads: int = 2
+    """Key/value heads (grouped-query attention); must divide n_heads."""
+    dim: int = 128
+    """Hidden size (elements per token)."""
+    ffn_dim: Optional[int] = None
+    """SwiGLU inner size; null = 8/3 * dim rounded up to multiple_of."""
+    multiple_of: int = 32
+    """Rounding of the derived ffn_dim."""
+    vocab_size: int = 256
+    """Embedding rows (tokens); the byte-level corpus needs 256."""
+    max_seq_len: int = 512
+    """Longest sequence (tokens) the rotary tables are built for."""
+    rope_theta: float = 10000.0
+    """Rotary embedding base."""
+    rope_type: str = "default"
+    """default | llama3: Llama-3.1/3.2 frequency scaling by the rope_* keys below."""
+    rope_factor: float = 8.0
+    """llama3: wavelengths longer than original_max_seq_len / low_freq_factor are divided by
+    it."""
+    rope_low_freq_factor: float = 1.0
+    """llama3: see rope_factor; between it and high_freq_factor, a blend."""
+    rope_high_freq_factor: float = 4.0
+    """llama3: wavelengths under original_max_seq_len / high_freq_factor stay."""
+    rope_original_max_seq_len: int = 8192
+    """llama3: the context length (tokens) the frequencies were trained for."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    init_std: float = 0.02
+    """Std of the normal weight initialisation."""
+    tie_embeddings: bool = False
+    """The output head's weight is the embedding's (one (vocab_size, dim) matrix)."""
+    init_from: Optional[str] = None
+    """Checkpoint dir (or a run dir: its newest), or hf:DIR, whose weights start this run; fresh
+    optimizer."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """Mixture of experts: routed (and shared) experts in place of the dense MLP of some
+    blocks."""
 
 
 @dataclass
 class ParallelConfig:
-    dp: Any = "auto"  # data-parallel degree, or "auto" = world size / (pp * cp * tp)
-    tp: int = 1  # tensor-parallel degree (innermost mesh dimension)
-    pp: int = 1  # pipeline-parallel degree (outermost mesh dimension)
-    cp: int = 1  # context-parallel degree: each sequence split over cp ranks (between dp and tp)
-    ep: int = 1  # expert-parallel degree: experts split over groups of ep consecutive dp ranks (divides dp)
-    cp_method: str = "ring"  # ring (key/value blocks around a ring) | all_to_all (DeepSpeed-Ulysses)
-    zero_stage: int = 0  # 0 = DDP; 1, 2, 3 = DeepSpeed ZeRO over the dp dimension
-    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved_1f1b
-    pp_virtual_stages: int = 1  # model chunks per pp rank (interleaved_1f1b)
-    pp_layers: Optional[List[int]] = None  # blocks per stage (pp * pp_virtual_stages numbers); null = balanced
-    sequence_parallel: bool = False  # Megatron sequence parallelism inside tp groups
-    offload_optimizer: str = "none"  # none | cpu | nvme: ZeRO-Offload of optimizer state and step (zero_stage >= 1)
-    offload_params: str = "none"  # none | cpu | nvme: ZeRO-Infinity parameter offload (zero_stage 3)
-    offload_nvme_path: Optional[str] = None  # directory for offload to nvme
-    deepspeed: Dict[str, Any] = field(default_factory=dict)  # raw DeepSpeed keys merged over the derived config
+    dp: Any = "auto"
+    """Data-parallel degree, or auto = world size / (pp * cp * tp)."""
+    tp: int = 1
+    """Tensor-parallel degree (innermost mesh dimension)."""
+    pp: int = 1
+    """Pipeline-parallel degree (outermost mesh dimension)."""
+    cp: int = 1
+    """Context-parallel degree: each sequence split over cp ranks (between dp and tp)."""
+    ep: int = 1
+    """Expert-parallel degree: experts split over groups of ep consecutive dp ranks (divides
+    dp)."""
+    cp_method: str = "ring"
+    """ring (key/value blocks around a ring) | all_to_all (DeepSpeed-Ulysses)."""
+    zero_stage: int = 0
+    """0 = DDP; 1, 2, 3 = DeepSpeed ZeRO over the dp dimension."""
+    pp_schedule: str = "1f1b"
+    """gpipe | 1f1b | interleaved_1f1b."""
+    pp_virtual_stages: int = 1
+    """Model chunks per pp rank (interleaved_1f1b)."""
+    pp_layers: Optional[List[int]] = None
+    """Blocks per stage (pp * pp_virtual_stages numbers); null = balanced."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism inside tp groups."""
+    offload_optimizer: str = "none"
+    """none | cpu | nvme: ZeRO-Offload of optimizer state and step (zero_stage >= 1)."""
+    offload_params: str = "none"
+    """none | cpu | nvme: ZeRO-Infinity parameter offload (zero_stage 3)."""
+    offload_nvme_path: Optional[str] = None
+    """Directory for offload to nvme."""
+    deepspeed: Dict[str, Any] = field(default_factory=dict)
+    """Raw DeepSpeed keys merged over the derived config; contradictions are refused."""
 
 
 @dataclass
 class DataConfig:
-    source: str = "stdlib"  # stdlib = Python's own source as bytes; tokens = a prepared token dir
-    path: Optional[str] = None  # token dir (train.bin, val.bin, meta.json) when source=tokens
-    val_fraction: float = 0.05  # share of the stdlib corpus held out for validation
-    stdlib_max_bytes: int = 8_000_000  # bytes of stdlib source read, in sorted file order
+    source: str = "stdlib"
+    """stdlib = Python's own source as bytes; tokens = a prepared token dir."""
+    path: Optional[str] = None
+    """Token dir (train.bin, val.bin, meta.json) when source=tokens."""
+    val_fraction: float = 0.05
+    """Share of the stdlib corpus held out for validation."""
+    stdlib_max_bytes: int = 8_000_000
+    """Bytes of stdlib source read, in sorted file order."""
 
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"  # the only optimizer for now
-    lr: float = 3e-3  # peak learning rate, reached at the end of warmup
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at max_steps
-    warmup_steps: int = 20  # linear warmup from lr / warmup_steps
-    weight_decay: float = 0.1  # AdamW decoupled weight decay (matrices only)
+    name: str = "adamw"
+    """The only optimizer for now."""
+    lr: float = 3e-3
+    """Peak learning rate, reached at the end of warmup."""
+    min_lr_ratio: float = 0.1
+    """Cosine decays to lr * min_lr_ratio at max_steps."""
+    warmup_steps: int = 20
+    """Linear warmup from lr / warmup_steps (optimizer steps)."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (matrices only)."""
     beta1: float = 0.9
+    """AdamW's decay rate of the first moment (the gradient's running mean)."""
     beta2: float = 0.95
+    """AdamW's decay rate of the second moment (the squared gradient's running mean)."""
     eps: float = 1e-8
-    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    """AdamW's epsilon, added to the second moment's square root."""
+    grad_clip: float = 1.0
+    """Max global gradient norm; 0 disables clipping."""
 
 
 @dataclass
 class TrainConfig:
-    global_batch_size: Optional[int] = None  # sequences per optimizer step
-    micro_batch_size: Optional[int] = None  # sequences per micro-batch on one dp rank
-    micro_batches: Optional[int] = None  # micro-batches per step; any two fix the third
-    seq_len: int = 128  # tokens per sequence
-    max_steps: int = 200  # optimizer steps
-    seed: int = 0  # seeds the weights and the batch order (same for every layout)
-    dtype: str = "auto"  # auto = bf16 on CUDA, fp32 on CPU; or fp32 | bf16 | fp16 (fp16: ZeRO only, loss scaling)
-    eval_every: int = 50  # steps between validation passes; 0 = only at the end
-    eval_batches: int = 4  # global batches of the validation split per pass
-    log_every: int = 10  # steps between lines in the rank logs (and on a non-terminal stdout)
-    activation_checkpointing: str = "none"  # none | selective | full: recompute in backward what a block would keep (full: all but its input; selective: all but matmul and attention outputs)
-    compile: bool = False  # torch.compile each transformer block (after tp/cp/ep/pp have rewritten it, before DDP/ZeRO); the first steps pay the compilation
-    measure_memory: bool = False  # tensor accounting of the run's 2nd step: memory_base_bytes / memory_peak_bytes per rank in metrics.jsonl, and memory_cuda_peak_bytes (max_memory_allocated) on CUDA (slows that step)
-    trace: bool = False  # write trace.json (Chrome trace events, one track per rank) to the run dir
-    tensorboard: bool = False  # TensorBoard event files in RUN_DIR/tensorboard/ (needs partrain[tensorboard])
-    wandb: str = "off"  # off | offline | online: W&B logging into RUN_DIR/wandb/ (needs partrain[wandb])
-    wandb_project: str = "partrain"  # W&B project of the run
+    global_batch_size: Optional[int] = None
+    """Sequences per optimizer step."""
+    micro_batch_size: Optional[int] = None
+    """Sequences per micro-batch on one dp rank."""
+    micro_batches: Optional[int] = None
+    """Micro-batches per step; any two of the batch triple fix the third."""
+    seq_len: int = 128
+    """Tokens per sequence."""
+    max_steps: int = 200
+    """Optimizer steps."""
+    seed: int = 0
+    """Seeds the weights and the batch order (same for every layout)."""
+    dtype: str = "auto"
+    """auto = bf16 on CUDA, fp32 on CPU; or fp32 | bf16 | fp16 (fp16: ZeRO only, loss
+    scaling)."""
+    eval_every: int = 50
+    """Steps between validation passes; 0 = only at the end."""
+    eval_batches: int = 4
+    """Global batches of the validation split per pass."""
+    log_every: int = 10
+    """Steps between lines in the rank logs (and on a non-terminal stdout)."""
+    activation_checkpointing: str = "none"
+    """none | selective | full: recompute in backward what a block would keep (full: all but its
+    input; selective: all but matmul and attention outputs)."""
+    compile: bool = False
+    """torch.compile each transformer block (after tp/cp/ep/pp have rewritten it, before
+    DDP/ZeRO); the first steps pay the compilation."""
+    measure_memory: bool = False
+    """Tensor accounting of the run's 2nd step: memory_base_bytes / memory_peak_bytes per rank in
+    metrics.jsonl, and memory_cuda_peak_bytes (max_memory_allocated) on CUDA (slows that step)."""
+    trace: bool = False
+    """Write trace.json (Chrome trace events, one track per rank) to the run dir."""
+    tensorboard: bool = False
+    """TensorBoard event files in RUN_DIR/tensorboard/ (needs partrain[tensorboard])."""
+    wandb: str = "off"
+    """off | offline | online: W&B logging into RUN_DIR/wandb/ (needs partrain[wandb])."""
+    wandb_project: str = "partrain"
+    """W&B project of the run."""
 
 
 @dataclass
 class LauncherConfig:
-    nnodes: int = 1  # nodes in the job
-    nproc_per_node: Optional[int] = None  # ranks per node; null = GPUs on CUDA, else the degrees' product
-    device: str = "auto"  # auto | cpu | cuda (auto = cuda when a GPU is visible)
-    collective_timeout_s: int = 120  # process-group timeout; short so that a broken job fails fast
-    rdzv_timeout_s: int = 120  # how long nodes wait for each other at start
+    nnodes: int = 1
+    """Nodes in the job (--nnodes wins)."""
+    nproc_per_node: Optional[int] = None
+    """Ranks per node (--nproc-per-node wins); null = the visible GPUs on CUDA, else the
+    degrees' product over the nodes."""
+    device: str = "auto"
+    """auto | cpu | cuda (auto = cuda when a GPU is visible)."""
+    collective_timeout_s: int = 120
+    """Process-group timeout in seconds; short so that a broken job fails fast."""
+    rdzv_timeout_s: int = 120
+    """Seconds nodes wait for each other at start."""
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = 100  # save every N optimizer steps into RUN_DIR/checkpoints/; 0 = never on a schedule
-    keep: int = 2  # newest committed checkpoints kept; older ones are deleted after a newer commit
-    save_last: bool = True  # also save after the last step
-    async_save: bool = False  # write in a background thread; the loop blocks only to copy the state
+    every: int = 100
+    """Save every N optimizer steps into RUN_DIR/checkpoints/; 0 = never on a schedule."""
+    keep: int = 2
+    """Newest committed checkpoints kept; older ones are deleted after a newer commit."""
+    save_last: bool = True
+    """Also save after the last step."""
+    async_save: bool = False
+    """Write in a background thread; the loop blocks only to copy the state."""
 
 
 @dataclass
 class Config:
-    name: str = "run"  # run name: default run dir is runs/<name>-<time>
+    name: str = "run"
+    """Run name: the default run dir is runs/<name>-<time>."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The decoder's shape (a Llama-style transformer) and where its weights start from."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """The layout: the mesh's degrees (pp, dp, cp, tp from outermost in; ep inside dp), the
+    pipeline schedule, ZeRO and offload."""
     data: DataConfig = field(default_factory=DataConfig)
+    """Where the tokens come from."""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    """AdamW with linear warmup, cosine decay and gradient clipping."""
     train: TrainConfig = field(default_factory=TrainConfig)
+    """The batch, the steps, precision, and what a run records."""
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    """How many processes start where, and how long they wait for each other."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """When to save, and how many checkpoints to keep."""
 
 
 def register() -> None:

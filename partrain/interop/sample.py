@@ -1,6 +1,6 @@
 """`partrain sample`: text from a checkpoint, on one process, streamed as it is generated.
 
-The tokenizer is the run's (partrain.tokenizer): the byte-level one of the built-in corpus and
+The tokenizer is the run's (partrain.data.tokenizer): the byte-level one of the built-in corpus and
 of `data prepare` (a token is a byte; the text is UTF-8, decoded incrementally so that a character
 split over tokens prints whole), or the tokenizer.json of `data prepare --tokenizer`, kept in
 RUN_DIR/tokenizer/ (decoded with the tokenizers library's DecodeStream); its end-of-text token

@@ -1,4 +1,5 @@
-"""A Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query causal attention.
+"""A Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU MLP, grouped-query causal attention
+(the layers are partrain.models.layers; its sizes and FLOPs partrain.models.arith).
 
 Built so that the parallel wrappers can take it apart: separate q/k/v/o and w1/w3/w2 linears
 (column- and row-parallel candidates), blocks in a ModuleDict keyed "0".."L-1" (a pipeline stage

@@ -32,7 +32,7 @@ def peak_flops(device_name: str) -> float | None:
 
 class MetricsLog:
     """Appends one JSON object per line to run_dir/metrics.jsonl and hands each record to the
-    curves (TensorBoard, W&B: partrain.curves); a no-op on ranks other than 0."""
+    curves (TensorBoard, W&B: partrain.observe.curves); a no-op on ranks other than 0."""
 
     def __init__(self, path: Path, enabled: bool, curves=None):
         self.file = path.open("a", buffering=1) if enabled else None

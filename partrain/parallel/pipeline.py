@@ -28,7 +28,7 @@ ignores tags and matches in order, which the schedules also satisfy (sends from 
 order b receives them; a unit test checks it). Each micro-batch's loss is scaled by
 1/micro_batches, so the accumulated gradient is that of the mean loss, as without pp.
 
-Every compute and communication span goes to the tracer (partrain.trace), if one is recording.
+Every compute and communication span goes to the tracer (partrain.observe.trace), if one is recording.
 """
 
 import torch

@@ -1,12 +1,13 @@
 """DeepSpeed ZeRO (parallel.zero_stage = 1, 2, 3): optimizer state, gradients and parameters
 sharded over the "dp" mesh dimension (dp x cp under context parallelism), instead of DDP.
 
-`deepspeed_config(cfg)` derives the whole DeepSpeed JSON from partrain's config in one place
-(pure, no DeepSpeed import, so `partrain show` and validation use it); `parallel.deepspeed` adds
-raw keys on top, and one that contradicts a derived key is a config error. `apply_zero` hands the
+The DeepSpeed JSON is derived from partrain's config in one place, partrain.config.deepspeed
+(pure, so `partrain show` and validation use it too). `apply_zero` hands the
 (possibly tensor- or pipeline-parallel) model to `deepspeed.initialize` with partrain's mesh as
 its `mpu`, so ZeRO partitions over dp replicas of the same tp shard / pp stage and the gradient
 norm is summed over the rest of the model.
+
+`ZeroBackend` is the data-parallel backend the train step drives (partrain.parallel.data).
 
 Choices that keep layout parity: gradient accumulation is ours (`managed_gradient_accumulation`
 off: each micro-batch's backward accumulates, `engine.step()` reduces and steps once per

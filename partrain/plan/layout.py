@@ -53,13 +53,6 @@ def build_plan(cfg: DictConfig, world: World, warnings: list[str]) -> dict:
     # A plan is for the machine the config names; `auto` is planned as GPUs.
     dtype = compute_dtype(t.dtype, cfg.launcher.device != "cpu")
     full = dims.world_size <= FULL_LISTING_RANKS
-    listed = (range(dims.world_size) if full else
-              [*range(SHOWN_AT_EACH_END),
-               *range(dims.world_size - SHOWN_AT_EACH_END, dims.world_size)])
-    ranks = []
-    for rank in listed:
-        node, local_rank = divmod(rank, world.nproc_per_node)
-        ranks.append({"rank": rank, "node": node, "local_rank": local_rank, **dims.coords(rank)})
     return {
         "name": cfg.name,
         "world_size": world.size,
@@ -67,20 +60,11 @@ def build_plan(cfg: DictConfig, world: World, warnings: list[str]) -> dict:
         "nproc_per_node": world.nproc_per_node,
         "degrees": {"pp": dims.pp, "dp": dims.dp, "cp": dims.cp, "tp": dims.tp, "ep": dims.ep,
                     "zero_stage": p.zero_stage},
-        "ranks": ranks,  # every rank, or the first and last SHOWN_AT_EACH_END of a large world
+        "ranks": _ranks(dims, world, full),
         "ranks_complete": full,
         "groups": {dim: dims.groups(dim) for dim in DIM_NAMES} if full else None,
         "group_pattern": {dim: _group_pattern(dims, dim) for dim in DIM_NAMES},
-        "batch": {
-            "global_batch_size": t.global_batch_size,
-            "micro_batch_size": t.micro_batch_size,
-            "micro_batches": t.micro_batches,
-            "dp": dims.dp,
-            "rule": f"{t.global_batch_size} = micro_batch_size({t.micro_batch_size}) * "
-                    f"micro_batches({t.micro_batches}) * dp({dims.dp})",
-            "seq_len": t.seq_len,
-            "tokens_per_step": t.global_batch_size * t.seq_len,
-        },
+        "batch": _batch(t, dims.dp),
         "model": {"name": cfg.model.name, "params": count_params(cfg.model),
                   "active_params": count_params(cfg.model, active=True),
                   "tie_embeddings": tied(cfg.model), "params_per_rank": params_per_rank,
@@ -93,6 +77,33 @@ def build_plan(cfg: DictConfig, world: World, warnings: list[str]) -> dict:
         "pipeline": _pipeline(cfg, dims, stages) if dims.pp > 1 else None,
         "checkpoint": _checkpoint(cfg, params_per_rank, dims.dp),
         "warnings": warnings,
+    }
+
+
+def _ranks(dims: ParallelDims, world: World, full: bool) -> list[dict]:
+    """Each rank's node, local rank and coordinates: every rank, or the first and last
+    SHOWN_AT_EACH_END of a large world."""
+    listed = (range(dims.world_size) if full else
+              [*range(SHOWN_AT_EACH_END),
+               *range(dims.world_size - SHOWN_AT_EACH_END, dims.world_size)])
+    ranks = []
+    for rank in listed:
+        node, local_rank = divmod(rank, world.nproc_per_node)
+        ranks.append({"rank": rank, "node": node, "local_rank": local_rank, **dims.coords(rank)})
+    return ranks
+
+
+def _batch(t: DictConfig, dp: int) -> dict:
+    """The batch arithmetic, its rule written out with the numbers."""
+    return {
+        "global_batch_size": t.global_batch_size,
+        "micro_batch_size": t.micro_batch_size,
+        "micro_batches": t.micro_batches,
+        "dp": dp,
+        "rule": f"{t.global_batch_size} = micro_batch_size({t.micro_batch_size}) * "
+                f"micro_batches({t.micro_batches}) * dp({dp})",
+        "seq_len": t.seq_len,
+        "tokens_per_step": t.global_batch_size * t.seq_len,
     }
 
 
@@ -166,6 +177,14 @@ def _pipeline(cfg: DictConfig, dims: ParallelDims, stages: list[dict]) -> dict:
     }
 
 
+def _busiest_rank_blocks(dims: ParallelDims, stages: list[dict]) -> int:
+    """The most blocks a pp rank runs, over its chunks."""
+    per_rank = [0] * dims.pp
+    for s in stages:
+        per_rank[s["pp_rank"]] += s["blocks"][1] - s["blocks"][0] + 1
+    return max(per_rank)
+
+
 def _tp_collectives(cfg: DictConfig, dims: ParallelDims, stages: list[dict],
                     low_precision: bool) -> dict:
     """The collectives of one tp group per optimizer step: each micro-batch's, times the number
@@ -174,10 +193,7 @@ def _tp_collectives(cfg: DictConfig, dims: ParallelDims, stages: list[dict],
     sp = bool(p.sequence_parallel) and dims.tp > 1
     # A tp group in a pipeline stage runs that rank's blocks (the busiest rank's, if uneven);
     # the embedding and loss rows belong to the first and last stage.
-    per_rank = [0] * dims.pp
-    for s in stages:
-        per_rank[s["pp_rank"]] += s["blocks"][1] - s["blocks"][0] + 1
-    stage = OmegaConf.merge(cfg.model, {"n_layers": max(per_rank)})
+    stage = OmegaConf.merge(cfg.model, {"n_layers": _busiest_rank_blocks(dims, stages)})
     # Under cp a tp group works on its cp rank's share of each sequence.
     per_micro = tp_collectives(stage, t.micro_batch_size * t.seq_len // dims.cp, dims.tp, sp,
                                low_precision)
@@ -192,10 +208,7 @@ def _context(cfg: DictConfig, dims: ParallelDims, stages: list[dict], act_bytes:
     """Context parallelism: what a rank of the busiest stage sends over its cp group per step,
     and the activations of one micro-batch it keeps (at this cp and, for contrast, at cp=1)."""
     p, t = cfg.parallel, cfg.train
-    per_rank = [0] * dims.pp
-    for s in stages:
-        per_rank[s["pp_rank"]] += s["blocks"][1] - s["blocks"][0] + 1
-    layers = max(per_rank)
+    layers = _busiest_rank_blocks(dims, stages)
     rows = cp_traffic(cfg.model, t.micro_batch_size, t.seq_len, dims.cp, dims.tp, p.cp_method,
                       layers, act_bytes)
     rows = [{**r, "calls": r["calls"] * t.micro_batches, "bytes": r["bytes"] * t.micro_batches}

@@ -175,28 +175,13 @@ def memory_per_stage(cfg, dims, stages: list[dict], dtype: str, simulate: bool =
     rank, embedding and head): model state at the ZeRO stage, the activations its schedule keeps
     in flight, pipeline sends, and the larger transient (the loss's on the last stage, or a
     block's backward)."""
-    from partrain.parallel.schedules import (
-        SIMULATED_MAX_ACTIONS,
-        build_schedule,
-        peak_buffers,
-    )
-    from partrain.parallel.schedules import simulate as run_schedule
     p, t = cfg.parallel, cfg.train
     act_bytes = 4 if dtype == "fp32" else 2
     s = shape(cfg.model, dims.tp, dims.tp > 1 and p.sequence_parallel,
               dims.cp > 1 and p.cp_method == "ring")
     tokens = t.micro_batch_size * t.seq_len // dims.cp
     v = p.pp_virtual_stages if dims.pp > 1 else 1
-    in_flight = [1] * dims.pp  # without pp each micro-batch's backward follows its forward
-    if dims.pp > 1:
-        # gloo (CPU runs) posts receives a compute early; NCCL posts them in place.
-        buffers = peak_buffers(p.pp_schedule, dims.pp, t.micro_batches, v,
-                               early=cfg.launcher.device == "cpu")
-        # The schedule's simulation where it is small enough (and asked for), else 1F1B's rule.
-        small = simulate and 2 * t.micro_batches * v * dims.pp <= SIMULATED_MAX_ACTIONS
-        in_flight = (run_schedule(build_schedule(p.pp_schedule, dims.pp, t.micro_batches, v))
-                     .peak_in_flight if small
-                     else [min(dims.pp - r, t.micro_batches) * v for r in range(dims.pp)])
+    in_flight, buffers = _schedule_peaks(cfg, dims, v, simulate)
     # ZeRO-Offload keeps AdamW's state (and its fp32 master weights) in host memory: off the
     # GPU's count. On a CPU run the host is the device, so it stays.
     on_host = (p.zero_stage >= 1 and p.offload_optimizer != "none"
@@ -230,3 +215,27 @@ def memory_per_stage(cfg, dims, stages: list[dict], dtype: str, simulate: bool =
         out.append({"pp_rank": rank, "in_flight": in_flight[rank], **parts, "total": total,
                     "largest": max(parts, key=parts.get), "optim_on_host": on_host})
     return out
+
+
+def _schedule_peaks(cfg, dims, v: int, simulate: bool) -> tuple[list[int], tuple[int, ...]]:
+    """Per pp rank, the chunk-micro-batches in flight at the schedule's peak and the p2p buffers
+    its executor holds at once (none without pp)."""
+    from partrain.parallel.schedules import (
+        SIMULATED_MAX_ACTIONS,
+        build_schedule,
+        peak_buffers,
+    )
+    from partrain.parallel.schedules import simulate as run_schedule
+
+    p, t = cfg.parallel, cfg.train
+    if dims.pp <= 1:
+        return [1] * dims.pp, (0,) * dims.pp  # each micro-batch's backward follows its forward
+    # gloo (CPU runs) posts receives a compute early; NCCL posts them in place.
+    buffers = peak_buffers(p.pp_schedule, dims.pp, t.micro_batches, v,
+                           early=cfg.launcher.device == "cpu")
+    # The schedule's simulation where it is small enough (and asked for), else 1F1B's rule.
+    small = simulate and 2 * t.micro_batches * v * dims.pp <= SIMULATED_MAX_ACTIONS
+    in_flight = (run_schedule(build_schedule(p.pp_schedule, dims.pp, t.micro_batches, v))
+                 .peak_in_flight if small
+                 else [min(dims.pp - r, t.micro_batches) * v for r in range(dims.pp)])
+    return in_flight, buffers

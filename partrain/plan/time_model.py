@@ -98,17 +98,42 @@ def step_time(model_cfg, layout: Layout, global_batch_size: int, seq_len: int, h
     act_bytes = 2 if low_precision else 4
     m = global_batch_size // (L.micro_batch_size * L.dp)  # micro-batches per step
     micro_tokens = L.micro_batch_size * seq_len // L.cp  # one rank's tokens of a micro-batch
-    layers = model_cfg.n_layers / L.pp  # per stage (the balanced split)
-    # Rank order pp, dp, cp, tp (mesh.py): tp groups are consecutive ranks, cp groups stride tp,
-    # dp groups stride cp x tp, pp groups stride dp x cp x tp.
-    g = hw.gpus_per_node
-    tp_cross = crosses_nodes(L.tp, g)
-    cp_cross = crosses_nodes(L.cp * L.tp, g)
-    dp_cross = crosses_nodes(L.dp * L.cp * L.tp, g)
-    pp_cross = crosses_nodes(L.world_size, g) and L.dp * L.cp * L.tp >= g
 
-    # Compute of one micro-batch on one rank of the slowest stage (the last: it has the head).
+    # One micro-batch on one rank of the slowest stage: compute, then what the collectives and
+    # the pipeline's sends add on the critical path. Each over the links its group spans: rank
+    # order is pp, dp, cp, tp (mesh.py), so tp groups are consecutive ranks, cp groups stride tp,
+    # dp groups stride cp x tp, pp groups stride dp x cp x tp.
     model_flops_token = flops_per_token(model_cfg, seq_len)
+    compute_mb, efficiency = _compute_per_micro_batch(model_cfg, L, model_flops_token,
+                                                      micro_tokens, hw)
+    tp_mb = _tp_per_micro_batch(model_cfg, L, micro_tokens, hw, low_precision)
+    cp_mb = _cp_per_micro_batch(model_cfg, L, seq_len, hw, act_bytes)
+    ep_mb = _ep_per_micro_batch(model_cfg, L, micro_tokens, hw, act_bytes)
+    p2p_mb = _p2p_per_micro_batch(model_cfg, L, micro_tokens, hw, impl)
+    per_mb = compute_mb + tp_mb + cp_mb + ep_mb + p2p_mb
+    v = L.pp_virtual_stages if L.pp > 1 and L.pp_schedule == "interleaved_1f1b" else 1
+    bubble = bubble_theory(L.pp_schedule, L.pp, m, v) if L.pp > 1 else 0.0
+    pipeline = m * per_mb / (1 - bubble)
+
+    dp_s, zero3_s, offload_s, optimizer_s = _data_parallel(model_cfg, L, m, compute_mb, hw,
+                                                           act_bytes, impl)
+    total = pipeline + dp_s + zero3_s + offload_s + optimizer_s
+
+    tokens_per_s = global_batch_size * seq_len / total
+    mfu = model_flops_token * tokens_per_s / (hw.peak_flops * L.world_size)
+    parts = {"compute_s": m * compute_mb, "tp_s": m * tp_mb, "cp_s": m * cp_mb, "ep_s": m * ep_mb,
+             "pp_p2p_s": m * p2p_mb, "pp_bubble_s": pipeline - m * per_mb, "dp_s": dp_s,
+             "zero3_gather_s": zero3_s, "offload_s": offload_s, "optimizer_s": optimizer_s}
+    return {"step_s": total, "tokens_per_s": tokens_per_s, "mfu": mfu, **parts,
+            "efficiency": efficiency, "micro_batches": m, "bubble": bubble,
+            "limits": limits(parts, total, crosses_nodes(L.tp, hw.gpus_per_node),
+                             crosses_nodes(L.dp * L.cp * L.tp, hw.gpus_per_node))}
+
+
+def _compute_per_micro_batch(model_cfg, L: Layout, model_flops_token: float, micro_tokens: int,
+                             hw: Hardware) -> tuple[float, float]:
+    """Seconds of one micro-batch's forward and backward on a rank of the slowest stage (the
+    last: it has the head), and the matmul efficiency they run at."""
     head_flops = 6 * model_cfg.vocab_size * model_cfg.dim
     block_flops = model_flops_token - head_flops
     recompute = {"none": 0.0, "selective": 0.0, "full": 1 / 3}[L.activation_checkpointing]
@@ -119,48 +144,75 @@ def step_time(model_cfg, layout: Layout, global_batch_size: int, seq_len: int, h
     # Selective recomputation redoes only element-wise work: a few percent of the time.
     if L.activation_checkpointing == "selective":
         compute_mb *= 1.03
+    return compute_mb, efficiency
 
-    # tp collectives of a micro-batch (the stage's share of the blocks; the recomputed forward
-    # repeats its collectives).
+
+def _tp_per_micro_batch(model_cfg, L: Layout, micro_tokens: int, hw: Hardware,
+                        low_precision: bool) -> float:
+    """The tp collectives of a micro-batch (the stage's share of the blocks; the recomputed
+    forward repeats its collectives)."""
     tp_mb = 0.0
     if L.tp > 1:
-        bw = hw.bandwidth(tp_cross)
+        bw = hw.bandwidth(crosses_nodes(L.tp, hw.gpus_per_node))
         for row in tp_collectives(model_cfg, micro_tokens, L.tp, L.sequence_parallel, low_precision):
             share = 1 / L.pp if "attention/MLP" in row["where"] else 1.0
             again = 1 + (0.5 if L.activation_checkpointing == "full" and "(fwd)" in row["where"]
                          and "attention/MLP" in row["where"] else 0.0)
             tp_mb += share * again * row["calls"] * _ring(row["op"], row["bytes"] / row["calls"],
                                                            L.tp, bw)
+    return tp_mb
+
+
+def _cp_per_micro_batch(model_cfg, L: Layout, seq_len: int, hw: Hardware,
+                        act_bytes: int) -> float:
+    """The cp ring's key/value blocks or the all-to-alls of a micro-batch, for the stage's
+    blocks."""
     cp_mb = 0.0
     if L.cp > 1:
-        bw = hw.bandwidth(cp_cross)
+        bw = hw.bandwidth(crosses_nodes(L.cp * L.tp, hw.gpus_per_node))
+        layers = model_cfg.n_layers / L.pp  # per stage (the balanced split)
         for row in cp_traffic(model_cfg, L.micro_batch_size, seq_len, L.cp, L.tp, L.cp_method,
                               math.ceil(layers), act_bytes):
             cp_mb += row["bytes"] / bw
-    ep_mb = 0.0
+    return cp_mb
+
+
+def _ep_per_micro_batch(model_cfg, L: Layout, micro_tokens: int, hw: Hardware,
+                        act_bytes: int) -> float:
+    """The token all-to-alls of the stage's MoE blocks for a micro-batch."""
     n_moe = len(moe_blocks(model_cfg)) / L.pp if getattr(model_cfg, "moe", None) else 0
-    if L.ep > 1 and n_moe:
-        # ep groups are consecutive dp ranks: they span ep x cp x tp ranks.
-        bw = hw.bandwidth(crosses_nodes(L.ep * L.cp * L.tp, g))
-        traffic = moe_traffic(model_cfg, micro_tokens, 1, L.ep, round(n_moe), act_bytes)
-        ep_mb = (traffic["bytes_sent"] + traffic["count_bytes"]) / bw
+    if not (L.ep > 1 and n_moe):
+        return 0.0
+    # ep groups are consecutive dp ranks: they span ep x cp x tp ranks.
+    bw = hw.bandwidth(crosses_nodes(L.ep * L.cp * L.tp, hw.gpus_per_node))
+    traffic = moe_traffic(model_cfg, micro_tokens, 1, L.ep, round(n_moe), act_bytes)
+    return (traffic["bytes_sent"] + traffic["count_bytes"]) / bw
 
-    # The pipeline: p2p sends of the residual stream (fp32) in and out of each stage.
-    p2p_mb = 0.0
-    if L.pp > 1:
-        seq_split = L.tp if L.sequence_parallel or impl.send_split_tp else 1
-        send = micro_tokens * model_cfg.dim * impl.send_bytes / seq_split
-        p2p_mb = 2 * send * L.pp_virtual_stages / hw.bandwidth(pp_cross)
-    per_mb = compute_mb + tp_mb + cp_mb + ep_mb + p2p_mb
-    v = L.pp_virtual_stages if L.pp > 1 and L.pp_schedule == "interleaved_1f1b" else 1
-    bubble = bubble_theory(L.pp_schedule, L.pp, m, v) if L.pp > 1 else 0.0
-    pipeline = m * per_mb / (1 - bubble)
 
-    # Data parallelism over dp x cp: this rank's parameters (its stage's, its tp slice).
+def _p2p_per_micro_batch(model_cfg, L: Layout, micro_tokens: int, hw: Hardware,
+                         impl: Implementation) -> float:
+    """The pipeline's sends of the residual stream in and out of each stage, for a micro-batch
+    (every chunk of an interleaved schedule sends)."""
+    if L.pp <= 1:
+        return 0.0
+    # pp groups stride dp x cp x tp: they leave the node when the world spans nodes and one
+    # stage's ranks fill a node.
+    pp_cross = crosses_nodes(L.world_size, hw.gpus_per_node) and \
+        L.dp * L.cp * L.tp >= hw.gpus_per_node
+    seq_split = L.tp if L.sequence_parallel or impl.send_split_tp else 1
+    send = micro_tokens * model_cfg.dim * impl.send_bytes / seq_split
+    return 2 * send * L.pp_virtual_stages / hw.bandwidth(pp_cross)
+
+
+def _data_parallel(model_cfg, L: Layout, m: int, compute_mb: float, hw: Hardware,
+                   act_bytes: int, impl: Implementation) -> tuple[float, float, float, float]:
+    """The step's data-parallel part over dp x cp, for this rank's parameters (its stage's, its
+    tp slice): the gradient reduction (DDP's or ZeRO's), ZeRO-3's per-micro-batch gathers,
+    ZeRO-Offload's host step, and the optimizer step on the GPU."""
     nd = L.dp * L.cp
     params = count_params(model_cfg) / (L.pp * L.tp)
     grad_bytes = params * (4 if L.zero_stage == 0 else act_bytes)
-    bw_dp = hw.bandwidth(dp_cross)
+    bw_dp = hw.bandwidth(crosses_nodes(L.dp * L.cp * L.tp, hw.gpus_per_node))
     dp_s, zero3_s, offload_s = 0.0, 0.0, 0.0
     if L.zero_stage == 0:
         reduce = _ring("all_reduce", grad_bytes, nd, bw_dp)
@@ -179,16 +231,7 @@ def step_time(model_cfg, layout: Layout, global_batch_size: int, seq_len: int, h
         shard = params / nd
         offload_s = shard / HOST_ADAM_PARAMS_PER_S + shard * 2 * act_bytes / PCIE_BYTES_PER_S
     optimizer_s = 0.0 if offload_s else params / (nd if L.zero_stage else 1) * 16 * 2 / 2e12
-    total = pipeline + dp_s + zero3_s + offload_s + optimizer_s
-
-    tokens_per_s = global_batch_size * seq_len / total
-    mfu = model_flops_token * tokens_per_s / (hw.peak_flops * L.world_size)
-    parts = {"compute_s": m * compute_mb, "tp_s": m * tp_mb, "cp_s": m * cp_mb, "ep_s": m * ep_mb,
-             "pp_p2p_s": m * p2p_mb, "pp_bubble_s": pipeline - m * per_mb, "dp_s": dp_s,
-             "zero3_gather_s": zero3_s, "offload_s": offload_s, "optimizer_s": optimizer_s}
-    return {"step_s": total, "tokens_per_s": tokens_per_s, "mfu": mfu, **parts,
-            "efficiency": efficiency, "micro_batches": m, "bubble": bubble,
-            "limits": limits(parts, total, tp_cross, dp_cross)}
+    return dp_s, zero3_s, offload_s, optimizer_s
 
 
 def limits(parts: dict, total: float, tp_cross: bool, dp_cross: bool) -> str:

@@ -21,7 +21,7 @@ def _entry(rank: int, fn, world_size: int, store_path: str, args: tuple) -> None
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=TIMEOUT)
     fn(rank, world_size, *args)
-    # The body has returned, so its modules and meshes are unreferenced; see partrain.dist.
+    # The body has returned, so its modules and meshes are unreferenced; see partrain.parallel.dist.
     dist.barrier()
     gc.collect()
     dist.destroy_process_group()

@@ -1,5 +1,5 @@
-"""The memory model `plan` prints (partrain/memory_model.py, plan's memory_per_stage) and the
-measurement it is held to (partrain/memory.py). The model against real runs on 17 layouts is
+"""The memory model `plan` prints (partrain/plan/memory_model.py, plan's memory_per_stage) and the
+measurement it is held to (partrain/observe/memory.py). The model against real runs on 17 layouts is
 scripts/bench_memory.py; tests/integration/test_launch.py holds one pipeline layout to 10%."""
 
 import torch

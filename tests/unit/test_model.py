@@ -214,7 +214,7 @@ def test_flops_per_token_is_about_6n_for_a_big_model():
     assert 1.03 < ratio < 1.1
 
 
-# The learning-rate schedule (partrain/train.py).
+# The learning-rate schedule (partrain/train/optim.py).
 
 OPTIM = SimpleNamespace(lr=1.0e-3, warmup_steps=10, min_lr_ratio=0.1)
 

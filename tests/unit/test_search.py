@@ -1,6 +1,6 @@
-"""The hardware presets and files, the time model (partrain/time_model.py) against its own rules
+"""The hardware presets and files, the time model (partrain/plan/time_model.py) against its own rules
 and against Megatron-LM's published A100 table (scripts/bench_time_model.py), and `partrain plan
---search` (partrain/search.py) against the decision guide of the source material."""
+--search` (partrain/plan/search.py) against the decision guide of the source material."""
 
 import dataclasses
 import importlib.util

@@ -1,12 +1,14 @@
 """The `partrain` command: launch, slurm, plan, show, export, sample, data prepare.
 
-Every command composes and validates the config before it does anything; a ConfigError becomes
-one message on stderr and exit code 2, with nothing started and nothing written.
+Each command is its Typer signature and a call: `launch` and `slurm` hand their flags to
+partrain.launch.start; `plan` and `show` get the resolved config from partrain.launch.preflight,
+which holds every check before a start, in one order. Every command composes and validates the
+config before it does anything; a ConfigError becomes one message on stderr and exit code 2, with
+nothing started and nothing written.
 """
 
 import dataclasses
 import json
-import re
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -16,12 +18,6 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.text import Text
 
-from partrain.config.compose import compose_config
-from partrain.config.validate import (
-    check_startable,
-    resolve_and_validate,
-    resolve_world,
-)
 from partrain.errors import ConfigError
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False,
@@ -35,7 +31,6 @@ app.add_typer(data_app, name="data")
 out = Console(highlight=False, markup=False, emoji=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True, markup=False, emoji=False)
 
-OVERRIDE_SHAPE = re.compile(r"[~+]|[A-Za-z_][\w.@+-]*=|=")
 ARGS_HELP = "[CONFIG] [OVERRIDE...]: a recipe name or YAML path, then Hydra overrides (key=value)"
 
 
@@ -67,66 +62,6 @@ def _number(flag: str):
     return parse
 
 
-def _split_args(args: Optional[List[str]]) -> tuple[Optional[str], list[str]]:
-    """CONFIG is the first argument unless it has an override's shape (`key=`, `+key=`, `~key`):
-    a path may hold '=' (`runs/lr=1e-3/config.yaml`) where a key cannot."""
-    args = list(args or [])
-    if args and not OVERRIDE_SHAPE.match(args[0]):
-        return args[0], args[1:]
-    return None, args
-
-
-def _resolve(args, nnodes=None, nproc_per_node=None, world_size=None, probe_cuda=False,
-             gpus_on_node=None, resume=None):
-    from partrain.config.frozen import is_frozen_config, load_frozen_config
-
-    config, overrides = _split_args(args)
-    if resume is not None:
-        from partrain.checkpoint.resume import resume_config
-
-        if config is not None:
-            raise ConfigError(f"--resume {resume} takes overrides only (key=value), not {config}: "
-                              "the run dir's config.yaml is the config")
-        cfg = resume_config(resume, overrides)
-    elif is_frozen_config(config):  # a run dir's config.yaml: run as it is, never re-composed
-        cfg = load_frozen_config(config, overrides)
-    else:
-        cfg = compose_config(config, overrides)
-    if world_size is not None:
-        nnodes, nproc_per_node = _split_world(cfg, world_size)
-    cuda_devices = 0
-    if probe_cuda and cfg.launcher.device != "cpu":
-        import torch
-
-        cuda_devices = torch.cuda.device_count()
-        if gpus_on_node and cuda_devices:  # the scheduler's share of the node, if it says
-            cuda_devices = min(cuda_devices, gpus_on_node)
-        if cfg.launcher.device == "cuda" and cuda_devices == 0:
-            raise ConfigError("launcher.device=cuda but no CUDA device is visible; "
-                              "use launcher.device=cpu")
-    world = resolve_world(cfg, nnodes, nproc_per_node, cuda_devices)
-    if world_size is not None:
-        world = dataclasses.replace(world, nproc_from=f"--world-size={world_size}")
-    warnings = resolve_and_validate(cfg, world)
-    return cfg, world, warnings
-
-
-def _split_world(cfg, world_size: int) -> tuple[int, int]:
-    """--world-size N for `plan`: keep the GPUs per node if the config has them, else the nodes."""
-    from partrain.config.validate import MAX_WORLD_SIZE
-
-    if world_size > MAX_WORLD_SIZE:
-        raise ConfigError(f"--world-size={world_size:,} exceeds {MAX_WORLD_SIZE:,} ranks, the "
-                          "most partrain plans for")
-    per_node = cfg.launcher.nproc_per_node
-    if per_node and world_size % per_node == 0:
-        return world_size // per_node, per_node
-    nnodes = cfg.launcher.nnodes
-    if world_size % nnodes:
-        raise ConfigError(f"--world-size={world_size} is not divisible by launcher.nnodes={nnodes}")
-    return nnodes, world_size // nnodes
-
-
 @app.command(context_settings={"allow_extra_args": False})
 def launch(
     args: Optional[List[str]] = typer.Argument(None, help=ARGS_HELP, show_default=False),
@@ -151,99 +86,13 @@ def launch(
 ) -> None:
     """Compose, validate, write the run dir and train on this node's ranks (or continue the run
     a run dir holds, from its newest checkpoint)."""
-    # Inside SLURM the node count, this node's rank and the endpoint come from the job (flags
-    # win); under torchrun, or with one srun task per GPU, this refuses to start.
-    from partrain.checkpoint.resume import check_resumable
-    from partrain.data.tokens import check_data
-    from partrain.launch.cluster import detect_place
-    from partrain.launch.local import ElasticLaunch, launch_workers
-    from partrain.launch.netif import (
-        check_local_addr,
-        pick_network,
-        set_ifname_variables,
-    )
-    from partrain.launch.preemption import FORWARDER
-    from partrain.launch.preflight import check_init_from
-    from partrain.launch.rundir import check_run_dir, default_run_dir, write_run_dir
-    from partrain.observe.curves import check_curves
-    from partrain.plan.layout import build_plan
-    from partrain.plan.render import print_plan
+    from partrain.launch.preflight import LAUNCH, Request
+    from partrain.launch.start import start
 
-    FORWARDER.install()  # a preemption signal from here on is passed to the workers
-    if resume is not None and run_dir is not None and run_dir.absolute() != resume.absolute():
-        raise ConfigError(f"--run-dir {run_dir} and --resume {resume} name two run dirs; "
-                          "--resume continues in its own")
-    place = detect_place(nproc_per_node)
-    nnodes = nnodes if nnodes is not None else place.nnodes
-    rank_source = "--node-rank" if node_rank is not None else "SLURM_NODEID"
-    node_rank = node_rank if node_rank is not None else (place.node_rank or 0)
-    cfg, world, warnings = _resolve(args, nnodes, nproc_per_node, probe_cuda=True,
-                                    gpus_on_node=place.gpus_on_node, resume=resume)
-    check_startable(world)
-    if not 0 <= node_rank < world.nnodes:
-        raise ConfigError(f"{rank_source}={node_rank} must be in 0..{world.nnodes - 1} "
-                          f"for {world.nnodes} node(s)")
-    endpoint_from = "--rdzv-endpoint"
-    if world.nnodes > 1 and not rdzv_endpoint:
-        rdzv_endpoint, endpoint_from = (place.rdzv_endpoint,
-                                        "the SLURM job's first node (SLURM_JOB_NODELIST)")
-        if not rdzv_endpoint:
-            raise ConfigError(f"--nnodes={world.nnodes} needs --rdzv-endpoint HOST:PORT "
-                              "(node 0's address), the same on every node")
-    if local_addr:
-        check_local_addr(local_addr)
-    network = (pick_network(rdzv_endpoint, local_addr, ifname, endpoint_from) if rdzv_endpoint
-               else None)
-    if network is None and (local_addr or ifname):
-        warnings.append("--local-addr / --ifname only matter for a multi-node job "
-                        "(--rdzv-endpoint); this run stays on 127.0.0.1")
-    data_description = check_data(cfg)
-    check_curves(cfg)
-    run_dir = resume or run_dir or default_run_dir(cfg.name, place.job_id)
-    checkpoint = check_run_dir(run_dir, cfg, resuming=resume is not None)
-    if checkpoint is not None:
-        check_resumable(checkpoint, cfg)
-    else:
-        check_init_from(cfg)
-    for warning in warnings:
-        _warn(warning)
-    if checkpoint is not None and checkpoint.step >= cfg.train.max_steps:
-        out.print(f"partrain: {run_dir} is trained to step {checkpoint.step} = train.max_steps "
-                  f"({checkpoint.path}); nothing to do (to train on: partrain launch --resume "
-                  f"{run_dir} train.max_steps=N)")
-        return
-    resuming_from = (f"; resuming from step {checkpoint.step} ({checkpoint.path})"
-                     if checkpoint is not None else "")
-    if dry_run:
-        print_plan(build_plan(cfg, world, []), out)
-        out.print(f"data: {data_description}")
-        if network:
-            out.print(f"network: {network.addr} on {network.ifname or '?'} ({network.how})")
-        out.print(f"dry run: would write {run_dir} (checked: it can be made) and start "
-                  f"{world.nproc_per_node} worker(s) on this node{resuming_from}; nothing started")
-        return
-
-    write_run_dir(cfg, run_dir, resuming=resume is not None)
-    out.print(f"partrain: run dir {run_dir}; {world.size} rank(s), {world.nproc_per_node} on this "
-              f"node (node {node_rank} of {world.nnodes}, {place.source}); logs in "
-              f"{run_dir / 'logs'}{resuming_from}")
-    if network:
-        variables = set_ifname_variables(network)
-        out.print(f"network: rendezvous {rdzv_endpoint}; this node is {network.addr} on "
-                  f"{network.ifname or 'an unknown interface'} ({network.how}); "
-                  f"{', '.join(variables) or 'set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME yourself'}",
-                  soft_wrap=True)
-    cpu = not _runs_on_cuda(cfg)
-    spec = ElasticLaunch(
-        nnodes=world.nnodes, nproc_per_node=world.nproc_per_node, node_rank=node_rank,
-        rdzv_endpoint=rdzv_endpoint, run_id=f"slurm-{place.job_id}" if place.job_id else cfg.name,
-        rdzv_timeout_s=cfg.launcher.rdzv_timeout_s, local_addr=network and network.addr,
-        cpu_threads=_cpu_threads(world.nproc_per_node) if cpu else None,
-        max_steps=cfg.train.max_steps)
-    code = launch_workers(run_dir, spec, console_print=err.print)
-    if code == 0:
-        out.print(f"done: metrics in {run_dir / 'metrics.jsonl'}")
-    raise typer.Exit(code)
+    request = Request(args, LAUNCH, nnodes=nnodes, nproc_per_node=nproc_per_node, run_dir=run_dir,
+                      resume=resume, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+                      local_addr=local_addr, ifname=ifname)
+    raise typer.Exit(start(request, dry_run, out, err, _warn))
 
 
 @app.command()
@@ -268,74 +117,15 @@ def slurm(
                                  "(`> job.sh` gives a runnable script); submit nothing"),
 ) -> None:
     """Validate for nodes x ranks, write the run dir and its sbatch script, and submit it."""
-    from partrain.data.tokens import check_data
-    from partrain.launch.preflight import check_init_from
-    from partrain.launch.rundir import check_run_dir, default_run_dir, write_run_dir
-    from partrain.launch.slurm import (
-        SlurmJob,
-        partrain_command,
-        passed_through_env,
-        remove_prepared,
-        render_script,
-        submit,
-        write_script,
-    )
-    from partrain.observe.curves import check_curves
+    from partrain.launch.preflight import SLURM, Request
+    from partrain.launch.start import prepare_job
 
-    cfg, world, warnings = _resolve(args, nodes, nproc_per_node or gpus_per_node)
-    check_startable(world)
-    check_data(cfg)
-    check_curves(cfg)
-    check_init_from(cfg)
-    run_dir = (run_dir or default_run_dir(cfg.name)).absolute()
-    check_run_dir(run_dir)
-    job = SlurmJob(run_dir=run_dir, job_name=cfg.name, nodes=world.nnodes,
-                   nproc_per_node=world.nproc_per_node, partrain=partrain_command(),
-                   gpus_per_node=gpus_per_node, partition=partition, time=time_limit,
-                   account=account, qos=qos, sbatch_args=tuple(sbatch_args or ()),
-                   env=passed_through_env())
-    script_text = render_script(job)  # refuses unsafe values before anything is written
-    for warning in warnings:
-        _warn(warning)
-    created = not run_dir.exists()
-    write_run_dir(cfg, run_dir)
-    try:
-        script = write_script(job)
-    except OSError as e:
-        remove_prepared(run_dir, created)
-        raise ConfigError(f"--run-dir {run_dir} cannot be written: {e.strerror}") from None
-    if dry_run:
-        sys.stdout.write(script_text)
-        err.print(f"dry run: wrote {run_dir / 'config.yaml'} and {script}; nothing submitted "
-                  f"(submit with: sbatch {script})")
-        return
-    try:
-        job_id = submit(script)
-    except ConfigError:
-        remove_prepared(run_dir, created)
-        raise
-    out.print(f"submitted job {job_id}: {world.nnodes} node(s) x {world.nproc_per_node} rank(s); "
-              f"run dir {run_dir}", soft_wrap=True)
-    out.print(f"logs: {run_dir / 'logs' / f'slurm-{job_id}.out'} (the job), "
-              f"{run_dir / 'logs'}/rank-N.log (each rank); metrics: {run_dir / 'metrics.jsonl'}",
-              soft_wrap=True)
-
-
-def _has_cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _runs_on_cuda(cfg) -> bool:
-    """Where this machine's workers will run: launcher.device, `auto` = CUDA when visible."""
-    return cfg.launcher.device == "cuda" or (cfg.launcher.device == "auto" and _has_cuda())
-
-
-def _cpu_threads(nproc: int) -> int:
-    import os
-
-    return max(1, (os.cpu_count() or 1) // nproc)
+    # --nproc-per-node defaults to --gpus-per-node (its help says so), then to the config's.
+    request = Request(args, SLURM, nnodes=nodes, nproc_per_node=nproc_per_node or gpus_per_node,
+                      run_dir=run_dir)
+    prepare_job(request, dry_run, out, err, _warn, gpus_per_node=gpus_per_node,
+                partition=partition, time=time_limit, account=account, qos=qos,
+                sbatch_args=tuple(sbatch_args or ()))
 
 
 @app.command()
@@ -362,6 +152,7 @@ def plan(
 ) -> None:
     """Show every rank's place in the mesh, the groups and the batch arithmetic; start nothing.
     With --search: the best layouts for N GPUs instead."""
+    from partrain.launch.preflight import PLAN, Request, preflight
     from partrain.plan.layout import build_plan
     from partrain.plan.render import print_plan
 
@@ -372,8 +163,8 @@ def plan(
                         ("--write-recipe", write_recipe)):
         if value is not None:
             raise ConfigError(f"{flag} is a --search option; add --search")
-    cfg, world, warnings = _resolve(args, world_size=world_size)
-    result = build_plan(cfg, world, warnings)
+    ready = preflight(Request(args, PLAN, world_size=world_size))
+    result = build_plan(ready.cfg, ready.world, ready.warnings)
     if as_json:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
     else:
@@ -383,6 +174,8 @@ def plan(
 def _search(args, gpus, gpus_per_node, hardware, write_recipe, as_json) -> None:
     import shlex
 
+    from partrain.config.compose import compose_config
+    from partrain.launch.preflight import split_args
     from partrain.plan.hardware import load_hardware
     from partrain.plan.search import as_json as search_json
     from partrain.plan.search import check_request, print_search, validated
@@ -397,7 +190,7 @@ def _search(args, gpus, gpus_per_node, hardware, write_recipe, as_json) -> None:
             raise ConfigError(f"--gpus-per-node {gpus_per_node} must be at least 1")
         hw = dataclasses.replace(hw, gpus_per_node=gpus_per_node)
     check_request(gpus, hw)
-    config, overrides = _split_args(args)
+    config, overrides = split_args(args)
     cfg = compose_config(config, overrides)
     result = validated(run_search(cfg, gpus, hw, top=40), config, overrides, gpus, hw)
     if write_recipe is not None:
@@ -415,12 +208,15 @@ def _search(args, gpus, gpus_per_node, hardware, write_recipe, as_json) -> None:
 @app.command()
 def show(args: Optional[List[str]] = typer.Argument(None, help=ARGS_HELP, show_default=False)) -> None:
     """Print the resolved config as YAML (what config.yaml in the run dir would hold)."""
-    cfg, _, warnings = _resolve(args)
+    from partrain.launch.preflight import PLAN, Request, preflight, runs_on_cuda
+
+    ready = preflight(Request(args, PLAN))
+    cfg, warnings = ready.cfg, ready.warnings
     sys.stdout.write(OmegaConf.to_yaml(cfg))
     if cfg.parallel.zero_stage > 0:
         from partrain.config.deepspeed import deepspeed_config
 
-        text = json.dumps(deepspeed_config(cfg, _runs_on_cuda(cfg)), indent=2)
+        text = json.dumps(deepspeed_config(cfg, runs_on_cuda(cfg)), indent=2)
         sys.stdout.write("# The DeepSpeed config the workers derive (partrain/parallel/zero.py):\n"
                          + "".join(f"# {line}\n" for line in text.splitlines()))
     for warning in warnings:
@@ -476,14 +272,15 @@ def sample(
     from partrain.checkpoint.store import find
     from partrain.data.tokenizer import TextTokenizer, run_tokenizer_dir
     from partrain.interop.sample import check_options, encode, generate
+    from partrain.launch.preflight import has_cuda
 
     check_options(prompt, max_new_tokens, temperature, top_k, seed)
     if device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"--device {device} is not one of auto, cpu, cuda")
-    if device == "cuda" and not _has_cuda():
+    if device == "cuda" and not has_cuda():
         raise ConfigError("--device cuda: no CUDA device is visible")
     checkpoint = find(source, "RUN_DIR_OR_CHECKPOINT")
-    on_cuda = device == "cuda" or (device == "auto" and _has_cuda())
+    on_cuda = device == "cuda" or (device == "auto" and has_cuda())
     model, cfg = checkpoint_model(checkpoint, "cuda" if on_cuda else "cpu")
     run_dir = checkpoint.path.parent.parent
     tokenizer = TextTokenizer(run_tokenizer_dir(run_dir, cfg.data))

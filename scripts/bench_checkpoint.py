@@ -59,7 +59,8 @@ from _spawn import run_workers  # noqa: E402
 from partrain.checkpoint.checkpointer import _result, storage_writer  # noqa: E402
 from partrain.checkpoint.state import build_state, load_optimizer, load_weights
 from partrain.config.compose import compose_config
-from partrain.config.validate import World, resolve_and_validate
+from partrain.config.resolve import World
+from partrain.config.validate import resolve_and_validate
 from partrain.errors import ConfigError  # noqa: E402
 from partrain.models.llama import build_model  # noqa: E402
 from partrain.observe.trace import Tracer  # noqa: E402

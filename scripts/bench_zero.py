@@ -36,8 +36,8 @@ from _spawn import run_workers  # noqa: E402
 
 from partrain.config.compose import compose_config
 from partrain.config.deepspeed import deepspeed_config
-from partrain.config.resolve import compute_dtype  # noqa: E402
-from partrain.config.validate import World, resolve_and_validate
+from partrain.config.resolve import World, compute_dtype  # noqa: E402
+from partrain.config.validate import resolve_and_validate
 from partrain.data.batches import rank_micro_batches  # noqa: E402
 from partrain.data.tokens import load_tokens
 from partrain.models.llama import build_model  # noqa: E402

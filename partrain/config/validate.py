@@ -17,21 +17,14 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from partrain.config.keys import SCHEMA_KEYS, divisors, float_keys, shown
 from partrain.config.resolve import (
-    MAX_WORLD_SIZE,
     World,
     degrees_product,
     resolve_batch,
     resolve_dp,
-    resolve_world,
 )
 from partrain.config.validate_moe import check_moe
 from partrain.errors import ConfigError
 from partrain.models.arith import RECOMPUTE_MODES, ffn_dim
-
-# World, resolve_world and MAX_WORLD_SIZE are resolve's; the launcher, the planner and the tests
-# import them from here with the rules.
-__all__ = ["MAX_PIPELINE_CHUNKS", "MAX_WORLD_SIZE", "World", "check_startable",
-           "resolve_and_validate", "resolve_world"]
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 CP_METHODS = ("ring", "all_to_all")

@@ -139,7 +139,7 @@ def _workers_started(agent_log: Path) -> bool:
 
 
 def launch_workers(run_dir: Path, spec: ElasticLaunch, console_print=print) -> int:
-    """Run every local rank to the end; return the launcher's exit code (0, 1 or 130)."""
+    """Run every local rank to the end; return the launcher's exit code (0, 1, 3 or 130)."""
     agent_log = _quiet_agent_logs(run_dir, spec)
     # SLURM sends SIGUSR2 shortly before the time limit (`partrain slurm` asks for it), or on a
     # preemption: the workers save at one step and stop (preemption.py); this launcher passes the
@@ -148,19 +148,42 @@ def launch_workers(run_dir: Path, spec: ElasticLaunch, console_print=print) -> i
     started = time.time()
     if spec.cpu_threads:
         os.environ.setdefault("OMP_NUM_THREADS", str(spec.cpu_threads))
+    if spec.multi_node and spec.node_rank != 0 and not _node_0_reachable(spec, console_print):
+        return EXIT_RANK_FAILED
+    config = _launch_config(run_dir, spec)
+    # The agent copies this environment into every worker, which then dies with this process.
+    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    code = _run_agent(config, run_dir, spec, agent_log, console_print)
+    if code != EXIT_OK:
+        return code
+    saved = _preemption_save(run_dir, started, spec.max_steps)
+    if saved is not None:
+        console_print(f"saved at step {saved.step} on a preemption signal ({saved.path}, "
+                      f"{saved.meta.get('seconds', 0):.2f} s from signal to commit); relaunch "
+                      "to resume")
+        return EXIT_PREEMPTED
+    return EXIT_OK
+
+
+def _node_0_reachable(spec: ElasticLaunch, console_print) -> bool:
+    """Wait for node 0's store here, in Python: c10d's own retries print C++ stack traces and
+    take more than twice the timeout before giving up. False (and why, printed) if it never
+    answered within launcher.rdzv_timeout_s."""
+    host, port = split_endpoint(spec.rdzv_endpoint)
+    problem = wait_for_endpoint(host, port, spec.rdzv_timeout_s)
+    if problem:
+        console_print(f"rendezvous at {spec.rdzv_endpoint} failed: node {spec.node_rank} "
+                      f"could not reach it within launcher.rdzv_timeout_s="
+                      f"{spec.rdzv_timeout_s} s ({problem})")
+        console_print("  is node 0 running `partrain launch` with --rdzv-endpoint "
+                      f"{spec.rdzv_endpoint}, and is that address reachable from here?")
+    return not problem
+
+
+def _launch_config(run_dir: Path, spec: ElasticLaunch) -> LaunchConfig:
+    """torchrun's settings for this node: a fixed node count, no restarts, a c10d rendezvous on
+    127.0.0.1 (one node) or at the endpoint (many), and a quick stop of the others on a failure."""
     rdzv_configs = {"join_timeout": spec.rdzv_timeout_s, "timeout": spec.rdzv_timeout_s}
-    if spec.multi_node and spec.node_rank != 0:
-        # Wait for node 0's store here, in Python: c10d's own retries print C++ stack traces and
-        # take more than twice the timeout before giving up.
-        host, port = split_endpoint(spec.rdzv_endpoint)
-        problem = wait_for_endpoint(host, port, spec.rdzv_timeout_s)
-        if problem:
-            console_print(f"rendezvous at {spec.rdzv_endpoint} failed: node {spec.node_rank} "
-                          f"could not reach it within launcher.rdzv_timeout_s="
-                          f"{spec.rdzv_timeout_s} s ({problem})")
-            console_print("  is node 0 running `partrain launch` with --rdzv-endpoint "
-                          f"{spec.rdzv_endpoint}, and is that address reachable from here?")
-            return EXIT_RANK_FAILED
     if spec.multi_node:
         # read_timeout bounds the connection to the store, so an unreachable endpoint fails in
         # time; only node 0 hosts the store.
@@ -183,9 +206,14 @@ def launch_workers(run_dir: Path, spec: ElasticLaunch, console_print=print) -> i
     )
     # Older torch releases lack some of these fields (shutdown_timeout came in 2.12).
     known = {f.name for f in dataclasses.fields(LaunchConfig)}
-    config = LaunchConfig(**{k: v for k, v in options.items() if k in known})
-    # The agent copies this environment into every worker, which then dies with this process.
-    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+    return LaunchConfig(**{k: v for k, v in options.items() if k in known})
+
+
+def _run_agent(config: LaunchConfig, run_dir: Path, spec: ElasticLaunch, agent_log: Path,
+               console_print) -> int:
+    """Run the workers under the agent; how it ended decides the exit code: EXIT_OK when every
+    rank finished, else EXIT_RANK_FAILED (a rank failed, or the rendezvous did: each said with the
+    log to read) or EXIT_INTERRUPTED."""
     try:
         elastic_launch(config, sys.executable)("-u", "-m", "partrain.train", str(run_dir))
     except ChildFailedError as err:
@@ -212,12 +240,6 @@ def launch_workers(run_dir: Path, spec: ElasticLaunch, console_print=print) -> i
         return EXIT_INTERRUPTED
     finally:
         signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # from here on, nothing to pass it to
-    saved = _preemption_save(run_dir, started, spec.max_steps)
-    if saved is not None:
-        console_print(f"saved at step {saved.step} on a preemption signal ({saved.path}, "
-                      f"{saved.meta.get('seconds', 0):.2f} s from signal to commit); relaunch "
-                      "to resume")
-        return EXIT_PREEMPTED
     return EXIT_OK
 
 

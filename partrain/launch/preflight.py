@@ -1,13 +1,267 @@
-"""Every check before a start, in one order."""
+"""Every check before a start, in one order: `preflight(request)` for `launch` (and its
+--dry-run), `slurm`, `plan` and `show`, each command running the checks its `Checks` name.
 
+The order, and the commands that run each step (the first refusal wins; nothing is written before
+the last step passes):
+
+ 1. --run-dir and --resume name one run dir (launch).
+ 2. Where this node is (cluster.detect_place): refuses torchrun and a double launch under srun,
+    and reads SLURM's node count, node rank, head node and GPUs (launch).
+ 3. The config: --resume's run dir's config with its overrides, a run dir's frozen config.yaml
+    as it is, or a recipe composed with overrides; this node's CUDA devices counted (launch);
+    the world resolved (plan's --world-size split into nodes x ranks per node) and every rule of
+    the config validated (every command).
+ 4. The world can start on one node (check_startable) (launch, slurm).
+ 5. This node in the job: its rank, the rendezvous endpoint, its address and interface
+    (netif.pick_network) (launch).
+ 6. The data (check_data) (launch, slurm).
+ 7. The curves' packages (check_curves) (launch, slurm).
+ 8. The run dir (check_run_dir): slurm prepares a new or empty one; launch may also join one
+    prepared for this very config, or continue the checkpoint in it (launch, slurm).
+ 9. The checkpoint: the run dir's newest, which a resume may continue (check_resumable), else the
+    one model.init_from names, or its Hugging Face directory (check_init_from) (launch, slurm).
+
+torch is imported only to count CUDA devices (step 3, launch), so `plan` and `show` run without it.
+"""
+
+import dataclasses
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from partrain.checkpoint import store
-from partrain.checkpoint.resume import NOT_SHAPE, _flat, saved_config
+from partrain.checkpoint.resume import (
+    NOT_SHAPE,
+    _flat,
+    check_resumable,
+    resume_config,
+    saved_config,
+)
+from partrain.config.compose import compose_config
+from partrain.config.frozen import is_frozen_config, load_frozen_config
 from partrain.config.keys import shown
+from partrain.config.resolve import MAX_WORLD_SIZE, World, resolve_world
+from partrain.config.validate import check_startable, resolve_and_validate
+from partrain.data.tokens import check_data
 from partrain.errors import ConfigError
+from partrain.launch.cluster import NodePlace, detect_place
+from partrain.launch.netif import NodeNetwork, check_local_addr, pick_network
+from partrain.launch.rundir import check_run_dir, default_run_dir
+from partrain.observe.curves import check_curves
+
+# CONFIG is the first argument unless it has an override's shape (`key=`, `+key=`, `~key`).
+OVERRIDE_SHAPE = re.compile(r"[~+]|[A-Za-z_][\w.@+-]*=|=")
+
+
+@dataclass(frozen=True)
+class Checks:
+    """The checks a command runs past the config (step 3), which every command resolves."""
+
+    on_this_node: bool = False  # starts workers here: steps 1, 2 and 5, and the CUDA count
+    startable: bool = False  # step 4
+    data: bool = False  # step 6
+    curves: bool = False  # step 7
+    # Step 8: "prepare" (a new or empty run dir, named by its absolute path, since the job may
+    # start in another directory) or "start" (also one to join or continue); None: no run dir.
+    run_dir: str | None = None
+    checkpoint: bool = False  # step 9
+
+
+PLAN = Checks()  # `plan` and `show`: the config only
+SLURM = Checks(startable=True, data=True, curves=True, run_dir="prepare", checkpoint=True)
+LAUNCH = Checks(on_this_node=True, startable=True, data=True, curves=True, run_dir="start",
+                checkpoint=True)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a command was asked: CONFIG and OVERRIDEs, its flags, and the checks it runs."""
+
+    args: list[str] | None
+    checks: Checks
+    nnodes: int | None = None
+    nproc_per_node: int | None = None
+    world_size: int | None = None  # `plan --world-size`: split into nodes x ranks per node
+    run_dir: Path | None = None
+    resume: Path | None = None
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    local_addr: str | None = None
+    ifname: str | None = None
+
+
+@dataclass(frozen=True)
+class ThisNode:
+    """This node's place in the job (launch): what starts its workers and what it prints."""
+
+    place: NodePlace
+    rank: int
+    rdzv_endpoint: str | None  # None: one node on 127.0.0.1
+    network: NodeNetwork | None  # the address and interface the other nodes reach
+
+
+@dataclass
+class Ready:
+    """What passed: the resolved config and world, and what the checks found on the way."""
+
+    cfg: DictConfig
+    world: World
+    warnings: list[str]
+    node: ThisNode | None = None
+    data: str | None = None  # check_data's description of the data
+    run_dir: Path | None = None
+    checkpoint: store.Checkpoint | None = None  # the run dir's newest: the start continues it
+
+
+def preflight(request: Request) -> Ready:
+    """Run the request's checks in the module's order; raise ConfigError at the first refusal."""
+    checks = request.checks
+    resume = request.resume
+    if resume is not None and request.run_dir is not None and \
+            request.run_dir.absolute() != resume.absolute():
+        raise ConfigError(f"--run-dir {request.run_dir} and --resume {resume} name two run dirs; "
+                          "--resume continues in its own")
+    place = detect_place(request.nproc_per_node) if checks.on_this_node else None
+    cfg, world, warnings = resolve(request, place)
+    if checks.startable:
+        check_startable(world)
+    ready = Ready(cfg, world, warnings)
+    if checks.on_this_node:
+        ready.node = this_node(request, place, world, warnings)
+    if checks.data:
+        ready.data = check_data(cfg)
+    if checks.curves:
+        check_curves(cfg)
+    if checks.run_dir:
+        ready.run_dir = _run_dir(request, cfg, place)
+        joins = checks.run_dir == "start"
+        ready.checkpoint = check_run_dir(ready.run_dir, cfg if joins else None,
+                                         resuming=resume is not None)
+    if checks.checkpoint:
+        if ready.checkpoint is not None:
+            check_resumable(ready.checkpoint, cfg)
+        else:
+            check_init_from(cfg)
+    return ready
+
+
+def split_args(args: list[str] | None) -> tuple[str | None, list[str]]:
+    """CONFIG is the first argument unless it has an override's shape (`key=`, `+key=`, `~key`):
+    a path may hold '=' (`runs/lr=1e-3/config.yaml`) where a key cannot."""
+    args = list(args or [])
+    if args and not OVERRIDE_SHAPE.match(args[0]):
+        return args[0], args[1:]
+    return None, args
+
+
+def load_config(args: list[str] | None, resume: Path | None = None) -> DictConfig:
+    """The config a command runs: --resume's run dir's with the overrides a resume allows, a run
+    dir's frozen config.yaml as it is (never re-composed), or a recipe composed with overrides."""
+    config, overrides = split_args(args)
+    if resume is not None:
+        if config is not None:
+            raise ConfigError(f"--resume {resume} takes overrides only (key=value), not {config}: "
+                              "the run dir's config.yaml is the config")
+        return resume_config(resume, overrides)
+    if is_frozen_config(config):
+        return load_frozen_config(config, overrides)
+    return compose_config(config, overrides)
+
+
+def resolve(request: Request, place: NodePlace | None) -> tuple[DictConfig, World, list[str]]:
+    """Step 3: the config, its world (flags win over the environment's place, which wins over
+    launcher.*) and every rule; returns the warnings too."""
+    cfg = load_config(request.args, request.resume)
+    nnodes, nproc_per_node = request.nnodes, request.nproc_per_node
+    if nnodes is None and place is not None:
+        nnodes = place.nnodes
+    if request.world_size is not None:
+        nnodes, nproc_per_node = split_world(cfg, request.world_size)
+    cuda_devices = 0
+    if request.checks.on_this_node:
+        cuda_devices = visible_gpus(cfg, place.gpus_on_node)
+    world = resolve_world(cfg, nnodes, nproc_per_node, cuda_devices)
+    if request.world_size is not None:
+        world = dataclasses.replace(world, nproc_from=f"--world-size={request.world_size}")
+    warnings = resolve_and_validate(cfg, world)
+    return cfg, world, warnings
+
+
+def split_world(cfg: DictConfig, world_size: int) -> tuple[int, int]:
+    """--world-size N for `plan`: keep the GPUs per node if the config has them, else the nodes."""
+    if world_size > MAX_WORLD_SIZE:
+        raise ConfigError(f"--world-size={world_size:,} exceeds {MAX_WORLD_SIZE:,} ranks, the "
+                          "most partrain plans for")
+    per_node = cfg.launcher.nproc_per_node
+    if per_node and world_size % per_node == 0:
+        return world_size // per_node, per_node
+    nnodes = cfg.launcher.nnodes
+    if world_size % nnodes:
+        raise ConfigError(f"--world-size={world_size} is not divisible by launcher.nnodes={nnodes}")
+    return nnodes, world_size // nnodes
+
+
+def visible_gpus(cfg: DictConfig, gpus_on_node: int | None) -> int:
+    """The CUDA devices this node's workers may use (the scheduler's share of the node, if it
+    says); 0 for launcher.device=cpu, without importing torch."""
+    if cfg.launcher.device == "cpu":
+        return 0
+    import torch
+
+    cuda_devices = torch.cuda.device_count()
+    if gpus_on_node and cuda_devices:
+        cuda_devices = min(cuda_devices, gpus_on_node)
+    if cfg.launcher.device == "cuda" and cuda_devices == 0:
+        raise ConfigError("launcher.device=cuda but no CUDA device is visible; "
+                          "use launcher.device=cpu")
+    return cuda_devices
+
+
+def has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def runs_on_cuda(cfg: DictConfig) -> bool:
+    """Where this machine's workers will run: launcher.device, `auto` = CUDA when visible."""
+    return cfg.launcher.device == "cuda" or (cfg.launcher.device == "auto" and has_cuda())
+
+
+def this_node(request: Request, place: NodePlace, world: World, warnings: list[str]) -> ThisNode:
+    """Step 5: this node's rank, the rendezvous endpoint (the flag, else the SLURM job's head
+    node) and the address and interface the other nodes reach it on. Inside SLURM the rank and
+    the endpoint come from the job; flags win."""
+    rank_source = "--node-rank" if request.node_rank is not None else "SLURM_NODEID"
+    rank = request.node_rank if request.node_rank is not None else (place.node_rank or 0)
+    if not 0 <= rank < world.nnodes:
+        raise ConfigError(f"{rank_source}={rank} must be in 0..{world.nnodes - 1} "
+                          f"for {world.nnodes} node(s)")
+    endpoint, endpoint_from = request.rdzv_endpoint, "--rdzv-endpoint"
+    if world.nnodes > 1 and not endpoint:
+        endpoint, endpoint_from = (place.rdzv_endpoint,
+                                   "the SLURM job's first node (SLURM_JOB_NODELIST)")
+        if not endpoint:
+            raise ConfigError(f"--nnodes={world.nnodes} needs --rdzv-endpoint HOST:PORT "
+                              "(node 0's address), the same on every node")
+    local_addr, ifname = request.local_addr, request.ifname
+    if local_addr:
+        check_local_addr(local_addr)
+    network = pick_network(endpoint, local_addr, ifname, endpoint_from) if endpoint else None
+    if network is None and (local_addr or ifname):
+        warnings.append("--local-addr / --ifname only matter for a multi-node job "
+                        "(--rdzv-endpoint); this run stays on 127.0.0.1")
+    return ThisNode(place, rank, endpoint, network)
+
+
+def _run_dir(request: Request, cfg: DictConfig, place: NodePlace | None) -> Path:
+    """--resume's run dir, else --run-dir, else runs/<name>-<time> (inside a scheduler job
+    runs/<name>-job<id>, the same on every node); absolute where a job runs elsewhere."""
+    job_id = place.job_id if place is not None else None
+    run_dir = request.resume or request.run_dir or default_run_dir(cfg.name, job_id)
+    return run_dir.absolute() if request.checks.run_dir == "prepare" else run_dir
 
 
 def check_init_from(cfg) -> store.Checkpoint | None:

@@ -7,8 +7,7 @@ collectives of one step with their sizes, as rich tables or as JSON.
 
 from omegaconf import DictConfig, OmegaConf
 
-from partrain.config.resolve import compute_dtype
-from partrain.config.validate import World
+from partrain.config.resolve import World, compute_dtype
 from partrain.models.arith import (
     count_params,
     count_params_per_rank,

@@ -211,7 +211,8 @@ def validated(result: dict, config: str | None, overrides: list[str], gpus: int,
     """Keep the best candidates that partrain's own validation accepts, as `launch` would
     compose and check them (each with its reason if refused), up to `show` of them."""
     from partrain.config.compose import compose_config
-    from partrain.config.validate import resolve_and_validate, resolve_world
+    from partrain.config.resolve import resolve_world
+    from partrain.config.validate import resolve_and_validate
     from partrain.errors import ConfigError
 
     kept, refused = [], []

@@ -37,7 +37,8 @@ from partrain.checkpoint.state import (
     named_parameters,
 )
 from partrain.config.compose import compose_config
-from partrain.config.validate import World, resolve_and_validate
+from partrain.config.resolve import World
+from partrain.config.validate import resolve_and_validate
 from partrain.data.batches import rank_micro_batches
 from partrain.models.llama import build_model
 from partrain.observe.trace import Tracer

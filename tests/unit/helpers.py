@@ -10,7 +10,8 @@ import yaml
 from omegaconf import OmegaConf
 
 from partrain.config.compose import compose_config
-from partrain.config.validate import resolve_and_validate, resolve_world
+from partrain.config.resolve import resolve_world
+from partrain.config.validate import resolve_and_validate
 
 
 def compose(*overrides: str, config: str | None = None):

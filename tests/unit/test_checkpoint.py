@@ -17,7 +17,8 @@ from omegaconf import OmegaConf
 from partrain.checkpoint import store
 from partrain.checkpoint.resume import check_resumable, resume_config
 from partrain.checkpoint.state import canonical_name
-from partrain.config.validate import resolve_and_validate, resolve_world
+from partrain.config.resolve import resolve_world
+from partrain.config.validate import resolve_and_validate
 from partrain.errors import ConfigError
 from partrain.launch.preflight import check_init_from
 from tests.unit.helpers import one_line, validated

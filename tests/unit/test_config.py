@@ -9,7 +9,8 @@ from omegaconf import OmegaConf
 
 from partrain.config.compose import compose_config, find_recipe, known_recipes
 from partrain.config.paths import recipes_dir
-from partrain.config.validate import resolve_and_validate, resolve_world
+from partrain.config.resolve import resolve_world
+from partrain.config.validate import resolve_and_validate
 from partrain.errors import ConfigError
 from tests.unit.helpers import compose, resolved
 

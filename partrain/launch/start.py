@@ -1,0 +1,151 @@
+"""The bodies of `partrain launch` and `partrain slurm`, after their flags are read.
+
+`start`: preflight (every check, in preflight.py's order), then the run dir written and this
+node's workers run under the elastic agent (local.py) to the end; --dry-run stops after the checks
+and prints what it would do. `prepare_job`: preflight, then the run dir and its sbatch script
+written (slurm.py) and submitted, or printed for --dry-run. Both print on the CLI's consoles: what
+a user reads on stdout, the workers' failures and the progress of a submission on stderr.
+"""
+
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from rich.console import Console
+
+from partrain.errors import ConfigError
+from partrain.launch.netif import set_ifname_variables
+from partrain.launch.preemption import FORWARDER
+from partrain.launch.preflight import Ready, Request, preflight, runs_on_cuda
+from partrain.launch.rundir import write_run_dir
+from partrain.launch.slurm import (
+    SlurmJob,
+    partrain_command,
+    passed_through_env,
+    remove_prepared,
+    render_script,
+    submit,
+    write_script,
+)
+from partrain.plan.layout import build_plan
+from partrain.plan.render import print_plan
+
+
+def start(request: Request, dry_run: bool, out: Console, err: Console,
+          warn: Callable[[str], None]) -> int:
+    """Check, write the run dir and run this node's ranks to the end (or continue the run the run
+    dir holds, from its newest checkpoint); returns the exit code (local.py's)."""
+    from partrain.launch.local import launch_workers
+
+    FORWARDER.install()  # a preemption signal from here on is passed to the workers
+    ready = preflight(request)
+    for warning in ready.warnings:
+        warn(warning)
+    cfg, run_dir, checkpoint = ready.cfg, ready.run_dir, ready.checkpoint
+    if checkpoint is not None and checkpoint.step >= cfg.train.max_steps:
+        out.print(f"partrain: {run_dir} is trained to step {checkpoint.step} = train.max_steps "
+                  f"({checkpoint.path}); nothing to do (to train on: partrain launch --resume "
+                  f"{run_dir} train.max_steps=N)")
+        return 0
+    resuming_from = (f"; resuming from step {checkpoint.step} ({checkpoint.path})"
+                     if checkpoint is not None else "")
+    if dry_run:
+        print_dry_run(ready, resuming_from, out)
+        return 0
+    write_run_dir(cfg, run_dir, resuming=request.resume is not None)
+    print_start(ready, resuming_from, out)
+    code = launch_workers(run_dir, elastic_launch(ready), console_print=err.print)
+    if code == 0:
+        out.print(f"done: metrics in {run_dir / 'metrics.jsonl'}")
+    return code
+
+
+def print_dry_run(ready: Ready, resuming_from: str, out: Console) -> None:
+    """--dry-run: the plan, the data, the network, and what a start would do."""
+    world, network = ready.world, ready.node.network
+    print_plan(build_plan(ready.cfg, world, []), out)
+    out.print(f"data: {ready.data}")
+    if network:
+        out.print(f"network: {network.addr} on {network.ifname or '?'} ({network.how})")
+    out.print(f"dry run: would write {ready.run_dir} (checked: it can be made) and start "
+              f"{world.nproc_per_node} worker(s) on this node{resuming_from}; nothing started")
+
+
+def print_start(ready: Ready, resuming_from: str, out: Console) -> None:
+    """Where the run goes and this node's place in it; sets the workers' interface variables for
+    a multi-node job (and says which)."""
+    world, node, run_dir = ready.world, ready.node, ready.run_dir
+    out.print(f"partrain: run dir {run_dir}; {world.size} rank(s), {world.nproc_per_node} on this "
+              f"node (node {node.rank} of {world.nnodes}, {node.place.source}); logs in "
+              f"{run_dir / 'logs'}{resuming_from}")
+    network = node.network
+    if network:
+        variables = set_ifname_variables(network)
+        out.print(f"network: rendezvous {node.rdzv_endpoint}; this node is {network.addr} on "
+                  f"{network.ifname or 'an unknown interface'} ({network.how}); "
+                  f"{', '.join(variables) or 'set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME yourself'}",
+                  soft_wrap=True)
+
+
+def elastic_launch(ready: Ready):
+    """The agent's view of this node: its place in the job, the rendezvous, and on CPU how many
+    OpenMP threads each worker gets (the cores shared out)."""
+    from partrain.launch.local import ElasticLaunch
+
+    cfg, world, node = ready.cfg, ready.world, ready.node
+    job_id = node.place.job_id
+    threads = None if runs_on_cuda(cfg) else max(1, (os.cpu_count() or 1) // world.nproc_per_node)
+    return ElasticLaunch(
+        nnodes=world.nnodes, nproc_per_node=world.nproc_per_node, node_rank=node.rank,
+        rdzv_endpoint=node.rdzv_endpoint, run_id=f"slurm-{job_id}" if job_id else cfg.name,
+        rdzv_timeout_s=cfg.launcher.rdzv_timeout_s,
+        local_addr=node.network and node.network.addr, cpu_threads=threads,
+        max_steps=cfg.train.max_steps)
+
+
+def prepare_job(request: Request, dry_run: bool, out: Console, err: Console,
+                warn: Callable[[str], None], *, gpus_per_node: int | None = None,
+                partition: str | None = None, time: str | None = None,
+                account: str | None = None, qos: str | None = None,
+                sbatch_args: tuple[str, ...] = ()) -> None:
+    """Check for nodes x ranks, write the run dir and its sbatch script, and submit it (with
+    --dry-run: print the script instead). A failed write or submission takes back what it wrote."""
+    ready = preflight(request)
+    cfg, world, run_dir = ready.cfg, ready.world, ready.run_dir
+    job = SlurmJob(run_dir=run_dir, job_name=cfg.name, nodes=world.nnodes,
+                   nproc_per_node=world.nproc_per_node, partrain=partrain_command(),
+                   gpus_per_node=gpus_per_node, partition=partition, time=time,
+                   account=account, qos=qos, sbatch_args=sbatch_args,
+                   env=passed_through_env())
+    script_text = render_script(job)  # refuses unsafe values before anything is written
+    for warning in ready.warnings:
+        warn(warning)
+    created = not run_dir.exists()
+    script = write_job(ready, job, created)
+    if dry_run:
+        sys.stdout.write(script_text)
+        err.print(f"dry run: wrote {run_dir / 'config.yaml'} and {script}; nothing submitted "
+                  f"(submit with: sbatch {script})")
+        return
+    try:
+        job_id = submit(script)
+    except ConfigError:
+        remove_prepared(run_dir, created)
+        raise
+    out.print(f"submitted job {job_id}: {world.nnodes} node(s) x {world.nproc_per_node} rank(s); "
+              f"run dir {run_dir}", soft_wrap=True)
+    out.print(f"logs: {run_dir / 'logs' / f'slurm-{job_id}.out'} (the job), "
+              f"{run_dir / 'logs'}/rank-N.log (each rank); metrics: {run_dir / 'metrics.jsonl'}",
+              soft_wrap=True)
+
+
+def write_job(ready: Ready, job: SlurmJob, created: bool) -> Path:
+    """The run dir with its frozen config and the sbatch script; if the script cannot be written,
+    what was written goes again (all of the run dir if this call `created` it)."""
+    write_run_dir(ready.cfg, ready.run_dir)
+    try:
+        return write_script(job)
+    except OSError as e:
+        remove_prepared(ready.run_dir, created)
+        raise ConfigError(f"--run-dir {ready.run_dir} cannot be written: {e.strerror}") from None

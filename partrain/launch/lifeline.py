@@ -1,4 +1,4 @@
-"""No worker outlives its launcher, even one killed with SIGKILL (DESIGN.md, exit codes).
+"""No worker outlives its launcher, even one killed with SIGKILL (docs/design.md, exit codes).
 
 The elastic agent starts each worker in a session of its own, so a launcher that dies without
 running its handlers (SIGKILL, the OOM killer) takes nobody with it: its workers are re-parented

@@ -117,7 +117,7 @@ def deepspeed_ops():
     return proc.stdout
 
 
-# Layout parity (DESIGN.md) for the multi-node tests (test_multinode, test_slurm): the same rule
+# Layout parity (docs/design.md) for the multi-node tests (test_multinode, test_slurm): the same rule
 # and reference run as test_parity.py.
 PARITY_STEPS = 10
 PARITY_RTOL = 1e-4

@@ -1,5 +1,5 @@
 """Mixture of experts and expert parallelism through the CLI, as a user runs them: layout parity
-(DESIGN.md: loss and grad_norm within 1e-4 of one process over 10 steps) of the tiny MoE recipe
+(docs/design.md: loss and grad_norm within 1e-4 of one process over 10 steps) of the tiny MoE recipe
 at ep 2 and 4 and with dp, tp (+ sequence parallelism), pp, cp and ZeRO-1/2; with a capacity factor
 (and the DeepSeek bias, at ep2 x tp2 and ep2 x pp2), every layout drops the same share of tokens
 and balances the same way;

@@ -1,4 +1,4 @@
-"""Layout parity (DESIGN.md): changing only the layout trains the same model. Per-step loss and
+"""Layout parity (docs/design.md): changing only the layout trains the same model. Per-step loss and
 grad_norm over the first 10 steps agree with the single-process run to 1e-4 relative, in fp32
 on CPU, through the CLI as a user runs it.
 

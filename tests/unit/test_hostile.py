@@ -4,8 +4,8 @@ config keys, values and files; test_hostile_io.py: run dirs, data, flags and the
 Every row is an input a user can type by mistake or a file they can hand partrain: non-finite or
 out-of-range numbers, unknown keys and group options, config files partrain cannot read, run dirs
 it must not use, token dirs whose meta.json lies, bad flags and network settings, absurd sizes,
-rich markup in user text, values of the wrong type. For each one the CLI must (DESIGN.md, exit
-code 2):
+rich markup in user text, values of the wrong type. For each one the CLI must (docs/design.md,
+exit code 2):
 
 - exit with code 2, with exactly one `error: ...` message on stderr and nothing on stdout;
 - name the key or flag, the value as given and the rule: each row lists fragments that must
@@ -16,8 +16,8 @@ code 2):
   (it is the cwd, so a default `runs/...` would land in it, and it holds the system temp dir, so a
   temporary dir left behind shows too), and no process mentions it.
 
-Rows run in-process through `run_main`; test_hostile_io.py also runs a few as real
-`python -m partrain` subprocesses. The shared inputs and checks are in tests/unit/hostile.py.
+Rows run in-process through `run_main`; test_hostile_subprocess.py also runs a few as real
+`python -m partrain` subprocesses, and test_hostile_disks.py on read-only and full disks. The shared inputs and checks are in tests/unit/hostile.py.
 """
 
 import pytest

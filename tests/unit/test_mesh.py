@@ -1,4 +1,4 @@
-"""ParallelDims: the (pp, dp, cp, tp) layout as arithmetic, checked against DESIGN.md's formula
+"""ParallelDims: the (pp, dp, cp, tp) layout as arithmetic, checked against docs/design.md's formula
 global rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank, and against
 `partrain plan --json`."""
 

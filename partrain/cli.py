@@ -206,10 +206,25 @@ def _search(args, gpus, gpus_per_node, hardware, write_recipe, as_json) -> None:
 
 
 @app.command()
-def show(args: Optional[List[str]] = typer.Argument(None, help=ARGS_HELP, show_default=False)) -> None:
+def show(
+    args: Optional[List[str]] = typer.Argument(None, help=ARGS_HELP, show_default=False),
+    keys: bool = typer.Option(False, "--keys", help="List every config key with its type, the "
+                              "schema's default and its meaning (docs/config-keys.md is "
+                              "generated from the same table)"),
+) -> None:
     """Print the resolved config as YAML (what config.yaml in the run dir would hold)."""
     from partrain.launch.preflight import PLAN, Request, preflight, runs_on_cuda
 
+    if keys:
+        if args:
+            raise ConfigError(f"--keys lists the schema's keys and takes no CONFIG or OVERRIDE "
+                              f"(got {' '.join(args)}); `partrain show RECIPE` prints a recipe's "
+                              "resolved values")
+        from partrain.config.keys import key_table, shown
+
+        for row in key_table():
+            out.print(f"{row.key} ({row.type}, default {shown(row.default)}): {row.help}")
+        return
     ready = preflight(Request(args, PLAN))
     cfg, warnings = ready.cfg, ready.warnings
     sys.stdout.write(OmegaConf.to_yaml(cfg))

@@ -61,3 +61,20 @@ def test_docs_key_table_is_current():
     assert DOC.read_text() == render_markdown(), (
         f"docs/config-keys.md differs from partrain/config/schema.py's docstrings: regenerate "
         f"it with `{REGENERATE}`")
+
+
+def test_show_keys_lists_every_key_with_its_help(run_main):
+    """`partrain show --keys` prints the same table the docs are generated from."""
+    result = run_main("show", "--keys")
+    assert result.code == 0, result.stderr
+    lines = result.stdout.splitlines()
+    table = key_table()
+    assert len(lines) == len(table)
+    for line, row in zip(lines, table):
+        assert line.startswith(f"{row.key} ({row.type}, default ") and line.endswith(row.help)
+
+
+def test_show_keys_takes_no_config(run_main):
+    result = run_main("show", "--keys", "parallel.tp=2")
+    assert result.code == 2
+    assert "--keys" in result.stderr and "parallel.tp=2" in result.stderr

@@ -6,7 +6,7 @@ key or a value of the wrong type fails at compose time, before anything starts.
 Each field's docstring, the string on the line after it (torchtitan's job_config convention, read
 by editors and by `partrain.config.keys.key_table`), is the key's help: what it means, its unit,
 its choices; a section's is on its field in the section above. `partrain show --keys` and
-docs/config-keys.md are generated from them (tests/unit/test_keys_doc.py holds both to it).
+docs/config-keys.md are generated from them (tests/unit/config/test_keys_doc.py holds both to it).
 """
 
 from dataclasses import dataclass, field

@@ -40,9 +40,10 @@ class StepMemory(TorchDispatchMode):
             return
         try:
             storage = tensor.untyped_storage()
+            # A fake tensor (torch.compile's tracing leaves some alive) has no data pointer.
+            key = storage.data_ptr()
         except (RuntimeError, NotImplementedError):  # sparse, or a wrapper subclass
             return
-        key = storage.data_ptr()
         size = storage.nbytes()
         if not size or key in self._seen:
             return

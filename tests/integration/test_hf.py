@@ -19,7 +19,7 @@ from tests.integration.conftest import (
     assert_parity,
     read_metrics,
 )
-from tests.unit.test_hf import LLAMA3, LLAMA3_KEYS, hf_llama
+from tests.unit.interop.test_hf import LLAMA3, LLAMA3_KEYS, hf_llama
 
 pytestmark = pytest.mark.slow
 # The tiny model's shape has 4 layers (test_hf's has 2): pp2 takes 2 each.
@@ -100,7 +100,7 @@ def test_curves_through_the_cli(imported):
     """train.tensorboard and train.wandb=offline: the curves hold what metrics.jsonl holds, read
     back with tensorboard's reader and from W&B's offline files."""
     from tests.integration.conftest import processes_mentioning
-    from tests.unit.test_curves import tensorboard_scalars, wandb_history
+    from tests.unit.observe.test_curves import tensorboard_scalars, wandb_history
 
     run_dir = imported[2]["one"]
     steps, evals = read_metrics(run_dir)

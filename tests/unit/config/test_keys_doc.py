@@ -15,7 +15,7 @@ from partrain.config.keys import (
     render_markdown,
 )
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "config-keys.md"
+DOC = Path(__file__).resolve().parents[3] / "docs" / "config-keys.md"
 SCHEMA_CLASSES = [cls for cls in vars(schema).values()
                   if dataclasses.is_dataclass(cls) and cls.__module__ == schema.__name__]
 

@@ -1,6 +1,6 @@
 """Hostile input run as a user runs it: a few refusals of test_hostile_io.py's kinds as real
 `python -m partrain` subprocesses, all started at once. The contract and the checks are
-test_hostile.py's (tests/unit/hostile.py).
+test_hostile.py's (tests/unit/cli/hostile.py).
 """
 
 import os
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.unit.helpers import finish, start_cli
-from tests.unit.hostile import (
+from tests.unit.cli.hostile import (
     ENV_PREFIXES,
     RECIPE_HEAD,
     Ctx,

@@ -22,7 +22,7 @@ from partrain.config.validate import resolve_and_validate
 from partrain.errors import ConfigError
 from partrain.launch.preflight import check_init_from
 from tests.unit.helpers import one_line, validated
-from tests.unit.hostile import frozen_text
+from tests.unit.cli.hostile import frozen_text
 
 
 def write_checkpoint(root: Path, step: int, config_text: str | None = None, *, meta=None,

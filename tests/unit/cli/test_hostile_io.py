@@ -1,7 +1,7 @@
 """Hostile and careless input, part two: run dirs partrain must not use, token dirs whose
 meta.json lies, `data prepare` that cannot write, bad flags and network settings, rich markup in
 user text, the scheduler's environment. The contract and the checks are test_hostile.py's
-(tests/unit/hostile.py); disks that refuse writes are test_hostile_disks.py's, and a few cases run
+(tests/unit/cli/hostile.py); disks that refuse writes are test_hostile_disks.py's, and a few cases run
 as a user runs them, in a subprocess, test_hostile_subprocess.py's.
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.unit.hostile import (
+from tests.unit.cli.hostile import (
     MULTI_NODE,
     UNRESOLVABLE,
     Ctx,

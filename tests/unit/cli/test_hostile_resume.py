@@ -2,7 +2,7 @@
 holds no committed checkpoint, overrides a resume must refuse (the math of the run, a
 max_steps below the checkpoint, config groups), bad checkpoint.* values, `model.init_from` on a
 missing checkpoint or one of another shape, and a run dir that holds another config's checkpoint.
-The contract and the checks are test_hostile.py's (tests/unit/hostile.py): exit 2, one `error:`
+The contract and the checks are test_hostile.py's (tests/unit/cli/hostile.py): exit 2, one `error:`
 line naming the key or flag and the value, no traceback, nothing written (the run dirs the rows
 build included) and nothing started.
 
@@ -19,7 +19,7 @@ import pytest
 
 from partrain.checkpoint import store
 from tests.unit.helpers import one_line
-from tests.unit.hostile import (
+from tests.unit.cli.hostile import (
     Ctx,
     assert_untouched,
     check_row,
@@ -28,7 +28,7 @@ from tests.unit.hostile import (
     row,
     tree,
 )
-from tests.unit.test_checkpoint import write_checkpoint, write_run_dir
+from tests.unit.checkpoint.test_checkpoint import write_checkpoint, write_run_dir
 
 
 def _run(*steps: int, name: str = "run", config_text: str | None = None):

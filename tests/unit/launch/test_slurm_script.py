@@ -15,7 +15,7 @@ from partrain.errors import ConfigError
 from partrain.launch.cluster import slurm_port
 from partrain.launch.slurm import SlurmJob, render_script, write_script
 
-EXPECTED = Path(__file__).parent / "data" / "llama-2x8.sbatch"
+EXPECTED = Path(__file__).parent / "expected" / "llama-2x8.sbatch"
 
 FULL_JOB = SlurmJob(
     run_dir=Path("/shared/runs/llama-7b-tp4-pp2"), job_name="llama-7b-tp4-pp2", nodes=2,
@@ -25,7 +25,7 @@ FULL_JOB = SlurmJob(
 
 
 def test_rendered_script_matches_the_stored_file():
-    # To update after a deliberate change: python -c "from tests.unit.test_slurm_script import *;
+    # To update after a deliberate change: python -c "from tests.unit.launch.test_slurm_script import *;
     # EXPECTED.write_text(render_script(FULL_JOB))", then read the diff.
     assert render_script(FULL_JOB) == EXPECTED.read_text()
 

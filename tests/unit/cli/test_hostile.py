@@ -17,12 +17,12 @@ exit code 2):
   temporary dir left behind shows too), and no process mentions it.
 
 Rows run in-process through `run_main`; test_hostile_subprocess.py also runs a few as real
-`python -m partrain` subprocesses, and test_hostile_disks.py on read-only and full disks. The shared inputs and checks are in tests/unit/hostile.py.
+`python -m partrain` subprocesses, and test_hostile_disks.py on read-only and full disks. The shared inputs and checks are in tests/unit/cli/hostile.py.
 """
 
 import pytest
 
-from tests.unit.hostile import (
+from tests.unit.cli.hostile import (
     FLOAT_KEYS,
     RECIPE_HEAD,
     Ctx,

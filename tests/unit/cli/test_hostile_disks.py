@@ -1,11 +1,11 @@
 """Hostile input: run dirs and `data prepare --out` on disks that refuse writes, a real
 read-only or full tmpfs (root ignores chmod). The contract and the checks are test_hostile.py's
-(tests/unit/hostile.py); the tables of other run dirs are test_hostile_io.py's.
+(tests/unit/cli/hostile.py); the tables of other run dirs are test_hostile_io.py's.
 """
 
 import pytest
 
-from tests.unit.hostile import (
+from tests.unit.cli.hostile import (
     Ctx,
     assert_refused,
     assert_untouched,

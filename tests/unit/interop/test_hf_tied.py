@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from partrain.checkpoint import store
 from partrain.checkpoint.offline import checkpoint_model
-from tests.unit.test_hf import _batch, _model_cfg, _rel_l2, hf_llama, saved_run
+from tests.unit.interop.test_hf import _batch, _model_cfg, _rel_l2, hf_llama, saved_run
 
 
 @pytest.fixture(scope="module")

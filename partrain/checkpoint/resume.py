@@ -25,11 +25,12 @@ RESUMABLE = ("name", "parallel.", "launcher.", "checkpoint.", "train.micro_batch
 NOT_SHAPE = ("model.name", "model.init_from", "model.init_std")
 
 
-def _flat(tree, prefix: str = "") -> dict:
+def flat_keys(tree, prefix: str = "") -> dict:
+    """A config tree as {dotted key: value} (parallel.deepspeed's free keys kept as one value)."""
     out = {}
     for key, value in tree.items():
         if isinstance(value, dict) and value and not f"{prefix}{key}".startswith("parallel.deepspeed"):
-            out.update(_flat(value, f"{prefix}{key}."))
+            out.update(flat_keys(value, f"{prefix}{key}."))
         else:
             out[f"{prefix}{key}"] = value
     return out
@@ -51,8 +52,8 @@ def saved_config(checkpoint: store.Checkpoint) -> dict:
 
 def check_resumable(checkpoint: store.Checkpoint, cfg) -> None:
     """Refuse (ConfigError, naming the key) a config that changes what the checkpoint trained."""
-    saved = _flat(saved_config(checkpoint))
-    new = _flat(OmegaConf.to_container(cfg, resolve=True))
+    saved = flat_keys(saved_config(checkpoint))
+    new = flat_keys(OmegaConf.to_container(cfg, resolve=True))
     for key in sorted(saved.keys() | new.keys()):
         if _resumable(key) or saved.get(key) == new.get(key):
             continue

@@ -34,8 +34,8 @@ from omegaconf import DictConfig, OmegaConf
 from partrain.checkpoint import store
 from partrain.checkpoint.resume import (
     NOT_SHAPE,
-    _flat,
     check_resumable,
+    flat_keys,
     resume_config,
     saved_config,
 )
@@ -275,8 +275,8 @@ def check_init_from(cfg) -> store.Checkpoint | None:
         check_hf_init(cfg.model)
         return None
     checkpoint = store.find(Path(cfg.model.init_from), "model.init_from")
-    saved = _flat(saved_config(checkpoint).get("model", {}), "model.")
-    new = _flat(OmegaConf.to_container(cfg.model, resolve=True), "model.")
+    saved = flat_keys(saved_config(checkpoint).get("model", {}), "model.")
+    new = flat_keys(OmegaConf.to_container(cfg.model, resolve=True), "model.")
     for key in sorted(new):
         if key not in NOT_SHAPE and key in saved and saved[key] != new[key]:
             raise ConfigError(

@@ -232,7 +232,7 @@ def show(
         from partrain.config.deepspeed import deepspeed_config
 
         text = json.dumps(deepspeed_config(cfg, runs_on_cuda(cfg)), indent=2)
-        sys.stdout.write("# The DeepSpeed config the workers derive (partrain/parallel/zero.py):\n"
+        sys.stdout.write("# The DeepSpeed config the workers derive (partrain/config/deepspeed.py):\n"
                          + "".join(f"# {line}\n" for line in text.splitlines()))
     for warning in warnings:
         _warn(warning)

@@ -8,7 +8,7 @@ parameters and optimizer state are all alive), every tensor the engine holds is 
 the model and the optimizer's objects, deduplicated by storage, and counted as parameters,
 gradients or optimizer state (Adam moments and fp32 master weights). Process RSS is not used.
 
-Prediction: partrain.parallel.zero.zero_memory (ZeRO paper's per-rank formulas with this run's
+Prediction: partrain.plan.costs.zero_memory (ZeRO paper's per-rank formulas with this run's
 dtype; `partrain plan` prints the same).
 
     python scripts/bench_zero.py          # a table

@@ -21,7 +21,8 @@ the last step passes):
  9. The checkpoint: the run dir's newest, which a resume may continue (check_resumable), else the
     one model.init_from names, or its Hugging Face directory (check_init_from) (launch, slurm).
 
-torch is imported only to count CUDA devices (step 3, launch), so `plan` and `show` run without it.
+torch is imported only to count CUDA devices (step 3, launch) and, for `show` of a ZeRO config on
+launcher.device auto or cuda, to ask whether CUDA is visible; `plan` runs without it.
 """
 
 import dataclasses

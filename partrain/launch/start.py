@@ -55,7 +55,7 @@ def start(request: Request, dry_run: bool, out: Console, err: Console,
         return 0
     write_run_dir(cfg, run_dir, resuming=request.resume is not None)
     print_start(ready, resuming_from, out)
-    code = launch_workers(run_dir, elastic_launch(ready), console_print=err.print)
+    code = launch_workers(run_dir, launch_spec(ready), console_print=err.print)
     if code == 0:
         out.print(f"done: metrics in {run_dir / 'metrics.jsonl'}")
     return code
@@ -88,7 +88,7 @@ def print_start(ready: Ready, resuming_from: str, out: Console) -> None:
                   soft_wrap=True)
 
 
-def elastic_launch(ready: Ready):
+def launch_spec(ready: Ready):
     """The agent's view of this node: its place in the job, the rendezvous, and on CPU how many
     OpenMP threads each worker gets (the cores shared out)."""
     from partrain.launch.local import ElasticLaunch

@@ -107,8 +107,8 @@ class LocalDispatcher:
 
 class MoE(nn.Module):
     """The MoE MLP of one block. `seq_group`/`seq_scale` are set by context or sequence
-    parallelism (the ranks a sequence is split over); `aux_scale` by the train loop (the loss's
-    1/micro_batches)."""
+    parallelism (the ranks a sequence is split over); `aux_scale` when the worker is built (the
+    loss's 1/micro_batches: partrain.parallel.parallelize.setup_moe)."""
 
     def __init__(self, model_cfg, dense_ffn: int):
         super().__init__()

@@ -7,8 +7,9 @@ it wrapped for this rank, with the data-parallel backend that the step drives:
     -> (the weights to start from) -> DDP or ZeRO
 
 Each step sees what the one before produced, and the comment on each says why it comes there
-(torchtitan's parallelize_llama is the model). Every apply_* gets its own mesh slice and config
-section; the order is not repeated anywhere else (docs/design.md points here).
+(torchtitan's parallelize_llama is the model). The model-parallel apply_* get their own mesh
+slice and config section; the order is not repeated anywhere else in partrain or its docs
+(docs/design.md points here).
 """
 
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ class Parallelized:
     and the group whose ranks route different tokens (MoE load accounting), if any."""
     backend: DataParallelBackend
     moe_load_group: object | None
+    n_moe_blocks: int  # of the whole model (every rank takes part in the router accounting)
     sequence_parallel: bool
 
 
@@ -57,8 +59,9 @@ def parallelize(model: torch.nn.Module, cfg, dims: ParallelDims, mesh, expert_me
         # Attention over the cp group; every other module works on this rank's tokens.
         model = apply_context_parallel(model, mesh["cp"], p, t.seq_len)
     # The MoE blocks learn their sequence groups before ep swaps their dispatcher.
-    moe_load_group = setup_moe(moe_modules(model), len(moe_blocks(cfg.model)), dims, mesh,
-                               sequence_parallel, t.micro_batches)
+    n_moe_blocks = len(moe_blocks(cfg.model))
+    moe_load_group = setup_moe(moe_modules(model), n_moe_blocks, dims, mesh, sequence_parallel,
+                               t.micro_batches)
     if dims.ep_enabled:
         # Each rank keeps 1/ep of every MoE's experts; tokens travel to them (all-to-all).
         model = apply_expert_parallel(model, expert_mesh["ep"])
@@ -90,7 +93,7 @@ def parallelize(model: torch.nn.Module, cfg, dims: ParallelDims, mesh, expert_me
             model = apply_data_parallel(model, mesh["dp_cp"])
         backend = DDPBackend(model, build_optimizer(model), dims, mesh, expert_mesh,
                              sequence_parallel, cfg.optim.grad_clip)
-    return Parallelized(backend, moe_load_group, sequence_parallel)
+    return Parallelized(backend, moe_load_group, n_moe_blocks, sequence_parallel)
 
 
 def setup_moe(layers, n_moe_blocks: int, dims: ParallelDims, mesh, sequence_parallel: bool,

@@ -423,6 +423,3 @@ def sync_sequence_parallel_grads(model: nn.Module, group) -> None:
     for grad, chunk in zip(grads, flat.split([g.numel() for g in grads])):
         grad.copy_(chunk.view_as(grad))
 
-
-# ---------------------------------------------------------------------------------------------
-# The expected collectives, as arithmetic (for `partrain plan`, the benchmark and the tests).

@@ -47,7 +47,7 @@ class MeshMPU:
         self.coords = dims.coords(dist.get_rank())
         # Under cp the data-parallel group is dp x cp: cp ranks hold the same parameters and
         # their gradients are averaged like dp's (DeepSpeed then counts each sequence cp times in
-        # its batch size: derived_config).
+        # its batch size: partrain.config.deepspeed.derived_config).
         self._dp = mesh["dp_cp"].get_group()
         self._tp = mesh["tp"].get_group()
         self._pp = mesh["pp"].get_group()

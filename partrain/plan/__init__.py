@@ -1,2 +1,3 @@
-"""Predictions without starting a process: the layout plan (layout), its memory and time models,
-the hardware presets and the layout search."""
+"""Predictions without starting a process: the layout plan (layout) and its drawing (render), the
+memory and time models, the cost formulas they share (costs, torch-free), the hardware presets and
+the layout search."""

@@ -2,7 +2,7 @@
 
 Every rank's node, local rank and (pp, dp, tp) coordinates, the groups of each mesh dimension,
 the batch arithmetic, the model's size and what each rank holds of it, and the tensor-parallel
-collectives of one step with their sizes, as rich tables or as JSON.
+collectives of one step with their sizes, as a dict (JSON as it is; plan/render draws it).
 """
 
 from omegaconf import DictConfig, OmegaConf
@@ -31,6 +31,7 @@ from partrain.plan.costs import (
     moe_traffic,
     tp_collectives,
     tp_step_collectives,
+    true_size,
     zero_memory,
 )
 from partrain.plan.memory_model import memory_per_stage
@@ -109,8 +110,6 @@ def _batch(t: DictConfig, dp: int) -> dict:
 def _checkpoint(cfg: DictConfig, params_per_rank: int, dp: int) -> dict:
     """What one checkpoint writes: fp32 weights and AdamW's two moments, each tensor once. A rank
     writes its stage's shard of them, the dp replicas sharing the work (DCP de-duplicates)."""
-    from partrain.plan.costs import true_size
-
     c = cfg.checkpoint
     total = true_size(cfg.model)
     return {"bytes": total, "bytes_per_rank": round(12 * params_per_rank / dp),
@@ -224,7 +223,7 @@ def _context(cfg: DictConfig, dims: ParallelDims, stages: list[dict], act_bytes:
 def _experts(cfg: DictConfig, dims: ParallelDims, stages: list[dict], act_bytes: int) -> dict | None:
     """Mixture of experts: the experts each rank holds, the parameters (all, active per token,
     experts per rank) and the all-to-all bytes a rank of the busiest stage sends per step under
-    uniform routing (partrain.parallel.expert.moe_traffic)."""
+    uniform routing (partrain.plan.costs.moe_traffic)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if not moe_enabled(m):
         return None

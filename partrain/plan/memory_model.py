@@ -22,6 +22,7 @@ Counted as partrain's code really holds them (checked against tensor accounting 
 from dataclasses import dataclass
 
 from partrain.models.arith import expert_ffn_dim, expert_params, ffn_dim, is_moe_block
+from partrain.plan.costs import zero_memory
 
 
 @dataclass(frozen=True)
@@ -155,8 +156,6 @@ def model_state(cfg, dims, params: int, blocks: list[int], dtype: str) -> dict:
     """Weights, gradients and optimizer state of a rank's `params` at the ZeRO stage. ZeRO
     shards over dp x cp; under ep > 1 the routed experts' slices (blocks' MoE layers, 1/ep of
     the experts each) are DeepSpeed's expert parameters, sharded over their own dp/ep x cp ranks."""
-    from partrain.plan.costs import zero_memory
-
     p, m = cfg.parallel, cfg.model
     experts = 0
     if dims.ep > 1 and getattr(m, "moe", None):

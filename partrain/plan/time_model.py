@@ -6,11 +6,11 @@ The step of the slowest pipeline stage, from its parts:
   recomputation's extra forward of the blocks) at `matmul_efficiency` of the GPU's peak, lowered
   for GEMMs too thin to fill the GPU (a tp slice of a small hidden size, a micro-batch of few
   tokens);
-- tp: the block's collectives (tensor.tp_collectives: all-reduces, or all-gathers and
+- tp: the block's collectives (costs.tp_collectives: all-reduces, or all-gathers and
   reduce-scatters under sequence parallelism), on the critical path, over NVLink when a tp group
   fits in a node and over the inter-node links when it spans nodes;
-- cp: the ring's key/value blocks or the all-to-alls (context.cp_traffic), on the critical path;
-- ep: the token all-to-alls of the MoE blocks (expert.moe_traffic), on the critical path;
+- cp: the ring's key/value blocks or the all-to-alls (costs.cp_traffic), on the critical path;
+- ep: the token all-to-alls of the MoE blocks (costs.moe_traffic), on the critical path;
 - pp: the schedule's bubble, (p-1)/(m+p-1) of the step ((p-1)/(v m + p-1) interleaved), and the
   point-to-point sends, priced in line with compute: on NCCL partrain's executor posts them in
   the schedule's order (gloo's early receives are a CPU matter: scripts/bench_pp.py);

@@ -23,7 +23,7 @@ from partrain.checkpoint.state import load_optimizer, load_weights
 from partrain.config.resolve import compute_dtype
 from partrain.data.tokens import TokenSplits, load_tokens
 from partrain.interop.hf import hf_dir, is_hf, load_hf_weights
-from partrain.models.arith import flops_per_token, moe_blocks
+from partrain.models.arith import flops_per_token
 from partrain.models.llama import build_model
 from partrain.observe.curves import Curves
 from partrain.observe.metrics import MetricsLog, ProgressDisplay, peak_flops
@@ -69,6 +69,7 @@ class Run:
     metrics: MetricsLog
     display: ProgressDisplay
     after_step: Callable[[], dict]  # per-step accounting attached at build time (MoE routers)
+    tokens_per_step: int
     flops_per_step: float
     peak_flops: float | None
 
@@ -131,17 +132,17 @@ def build(cfg, run_dir: Path, device: torch.device) -> Run:
     splits = load_tokens(cfg.data)
     first_step = start.resume.step + 1 if start.resume else 1
     metrics, display, checkpointer = _outputs(cfg, run_dir, rank, start, first_step)
-    n_moe_blocks = len(moe_blocks(cfg.model))
     # This pipeline stage's MoE blocks, for the per-step router accounting.
     after_step = (partial(finish_moe_step, moe_modules(backend.model), cfg.model.moe,
-                          n_moe_blocks, built.moe_load_group,
+                          built.n_moe_blocks, built.moe_load_group,
                           mesh["pp"].get_group() if dims.pp_enabled else None, device)
-                  if n_moe_blocks else dict)
+                  if built.n_moe_blocks else dict)
     run = Run(cfg=cfg, run_dir=run_dir, rank=rank, device=device, dims=dims, mesh=mesh,
               coords=coords, backend=backend, loss_fn=loss_function(dims, mesh),
               autocast=autocast, tracer=tracer, splits=splits, tp_mesh=tp_mesh, start=start,
               first_step=first_step, checkpointer=checkpointer, metrics=metrics,
               display=display, after_step=after_step,
+              tokens_per_step=t.global_batch_size * t.seq_len,
               flops_per_step=flops_per_token(cfg.model, t.seq_len) * t.global_batch_size
               * t.seq_len,
               peak_flops=(peak_flops(torch.cuda.get_device_name(device))

@@ -215,7 +215,7 @@ RULES = [
      ["parallel.pp_schedule=gpipe"], (None, None)),
     ("dtype", ["train.dtype=fp8"], (None, None),
      ["train.dtype=fp8 is not one of: auto, fp32, bf16, fp16"], ["train.dtype=bf16"], (None, None)),
-    # ZeRO (partrain/parallel/zero.py)
+    # ZeRO (partrain/config/deepspeed.py)
     ("zero-pp", ["parallel.zero_stage=2", "parallel.pp=2", "parallel.dp=1"], (None, 2),
      ["parallel.zero_stage=2 with parallel.pp=2", "use parallel.zero_stage=1 with pp"],
      ["parallel.zero_stage=1", "parallel.pp=2", "parallel.dp=1"], (None, 2)),

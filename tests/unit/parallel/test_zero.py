@@ -1,4 +1,4 @@
-"""The DeepSpeed config partrain derives (partrain/parallel/zero.py), raw keys over it, and the
+"""The DeepSpeed config partrain derives (partrain/config/deepspeed.py), raw keys over it, and the
 ZeRO memory formulas that `plan` prints and scripts/bench_zero.py measures against."""
 
 import json

@@ -2,10 +2,13 @@
 launcher before anything starts.
 
 A resume continues the same training: the model, the data, the seed, the global batch, the
-sequence length and the optimizer must be those the checkpoint was saved with. The layout may
-change (parallel.*, launcher.*, the node count, the micro-batch split at the same global batch),
-as may how the run logs, evaluates and saves, and train.max_steps (the learning-rate schedule is
-then the one of a run planned for the new max_steps: warmup is unchanged, the cosine stretches).
+sequence length, the dtype and the optimizer (AdamW) must be those the checkpoint was saved with.
+The layout may change (parallel.*, launcher.*, the node count, the micro-batch split at the same
+global batch, activation checkpointing, compile), as may how the run logs, evaluates and saves,
+train.max_steps (the learning-rate schedule is then the one of a run planned for the new
+max_steps: warmup is unchanged, the cosine stretches) and the optimizer's schedule and
+hyperparameters (a lower optim.lr after a loss spike). `check_resumable` returns what changed,
+which the launcher prints.
 """
 
 from pathlib import Path
@@ -16,11 +19,17 @@ from partrain.checkpoint import store
 from partrain.config.keys import shown
 from partrain.errors import ConfigError
 
-# Keys (or key prefixes ending in '.') a resume may change.
+# Keys (or key prefixes ending in '.') a resume may change: the layout, how the run logs,
+# evaluates and saves, and the optimizer's schedule and hyperparameters (after a loss spike,
+# Megatron-LM's --override-opt_param-scheduler: the state, AdamW's moments, keeps its shapes and
+# meaning). The model, the data, the seed, the batch, the dtype and the optimizer itself stay.
 RESUMABLE = ("name", "parallel.", "launcher.", "checkpoint.", "train.micro_batch_size",
              "train.micro_batches", "train.max_steps", "train.eval_every", "train.eval_batches",
              "train.log_every", "train.trace", "train.tensorboard", "train.wandb",
-             "train.wandb_project", "model.init_from")
+             "train.wandb_project", "train.activation_checkpointing", "train.compile",
+             "train.measure_memory", "model.init_from", "optim.lr", "optim.warmup_steps",
+             "optim.min_lr_ratio", "optim.grad_clip", "optim.weight_decay", "optim.beta1",
+             "optim.beta2", "optim.eps")
 # Model keys that do not change the weights' shapes (init_from may point anywhere).
 NOT_SHAPE = ("model.name", "model.init_from", "model.init_std")
 
@@ -50,24 +59,33 @@ def saved_config(checkpoint: store.Checkpoint) -> dict:
     return OmegaConf.to_container(frozen, resolve=True)
 
 
-def check_resumable(checkpoint: store.Checkpoint, cfg) -> None:
-    """Refuse (ConfigError, naming the key) a config that changes what the checkpoint trained."""
+def check_resumable(checkpoint: store.Checkpoint, cfg) -> list[str]:
+    """Refuse (ConfigError, naming the key) a config that changes what the checkpoint trained;
+    return what it changes that a resume may ("optim.lr 0.003 -> 0.0001"), for the launcher to
+    say."""
     saved = flat_keys(saved_config(checkpoint))
     new = flat_keys(OmegaConf.to_container(cfg, resolve=True))
+    changed = []
     for key in sorted(saved.keys() | new.keys()):
-        if _resumable(key) or saved.get(key) == new.get(key):
+        if saved.get(key) == new.get(key):
+            continue
+        if _resumable(key):
+            changed.append(f"{key} {shown(saved.get(key))} -> {shown(new.get(key))}")
             continue
         raise ConfigError(
             f"{key}={shown(new.get(key))} differs from {shown(saved.get(key))} in the checkpoint "
             f"at step {checkpoint.step} ({checkpoint.path}): it changes the math of the run, so a "
             "resume keeps it; a resume may change the layout (parallel.*, launcher.*, nodes, the "
-            "micro-batch split), train.max_steps, logging, evaluation and checkpoint.*. To start "
+            "micro-batch split, activation checkpointing, compile), train.max_steps, the "
+            "optimizer's schedule and hyperparameters (optim.* but optim.name), logging, "
+            "evaluation and checkpoint.*. To start "
             f"a new run from these weights: model.init_from={checkpoint.path} in a new run dir")
     if cfg.train.max_steps < checkpoint.step:
         raise ConfigError(
             f"train.max_steps={cfg.train.max_steps} is below the checkpoint's step "
             f"{checkpoint.step} ({checkpoint.path}); a resume continues from there (raise "
             "train.max_steps, or start a new run with model.init_from)")
+    return changed
 
 
 def resume_config(run_dir: Path, overrides: list[str]):

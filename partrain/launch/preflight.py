@@ -114,6 +114,7 @@ class Ready:
     data: str | None = None  # check_data's description of the data
     run_dir: Path | None = None
     checkpoint: store.Checkpoint | None = None  # the run dir's newest: the start continues it
+    changed: list[str] = dataclasses.field(default_factory=list)  # what the resume changes
 
 
 def preflight(request: Request) -> Ready:
@@ -142,7 +143,7 @@ def preflight(request: Request) -> Ready:
                                          resuming=resume is not None)
     if checks.checkpoint:
         if ready.checkpoint is not None:
-            check_resumable(ready.checkpoint, cfg)
+            ready.changed = check_resumable(ready.checkpoint, cfg)
         else:
             check_init_from(cfg)
     return ready

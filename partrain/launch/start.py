@@ -50,6 +50,8 @@ def start(request: Request, dry_run: bool, out: Console, err: Console,
         return 0
     resuming_from = (f"; resuming from step {checkpoint.step} ({checkpoint.path})"
                      if checkpoint is not None else "")
+    if ready.changed:  # after a spike: optim.lr 0.003 -> 0.0001, and any change of layout
+        out.print("changed on resume: " + ", ".join(ready.changed))
     if dry_run:
         print_dry_run(ready, resuming_from, out)
         return 0

@@ -90,8 +90,14 @@ class GroupedExperts(nn.Module):
             if rows.shape[0]:
                 outs.append(F.linear(F.silu(F.linear(rows, self.w1[e])) * F.linear(rows, self.w3[e]),
                                      self.w2[e]))
-        if not outs:  # no token for any local expert: keep the weights in the graph
-            return x.new_zeros(0, self.w2.shape[1]) + 0 * self.w1.sum()
+        if not outs:
+            # No row for any local expert. The (empty) result stays a function of every weight
+            # (each gets a zero gradient, as an idle expert beside a busy one does, so every rank
+            # reduces and steps the same tensors) and of x: under expert parallelism x is what the
+            # all-to-all brought, and its backward (a collective every rank of the ep group must
+            # enter) runs only if x is in the graph.
+            untouched = self.w1.sum() + self.w3.sum() + self.w2.sum() + x.sum()
+            return x.new_zeros(0, self.w2.shape[1]) + 0 * untouched
         return torch.cat(outs)
 
 

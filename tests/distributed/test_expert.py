@@ -1,8 +1,9 @@
 """Expert parallelism (partrain.parallel.expert) on real gloo groups: the all-to-all dispatch at
 ep 2 and 4 against the same MoE layer run whole on each rank (ep=1): every rank's output and
 input gradient, the router's gradient, and each expert slice's gradient against the sum of the
-ep group's dense gradients; dropless and with a capacity factor; and the rows each rank sent
-against the routing."""
+ep group's dense gradients; dropless and with a capacity factor; routings that leave a rank's
+experts without a row (the dp4 x ep4 hang: that rank skipped the backward all-to-all); and the
+rows each rank sent against the routing."""
 
 import copy
 
@@ -30,6 +31,21 @@ def _layer(capacity_factor: float) -> MoE:
     return layer
 
 
+def _force(layer: MoE, routing: str) -> MoE:
+    """Routings where a rank's experts receive no row: "starve_last" sends no token to the last
+    two experts (the last ep rank's at ep=4), "all_to_first" sends every token to experts 0 and 1
+    (every other rank's experts idle). Through the balancing bias, which only picks experts."""
+    if routing != "natural":
+        layer.balance = "bias"
+        bias = torch.zeros(8)
+        if routing == "starve_last":
+            bias[-2:] = -100.0
+        else:
+            bias[:2] = 100.0
+        layer.expert_bias.copy_(bias)
+    return layer
+
+
 def _check(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -38,8 +54,9 @@ def _check(rank, world_size):
     for ep in (2, 4):
         mesh = init_device_mesh("cpu", (world_size // ep, ep), mesh_dim_names=("edp", "ep"))
         ep_group = mesh["ep"].get_group()
-        for capacity_factor in (0.0, 1.0):
-            dense = _layer(capacity_factor)
+        routings = ("natural", "starve_last", "all_to_first") if ep == 4 else ("natural",)
+        for capacity_factor, routing in [(c, r) for r in routings for c in (0.0, 1.0)]:
+            dense = _force(_layer(capacity_factor), routing)
             gen = torch.Generator().manual_seed(100 + rank)  # each rank its own tokens
             x = torch.randn(2, 12, 32, generator=gen)
             grad_out = torch.randn(2, 12, 32, generator=gen)
@@ -52,7 +69,7 @@ def _check(rank, world_size):
             with count_traffic() as sent:
                 out = sharded(x_ep)
                 out.backward(grad_out)
-            label = f"ep={ep} capacity_factor={capacity_factor}"
+            label = f"ep={ep} capacity_factor={capacity_factor} routing={routing}"
             with torch.no_grad():
                 want = dense(x)
             torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5, msg=label)

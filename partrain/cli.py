@@ -256,11 +256,13 @@ def export(
 ) -> None:
     """Write a checkpoint's weights in another library's format, on one process."""
     from partrain.checkpoint.store import find
+    from partrain.checkpoint.verify import check_whole
     from partrain.interop.hf import export_hf
 
     if fmt != "hf":
         raise ConfigError(f"--format {fmt} is not a format partrain writes (formats: hf)")
     checkpoint = find(source, "RUN_DIR_OR_CHECKPOINT")
+    check_whole(checkpoint, "RUN_DIR_OR_CHECKPOINT")
     info = export_hf(checkpoint, out_dir, dtype, max_shard_mb)
     out.print(f"exported {checkpoint.path} (step {info['step']}) to {out_dir}: {info['tensors']} "
               f"tensors, {info['bytes']:,} bytes in {dtype}, {len(info['files'])} safetensors "
@@ -285,6 +287,7 @@ def sample(
     """Generate text from a checkpoint on one process, streamed as it comes."""
     from partrain.checkpoint.offline import checkpoint_model
     from partrain.checkpoint.store import find
+    from partrain.checkpoint.verify import check_whole
     from partrain.data.tokenizer import TextTokenizer, run_tokenizer_dir
     from partrain.interop.sample import check_options, encode, generate
     from partrain.launch.preflight import has_cuda
@@ -295,6 +298,7 @@ def sample(
     if device == "cuda" and not has_cuda():
         raise ConfigError("--device cuda: no CUDA device is visible")
     checkpoint = find(source, "RUN_DIR_OR_CHECKPOINT")
+    check_whole(checkpoint, "RUN_DIR_OR_CHECKPOINT")
     on_cuda = device == "cuda" or (device == "auto" and has_cuda())
     model, cfg = checkpoint_model(checkpoint, "cuda" if on_cuda else "cpu")
     run_dir = checkpoint.path.parent.parent

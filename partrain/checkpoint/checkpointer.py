@@ -20,6 +20,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from partrain.checkpoint import store
+from partrain.checkpoint.verify import problems
 
 log = logging.getLogger("partrain")
 
@@ -121,6 +122,16 @@ class Checkpointer:
         if self.rank != 0:
             return
         _test_pause(self.rank, step, "after")
+        found = problems(store.tmp_dir(self.root, step))
+        if found:
+            # What rank 0 sees is not every rank's save: commit nothing, keep the newest.
+            kept = store.newest(self.root)
+            raise RuntimeError(
+                f"the checkpoint of step {step} is not committed: in "
+                f"{store.tmp_dir(self.root, step)}, {'; '.join(found)}. Every rank must write into "
+                "the same run dir: run every node on one shared file system mounted at the same "
+                "path (--run-dir). The newest committed checkpoint is still "
+                f"{kept.path if kept else 'none'}")
         seconds = time.time() - started
         meta = {"reason": reason, "saved_at": time.time(), "seconds": round(seconds, 4),
                 "blocked_s": round(blocked_s, 4), "world_size": dist.get_world_size()}

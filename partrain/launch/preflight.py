@@ -19,7 +19,8 @@ the last step passes):
  8. The run dir (check_run_dir): slurm prepares a new or empty one; launch may also join one
     prepared for this very config, or continue the checkpoint in it (launch, slurm).
  9. The checkpoint: the run dir's newest, which a resume may continue (check_resumable), else the
-    one model.init_from names, or its Hugging Face directory (check_init_from) (launch, slurm).
+    one model.init_from names, or its Hugging Face directory (check_init_from); a checkpoint's
+    files are checked whole against its .metadata (checkpoint/verify) (launch, slurm).
 
 torch is imported only to count CUDA devices (step 3, launch) and, for `show` of a ZeRO config on
 launcher.device auto or cuda, to ask whether CUDA is visible; `plan` runs without it.
@@ -40,6 +41,7 @@ from partrain.checkpoint.resume import (
     resume_config,
     saved_config,
 )
+from partrain.checkpoint.verify import check_whole
 from partrain.config.compose import compose_config
 from partrain.config.frozen import is_frozen_config, load_frozen_config
 from partrain.config.keys import shown
@@ -144,6 +146,7 @@ def preflight(request: Request) -> Ready:
     if checks.checkpoint:
         if ready.checkpoint is not None:
             ready.changed = check_resumable(ready.checkpoint, cfg)
+            check_whole(ready.checkpoint, "--resume" if resume is not None else "--run-dir")
         else:
             check_init_from(cfg)
     return ready
@@ -284,4 +287,5 @@ def check_init_from(cfg) -> store.Checkpoint | None:
             raise ConfigError(
                 f"{key}={shown(new[key])} does not match {shown(saved[key])} of the checkpoint "
                 f"model.init_from={checkpoint.path}: its weights have that model's shape")
+    check_whole(checkpoint, "model.init_from")
     return checkpoint

@@ -7,6 +7,7 @@ partrain's meta.json, the config): the launcher-side rules read nothing else. Th
 tests/integration/test_checkpoint.py's business.
 """
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -25,6 +26,22 @@ from tests.unit.cli.hostile import frozen_text
 from tests.unit.helpers import one_line, validated
 
 
+@functools.cache
+def dcp_files() -> dict[str, bytes]:
+    """The files of a real (tiny) DCP checkpoint, written once: a shard and its .metadata, which
+    the launcher checks whole before a start (partrain/checkpoint/verify.py)."""
+    import tempfile
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.save({"model.x": torch.zeros(16)}, storage_writer=dcp.FileSystemWriter(tmp))
+        return {f.name: f.read_bytes() for f in Path(tmp).iterdir()}
+
+
 def write_checkpoint(root: Path, step: int, config_text: str | None = None, *, meta=None,
                      metadata: bool = True, name: str | None = None) -> Path:
     """A checkpoint directory under `root` (RUN_DIR/checkpoints) as store.commit leaves one:
@@ -32,9 +49,9 @@ def write_checkpoint(root: Path, step: int, config_text: str | None = None, *, m
     the config it was saved with. `metadata=False` or `meta` make it lie."""
     path = root / (name or store.step_dir_name(step))
     path.mkdir(parents=True)
-    (path / "__0_0.distcp").write_bytes(b"\0" * 64)
-    if metadata:
-        (path / store.DCP_METADATA).write_bytes(b"dcp")
+    for file, data in dcp_files().items():
+        if metadata or file != store.DCP_METADATA:
+            (path / file).write_bytes(data)
     if meta is not False:
         (path / store.META).write_text(json.dumps({"step": step, "reason": "every"}
                                                   if meta is None else meta))

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from partrain.checkpoint import store
-from tests.unit.helpers import one_line
+from tests.unit.checkpoint.test_checkpoint import write_checkpoint, write_run_dir
 from tests.unit.cli.hostile import (
     Ctx,
     assert_untouched,
@@ -28,7 +28,7 @@ from tests.unit.cli.hostile import (
     row,
     tree,
 )
-from tests.unit.checkpoint.test_checkpoint import write_checkpoint, write_run_dir
+from tests.unit.helpers import one_line
 
 
 def _run(*steps: int, name: str = "run", config_text: str | None = None):
@@ -169,7 +169,40 @@ ROWS_RUN_DIR_WITH_CHECKPOINT = [
         "--run-dir", "run", "not empty"),
 ]
 
-TABLE = [*ROWS_RESUME, *ROWS_CHECKPOINT_KEYS, *ROWS_INIT_FROM, *ROWS_RUN_DIR_WITH_CHECKPOINT]
+def _broken(how: str):
+    """A run dir whose step-100 checkpoint lost its shard, has it cut short, or whose .metadata
+    is garbage: committed as far as the directory says, unreadable all the same."""
+    def build(c: Ctx) -> str:
+        write_run_dir(c.root / "run", 100)
+        step = c.root / "run" / store.CHECKPOINTS / "step-00000100"
+        shard = step / "__0_0.distcp"
+        if how == "missing":
+            shard.unlink()
+        elif how == "truncated":
+            shard.write_bytes(shard.read_bytes()[:10])
+        else:
+            (step / store.DCP_METADATA).write_bytes(b"\x80\x04garbage")
+        return "run"
+    return build
+
+
+ROWS_BROKEN = [
+    row(f"{command} of a checkpoint whose {what}", argv, *fragments)
+    for how, what, fragments in (
+        ("missing", "shard is gone", ("__0_0.distcp is missing", "written by rank 0")),
+        ("truncated", "shard is cut short", ("__0_0.distcp holds 10 of its",)),
+        ("garbage", ".metadata is garbage", (".metadata cannot be read",)))
+    for command, argv in (
+        ("launch --resume", _resume(_broken(how), "--dry-run")),
+        ("launch --run-dir", lambda c, how=how: ["launch", "--dry-run", "--run-dir", _broken(how)(c)]),
+        ("model.init_from", lambda c, how=how: ["launch", "--dry-run", "--run-dir", "new",
+                                                 "model.init_from=" + _broken(how)(c)]),
+        ("export", lambda c, how=how: ["export", _broken(how)(c), "--out", "out"]),
+        ("sample", lambda c, how=how: ["sample", _broken(how)(c), "--prompt", "x"]))
+]
+
+TABLE = [*ROWS_RESUME, *ROWS_CHECKPOINT_KEYS, *ROWS_INIT_FROM, *ROWS_RUN_DIR_WITH_CHECKPOINT,
+         *ROWS_BROKEN]
 
 
 @pytest.mark.parametrize("argv, fragments, absent", TABLE)

@@ -1,0 +1,56 @@
+"""A save is committed only when rank 0 finds every file of it (partrain/checkpoint/verify.py), on
+real gloo processes and real DCP: two ranks whose run dirs are not the same directory (node-local
+disks) fail the save, naming the file rank 1 wrote elsewhere, and commit nothing; the same ranks
+with one shared run dir commit."""
+
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from partrain.checkpoint import store
+from partrain.checkpoint.checkpointer import Checkpointer
+from tests.distributed.helpers import run_distributed
+
+CKPT = SimpleNamespace(every=1, keep=2, save_last=True, async_save=False)
+
+
+def _save(run_dir, step: int) -> Checkpointer:
+    rank = dist.get_rank()
+    checkpointer = Checkpointer(run_dir, CKPT, "name: test\n", report=lambda record: None)
+    # A tensor of each rank's own, so that each rank writes a file.
+    state = {f"model.rank{rank}": torch.full((64,), float(rank)), "model.shared": torch.ones(8)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        checkpointer.save(state, step, "every")
+    return checkpointer
+
+
+def _check(rank, world_size, tmp):
+    from pathlib import Path
+
+    tmp = Path(tmp)
+    local = tmp / f"node{rank}"  # each rank its own directory, as node-local run dirs are
+    if rank == 0:
+        with pytest.raises(RuntimeError) as refused:
+            _save(local, 3)
+        message = str(refused.value)
+        assert "checkpoint of step 3 is not committed" in message, message
+        assert "__1_0.distcp is missing, written by rank 1" in message, message
+        assert "same path (--run-dir)" in message and "is still none" in message, message
+        assert store.newest(local / store.CHECKPOINTS) is None
+        assert store.leftovers(local / store.CHECKPOINTS)  # cleaned at the next start
+    else:
+        _save(local, 3)  # ranks other than 0 never commit: DCP's save returned
+    dist.barrier()
+    shared = tmp / "shared"
+    _save(shared, 3)
+    dist.barrier()
+    newest = store.newest(shared / store.CHECKPOINTS)
+    assert newest is not None and newest.step == 3
+
+
+def test_a_save_that_rank_0_cannot_see_whole_is_not_committed(tmp_path):
+    run_distributed(_check, 2, str(tmp_path))

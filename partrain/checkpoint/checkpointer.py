@@ -122,13 +122,14 @@ class Checkpointer:
         if self.rank != 0:
             return
         _test_pause(self.rank, step, "after")
-        found = problems(store.tmp_dir(self.root, step))
+        written = store.tmp_dir(self.root, step)
+        found = problems(written)
         if found:
             # What rank 0 sees is not every rank's save: commit nothing, keep the newest.
             kept = store.newest(self.root)
             raise RuntimeError(
                 f"the checkpoint of step {step} is not committed: in "
-                f"{store.tmp_dir(self.root, step)}, {'; '.join(found)}. Every rank must write into "
+                f"{written}, {'; '.join(found)}. Every rank must write into "
                 "the same run dir: run every node on one shared file system mounted at the same "
                 "path (--run-dir). The newest committed checkpoint is still "
                 f"{kept.path if kept else 'none'}")

@@ -137,14 +137,14 @@ def build(cfg, run_dir: Path, device: torch.device) -> Run:
                           built.n_moe_blocks, built.moe_load_group,
                           mesh["pp"].get_group() if dims.pp_enabled else None, device)
                   if built.n_moe_blocks else dict)
+    tokens_per_step = t.global_batch_size * t.seq_len
     run = Run(cfg=cfg, run_dir=run_dir, rank=rank, device=device, dims=dims, mesh=mesh,
               coords=coords, backend=backend, loss_fn=loss_function(dims, mesh),
               autocast=autocast, tracer=tracer, splits=splits, tp_mesh=tp_mesh, start=start,
               first_step=first_step, checkpointer=checkpointer, metrics=metrics,
               display=display, after_step=after_step,
-              tokens_per_step=t.global_batch_size * t.seq_len,
-              flops_per_step=flops_per_token(cfg.model, t.seq_len) * t.global_batch_size
-              * t.seq_len,
+              tokens_per_step=tokens_per_step,
+              flops_per_step=flops_per_token(cfg.model, t.seq_len) * tokens_per_step,
               peak_flops=(peak_flops(torch.cuda.get_device_name(device))
                           if device.type == "cuda" else None))
     _announce(run, n_params, built.sequence_parallel)

@@ -86,9 +86,8 @@ def run_step(run: Run, step: int) -> dict:
                                            run.checkpointer.staged)
         extra = run.after_step()
     step_time = time.perf_counter() - step_start
-    tokens_per_step = run.tokens_per_step
     rec = {"step": step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
-           "tokens": step * tokens_per_step, "tokens_per_s": tokens_per_step / step_time,
+           "tokens": step * run.tokens_per_step, "tokens_per_s": run.tokens_per_step / step_time,
            "step_time_s": step_time, **extra,
            **(per_rank(meter, run.device) if meter else {})}
     if run.peak_flops:

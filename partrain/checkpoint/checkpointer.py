@@ -14,10 +14,12 @@ import os
 import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.tensor import DTensor
 
 from partrain.checkpoint import store
 from partrain.checkpoint.verify import problems
@@ -66,10 +68,14 @@ class Checkpointer:
         every = self.cfg.every
         return bool((every and step % every == 0) or (last and self.cfg.save_last))
 
-    def save(self, state: dict, step: int, reason: str, started: float | None = None) -> None:
+    def save(self, state: dict, step: int, reason: str, started: float | None = None) -> bool:
         """Write `state` as the checkpoint of `step`. `started`: when the save was asked for (a
-        preemption signal), so that the report says how long it took from there to the commit."""
+        preemption signal), so that the report says how long it took from there to the commit.
+        A state holding a NaN or an infinity on any rank is not written (False): the newest
+        checkpoint stays the newest good one."""
         self.wait()
+        if self._refuse_nonfinite(state, step):
+            return False
         started = started or time.time()
         t0 = time.perf_counter()
         path = store.tmp_dir(self.root, step)
@@ -78,9 +84,28 @@ class Checkpointer:
             future = dcp.async_save(state, storage_writer=storage_writer(path),
                                     process_group=self.group, async_stager=self.stager)
             self.pending = [future, step, reason, started, time.perf_counter() - t0]
-            return
+            return True
         dcp.save(state, storage_writer=storage_writer(path))
         self._commit(step, reason, started, blocked_s=time.perf_counter() - t0)
+        return True
+
+    def _refuse_nonfinite(self, state: dict, step: int) -> bool:
+        """Every rank checks its part of the state; True (and said) when any holds a non-finite
+        value."""
+        mine = _first_nonfinite(state)
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, mine)
+        bad = [(rank, key) for rank, key in enumerate(found) if key is not None]
+        if not bad:
+            return False
+        if self.rank == 0:
+            kept = self.newest or store.newest(self.root)
+            rank, key = bad[0]
+            log.warning("checkpoint of step %d not saved: %s holds a non-finite value on rank %d",
+                        step, key, rank)
+            self.report({"step": step, "checkpoint_refused": f"{key} on rank {rank} is not finite",
+                         "newest": str(kept.path) if kept else None})
+        return True
 
     def staged(self) -> None:
         """Before the optimizer changes the parameters: the background copy of a save must be
@@ -145,6 +170,17 @@ class Checkpointer:
                  self.newest.path, step, f"{record['bytes']:,}", seconds, blocked_s,
                  f"; removed {', '.join(p.name for p in pruned)}" if pruned else "")
         self.report(record)
+
+
+def _first_nonfinite(state: dict) -> str | None:
+    """The first key of `state` whose (local) tensor holds a NaN or an infinity."""
+    for key, value in state.items():
+        if isinstance(value, DTensor):
+            value = value.to_local()
+        if (isinstance(value, torch.Tensor) and value.is_floating_point()
+                and not torch.isfinite(value).all()):
+            return key
+    return None
 
 
 def _done(future) -> bool:

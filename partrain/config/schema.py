@@ -181,6 +181,10 @@ class TrainConfig:
     """Global batches of the validation split per pass."""
     log_every: int = 10
     """Steps between lines in the rank logs (and on a non-terminal stdout)."""
+    max_skipped_steps: int = 5
+    """Divergence guard: a step whose loss or gradient norm is not finite is skipped (no update,
+    on every rank); this many in a row stop the run with exit 4, naming the newest good
+    checkpoint to resume from."""
     activation_checkpointing: str = "none"
     """none | selective | full: recompute in backward what a block would keep (full: all but its
     input; selective: all but matmul and attention outputs)."""

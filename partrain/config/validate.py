@@ -148,7 +148,8 @@ def _check_each_key(cfg: DictConfig) -> None:
                     "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.dim",
                     "model.vocab_size", "model.max_seq_len", "train.seq_len", "train.max_steps",
                     "train.global_batch_size", "train.micro_batch_size", "train.micro_batches",
-                    "train.log_every", "train.eval_batches", "model.multiple_of",
+                    "train.log_every", "train.eval_batches", "train.max_skipped_steps",
+                    "model.multiple_of",
                     "model.ffn_dim", "data.stdlib_max_bytes", "checkpoint.keep",
                     "model.rope_original_max_seq_len"])
     _at_least_zero(cfg, ["train.seed", "train.eval_every", "optim.warmup_steps",

@@ -86,7 +86,10 @@ class ProgressDisplay:
             self.progress.update(self.task, completed=rec["step"], loss=f"{rec['loss']:.4f}",
                                  lr=f"{rec['lr']:.2e}", tps=f"{rec['tokens_per_s']:,.0f}",
                                  moe=_moe_text(rec) if "moe_load_balance" in rec else "")
-        elif rec["step"] % self.log_every == 0 or rec["step"] in (1, self.max_steps):
+        if rec.get("skipped"):  # always said, also between the live display's refreshes
+            self.print(format_step(rec))
+        elif not self.live and (rec["step"] % self.log_every == 0
+                                or rec["step"] in (1, self.max_steps)):
             self.print(format_step(rec))
 
     def stop(self) -> None:
@@ -101,6 +104,10 @@ def format_step(rec: dict) -> str:
         text += f"  mfu {rec['mfu']:.1%}"
     if "moe_load_balance" in rec:
         text += f"  {_moe_text(rec)}"
+    if rec.get("skipped"):
+        text += (f"  skipped (non-finite; {rec['skipped_in_a_row']} in a row"
+                 + (f", first in {rec['nonfinite_param']}" if rec.get("nonfinite_param") else "")
+                 + ")")
     return text
 
 

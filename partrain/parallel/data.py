@@ -3,8 +3,11 @@ interface every data-parallel backend answers (DDP here, DeepSpeed ZeRO in zero.
 
 A backend owns how gradients meet across the data-parallel ranks and who steps the optimizer, so
 the train step never branches on the backend (Lightning Fabric's Strategy): `no_sync(last)` around
-each micro-batch, `backward(loss)`, and `step(tracer)`, which reduces, clips and steps and returns
-the gradient norm before clipping.
+each micro-batch, `backward(loss)`, and `step(tracer, loss_finite)`, which reduces, clips and steps
+and returns an `Update`: the gradient norm before clipping, and whether the parameters changed.
+Neither backend updates on a non-finite loss or gradient norm (the divergence guard,
+partrain.train.guard, counts those steps): the optimizer's state is untouched and the gradients
+are dropped.
 
 Each dp rank holds the whole (or tp/pp-sharded) model and a slice of the global batch; DDP
 all-reduces (averages) gradients over the dp group in buckets, overlapped with backward. Under
@@ -26,6 +29,7 @@ start nor averages them (partrain.parallel.expert reduces them over their own gr
 import math
 import warnings
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import ContextManager, Protocol
 
 import torch
@@ -34,8 +38,28 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
 from partrain.parallel.expert import average_expert_gradients
-from partrain.parallel.grads import average_gradients, clip_grad_norm
+from partrain.parallel.grads import average_gradients, clip_grads, global_grad_norm
 from partrain.parallel.tensor import sync_sequence_parallel_grads
+
+
+@dataclass
+class Update:
+    """What one optimizer step did."""
+
+    grad_norm: float  # global, before clipping (the same on every rank)
+    applied: bool  # the parameters and the optimizer's state changed
+    nonfinite: nn.Parameter | None = None  # not applied: this rank's parameter nearest the
+    # output whose gradient was not finite, where backward met it first (None: all finite)
+    scaler_skipped: bool = False  # fp16: the loss scaler skipped an overflow (not a divergence)
+
+
+def first_nonfinite(params) -> nn.Parameter | None:
+    """The first parameter in backward's order (the last of `params`, the model's order) whose
+    gradient holds a NaN or an infinity: where a non-finite value entered the gradients."""
+    for param in reversed(list(params)):
+        if param.grad is not None and not torch.isfinite(param.grad).all():
+            return param
+    return None
 
 
 class DataParallelBackend(Protocol):
@@ -51,9 +75,9 @@ class DataParallelBackend(Protocol):
 
     def backward(self, loss: torch.Tensor) -> None: ...
 
-    def step(self, tracer) -> float:
-        """Reduce the accumulated gradients, clip, step the optimizer, zero the gradients;
-        return the global gradient norm before clipping."""
+    def step(self, tracer, loss_finite: bool) -> Update:
+        """Reduce the accumulated gradients and clip; step the optimizer when `loss_finite` and
+        the global gradient norm is finite; zero the gradients."""
 
 
 def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
@@ -102,7 +126,7 @@ class DDPBackend:
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
 
-    def step(self, tracer) -> float:
+    def step(self, tracer, loss_finite: bool) -> Update:
         with tracer.span("gradients: dp average, clip", "comm"):
             if self.dp_group is not None:
                 average_gradients(self.model.parameters(), self.dp_group)
@@ -110,9 +134,17 @@ class DDPBackend:
                 average_expert_gradients(self.model, self.edp_group, self.dp_cp)
             if self.sequence_parallel:
                 sync_sequence_parallel_grads(self.model, self.tp_group)
-            grad_norm = clip_grad_norm(self.model.parameters(), self.max_norm, self.tp_group,
-                                       self.pp_group, self.ep_group)
+            grad_norm = global_grad_norm(self.model.parameters(), self.tp_group, self.pp_group,
+                                         self.ep_group)
+            norm = grad_norm.item()
+            update = Update(norm, applied=loss_finite and math.isfinite(norm))
+            if update.applied:
+                clip_grads(self.model.parameters(), grad_norm, self.max_norm)
+            else:
+                # Before the gradients go: where backward met a non-finite value first.
+                update.nonfinite = first_nonfinite(self.model.parameters())
         with tracer.span("optimizer", "compute"):
-            self.optimizer.step()
+            if update.applied:
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm.item()
+        return update

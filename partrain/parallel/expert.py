@@ -144,14 +144,15 @@ def average_expert_gradients(model: nn.Module, edp_group, ranks_averaged: int) -
 
 
 def finish_moe_step(layers: list[MoE], moe_cfg, n_moe_blocks: int, load_group, pp_group,
-                    device) -> dict:
+                    device, applied: bool = True) -> dict:
     """After a step's forward and backward (every rank calls it, with or without MoE blocks of
     its own): each local block's tokens per expert summed over the ranks that routed different
     tokens (`load_group`: dp x cp, and tp under sequence parallelism), the DeepSeek bias moved
     by them, and the step's router metrics (equal on every rank, summed over pp stages):
     `moe_load_balance`, max over mean tokens per expert averaged over the MoE blocks;
     `moe_aux_loss`, the balancing loss summed over blocks (mean over micro-batches and ranks);
-    `moe_dropped`, the share of (token, expert) choices over capacity (with a capacity factor)."""
+    `moe_dropped`, the share of (token, expert) choices over capacity (with a capacity factor).
+    A step whose update was skipped (`applied` False: divergence guard) leaves the bias too."""
     from partrain.models.moe import update_expert_bias
 
     stats = torch.zeros(4, dtype=torch.float64, device=device)
@@ -167,7 +168,7 @@ def finish_moe_step(layers: list[MoE], moe_cfg, n_moe_blocks: int, load_group, p
             packed[loads.numel():-1] /= dist.get_world_size(load_group)
         loads = packed[:loads.numel()].view_as(loads)
         for moe, load in zip(layers, loads):
-            if moe.balance == "bias":
+            if moe.balance == "bias" and applied:
                 update_expert_bias(moe, load)
             moe.reset_stats()
         balance = (loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1e-12)).sum()

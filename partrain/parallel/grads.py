@@ -26,10 +26,8 @@ def _spans(group) -> bool:
     return group is not None and dist.get_world_size(group) > 1
 
 
-def clip_grad_norm(parameters, max_norm: float, tp_group=None, pp_group=None,
-                   ep_group=None) -> torch.Tensor:
-    """Scale gradients so that their global norm is at most max_norm (inf: no clipping);
-    return the norm before clipping, as torch.nn.utils.clip_grad_norm_ does."""
+def global_grad_norm(parameters, tp_group=None, pp_group=None, ep_group=None) -> torch.Tensor:
+    """The norm of every gradient of the sharded model, each parameter counted once."""
     params = [p for p in parameters if p.grad is not None]
     device = params[0].grad.device
     counted = [p for p in params if not getattr(p, "tied_to", None)]
@@ -47,10 +45,24 @@ def clip_grad_norm(parameters, max_norm: float, tp_group=None, pp_group=None,
     total_sq = sharded_sq + expert_sq + _sum_of_squares(replicated, device)
     if _spans(pp_group):
         dist.all_reduce(total_sq, group=pp_group)
-    total = total_sq.sqrt()
+    return total_sq.sqrt()
+
+
+def clip_grads(parameters, total: torch.Tensor, max_norm: float) -> None:
+    """Scale gradients whose global norm is `total` so that it is at most max_norm (inf: no
+    clipping)."""
     if math.isfinite(max_norm):
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_([p.grad for p in params], coef)
+        torch._foreach_mul_([p.grad for p in parameters if p.grad is not None], coef)
+
+
+def clip_grad_norm(parameters, max_norm: float, tp_group=None, pp_group=None,
+                   ep_group=None) -> torch.Tensor:
+    """Scale gradients so that their global norm is at most max_norm (inf: no clipping);
+    return the norm before clipping, as torch.nn.utils.clip_grad_norm_ does."""
+    params = list(parameters)
+    total = global_grad_norm(params, tp_group, pp_group, ep_group)
+    clip_grads(params, total, max_norm)
     return total
 
 

@@ -25,12 +25,16 @@ over every dp rank (the slices of the ep group once each).
 """
 
 import logging
+import math
 import os
 from contextlib import contextmanager, nullcontext
+from functools import partial
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
+from partrain.parallel.data import Update
 from partrain.parallel.tensor import sync_sequence_parallel_grads
 
 
@@ -168,12 +172,41 @@ def apply_zero(model: nn.Module, mesh, dims, ds_config: dict, param_groups: list
 class ZeroBackend:
     """zero_stage 1-3: DeepSpeed's engine accumulates in its backward and, in `engine.step()`,
     reduces over dp (and syncs sequence-parallel norms first, at stage 1), clips and steps; its
-    norm is the one before clipping, summed over the replica (pp x tp)."""
+    norm is the one before clipping, summed over the replica (pp x tp).
+
+    Divergence: DeepSpeed skips a step whose norm is not finite only on some of its paths (fp16's
+    loss scaler; bf16 and fp32 depend on the version and `check_grad_overflow`), so the backend
+    guards the step itself: the ZeRO optimizer calls its inner optimizer (AdamW, or DeepSpeed's
+    CPU Adam under offload) after it has computed the global norm, and that call is skipped when
+    the loss or the norm is not finite. The fp32 master partitions are then copied back to the
+    parameters unchanged. Which parameter broke: the gradients are partitioned and freed by
+    DeepSpeed, so a hook on each parameter notes in backward whether its gradient was finite."""
 
     def __init__(self, engine, optimizer, sequence_parallel_group=None):
         self.model, self.optimizer = engine, optimizer
         self.module = engine.module
         self.sequence_parallel_group = sequence_parallel_group
+        self.fp16 = engine.fp16_enabled()
+        self._loss_finite, self._applied = True, False
+        inner = optimizer.optimizer
+        inner_step = inner.step
+
+        def guarded_step(*args, **kwargs):
+            norm = float(optimizer._global_grad_norm)
+            if self._loss_finite and math.isfinite(norm) and norm >= 0:
+                self._applied = True
+                return inner_step(*args, **kwargs)
+            return None
+
+        inner.step = guarded_step
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self._bad = torch.zeros(len(self.params), dtype=torch.bool,
+                                device=next(self.module.parameters()).device)
+        for i, param in enumerate(self.params):
+            param.register_hook(partial(self._note, i))
+
+    def _note(self, i: int, grad):
+        self._bad[i].logical_or_(~torch.isfinite(grad).all())
 
     def no_sync(self, last: bool):
         return nullcontext()  # the engine reduces once, in step()
@@ -181,9 +214,18 @@ class ZeroBackend:
     def backward(self, loss) -> None:
         self.model.backward(loss, scale_wrt_gas=False)
 
-    def step(self, tracer) -> float:
+    def step(self, tracer, loss_finite: bool) -> Update:
+        self._loss_finite, self._applied = loss_finite, False
         with tracer.span("zero: reduce, clip, step", "comm"):
             if self.sequence_parallel_group is not None:
                 sync_sequence_parallel_grads(self.module, self.sequence_parallel_group)
             self.model.step()
-        return float(self.model.get_global_grad_norm())
+        norm = float(self.model.get_global_grad_norm())
+        update = Update(norm, applied=self._applied)
+        if not update.applied:
+            # fp16: an overflow with a finite loss is the loss scaler's to handle.
+            update.scaler_skipped = self.fp16 and loss_finite
+            bad = self._bad.nonzero()
+            update.nonfinite = self.params[int(bad[-1])] if len(bad) else None  # backward's first
+        self._bad.zero_()
+        return update

@@ -2,7 +2,8 @@
 metrics, checkpointer. The loop then steps with the `Run` this returns and never builds anything.
 
 Cross-cutting work attaches here, so the loop stays short: the MoE router accounting becomes
-`Run.after_step`, the backend (DDP or ZeRO) hides which one reduces and steps.
+`Run.after_step`, the divergence guard `Run.guard`, the backend (DDP or ZeRO) hides which one
+reduces and steps.
 """
 
 import json
@@ -32,6 +33,7 @@ from partrain.parallel.data import DataParallelBackend
 from partrain.parallel.expert import finish_moe_step, moe_modules
 from partrain.parallel.mesh import ParallelDims
 from partrain.parallel.parallelize import checkpointed_blocks, parallelize
+from partrain.train.guard import DivergenceGuard
 from partrain.train.optim import build_optimizer, param_groups
 from partrain.train.step import loss_function
 
@@ -68,7 +70,8 @@ class Run:
     checkpointer: Checkpointer
     metrics: MetricsLog
     display: ProgressDisplay
-    after_step: Callable[[], dict]  # per-step accounting attached at build time (MoE routers)
+    after_step: Callable[[bool], dict]  # per-step accounting (MoE routers); arg: update applied
+    guard: DivergenceGuard
     tokens_per_step: int
     flops_per_step: float
     peak_flops: float | None
@@ -136,13 +139,14 @@ def build(cfg, run_dir: Path, device: torch.device) -> Run:
     after_step = (partial(finish_moe_step, moe_modules(backend.model), cfg.model.moe,
                           built.n_moe_blocks, built.moe_load_group,
                           mesh["pp"].get_group() if dims.pp_enabled else None, device)
-                  if built.n_moe_blocks else dict)
+                  if built.n_moe_blocks else lambda applied: {})
     tokens_per_step = t.global_batch_size * t.seq_len
     run = Run(cfg=cfg, run_dir=run_dir, rank=rank, device=device, dims=dims, mesh=mesh,
               coords=coords, backend=backend, loss_fn=loss_function(dims, mesh),
               autocast=autocast, tracer=tracer, splits=splits, tp_mesh=tp_mesh, start=start,
               first_step=first_step, checkpointer=checkpointer, metrics=metrics,
               display=display, after_step=after_step,
+              guard=DivergenceGuard(backend.model, t.max_skipped_steps, coords["pp"], device),
               tokens_per_step=tokens_per_step,
               flops_per_step=flops_per_token(cfg.model, t.seq_len) * tokens_per_step,
               peak_flops=(peak_flops(torch.cuda.get_device_name(device))
@@ -161,6 +165,11 @@ def _outputs(cfg, run_dir: Path, rank: int, start: Start, first_step: int):
 
     def report(record: dict) -> None:
         metrics.write(record)
+        if "checkpoint_refused" in record:
+            display.print(f"step {record['step']:>6}  checkpoint not saved: "
+                          f"{record['checkpoint_refused']}; the newest good one stays "
+                          f"{record['newest'] or 'none'}")
+            return
         display.print(f"step {record['step']:>6}  checkpoint {record['checkpoint']}: "
                       f"{record['bytes']:,} bytes in {record['seconds']:.2f} s"
                       + (f" ({record['reason']})" if record["reason"] != "every" else ""))

@@ -31,13 +31,16 @@ from partrain.parallel.dist import (
     pick_device,
 )
 from partrain.train.assemble import Run, build
+from partrain.train.guard import Diverged
 from partrain.train.optim import lr_at, set_lr
 from partrain.train.step import evaluate, micro_batches, train_step
 
 log = logging.getLogger("partrain")
 
-# Test-only fault hook: PARTRAIN_TEST_FAULT="RANK:STEP" makes that rank raise at that step.
+# Test-only fault hooks: PARTRAIN_TEST_FAULT="RANK:STEP" makes that rank raise at that step;
+# PARTRAIN_TEST_NONFINITE (_loss_fn) gives it a NaN loss.
 FAULT_ENV = "PARTRAIN_TEST_FAULT"
+NONFINITE_ENV = "PARTRAIN_TEST_NONFINITE"
 
 
 def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) -> None:
@@ -51,7 +54,7 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) 
             history.append(rec)
             if (t.eval_every and step % t.eval_every == 0) or step == t.max_steps:
                 val_losses.append((step, run_evaluation(run, step)))
-            if save_if_due(run, step, preemption):
+            if save_if_due(run, step, preemption, skipped=rec.get("skipped", False)):
                 preempted_at = step
                 break
             run.checkpointer.poll()
@@ -81,14 +84,15 @@ def run_step(run: Run, step: int) -> dict:
              if t.measure_memory and step == min(run.first_step + 1, t.max_steps) else None)
     with run.tracer.span(f"step {step}", "step"), meter or nullcontext():
         # A background save's copy of the state must be done before the update.
-        loss_value, grad_norm = train_step(run.backend, micro, run.loss_fn, dims, run.mesh,
-                                           run.device, run.autocast, run.tracer,
-                                           run.checkpointer.staged)
-        extra = run.after_step()
+        loss_value, update = train_step(run.backend, micro, _loss_fn(run, step), dims, run.mesh,
+                                        run.device, run.autocast, run.tracer,
+                                        run.checkpointer.staged)
+        skipped = run.guard.check(step, loss_value, update)
+        extra = run.after_step(update.applied)
     step_time = time.perf_counter() - step_start
-    rec = {"step": step, "loss": loss_value, "grad_norm": grad_norm, "lr": lr,
+    rec = {"step": step, "loss": loss_value, "grad_norm": update.grad_norm, "lr": lr,
            "tokens": step * run.tokens_per_step, "tokens_per_s": run.tokens_per_step / step_time,
-           "step_time_s": step_time, **extra,
+           "step_time_s": step_time, **skipped, **extra,
            **(per_rank(meter, run.device) if meter else {})}
     if run.peak_flops:
         rec["mfu"] = run.flops_per_step / step_time / (run.peak_flops * dims.world_size)
@@ -96,9 +100,25 @@ def run_step(run: Run, step: int) -> dict:
         rec["memory_gib"] = torch.cuda.max_memory_allocated(run.device) / 2**30
     run.metrics.write(rec)
     run.display.update(rec)
-    if step % t.log_every == 0 or step == 1:
+    if step % t.log_every == 0 or step == 1 or skipped:
         log.info(format_step(rec))
+    if run.guard.exhausted:
+        run.checkpointer.wait()  # a background save of a good step is committed first
+        message = [run.guard.message(run.run_dir, cfg.optim.lr) if run.rank == 0 else None]
+        dist.broadcast_object_list(message, src=0)
+        raise Diverged(message[0])
     return rec
+
+
+def _loss_fn(run: Run, step: int):
+    """The loss, or (test hook PARTRAIN_TEST_NONFINITE="RANK:FIRST[-LAST]") a NaN loss on that
+    rank at those steps: a divergence on demand, on any layout."""
+    spec = os.environ.get(NONFINITE_ENV, "")
+    rank, _, steps = spec.partition(":")
+    first, _, last = steps.partition("-")
+    if spec and int(rank) == run.rank and int(first) <= step <= int(last or first):
+        return lambda logits, target: run.loss_fn(logits, target) * float("nan")
+    return run.loss_fn
 
 
 def run_evaluation(run: Run, step: int) -> float:
@@ -111,13 +131,16 @@ def run_evaluation(run: Run, step: int) -> float:
     return val_loss
 
 
-def save_if_due(run: Run, step: int, preemption: PreemptionFlag) -> bool:
+def save_if_due(run: Run, step: int, preemption: PreemptionFlag, skipped: bool) -> bool:
     """Save on the checkpoint cadence, at the end, and on a preemption signal; True when the run
-    must stop here (signalled: saved, and waited for)."""
+    must stop here (signalled: saved, and waited for). A skipped step (divergence guard) leaves
+    its cadence save to the next good step, so that the newest checkpoint is a good step's; at
+    the end or on a signal it saves (the state is the last good step's, nothing is lost)."""
     ckpt = run.cfg.checkpoint
     # Every rank learns whether any was signalled (SIGUSR2), so all save this same step.
     signalled = preemption.agreed(run.device)
-    if signalled is not None or run.checkpointer.due(step, step == run.cfg.train.max_steps):
+    last = step == run.cfg.train.max_steps
+    if signalled is not None or (run.checkpointer.due(step, last) and (last or not skipped)):
         reason = ("preemption" if signalled is not None else
                   "every" if ckpt.every and step % ckpt.every == 0 else "last")
         run.checkpointer.save(build_state(run.backend.model, run.backend.optimizer, run.tp_mesh,
@@ -172,6 +195,15 @@ def main(run_dir: str, preemption: PreemptionFlag | None = None) -> None:
     device = pick_device(cfg.launcher.device, local_rank)
     init_distributed(device, cfg.launcher.collective_timeout_s)
     # train() returns before the clean end, so model, optimizer and mesh are already unreferenced.
-    train(cfg, run_dir, device, preemption or PreemptionFlag())
+    diverged = None
+    try:
+        train(cfg, run_dir, device, preemption or PreemptionFlag())
+    except Diverged as err:
+        # Every rank stops at the same step: end cleanly (out of the except block, whose
+        # traceback still holds the run), then report.
+        diverged = str(err)
     end_distributed()
+    if diverged is not None:
+        log.error("%s", diverged)
+        raise Diverged(diverged)
     log.info("rank %d done", rank)

@@ -6,6 +6,8 @@ mean loss for every layout. Under pp the pipeline executor runs the schedule (th
 the last stage). Otherwise the backend's `no_sync` keeps it to one gradient reduction per step.
 """
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 from partrain.data.batches import rank_micro_batches
 from partrain.observe.trace import Tracer
 from partrain.parallel.context import shard_batch
-from partrain.parallel.data import DataParallelBackend
+from partrain.parallel.data import DataParallelBackend, Update
 from partrain.parallel.mesh import ParallelDims
 from partrain.parallel.tensor import vocab_parallel_cross_entropy
 
@@ -59,9 +61,11 @@ def forward_backward(backend: DataParallelBackend, micro, loss_fn, dims: Paralle
 
 
 def train_step(backend: DataParallelBackend, micro, loss_fn, dims: ParallelDims, mesh, device,
-               autocast, tracer, before_update=lambda: None) -> tuple[float, float]:
-    """One optimizer step over this rank's micro-batches; (global mean loss, grad norm before
-    clipping). `before_update` runs after backward, before the parameters change."""
+               autocast, tracer, before_update=lambda: None) -> tuple[float, Update]:
+    """One optimizer step over this rank's micro-batches; (global mean loss, the backend's
+    Update: grad norm before clipping, whether it was applied). `before_update` runs after
+    backward, before the parameters change. A non-finite loss (every rank knows the global one)
+    or gradient norm leaves the parameters and the optimizer's state as they were."""
     loss = forward_backward(backend, micro, loss_fn, dims, device, autocast, tracer)
     pipeline = backend.module if dims.pp_enabled else None
     if pipeline is not None and pipeline.tied is not None:
@@ -71,8 +75,19 @@ def train_step(backend: DataParallelBackend, micro, loss_fn, dims: ParallelDims,
         with tracer.span("gradients: tied embedding", "comm"):
             pipeline.all_reduce_tied_grads()
     before_update()
-    grad_norm = backend.step(tracer)
-    return global_mean(loss, dims, mesh), grad_norm
+    loss_value = global_mean(loss, dims, mesh)
+    finite = all_finite(loss_value, device)
+    return (loss_value if finite else math.nan), backend.step(tracer, finite)
+
+
+def all_finite(value: float, device) -> bool:
+    """Whether `value` is finite on every rank: ranks that should agree on the loss (tp ranks,
+    whose vocabulary shards each compute it) decide together even if one of them does not."""
+    if not dist.is_initialized():
+        return math.isfinite(value)
+    flag = torch.tensor([float(math.isfinite(value))], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def micro_batches(tokens, step: int, cfg, dims: ParallelDims, coords: dict,

@@ -54,3 +54,32 @@ def _check(rank, world_size, tmp):
 
 def test_a_save_that_rank_0_cannot_see_whole_is_not_committed(tmp_path):
     run_distributed(_check, 2, str(tmp_path))
+
+
+def _nonfinite(rank, world_size, tmp):
+    from pathlib import Path
+
+    run_dir = Path(tmp)
+    records = []
+    checkpointer = Checkpointer(run_dir, CKPT, "name: test\n", report=records.append)
+    good = {f"model.rank{rank}": torch.full((64,), float(rank)), "model.shared": torch.ones(8)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert checkpointer.save(good, 2, "every")
+        # Rank 1's moments hold a NaN: no rank writes, nothing is committed, step 2 stays newest.
+        bad = dict(good, **{"optim.exp_avg.model.shared": torch.tensor([0.0, float("nan")])
+                            if rank == 1 else torch.zeros(2)})
+        assert not checkpointer.save(bad, 4, "every")
+    dist.barrier()
+    root = run_dir / store.CHECKPOINTS
+    assert [c.step for c in store.committed(root)] == [2]
+    assert not store.leftovers(root)  # not even begun
+    if rank == 0:
+        refused = records[-1]
+        assert refused["step"] == 4
+        assert refused["checkpoint_refused"] == "optim.exp_avg.model.shared on rank 1 is not finite"
+        assert refused["newest"].endswith(store.step_dir_name(2)), refused
+
+
+def test_a_state_holding_a_nan_is_never_committed(tmp_path):
+    run_distributed(_nonfinite, 2, str(tmp_path))

@@ -1,0 +1,188 @@
+"""The divergence guard through the real CLI (partrain/train/guard.py): a step whose loss or
+gradient norm is not finite changes nothing on any rank, is marked in metrics.jsonl and on the
+progress line, and train.max_skipped_steps of them in a row stop the run with exit 4 and one
+`error:` line naming the step, the values, the parameter, the newest good checkpoint and the
+resume command; no checkpoint holding a NaN is committed and rotation keeps the good ones.
+
+A real divergence (optim.lr=30) on DDP and ZeRO-2; on the other layouts a NaN loss on one rank
+(PARTRAIN_TEST_NONFINITE, the loop's test hook) makes one on demand."""
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from partrain.checkpoint import store
+from tests.integration.conftest import assert_no_abort, processes_mentioning, read_metrics, survivors
+
+FAST = ("launcher.device=cpu", "train.seq_len=64", "train.eval_every=0")
+NONFINITE_ENV = "PARTRAIN_TEST_NONFINITE"
+
+
+def _state(checkpoint: Path, tmp: Path) -> dict:
+    """Every tensor a checkpoint holds, by key (DCP's own offline converter)."""
+    out = tmp / f"{checkpoint.parent.parent.name}-{checkpoint.name}.pt"
+    dcp_to_torch_save(checkpoint, out)
+    flat = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for key, inner in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), inner)
+        elif isinstance(value, torch.Tensor):
+            flat[prefix] = value
+
+    walk("", torch.load(out, weights_only=False))
+    return flat
+
+
+def _all_finite(state: dict) -> bool:
+    return all(torch.isfinite(t).all() for t in state.values() if t.is_floating_point())
+
+
+def _error_line(res) -> str:
+    lines = [line for line in (res.stdout + res.stderr).splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    return lines[0]
+
+
+def _unwrapped(text: str) -> str:
+    """The console's text with its line wrapping undone."""
+    return " ".join(text.split())
+
+
+def test_a_diverging_run_stops_with_exit_4_and_keeps_its_good_checkpoints(cli, tmp_path):
+    """The issue's command: lr=30 gives a NaN gradient norm from step 5; the old code trained on
+    in NaN to step 16, exit 0, and kept only NaN checkpoints."""
+    run_dir = tmp_path / "run"
+    res = cli.run("launch", *FAST, "parallel.dp=2", "optim.lr=30", "optim.warmup_steps=6",
+                  "train.max_steps=16", "checkpoint.every=2", "checkpoint.keep=2",
+                  "--run-dir", str(run_dir))
+    assert res.returncode == 4, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "Traceback" not in res.stdout + res.stderr
+    steps, _ = read_metrics(run_dir)
+    skipped = [s for s in steps if s.get("skipped")]
+    assert skipped, "no step was skipped"
+    first_bad = skipped[0]["step"]
+    # Every step before the first skip trained; then max_skipped_steps (5) in a row, and stop.
+    assert all(math.isfinite(s["grad_norm"]) and math.isfinite(s["loss"])
+               for s in steps if s["step"] < first_bad)
+    assert [s["step"] for s in skipped] == list(range(first_bad, first_bad + 5))
+    assert [s["skipped_in_a_row"] for s in skipped] == [1, 2, 3, 4, 5]
+    assert steps[-1]["step"] == first_bad + 4 < 16
+    assert all(not (math.isfinite(s["loss"]) and math.isfinite(s["grad_norm"])) for s in skipped)
+    param = skipped[-1]["nonfinite_param"]
+    assert param and param.endswith(".weight"), param
+
+    root = run_dir / store.CHECKPOINTS
+    kept = store.committed(root)
+    good = [c for c in kept if c.step < first_bad]
+    assert kept and kept == good, [c.step for c in kept]  # nothing saved at a skipped step
+    newest = store.newest(root)
+    assert newest.step == max(s for s in range(2, first_bad, 2))
+    for checkpoint in kept:
+        assert _all_finite(_state(checkpoint.path, tmp_path)), checkpoint.path
+
+    error = _error_line(res)
+    last = skipped[-1]
+    for words in (f"the last at step {last['step']}", "train.max_skipped_steps=5", param,
+                  "grad_norm nan" if math.isnan(last["grad_norm"]) else "grad_norm",
+                  str(newest.path),
+                  f"partrain launch --resume {run_dir} optim.lr=3"):
+        assert words in error, (words, error)
+    assert "skipped (non-finite; 1 in a row" in _unwrapped(res.stdout)
+    assert_no_abort(run_dir, res.stdout, res.stderr)
+    assert not survivors(lambda: processes_mentioning(str(run_dir)), 5)
+
+    # The command it names resumes from the good checkpoint with the lower learning rate.
+    resumed = cli.run("launch", "--resume", str(run_dir), "optim.lr=3",
+                      f"train.max_steps={newest.step + 1}")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert "changed on resume: optim.lr 30.0 -> 3.0" in resumed.stdout, resumed.stdout[-2000:]
+    assert f"resuming from step {newest.step}" in resumed.stdout
+
+
+LAYOUTS = [
+    pytest.param("dp2", ("parallel.dp=2",), 1, id="ddp-dp2"),
+    pytest.param("zero1 dp2", ("parallel.dp=2", "parallel.zero_stage=1"), 1, id="zero1",
+                 marks=pytest.mark.slow),
+    pytest.param("zero2 dp2", ("parallel.dp=2", "parallel.zero_stage=2"), 0, id="zero2",
+                 marks=pytest.mark.slow),
+    pytest.param("zero3 dp2", ("parallel.dp=2", "parallel.zero_stage=3"), 1, id="zero3",
+                 marks=pytest.mark.slow),
+    pytest.param("tp2 + sp", ("parallel.dp=1", "parallel.tp=2", "parallel.sequence_parallel=true"), 0,
+                 id="tp2",
+                 marks=pytest.mark.slow),
+    # The loss lives on the last stage (rank 1).
+    pytest.param("pp2", ("parallel.dp=1", "parallel.pp=2", "train.micro_batch_size=2"), 1,
+                 id="pp2"),
+    pytest.param("cp2", ("parallel.dp=1", "parallel.cp=2"), 1, id="cp2", marks=pytest.mark.slow),
+    pytest.param("tiny-moe dp2 x ep2", ("moe-tiny", "parallel.dp=2", "parallel.ep=2",
+                                        "model.moe.balance=bias"), 1, id="moe-ep2",
+                 marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("label, layout, rank", LAYOUTS)
+def test_a_skipped_step_changes_nothing(cli, tmp_path, deepspeed_ops, label, layout, rank):
+    """A NaN loss on one rank at step 3 of 3: every rank skips the update together, so the
+    state saved at the end (step 3) is the state of step 2, every tensor bit for bit: weights,
+    moments, step counters, a MoE's expert bias. The run then ends well (exit 0)."""
+    run_dir = tmp_path / "run"
+    res = cli.run("launch", *layout, *FAST, "train.max_steps=3", "checkpoint.every=1",
+                  "checkpoint.keep=5", "--run-dir", str(run_dir),
+                  env={NONFINITE_ENV: f"{rank}:3", "DS_ACCELERATOR": "cpu"})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    steps, _ = read_metrics(run_dir)
+    assert [s.get("skipped", False) for s in steps] == [False, False, True], label
+    assert math.isnan(steps[2]["loss"])
+    assert "skipped (non-finite; 1 in a row" in _unwrapped(res.stdout)
+    root = run_dir / store.CHECKPOINTS
+    assert [c.step for c in store.committed(root)] == [1, 2, 3]  # the last step is saved
+    before = _state(root / store.step_dir_name(2), tmp_path)
+    after = _state(root / store.step_dir_name(3), tmp_path)
+    first = _state(root / store.step_dir_name(1), tmp_path)
+    assert before.keys() == after.keys()
+    changed = [k for k in before if not torch.equal(before[k], after[k])]
+    assert not changed, f"{label}: the skipped step changed {changed[:5]}"
+    # ... while a good step does change the state (the comparison can fail).
+    assert any(not torch.equal(first[k], before[k]) for k in before if k.startswith("model"))
+    assert _all_finite(after)
+    assert_no_abort(run_dir, res.stdout, res.stderr)
+
+
+EXIT_4 = [
+    pytest.param(("parallel.dp=1", "parallel.pp=2", "train.micro_batch_size=2"), 1, id="pp2"),
+    pytest.param(("parallel.dp=2", "parallel.zero_stage=3"), 0, id="zero3",
+                 marks=pytest.mark.slow),
+    pytest.param(("moe-tiny", "parallel.dp=2", "parallel.ep=2", "parallel.tp=2"), 3,
+                 id="moe-ep2-tp2", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("layout, rank", EXIT_4)
+def test_skipped_steps_in_a_row_stop_every_rank_with_exit_4(cli, tmp_path, deepspeed_ops,
+                                                            layout, rank):
+    """NaN from step 3 on, on one rank, train.max_skipped_steps=2 and checkpoint.keep=1: steps
+    3 and 4 are skipped, the run stops at step 4 with exit 4 on every rank, and the one
+    checkpoint kept is step 2's (rotation never removed the newest good one)."""
+    run_dir = tmp_path / "run"
+    res = cli.run("launch", *layout, *FAST, "train.max_steps=8", "checkpoint.every=1",
+                  "checkpoint.keep=1", "train.max_skipped_steps=2", "--run-dir", str(run_dir),
+                  env={NONFINITE_ENV: f"{rank}:3-8", "DS_ACCELERATOR": "cpu"})
+    assert res.returncode == 4, res.stdout[-3000:] + res.stderr[-3000:]
+    steps, _ = read_metrics(run_dir)
+    assert [s["step"] for s in steps] == [1, 2, 3, 4]
+    error = _error_line(res)
+    newest = store.newest(run_dir / store.CHECKPOINTS)
+    assert [c.step for c in store.committed(run_dir / store.CHECKPOINTS)] == [2]
+    # A NaN loss: backward meets it first at the output layer (on the last pipeline stage).
+    for words in ("2 steps in a row", "the last at step 4", "loss nan", "output.weight",
+                  str(newest.path), f"--resume {run_dir} optim.lr="):
+        assert words in error, (words, error)
+    assert "Traceback" not in res.stdout + res.stderr
+    assert_no_abort(run_dir, res.stdout, res.stderr)
+    assert not survivors(lambda: processes_mentioning(str(run_dir)), 5)

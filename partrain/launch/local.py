@@ -10,7 +10,8 @@ launcher.rdzv_timeout_s with a message naming the endpoint (exit 1), not a hang.
 nodes in the order of their addresses: --node-rank picks the host of the store, not the ranks.
 Each worker is `python -m partrain.train RUN_DIR`. If one rank fails, the agent stops the others
 within its monitor interval and shutdown timeout; we read the failed rank's elastic error file
-and exit 1 (exit 4 with its message when the divergence guard stopped every rank together).
+and exit 1 (when every rank stopped together, its message and code: 4 from the divergence guard,
+2 when the nodes do not see one run dir).
 SIGINT/SIGTERM reach the agent, which stops all workers; we exit 130. SIGUSR2 (SLURM's
 warning before a time limit or a preemption) is passed to the workers, which save a checkpoint at
 one step and end; we then exit 3, "relaunch to resume" (preemption.py). A launcher
@@ -40,9 +41,10 @@ from partrain.launch.netif import split_endpoint, wait_for_endpoint
 from partrain.launch.preemption import FORWARDER
 
 EXIT_OK, EXIT_RANK_FAILED, EXIT_PREEMPTED, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 1, 3, 4, 130
-# A rank's error file names its exception first: every rank raises this one together when the
-# divergence guard stops the run (partrain.train.guard.Diverged).
-DIVERGED = "Diverged: "
+# A rank's error file names its exception first. Every rank raises one of these together, and
+# the launcher says its message as the error and exits with its code: the divergence guard
+# (partrain.train.guard) and the run-dir check of a multi-node start (partrain.train.shared_dir).
+STOPPED = {"Diverged: ": EXIT_DIVERGED, "RunDirNotShared: ": 2}
 
 
 class RunDirLogsSpecs(LogsSpecs):
@@ -143,7 +145,7 @@ def _workers_started(agent_log: Path) -> bool:
 
 
 def launch_workers(run_dir: Path, spec: ElasticLaunch, console_print=print) -> int:
-    """Run every local rank to the end; return the launcher's exit code (0, 1, 3, 4 or 130)."""
+    """Run every local rank to the end; return the launcher's exit code (0, 1, 2, 3, 4 or 130)."""
     agent_log = _quiet_agent_logs(run_dir, spec)
     # SLURM sends SIGUSR2 shortly before the time limit (`partrain slurm` asks for it), or on a
     # preemption: the workers save at one step and stop (preemption.py); this launcher passes the
@@ -222,11 +224,11 @@ def _run_agent(config: LaunchConfig, run_dir: Path, spec: ElasticLaunch, agent_l
     try:
         elastic_launch(config, sys.executable)("-u", "-m", "partrain.train", str(run_dir))
     except ChildFailedError as err:
-        diverged = [_message(f) for f in err.failures.values()
-                    if _message(f).startswith(DIVERGED)]
-        if diverged:
-            console_print(f"error: {diverged[0][len(DIVERGED):]}")
-            return EXIT_DIVERGED
+        for failure in err.failures.values():
+            for prefix, code in STOPPED.items():
+                if _message(failure).startswith(prefix):
+                    console_print(f"error: {_message(failure)[len(prefix):]}")
+                    return code
         rank, message = _describe_failure(err)
         console_print(f"rank {rank} failed: {message}")
         console_print(f"  its log: {run_dir / 'logs' / f'rank-{rank}.log'}; every other rank "

@@ -32,6 +32,7 @@ from partrain.parallel.dist import (
 )
 from partrain.train.assemble import Run, build
 from partrain.train.guard import Diverged
+from partrain.train.shared_dir import RunDirNotShared, check_shared_run_dir
 from partrain.train.optim import lr_at, set_lr
 from partrain.train.step import evaluate, micro_batches, train_step
 
@@ -194,16 +195,18 @@ def main(run_dir: str, preemption: PreemptionFlag | None = None) -> None:
     _log_to_file(run_dir, rank)
     device = pick_device(cfg.launcher.device, local_rank)
     init_distributed(device, cfg.launcher.collective_timeout_s)
-    # train() returns before the clean end, so model, optimizer and mesh are already unreferenced.
-    diverged = None
+    stopped = None
     try:
+        if int(os.environ.get("GROUP_WORLD_SIZE", 1)) > 1:  # several nodes: one run dir?
+            check_shared_run_dir(run_dir, rank, local_rank, int(os.environ.get("GROUP_RANK", 0)))
+        # train() returns before the clean end: model, optimizer and mesh are unreferenced.
         train(cfg, run_dir, device, preemption or PreemptionFlag())
-    except Diverged as err:
-        # Every rank stops at the same step: end cleanly (out of the except block, whose
+    except (Diverged, RunDirNotShared) as err:
+        # Every rank stops here together: end cleanly (out of the except block, whose
         # traceback still holds the run), then report.
-        diverged = str(err)
+        stopped = (type(err), str(err))
     end_distributed()
-    if diverged is not None:
-        log.error("%s", diverged)
-        raise Diverged(diverged)
+    if stopped is not None:
+        log.error("%s", stopped[1])
+        raise stopped[0](stopped[1])
     log.info("rank %d done", rank)

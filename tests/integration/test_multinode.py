@@ -193,3 +193,37 @@ def test_missing_nodes_fail_within_the_rendezvous_timeout(cli, tmp_path, two_nod
     elapsed = time.monotonic() - started
     assert elapsed < timeout_s + 25, f"{elapsed:.0f} s for a {timeout_s} s rendezvous timeout"
     print(f"both nodes gave up {elapsed:.1f} s after the start (timeout {timeout_s} s)")
+
+
+def test_nodes_that_do_not_see_one_run_dir_stop_with_exit_2(cli, tmp_path, two_nodes):
+    """The issue's node-local run dirs: each node its own --run-dir (as node-local disks are).
+    The old code trained, committed checkpoints whose shards were on the other node and exited
+    0; now every node exits 2 before any step, naming what each node saw."""
+    names, _ = two_nodes
+    env = {"OMP_NUM_THREADS": "1"}
+    dirs = [tmp_path / f"local{rank}" for rank in range(2)]
+    procs = [cli.start("launch", "launcher.device=cpu", "parallel.dp=4", "checkpoint.every=3",
+                       "train.max_steps=6", *FAST_FAIL, "--nnodes", "2", "--nproc-per-node", "2",
+                       "--node-rank", str(rank), "--rdzv-endpoint", f"{SUBNET}.1:{PORT}",
+                       "--run-dir", str(dirs[rank]), env=env, prefix=("ip", "netns", "exec", ns))
+             for rank, ns in enumerate(names)]
+    outputs = [proc.communicate(timeout=240) for proc in procs]
+    for rank, (proc, (stdout, stderr)) in enumerate(zip(procs, outputs)):
+        text = stdout + stderr
+        assert proc.returncode == 2, text
+        errors = [line for line in text.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1, text
+        error = errors[0]
+        print(f"node {rank}: exit {proc.returncode}: {error}")  # shown with -s, for notes
+        assert "Traceback" not in text
+        for words in ("--run-dir: the nodes do not see one run dir",
+                      f"node 0 (", f"at {dirs[0]}: found it", f"node 1 (",
+                      f"at {dirs[1]}: no such file", "a shared file system mounted at the same path",
+                      "partrain slurm", "Nothing was trained"):
+            assert words in error, (words, error)
+    for run_dir in dirs:  # nothing trained, no checkpoint begun, no check file left
+        assert not (run_dir / "metrics.jsonl").exists() or not read_metrics(run_dir)[0]
+        assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
+        assert not (run_dir / ".partrain-node-check").exists()
+    for ns in names:
+        assert not survivors(lambda ns=ns: _processes_in(ns), 10), f"{ns} kept processes"

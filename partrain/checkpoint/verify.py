@@ -43,12 +43,49 @@ def problems(path: Path) -> list[str]:
     return found
 
 
+def shape_problems(path: Path, model_cfg) -> list[str]:
+    """Where the weights in the checkpoint directory `path` are not the shapes of the model
+    `model_cfg` describes (built on the meta device: no memory, no initialisation)."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from partrain.models.llama import Transformer
+
+    saved = {key[len("model."):]: tuple(info.size)
+             for key, info in FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
+             if key.startswith("model.") and hasattr(info, "size")}
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    wanted = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    wanted.update({name: tuple(b.shape) for name, b in model.named_buffers()
+                   if name.endswith("expert_bias")})
+    found = [f"{name} is {list(saved[name])} there and {list(shape)} in the model"
+             for name, shape in wanted.items() if name in saved and saved[name] != shape]
+    found += [f"it has no {name}" for name in wanted if name not in saved]
+    found += [f"it has {name}, which the model has not" for name in saved if name not in wanted]
+    return found
+
+
 def check_whole(checkpoint: store.Checkpoint, what: str) -> None:
     """Refuse (ConfigError naming `what` and the files) a committed checkpoint that cannot be
-    read whole."""
+    read whole, or whose weights are not the model its config.yaml describes (an edited or
+    swapped config.yaml would otherwise fail inside the ranks)."""
     found = problems(checkpoint.path)
     if found:
         raise ConfigError(
             f"{what}: the checkpoint {checkpoint.path} (step {checkpoint.step}) is broken: "
             f"{'; '.join(found)}. Give an older one (RUN_DIR/{store.CHECKPOINTS}/step-N), or "
             "move this one away to resume from the one before it")
+    from omegaconf import OmegaConf
+
+    from partrain.checkpoint.resume import saved_config
+
+    model_cfg = OmegaConf.create(saved_config(checkpoint)["model"])
+    found = shape_problems(checkpoint.path, model_cfg)
+    if found:
+        more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
+        raise ConfigError(
+            f"{what}: the checkpoint {checkpoint.path} (step {checkpoint.step}) does not hold "
+            f"the model its {store.SAVED_CONFIG} describes: {'; '.join(found[:3])}{more}. Its "
+            f"model.* keys must be the ones it was trained with (was {store.SAVED_CONFIG} "
+            "edited or copied from another run?)")

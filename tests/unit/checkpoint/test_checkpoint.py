@@ -27,19 +27,35 @@ from tests.unit.helpers import one_line, validated
 
 
 @functools.cache
-def dcp_files() -> dict[str, bytes]:
-    """The files of a real (tiny) DCP checkpoint, written once: a shard and its .metadata, which
-    the launcher checks whole before a start (partrain/checkpoint/verify.py)."""
+def dcp_files(model_yaml: str | None = None) -> dict[str, bytes]:
+    """The files of a real DCP checkpoint of the model `model_yaml` describes (the quickstart's
+    when None), its weights zeros, written once per model: shards and the .metadata, which the
+    launcher checks whole and against the model before a start (partrain/checkpoint/verify.py)."""
     import tempfile
     import warnings
 
     import torch
     import torch.distributed.checkpoint as dcp
 
+    from partrain.models.llama import Transformer
+
+    model_cfg = OmegaConf.create(model_yaml or OmegaConf.to_yaml(
+        OmegaConf.create(frozen_text()).model))
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    state = {f"model.{name}": torch.zeros(p.shape) for name, p in model.named_parameters()}
     with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.save({"model.x": torch.zeros(16)}, storage_writer=dcp.FileSystemWriter(tmp))
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))
         return {f.name: f.read_bytes() for f in Path(tmp).iterdir()}
+
+
+def _model_yaml(config_text: str | None) -> str | None:
+    """The model section of a checkpoint's config, when it has one to build."""
+    try:
+        return OmegaConf.to_yaml(OmegaConf.create(config_text).model)
+    except Exception:  # a row's config that lies: the quickstart's tensors
+        return None
 
 
 def write_checkpoint(root: Path, step: int, config_text: str | None = None, *, meta=None,
@@ -49,7 +65,8 @@ def write_checkpoint(root: Path, step: int, config_text: str | None = None, *, m
     the config it was saved with. `metadata=False` or `meta` make it lie."""
     path = root / (name or store.step_dir_name(step))
     path.mkdir(parents=True)
-    for file, data in dcp_files().items():
+    model_yaml = _model_yaml(config_text) if config_text is not None else None
+    for file, data in dcp_files(model_yaml).items():
         if metadata or file != store.DCP_METADATA:
             (path / file).write_bytes(data)
     if meta is not False:

@@ -16,9 +16,10 @@ can be matched exactly.
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from partrain.checkpoint import store
-from tests.unit.checkpoint.test_checkpoint import write_checkpoint, write_run_dir
+from tests.unit.checkpoint.test_checkpoint import dcp_files, write_checkpoint, write_run_dir
 from tests.unit.cli.hostile import (
     Ctx,
     assert_untouched,
@@ -170,8 +171,9 @@ ROWS_RUN_DIR_WITH_CHECKPOINT = [
 ]
 
 def _broken(how: str):
-    """A run dir whose step-100 checkpoint lost its shard, has it cut short, or whose .metadata
-    is garbage: committed as far as the directory says, unreadable all the same."""
+    """A run dir whose step-100 checkpoint lost its shard, has it cut short, whose .metadata
+    is garbage, or whose tensors are another model's: committed as far as the directory says,
+    unreadable all the same."""
     def build(c: Ctx) -> str:
         write_run_dir(c.root / "run", 100)
         step = c.root / "run" / store.CHECKPOINTS / "step-00000100"
@@ -180,6 +182,13 @@ def _broken(how: str):
             shard.unlink()
         elif how == "truncated":
             shard.write_bytes(shard.read_bytes()[:10])
+        elif how == "swapped":  # another model's tensors under this config.yaml
+            model = OmegaConf.create(frozen_text()).model
+            model.n_layers, model.dim = 2, model.dim * 2
+            for name in (store.DCP_METADATA, "__0_0.distcp"):
+                (step / name).unlink()
+            for name, data in dcp_files(OmegaConf.to_yaml(model)).items():
+                (step / name).write_bytes(data)
         else:
             (step / store.DCP_METADATA).write_bytes(b"\x80\x04garbage")
         return "run"
@@ -191,7 +200,11 @@ ROWS_BROKEN = [
     for how, what, fragments in (
         ("missing", "shard is gone", ("__0_0.distcp is missing", "written by rank 0")),
         ("truncated", "shard is cut short", ("__0_0.distcp holds 10 of its",)),
-        ("garbage", ".metadata is garbage", (".metadata cannot be read",)))
+        ("garbage", ".metadata is garbage", (".metadata cannot be read",)),
+        ("swapped", "tensors are another model's",
+         ("does not hold the model its config.yaml describes",
+          "tok_embeddings.weight is [256, 256] there and [256, 128] in the model",
+          "more)", "was config.yaml edited")))
     for command, argv in (
         ("launch --resume", _resume(_broken(how), "--dry-run")),
         ("launch --run-dir", lambda c, how=how: ["launch", "--dry-run", "--run-dir", _broken(how)(c)]),

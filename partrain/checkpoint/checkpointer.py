@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
 from partrain.checkpoint import store
+from partrain.checkpoint.state import said
 from partrain.checkpoint.verify import problems
 
 log = logging.getLogger("partrain")
@@ -85,7 +86,8 @@ class Checkpointer:
                                     process_group=self.group, async_stager=self.stager)
             self.pending = [future, step, reason, started, time.perf_counter() - t0]
             return True
-        dcp.save(state, storage_writer=storage_writer(path))
+        with said(f"saving the checkpoint of step {step} into {path}"):
+            dcp.save(state, storage_writer=storage_writer(path))
         self._commit(step, reason, started, blocked_s=time.perf_counter() - t0)
         return True
 
@@ -138,7 +140,8 @@ class Checkpointer:
             t0 = time.perf_counter()
             staging.result()
             blocked += time.perf_counter() - t0
-        _result(future)
+        with said(f"saving the checkpoint of step {step} (in the background)"):
+            _result(future)
         self._commit(step, reason, started, blocked)
 
     def _commit(self, step: int, reason: str, started: float, blocked_s: float) -> None:

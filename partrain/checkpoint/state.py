@@ -24,15 +24,39 @@ model before DeepSpeed partitions it, and the optimizer state through DeepSpeed'
 helpers (deepspeed.utils.safe_set_full_*) afterwards.
 """
 
+import errno
 import re
+from contextlib import contextmanager
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 WRAPPER_PREFIX = re.compile(r"^(?:module\.|chunks\.\d+\.)+")
 MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@contextmanager
+def said(what: str):
+    """DCP reports a failed save or load as CheckpointException, a BaseException that torch's
+    error recorder does not record (the launcher could only say "no Python error recorded"):
+    turned into a RuntimeError saying `what` failed, on which ranks, and why."""
+    try:
+        yield
+    except CheckpointException as err:
+        raise RuntimeError(f"{what} failed: {describe(err)}") from None
+
+
+def describe(err: CheckpointException) -> str:
+    """Each failed rank's error in one line, and what to do about a full disk."""
+    parts = [f"rank {rank}: {type(exc).__name__}: {exc}"
+             for rank, (exc, _) in sorted(err.failures.items())]
+    full = any(getattr(exc, "errno", None) == errno.ENOSPC for exc, _ in err.failures.values())
+    hint = (" (the file system is full: free space there, then relaunch to resume from the "
+            "newest committed checkpoint)" if full else "")
+    return "; ".join(parts) + hint
 
 
 def canonical_name(name: str) -> str:
@@ -166,7 +190,8 @@ def load_weights(model: nn.Module, path, tp_mesh) -> None:
     state = _template({n: (p, p.shape) for n, p in params.items()}, tp_mesh, ["weight"])
     buffers = checkpointed_buffers(model)
     state.update({f"model.{name}": torch.zeros_like(buf) for name, buf in buffers.items()})
-    dcp.load(state, checkpoint_id=path)
+    with said(f"reading the weights of {path}"):
+        dcp.load(state, checkpoint_id=path)
     for name, param in params.items():
         param.copy_(_local(state[f"model.{name}"]))
     for name, buf in buffers.items():
@@ -181,7 +206,8 @@ def load_optimizer(model: nn.Module, optimizer, path, tp_mesh, zero: bool) -> No
     shapes = {n: (p, _local_shape(p)) for n, p in params.items()}
     keys = (["weight"] if zero else []) + [*MOMENTS, "step"]
     state = _template(shapes, tp_mesh, keys)
-    dcp.load(state, checkpoint_id=path)
+    with said(f"reading the optimizer state of {path}"):
+        dcp.load(state, checkpoint_id=path)
     if not zero:
         for name, param in params.items():
             optimizer.state[param] = {

@@ -19,8 +19,10 @@ killed outright (SIGKILL) takes its workers with it through their lifeline (life
 """
 
 import dataclasses
+import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -247,12 +249,31 @@ def _run_agent(config: LaunchConfig, run_dir: Path, spec: ElasticLaunch, agent_l
                       f"--nnodes {spec.nnodes} and --rdzv-endpoint {spec.rdzv_endpoint}? "
                       f"The agent's log: {agent_log}")
         return EXIT_RANK_FAILED
+    except json.JSONDecodeError:
+        # The agent read a failed rank's error file and found it empty or cut short: the rank
+        # could not write it, and a full file system is the usual reason.
+        console_print(f"a rank failed and its error file in {run_dir / 'logs'} could not be "
+                      f"read: {_space(run_dir)}; every other rank was stopped. The ranks' logs: "
+                      f"{run_dir / 'logs'}/rank-N.log")
+        return EXIT_RANK_FAILED
     except (SignalException, KeyboardInterrupt):
         console_print("interrupted: all workers stopped")
         return EXIT_INTERRUPTED
     finally:
         signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # from here on, nothing to pass it to
     return EXIT_OK
+
+
+def _space(run_dir: Path) -> str:
+    """What the run dir's file system has left, said for a person."""
+    try:
+        free = shutil.disk_usage(run_dir).free
+    except OSError as err:
+        return f"its file system cannot be asked ({err.strerror or err})"
+    if free < 1 << 20:
+        return (f"the run dir's file system is full ({free:,} bytes free at {run_dir}): free "
+                "space there, then relaunch to resume from the newest committed checkpoint")
+    return f"{free:,} bytes are free at {run_dir}"
 
 
 def _preemption_save(run_dir: Path, started: float, max_steps: int | None):

@@ -14,6 +14,8 @@ from pathlib import Path
 
 from rich.console import Console
 
+from partrain.checkpoint import store
+from partrain.config.frozen import CONFIG
 from partrain.errors import ConfigError
 from partrain.launch.netif import set_ifname_variables
 from partrain.launch.preemption import FORWARDER
@@ -55,12 +57,25 @@ def start(request: Request, dry_run: bool, out: Console, err: Console,
     if dry_run:
         print_dry_run(ready, resuming_from, out)
         return 0
+    before = _config_before(run_dir, checkpoint)
     write_run_dir(cfg, run_dir, resuming=request.resume is not None)
     print_start(ready, resuming_from, out)
     code = launch_workers(run_dir, launch_spec(ready), console_print=err.print)
     if code == 0:
         out.print(f"done: metrics in {run_dir / 'metrics.jsonl'}")
+    elif before is not None and store.newest(run_dir / store.CHECKPOINTS) == checkpoint:
+        # A resume that failed before it saved anything leaves the run dir as it found it: its
+        # config.yaml is the one its checkpoints were trained with, not this try's overrides.
+        (run_dir / CONFIG).write_text(before)
     return code
+
+
+def _config_before(run_dir: Path, checkpoint) -> str | None:
+    """The run dir's config.yaml before a resume rewrites it (None for a new run)."""
+    try:
+        return (run_dir / CONFIG).read_text() if checkpoint is not None else None
+    except OSError:
+        return None
 
 
 def print_dry_run(ready: Ready, resuming_from: str, out: Console) -> None:

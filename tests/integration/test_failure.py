@@ -119,3 +119,22 @@ def test_a_full_disk_fails_loudly_and_loses_nothing(cli, small_disk):
     assert "resuming from step 2" in resumed.stdout
     assert [c.step for c in store.committed(root)] == [2, 4]
     assert not store.leftovers(root)
+
+
+def test_a_failed_resume_leaves_the_run_dirs_config_as_it_was(cli, tmp_path):
+    """A resume whose ranks fail before they save anything restores config.yaml: the run dir
+    still describes what its checkpoints were trained with, not the failed try's overrides."""
+    run_dir = tmp_path / "run"
+    common = ("launcher.device=cpu", "parallel.dp=2", "train.seq_len=64", "train.eval_every=0")
+    first = cli.run("launch", *common, "train.max_steps=2", "--run-dir", str(run_dir))
+    assert first.returncode == 0, first.stderr[-2000:]
+    before = (run_dir / "config.yaml").read_text()
+    failed = cli.run("launch", "--resume", str(run_dir), "train.max_steps=4", "optim.lr=0.001",
+                     env={"PARTRAIN_TEST_FAULT": "1:3"})
+    assert failed.returncode == 1, failed.stdout[-2000:] + failed.stderr[-2000:]
+    assert "changed on resume: optim.lr" in failed.stdout
+    assert "injected fault" in failed.stdout + failed.stderr
+    assert (run_dir / "config.yaml").read_text() == before
+    again = cli.run("launch", "--resume", str(run_dir), "train.max_steps=3", "--dry-run")
+    assert again.returncode == 0 and "changed on resume: train.max_steps 2 -> 3" in again.stdout, \
+        again.stdout[-2000:] + again.stderr[-2000:]

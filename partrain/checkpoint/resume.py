@@ -132,7 +132,7 @@ def resume_config(run_dir: Path, overrides: list[str]):
         t.micro_batch_size = None
     if "parallel.pp" in given and "parallel.pp_layers" not in given:
         p.pp_layers = None
-    if given & {"parallel.dp", "parallel.tp", "parallel.pp"} and \
+    if given & {"parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp"} and \
             "launcher.nproc_per_node" not in given:
         cfg.launcher.nproc_per_node = None  # the old layout's count: follow the new degrees
     return cfg

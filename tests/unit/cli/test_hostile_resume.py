@@ -261,8 +261,11 @@ def test_relaunch_of_a_finished_run_has_nothing_to_do(run_main, tmp_path, monkey
     (_resume(_run(100), "--dry-run", "train.max_steps=1000", "checkpoint.every=10",
              "train.micro_batch_size=2"), "worker(s)"),
     (lambda c: ["launch", "--dry-run", "--run-dir", _run(100)(c)], "worker(s)"),
+    # The first run's process count follows the new degrees (it said "world size 1 ... from
+    # launcher.nproc_per_node", a count the user never gave, when cp changed).
+    (_resume(_run(100), "--dry-run", "parallel.cp=2"), "start 2 worker(s)"),
 ], ids=["newest of two", "--run-dir the same dir", "another layout", "bookkeeping keys",
-        "the same command again"])
+        "the same command again", "cp changes the world"])
 def test_resume_dry_run_says_where_it_resumes(argv, says, run_main, tmp_path, monkeypatch):
     out = _allowed(run_main, tmp_path, monkeypatch, argv)
     assert "dry run: would write run" in out

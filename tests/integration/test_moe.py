@@ -1,6 +1,8 @@
 """Mixture of experts and expert parallelism through the CLI, as a user runs them: layout parity
 (docs/design.md: loss and grad_norm within 1e-4 of one process over 10 steps) of the tiny MoE recipe
-at ep 2 and 4 (ep = dp = 4 with micro-batches of one sequence) and with dp, tp (+ sequence parallelism), pp, cp and ZeRO-1/2; with a capacity factor
+at ep 2 and 4 (ep = dp = 4 and ep = dp = 2 with micro-batches of one sequence) and with dp, tp
+(+ sequence parallelism), pp, cp and ZeRO-1/2; an ep rank whose experts get no token at all (a
+frozen router bias sends every token to the other's), with tp, pp and ZeRO; with a capacity factor
 (and the DeepSeek bias, at ep2 x tp2 and ep2 x pp2), every layout drops the same share of tokens
 and balances the same way;
 a checkpoint saved at ep=2 resumes under ZeRO-2 at ep=4, one saved under ZeRO-1 at ep=2 on one
@@ -72,6 +74,8 @@ def _assert_router_parity(steps, reference, label):
     # hang of issue 27: that rank skipped the backward all-to-all; test_expert.py forces it).
     ("dp4 x ep4, micro-batch 1", ("parallel.dp=4", "parallel.ep=4", "train.micro_batch_size=1"),
      ()),
+    ("dp2 x ep2, micro-batch 1", ("parallel.dp=2", "parallel.ep=2", "train.micro_batch_size=1"),
+     ()),
     # Activation checkpointing rides on two rows: the router counts each token once although
     # the blocks run twice, and the recomputed all-to-alls, tp and cp collectives match up.
     ("ep2 x tp2 + sequence parallel, full checkpointing",
@@ -131,3 +135,75 @@ def test_moe_checkpoint_reshards_across_ep(cli, tmp_path, moe_references, deepsp
     resumed, _ = read_metrics(run_dir)
     assert_parity(resumed, reference, "resumed at step 5 under ZeRO-2 at dp4 x ep4")
     _assert_router_parity(resumed, reference, "resumed under ZeRO-2 at dp4 x ep4")
+
+
+# Every token to experts 0-3 (ep rank 0's at ep=2): the other ep rank's experts get no row, in
+# every block, at every step. The DeepSeek bias only picks experts; frozen (rate 0), it holds.
+STARVED = ("model.moe.balance=bias", "model.moe.bias_update_rate=0")
+
+
+@pytest.fixture(scope="module")
+def starved(tmp_path_factory):
+    """(init_from override, one-process steps): a step-1 checkpoint of the tiny MoE whose expert
+    bias sends every token to experts 0-3, edited offline with DCP, and the one-process run from
+    it (the reference the layouts are held to)."""
+    import json
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from tests.integration.conftest import CLI
+
+    cli = CLI()
+    root = tmp_path_factory.mktemp("starved")
+    try:
+        first = cli.run("launch", *MOE, *ONE, *STARVED, "train.max_steps=1", "checkpoint.every=1",
+                        "--run-dir", str(root / "init"))
+        assert first.returncode == 0, first.stderr[-3000:]
+        saved = root / "init" / "checkpoints" / "step-00000001"
+        dcp_to_torch_save(saved, root / "init.pt")
+        state = torch.load(root / "init.pt", weights_only=False)
+        biases = [k for k in state if k.endswith("expert_bias")]
+        assert len(biases) == 4, list(state)[:8]
+        for key in biases:
+            state[key] = torch.tensor([100.0] * 4 + [0.0] * 4)
+        edited = root / "edited" / "checkpoints" / "step-00000001"
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(edited))
+        for name in ("meta.json", "config.yaml"):
+            shutil.copy(saved / name, edited / name)
+        (edited.parent / "latest").write_text(edited.name + "\n")
+        json.loads((edited / "meta.json").read_text())
+        init = f"model.init_from={edited}"
+        reference = _run(cli, root / "ref", *ONE, *STARVED, init)
+    finally:
+        cli.kill_all()
+    return init, reference
+
+
+@pytest.mark.parametrize("label, overrides", [
+    ("dp4 x ep4", ("parallel.dp=4", "parallel.ep=4", "train.micro_batch_size=4")),
+    ("dp2 x ep2", ("parallel.dp=2", "parallel.ep=2", "train.micro_batch_size=4")),
+    ("dp2 x ep2 x tp2 + sequence parallel", ("parallel.dp=2", "parallel.ep=2", "parallel.tp=2",
+                                             "parallel.sequence_parallel=true",
+                                             "train.micro_batch_size=8")),
+    ("dp2 x ep2 x pp2", ("parallel.dp=2", "parallel.ep=2", "parallel.pp=2",
+                         "train.micro_batch_size=4")),
+    ("zero1 dp2 x ep2", ("parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=1",
+                         "train.micro_batch_size=4")),
+    ("zero2 dp2 x ep2, micro-batch 1", ("parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=2",
+                                        "train.micro_batch_size=1")),
+])
+def test_a_rank_whose_experts_get_no_token_keeps_step(cli, tmp_path, starved, deepspeed_ops,
+                                                      label, overrides):
+    """The hang of issue 27 at the CLI, on every wrapper: ep rank 1's experts receive no row all
+    run long, yet it enters every all-to-all with its group, and the run keeps parity with one
+    process routing the same way."""
+    init, reference = starved
+    steps = _run(cli, tmp_path / "run", *overrides, *STARVED, init)
+    assert_parity(steps, reference, f"starved ep rank, {label}")
+    _assert_router_parity(steps, reference, f"starved ep rank, {label}")
+    # Four experts of eight take every token: max over mean load is at least 2 in every block.
+    assert all(s["moe_load_balance"] >= 2.0 - 1e-6 for s in steps), \
+        [s["moe_load_balance"] for s in steps]
+    assert_no_abort(tmp_path / "run")

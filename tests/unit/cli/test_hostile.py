@@ -221,6 +221,13 @@ ROWS_ABSURD = [
 ]
 
 ROWS_BLAME = [
+    # The divergence guard needs at least one skipped step to stop on.
+    row("launch train.max_skipped_steps=0", ["launch", "--dry-run", "train.max_skipped_steps=0"],
+        "train.max_skipped_steps=0", "at least 1"),
+    row("show train.max_skipped_steps=-3", ["show", "train.max_skipped_steps=-3"],
+        "train.max_skipped_steps=-3", "at least 1"),
+    row("show train.max_skipped_steps=nan", ["show", "train.max_skipped_steps=nan"],
+        "train.max_skipped_steps"),
     row("blame parallel.dp=0", ["launch", "--dry-run", "parallel.dp=0"], "parallel.dp=0",
         "at least 1", absent=("--nproc-per-node",)),
     row("blame parallel.tp=0", ["launch", "--dry-run", "parallel.tp=0"], "parallel.tp=0",

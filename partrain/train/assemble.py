@@ -33,7 +33,7 @@ from partrain.parallel.data import DataParallelBackend
 from partrain.parallel.expert import finish_moe_step, moe_modules
 from partrain.parallel.mesh import ParallelDims
 from partrain.parallel.parallelize import checkpointed_blocks, parallelize
-from partrain.train.guard import DivergenceGuard
+from partrain.train.guard import DivergenceGuard, check_finite_start
 from partrain.train.optim import build_optimizer, param_groups
 from partrain.train.step import loss_function
 
@@ -127,6 +127,11 @@ def build(cfg, run_dir: Path, device: torch.device) -> Run:
     if start.resume:
         load_optimizer(backend.model, backend.optimizer, start.resume.path, tp_mesh,
                        dims.zero_enabled)
+    source = start.resume or start.init_from
+    if source or start.hf_from:
+        check_finite_start(backend.model, backend.optimizer,
+                           f"the checkpoint {source.path}" if source
+                           else f"the Hugging Face model in {start.hf_from}")
 
     # Under ZeRO, DeepSpeed keeps bf16/fp16 weights with fp32 master copies itself.
     use_bf16 = compute_dtype(t.dtype, device.type == "cuda") == "bf16"

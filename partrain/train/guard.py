@@ -31,6 +31,45 @@ class Diverged(Exception):
     every rank at once, with the same message."""
 
 
+class NonFiniteStart(Exception):
+    """The weights or optimizer state a run starts from hold a NaN or an infinity; raised on
+    every rank at once (the launcher: exit 2, a broken input)."""
+
+
+def _first_nonfinite_local(model, optimizer) -> str | None:
+    """This rank's first weight or optimizer-state tensor holding a NaN or an infinity."""
+    params = named_parameters(model)
+    for name, param in params.items():
+        local = getattr(param, "ds_tensor", param)  # ZeRO-3 keeps this rank's part there
+        if local.is_floating_point() and not torch.isfinite(local).all():
+            return f"model.{name}"
+    names = {id(p): name for name, p in params.items()}
+    inner = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed's ZeRO wraps AdamW
+    for param, state in inner.state.items():
+        for key, value in state.items():
+            if torch.is_tensor(value) and value.is_floating_point() and \
+                    not torch.isfinite(value).all():
+                return f"optim.{names.get(id(param), '(a ZeRO partition)')}.{key}"
+    return None
+
+
+def check_finite_start(model, optimizer, source: str) -> None:
+    """Refuse, on every rank, to train from weights or optimizer state that are not finite:
+    every step would be skipped (or worse, a NaN moment would poison the first update)."""
+    mine = _first_nonfinite_local(model, optimizer)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    bad = [(rank, key) for rank, key in enumerate(every) if key is not None]
+    if bad:
+        rank, key = bad[0]
+        raise NonFiniteStart(
+            f"{source} holds a non-finite value: {key} (on rank {rank}) has a NaN or an "
+            "infinity, so it cannot be trained from (a checkpoint saved before partrain's "
+            "divergence guard, or damaged since). Start from another one: for a resume, move "
+            "this checkpoint out of RUN_DIR/checkpoints/ and the run resumes from the newest "
+            "that is left")
+
+
 class DivergenceGuard:
     def __init__(self, model, max_skipped: int, pp_stage: int, device: torch.device):
         params = named_parameters(model)

@@ -31,7 +31,7 @@ from partrain.parallel.dist import (
     pick_device,
 )
 from partrain.train.assemble import Run, build
-from partrain.train.guard import Diverged
+from partrain.train.guard import Diverged, NonFiniteStart
 from partrain.train.shared_dir import RunDirNotShared, check_shared_run_dir
 from partrain.train.optim import lr_at, set_lr
 from partrain.train.step import evaluate, micro_batches, train_step
@@ -201,7 +201,7 @@ def main(run_dir: str, preemption: PreemptionFlag | None = None) -> None:
             check_shared_run_dir(run_dir, rank, local_rank, int(os.environ.get("GROUP_RANK", 0)))
         # train() returns before the clean end: model, optimizer and mesh are unreferenced.
         train(cfg, run_dir, device, preemption or PreemptionFlag())
-    except (Diverged, RunDirNotShared) as err:
+    except (Diverged, NonFiniteStart, RunDirNotShared) as err:
         # Every rank stops here together: end cleanly (out of the except block, whose
         # traceback still holds the run), then report.
         stopped = (type(err), str(err))

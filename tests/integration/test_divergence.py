@@ -186,3 +186,47 @@ def test_skipped_steps_in_a_row_stop_every_rank_with_exit_4(cli, tmp_path, deeps
     assert "Traceback" not in res.stdout + res.stderr
     assert_no_abort(run_dir, res.stdout, res.stderr)
     assert not survivors(lambda: processes_mentioning(str(run_dir)), 5)
+
+
+def _poison_checkpoint(checkpoint: Path, key: str, tmp: Path) -> None:
+    """Rewrite a committed checkpoint with a NaN in one tensor (DCP offline, one process): what
+    a partrain older than the guard committed on the issue's diverging run."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    out = tmp / "whole.pt"
+    dcp_to_torch_save(checkpoint, out)
+    state = torch.load(out, weights_only=False)
+    state[key] = state[key].clone()
+    state[key].view(-1)[0] = float("nan")
+    keep = {name: (checkpoint / name).read_bytes() for name in ("meta.json", "config.yaml")}
+    shutil.rmtree(checkpoint)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(checkpoint))
+    for name, data in keep.items():
+        (checkpoint / name).write_bytes(data)
+
+
+@pytest.mark.parametrize("key", ["model.layers.1.feed_forward.w2.weight",
+                                 "optim.output.weight.exp_avg_sq"])
+def test_a_checkpoint_holding_a_nan_is_not_trained_from(cli, tmp_path, key):
+    """Resuming from a checkpoint with a NaN weight or moment (one committed before the guard
+    existed) trained every step to NaN; now every rank refuses it before the first step: exit
+    2 naming the tensor and the checkpoint, nothing trained."""
+    run_dir = tmp_path / "run"
+    common = ("launcher.device=cpu", "parallel.dp=2", "train.seq_len=64", "train.eval_every=0")
+    first = cli.run("launch", *common, "train.max_steps=2", "checkpoint.every=1",
+                    "--run-dir", str(run_dir))
+    assert first.returncode == 0, first.stderr[-2000:]
+    newest = store.newest(run_dir / store.CHECKPOINTS)
+    _poison_checkpoint(newest.path, key, tmp_path)
+    before = (run_dir / "metrics.jsonl").read_text()
+    res = cli.run("launch", "--resume", str(run_dir), "train.max_steps=4")
+    assert res.returncode == 2, res.stdout[-2000:] + res.stderr[-2000:]
+    error = _error_line(res)
+    for words in (f"the checkpoint {newest.path} holds a non-finite value", key,
+                  "move this checkpoint out of RUN_DIR/checkpoints/"):
+        assert words in error, (words, error)
+    assert "Traceback" not in res.stdout + res.stderr
+    assert (run_dir / "metrics.jsonl").read_text() == before
+    assert_no_abort(run_dir, res.stdout, res.stderr)

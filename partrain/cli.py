@@ -41,6 +41,10 @@ def _warn(text: str) -> None:
 def _whole(flag: str, minimum: int = 1):
     """A parser for an integer flag whose message echoes what was given."""
     def parse(value: str) -> int:
+        if isinstance(value, str) and len(value) > 40 and value.strip().lstrip("+-").isdigit():
+            # Python refuses to read an integer of over 4,300 digits; none of ours needs 40.
+            raise typer.BadParameter(f"{flag}={value[:20]}... ({len(value):,} digits) is too "
+                                     "large a number")
         try:
             number = int(value)
         except ValueError:
@@ -178,7 +182,14 @@ def _search(args, gpus, gpus_per_node, hardware, write_recipe, as_json) -> None:
     from partrain.launch.preflight import split_args
     from partrain.plan.hardware import load_hardware
     from partrain.plan.search import as_json as search_json
-    from partrain.plan.search import check_request, print_search, validated
+    from partrain.plan.search import (
+        check_config,
+        check_recipe_path,
+        check_request,
+        print_search,
+        validated,
+        why_no_layout,
+    )
     from partrain.plan.search import search as run_search
     from partrain.plan.search import write_recipe as write
 
@@ -186,13 +197,22 @@ def _search(args, gpus, gpus_per_node, hardware, write_recipe, as_json) -> None:
         raise ConfigError("--search needs --gpus N")
     hw = load_hardware(hardware)
     if gpus_per_node is not None:
-        if gpus_per_node < 1:
-            raise ConfigError(f"--gpus-per-node {gpus_per_node} must be at least 1")
+        from partrain.config.validate import MAX_NPROC_PER_NODE
+
+        if gpus_per_node > MAX_NPROC_PER_NODE:
+            raise ConfigError(f"--gpus-per-node={gpus_per_node} must be at most "
+                              f"{MAX_NPROC_PER_NODE}, the most ranks partrain starts on one node")
         hw = dataclasses.replace(hw, gpus_per_node=gpus_per_node)
     check_request(gpus, hw)
+    if write_recipe is not None:
+        check_recipe_path(write_recipe)
     config, overrides = split_args(args)
     cfg = compose_config(config, overrides)
-    result = validated(run_search(cfg, gpus, hw, top=40), config, overrides, gpus, hw)
+    check_config(cfg)
+    found = run_search(cfg, gpus, hw, top=40)
+    if not found["candidates"]:
+        raise ConfigError(why_no_layout(cfg, gpus, hw))
+    result = validated(found, config, overrides, gpus, hw)
     if write_recipe is not None:
         command = " ".join(["partrain plan --search", shlex.join(args or []), f"--gpus {gpus}",
                             f"--gpus-per-node {hw.gpus_per_node}", f"--hardware {hardware}"])
@@ -289,7 +309,7 @@ def sample(
     from partrain.checkpoint.store import find
     from partrain.checkpoint.verify import check_whole
     from partrain.data.tokenizer import TextTokenizer, run_tokenizer_dir
-    from partrain.interop.sample import check_options, encode, generate
+    from partrain.interop.sample import check_options, check_weights, encode, generate
     from partrain.launch.preflight import has_cuda
 
     check_options(prompt, max_new_tokens, temperature, top_k, seed)
@@ -301,6 +321,7 @@ def sample(
     check_whole(checkpoint, "RUN_DIR_OR_CHECKPOINT")
     on_cuda = device == "cuda" or (device == "auto" and has_cuda())
     model, cfg = checkpoint_model(checkpoint, "cuda" if on_cuda else "cpu")
+    check_weights(model, checkpoint.path)  # a nan: refused before the prompt is printed
     run_dir = checkpoint.path.parent.parent
     tokenizer = TextTokenizer(run_tokenizer_dir(run_dir, cfg.data))
     ids = encode(tokenizer, prompt, cfg.model.vocab_size)
@@ -332,7 +353,8 @@ def data_prepare(
                                       "tokenizer's eos_token, or <|endoftext|> and kin)"),
     workers: Optional[int] = typer.Option(None, "--workers", metavar="N",
                                           parser=_whole("--workers"),
-                                          help="Tokenizer processes (default: one per core)"),
+                                          help="Tokenizer processes (default: one per core; at "
+                                          "most 4 per core)"),
     val_fraction: float = typer.Option(0.05, "--val-fraction", metavar="F",
                                        parser=_number("--val-fraction"),
                                        help="Share of the tokens held out for validation, in (0, 1)"),

@@ -1,5 +1,9 @@
-"""Where the shipped configs/ and recipes/ are, in a wheel or in a source checkout."""
+"""Paths: where the shipped configs/ and recipes/ are, in a wheel or in a source checkout; and
+what stands at a path the user gave, in words, for the messages that refuse it."""
 
+import errno
+import os
+import stat
 from pathlib import Path
 
 _PKG = Path(__file__).resolve().parent.parent  # the partrain package
@@ -20,3 +24,30 @@ def configs_dir() -> Path:
 
 def recipes_dir() -> Path:
     return _find("recipes")
+
+
+def what_is(path: Path) -> str:
+    """What stands at `path`, said after it in a message: "is a regular file", "is a directory",
+    "does not exist", "is a symlink loop", "is a symbolic link to X, which does not exist", "is not
+    a regular file (a pipe, socket or device)", or why it cannot be looked at. Path.exists() and
+    is_file() say False for a loop, a dangling link and an unreadable parent alike, and a message
+    built on them calls all three "does not exist"."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        if os.path.islink(path):
+            return f"is a symbolic link to {os.readlink(path)}, which does not exist"
+        return "does not exist"
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "is a symlink loop (a link that leads back to itself)"
+        if e.errno == errno.ENOTDIR:
+            return "does not exist (a part of it before the last is a file, not a directory)"
+        return f"cannot be looked at ({e.strerror or e})"
+    except ValueError:  # a NUL byte in the path
+        return "is not a valid path (it holds a NUL character)"
+    if stat.S_ISDIR(mode):
+        return "is a directory"
+    if stat.S_ISREG(mode):
+        return "is a regular file"
+    return "is not a regular file (a pipe, socket or device)"

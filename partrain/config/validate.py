@@ -41,6 +41,7 @@ MAX_NPROC_PER_NODE = 1024
 MAX_PIPELINE_CHUNKS = 1024  # pp * pp_virtual_stages: real pipelines have tens of stages
 INT64_MAX = (1 << 63) - 1  # every whole number of the config fits torch's and numpy's integers
 MAX_TIMEOUT_S = 7 * 24 * 3600
+MAX_LAYERS = 4096  # the largest published decoders have a few hundred blocks
 NAME_RULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -152,6 +153,9 @@ def _check_each_key(cfg: DictConfig) -> None:
                     "model.multiple_of",
                     "model.ffn_dim", "data.stdlib_max_bytes", "checkpoint.keep",
                     "model.rope_original_max_seq_len"])
+    if cfg.model.n_layers > MAX_LAYERS:
+        raise ConfigError(f"model.n_layers={cfg.model.n_layers} exceeds {MAX_LAYERS}, the most "
+                          "partrain builds or plans (published decoders have a few hundred)")
     _at_least_zero(cfg, ["train.seed", "train.eval_every", "optim.warmup_steps",
                          "optim.weight_decay", "checkpoint.every"])
     _in_range(cfg, "optim.beta1", 0.0, 1.0, "[0, 1)")

@@ -17,6 +17,7 @@ The ids stream to `train.bin` as they come; the last `--val-fraction` of them th
 the end; a failure or Ctrl-C leaves nothing behind.
 """
 
+import itertools
 import json
 import math
 import multiprocessing
@@ -33,6 +34,7 @@ from typing import Iterator
 
 import numpy as np
 
+from partrain.config.paths import what_is
 from partrain.data import tokenizer as tk
 from partrain.data.format import FORMAT, vocab_to_use
 from partrain.errors import ConfigError
@@ -42,6 +44,13 @@ JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
 CHUNK_CHARS = 1 << 20  # text per task sent to a worker process
 ROWS_PER_BATCH = 4096  # Parquet rows read at a time
+# pyarrow reads JSON Lines in blocks, and a record must fit in one: a document of up to this much
+# JSON is read (the reader's own default, 1 MiB, refuses a long book as a "straddling object").
+JSONL_BLOCK_BYTES = 64 << 20
+# --workers is at most this many per core: more processes than cores only take turns on them, and
+# each one holds a tokenizer and its share of the text. The bound keeps a typo (`--workers 100000`)
+# from forking until the system refuses.
+WORKERS_PER_CORE = 4
 
 
 def _reason(e: OSError) -> str:
@@ -50,12 +59,12 @@ def _reason(e: OSError) -> str:
 
 # ---- inputs ----------------------------------------------------------------------------------
 def _check_file(file: Path) -> None:
-    if not file.exists():
-        raise ConfigError(f"input file {file} does not exist")
-    if not file.is_file():
-        # A pipe or device could be endless or read only once; a file can be read again.
-        raise ConfigError(f"input file {file} is not a regular file (a pipe, socket or device); "
-                          "save its contents to a file first")
+    found = what_is(file)
+    if found == "is a regular file":
+        return
+    # A pipe or device could be endless or read only once; a file can be read again.
+    hint = "; save its contents to a file first" if found.startswith("is not a regular") else ""
+    raise ConfigError(f"input file {file} {found}{hint}")
 
 
 def collect_inputs(paths: list[Path]) -> list[Path]:
@@ -95,11 +104,63 @@ def _jsonl_texts(file: Path, field: str) -> Iterator:
     options = pj.ParseOptions(explicit_schema=pa.schema([(field, pa.string())]),
                               unexpected_field_behavior="ignore")
     try:
-        for batch in pj.open_json(file, parse_options=options):
+        for batch in pj.open_json(file, read_options=pj.ReadOptions(block_size=JSONL_BLOCK_BYTES),
+                                  parse_options=options):
             yield batch.column(0).to_pylist()
-    except pa.ArrowInvalid as e:
+    except (pa.ArrowInvalid, UnicodeDecodeError) as e:
+        # pyarrow counts rows within a block, and lets bytes that are not UTF-8 through to
+        # to_pylist: the file is read again, line by line, for the line to name.
+        found = _jsonl_bad_line(file, field) or str(e).splitlines()[0][:300]
         raise ConfigError(f"input file {file} is not JSON Lines with a string field {field!r} "
-                          f"in every object ({str(e).splitlines()[0][:300]})") from None
+                          f"in every object ({found})") from None
+
+
+def _jsonl_bad_line(file: Path, field: str) -> str | None:
+    """The first line of a JSON Lines file that breaks the format (one JSON object per line, in
+    UTF-8), and how, in words; None when each line is fine on its own. For the message only."""
+    try:
+        with open(file, "rb") as f:
+            return _first_bad_line(f, field)
+    except OSError:
+        return None
+
+
+def _first_bad_line(f, field: str) -> str | None:
+    for number in itertools.count(1):
+        raw = f.readline(JSONL_BLOCK_BYTES + 1)
+        if not raw:
+            return None
+        if len(raw) > JSONL_BLOCK_BYTES:
+            return (f"line {number} is longer than {JSONL_BLOCK_BYTES:,} bytes, the longest "
+                    "record partrain reads; give so long a document as a text file")
+        if number == 1:
+            raw = raw.removeprefix(b"\xef\xbb\xbf")  # a byte-order mark, as pyarrow allows
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return (f"line {number}: byte 0x{raw[e.start]:02x} at column {e.start + 1} is not "
+                    "UTF-8, and JSON Lines is UTF-8 text")
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except RecursionError:
+            return f"line {number}: JSON nested too deep"
+        except ValueError as e:  # JSONDecodeError is a ValueError
+            return f"line {number}: not JSON ({getattr(e, 'msg', e)} at column " \
+                   f"{getattr(e, 'colno', '?')})"
+        if not isinstance(record, dict):
+            kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+            return f"line {number}: {kind.get(type(record), 'a number')}, not a JSON object"
+        text = record.get(field)
+        if text is not None and not isinstance(text, str):
+            return f"line {number}: field {field!r} (--field) holds {text!r:.40}, not a string"
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                return (f"line {number}: field {field!r} holds the unpaired surrogate "
+                        f"\\u{ord(text[e.start]):04x}, which is not text")
 
 
 def _parquet_texts(file: Path, field: str) -> Iterator:
@@ -117,11 +178,29 @@ def _parquet_texts(file: Path, field: str) -> Iterator:
     kind = schema.field(field).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         raise ConfigError(f"input file {file}: column {field!r} (--field) holds {kind}, not text")
+    row = 0  # of the batch being read, for a message
     try:
         for batch in parquet.iter_batches(batch_size=ROWS_PER_BATCH, columns=[field]):
-            yield batch.column(0).to_pylist()
+            column = batch.column(0)
+            try:
+                texts = column.to_pylist()
+            except UnicodeDecodeError:  # Parquet does not check that its strings are UTF-8
+                bad = next(i for i in range(len(column)) if not _utf8(column[i]))
+                raise ConfigError(f"input file {file}, row {row + bad + 1}: column {field!r} "
+                                  "(--field) holds bytes that are not UTF-8; a document must be "
+                                  "UTF-8 text") from None
+            row += len(column)
+            yield texts
     except (pa.ArrowException, OSError) as e:
         raise ConfigError(f"input file {file} cannot be read as Parquet ({str(e)[:300]})") from None
+
+
+def _utf8(value) -> bool:
+    try:
+        value.as_py()
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def documents(file: Path, field: str, as_text: bool) -> Iterator[tuple[str | bytes, int]]:
@@ -189,11 +268,22 @@ def _pool(file: Path, eot_id: int, dtype: str, workers: int):
     pool = ProcessPoolExecutor(workers, mp_context=context, initializer=tk.init_worker,
                                initargs=(str(file), eot_id, dtype))
     main = threading.current_thread() is threading.main_thread()  # signals are the main thread's
+    before = set(multiprocessing.active_children())
     try:
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
         try:
             for started in [pool.submit(os.getpid) for _ in range(workers)]:
                 started.result()
+        except OSError as e:
+            # The system refused a process (fork's EAGAIN or ENOMEM). The pool has started some
+            # and, failing inside its first submit, has no thread to stop them: stop them here,
+            # or they would wait for work forever and the interpreter's exit with them.
+            for child in set(multiprocessing.active_children()) - before:
+                child.terminate()
+                child.join()
+            raise ConfigError(
+                f"--workers={workers}: the system refused to start a tokenizer process "
+                f"({_reason(e)}); give fewer --workers") from None
         finally:
             if main:
                 signal.signal(signal.SIGINT, previous)
@@ -247,6 +337,18 @@ def default_workers() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def check_workers(workers: int) -> None:
+    """--workers: at least 1, at most WORKERS_PER_CORE per core this process may run on."""
+    if workers < 1:
+        raise ConfigError(f"--workers={workers} must be at least 1")
+    cores = default_workers()
+    if workers > WORKERS_PER_CORE * cores:
+        raise ConfigError(
+            f"--workers={workers} must be at most {WORKERS_PER_CORE * cores} ({WORKERS_PER_CORE} "
+            f"per core, {cores} core(s) here): more processes than cores only take turns on them "
+            "(the default is one per core)")
+
+
 def prepare_token_dir(inputs: list[Path], out: Path, val_fraction: float, tokenizer: Path | None = None,
                       field: str = "text", eot: str | None = None, workers: int | None = None,
                       console=None) -> dict:
@@ -254,8 +356,7 @@ def prepare_token_dir(inputs: list[Path], out: Path, val_fraction: float, tokeni
     if not (math.isfinite(val_fraction) and 0.0 < val_fraction < 1.0):
         raise ConfigError(f"--val-fraction={val_fraction} must be between 0 and 1 (exclusive)")
     workers = default_workers() if workers is None else workers
-    if workers < 1:
-        raise ConfigError(f"--workers={workers} must be at least 1")
+    check_workers(workers)
     if eot is not None and tokenizer is None:
         raise ConfigError(f"--eot {eot!r} needs --tokenizer (the byte tokenizer joins documents "
                           "with a newline)")

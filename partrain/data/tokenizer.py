@@ -28,14 +28,19 @@ EOT_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
 
 def tokenizer_file(path: Path, flag: str = "--tokenizer") -> Path:
     """The tokenizer.json that `path` names: the file itself or a directory holding one."""
-    if path.is_dir():
-        if not (path / TOKENIZER_FILE).is_file():
+    # Imported here, not at the top: the worker processes import this module and need only it.
+    from partrain.config.paths import what_is
+
+    found = what_is(path)
+    if found == "is a directory":
+        inside = what_is(path / TOKENIZER_FILE)
+        if inside == "does not exist":
             raise ConfigError(f"{flag} {path}: the directory holds no {TOKENIZER_FILE}")
+        if inside != "is a regular file":
+            raise ConfigError(f"{flag} {path}: its {TOKENIZER_FILE} {inside}")
         return path / TOKENIZER_FILE
-    if not path.exists():
-        raise ConfigError(f"{flag} {path} does not exist")
-    if not path.is_file():
-        raise ConfigError(f"{flag} {path} is not a regular file")
+    if found != "is a regular file":
+        raise ConfigError(f"{flag} {path} {found}")
     return path
 
 
@@ -128,10 +133,25 @@ def copy_files(source: Path, out: Path) -> None:
 
 
 def run_tokenizer_dir(run_dir: Path | None, data_cfg) -> Path | None:
-    """Where a run's tokenizer files are: its own copy, else its token dir; None: byte-level."""
-    if run_dir is not None and (run_dir / RUN_TOKENIZER / TOKENIZER_FILE).is_file():
-        return run_dir / RUN_TOKENIZER
+    """Where a run's tokenizer files are: its own copy, else its token dir; None: byte-level.
+    A launch makes RUN_DIR/tokenizer/ only to copy a tokenizer.json into it: what is left of it
+    without that file is a run that trained with a tokenizer whose files went missing, refused
+    rather than read as bytes (unless its token dir still holds the tokenizer.json)."""
+    own = run_dir / RUN_TOKENIZER if run_dir is not None else None
+    if own is not None and (own / TOKENIZER_FILE).is_file():
+        return own
     source = data_tokenizer_dir(data_cfg)
+    if own is not None and (own.exists() or own.is_symlink()) and \
+            (source is None or not (source / TOKENIZER_FILE).is_file()):
+        eot = _configured_eot(own / TOKENIZER_CONFIG) if own.is_dir() else None
+        trained = (f"the tokenizer.json of data.path={data_cfg.path}"
+                   if data_cfg.source == "tokens" and data_cfg.path else "a tokenizer.json")
+        raise ConfigError(
+            f"{own / TOKENIZER_FILE} is missing: the run trained with {trained}"
+            + (f" (end-of-text token {eot!r}, as the {TOKENIZER_CONFIG} left there says)"
+               if eot else "")
+            + f", which its launch copied into {own}; put that tokenizer.json back there "
+            "(partrain will not read the run's tokens as bytes)")
     if source is not None and not (source / TOKENIZER_FILE).is_file():
         raise ConfigError(f"the run's tokenizer is gone: no {RUN_TOKENIZER}/{TOKENIZER_FILE} in "
                           f"the run dir and none in its data.path={data_cfg.path}")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from partrain.config.paths import what_is
 from partrain.data.format import DTYPES, FORMAT
 from partrain.data.tokenizer import BYTE_VOCAB, TOKENIZER_FILE
 from partrain.errors import ConfigError
@@ -84,17 +85,18 @@ def _is_int(value) -> bool:
 
 
 def _regular_file(path: Path, file: Path, name: str) -> None:
-    """Refuse a split file or meta.json that is a directory, a pipe or a device (a missing one
-    is left to the caller, which says what it expected)."""
-    if file.is_dir():
+    """Refuse a split file or meta.json that is a directory, a pipe or a device, a symlink loop
+    or a dangling link (a missing one is left to the caller, which says what it expected)."""
+    found = what_is(file)
+    if found == "is a directory":
         raise ConfigError(f"data.path={path}: {name} is a directory, not a file")
-    if file.exists() and not file.is_file():
-        raise ConfigError(f"data.path={path}: {name} is not a regular file (a pipe, socket or device)")
+    if found not in ("is a regular file", "does not exist"):
+        raise ConfigError(f"data.path={path}: {name} {found}")
 
 
 def _read_meta(path: Path) -> dict:
     meta_path = path / "meta.json"
-    if not meta_path.exists():
+    if what_is(meta_path) == "does not exist":
         raise ConfigError(
             f"data.path={path}: no meta.json there; make a token dir with "
             "`partrain data prepare FILES... --out DIR`")
@@ -236,8 +238,9 @@ def check_data(cfg) -> str:
     if cfg.data.source == "tokens":
         if not cfg.data.path:
             raise ConfigError("data.source=tokens needs data.path=DIR (made by `partrain data prepare`)")
-        if not Path(cfg.data.path).is_dir():
-            raise ConfigError(f"data.path={cfg.data.path} is not a directory")
+        found = what_is(Path(cfg.data.path))
+        if found != "is a directory":
+            raise ConfigError(f"data.path={cfg.data.path} is not a directory: it {found}")
     # load_tokens has checked every (sampled) id against the data's vocab_size, so this check
     # also keeps every id below model.vocab_size.
     splits = load_tokens(cfg.data)

@@ -14,11 +14,17 @@ Bandwidths are per GPU and one way, what a ring collective's step moves at. The 
 vendors' figures for the SXM parts in their usual 8-GPU nodes (NVLink 3 at 300 GB/s and 8 x 200
 Gb/s HDR InfiniBand for the A100; NVLink 4 at 450 GB/s and 8 x 400 Gb/s NDR for H100 and H200).
 The efficiency is not a vendor figure: it is what a dense transformer's GEMMs reach in practice.
+
+Every number of a file must be finite and in RANGES (gpus_per_node a whole number): a NaN or an
+infinity would flow through the memory and time models into a table of "nan GiB".
 """
 
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from partrain.config.paths import what_is
+from partrain.config.validate import MAX_NPROC_PER_NODE
 from partrain.errors import ConfigError
 
 
@@ -52,42 +58,72 @@ PRESETS = {
 }
 
 
+# What a file's numbers may be: finite, and within what any machine could have, so that the
+# models' arithmetic stays finite (a peak of 1e-300 TFLOP/s would make every step take forever).
+# (lowest, highest, unit); gpus_per_node is a whole number, as many as one node may start.
+RANGES = {
+    "gpus_per_node": (1, MAX_NPROC_PER_NODE, "GPUs"),
+    "memory_gib": (1e-3, 1e6, "GiB per GPU"),
+    "peak_tflops": (1e-3, 1e6, "TFLOP/s per GPU"),
+    "intra_node_gbps": (1e-3, 1e6, "GB/s per GPU"),
+    "inter_node_gbps": (1e-3, 1e6, "GB/s per GPU"),
+    "matmul_efficiency": (1e-3, 1, "a fraction of the peak"),
+}
+
+
 def load_hardware(name_or_path: str) -> Hardware:
     """A preset by name (case-insensitive), or a YAML file of Hardware's keys."""
     for name, preset in PRESETS.items():
         if name.lower() == name_or_path.lower():
             return preset
     path = Path(name_or_path)
-    if not path.is_file():
+    found = what_is(path)
+    if found != "is a regular file":
         raise ConfigError(f"--hardware {name_or_path}: neither a preset "
-                          f"({', '.join(PRESETS)}) nor a YAML file")
-    from omegaconf import OmegaConf
+                          f"({', '.join(PRESETS)}) nor a YAML file: {name_or_path} {found}")
+    from partrain.config.compose import read_yaml
 
-    try:
-        raw = OmegaConf.to_container(OmegaConf.load(path))
-    except Exception as exc:  # a YAML syntax error: name the file and the parser's words
-        raise ConfigError(f"--hardware {path}: not YAML ({str(exc).splitlines()[0]})") from None
+    try:  # what no config file may be, too: huge, not UTF-8, a key twice, an alias bomb
+        raw = read_yaml(path, "--hardware")
+    except ConfigError as e:
+        detail = str(e).removeprefix(f"--hardware {path} ").removeprefix("is ")
+        raise ConfigError(f"--hardware {path}: not YAML that partrain reads ({detail})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"--hardware {path}: must be a mapping of "
                           f"{', '.join(f.name for f in fields(Hardware))}")
     known = {f.name: f for f in fields(Hardware)}
-    unknown = sorted(set(raw) - set(known))
+    unknown = sorted(map(str, set(raw) - set(known)))
     if unknown:
         raise ConfigError(f"--hardware {path}: unknown key {unknown[0]} (keys: {', '.join(known)})")
     missing = [k for k, f in known.items() if k not in raw and k not in ("name", "matmul_efficiency")]
     if missing:
         raise ConfigError(f"--hardware {path}: {missing[0]} is required")
     values = {"name": path.stem, **raw}
-    for key, value in values.items():
-        if key == "name":
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ConfigError(f"--hardware {path}: {key}={value} must be a positive number")
-    if values.get("matmul_efficiency", 0.6) > 1:
-        raise ConfigError(f"--hardware {path}: matmul_efficiency={values['matmul_efficiency']} "
-                          "must be at most 1")
-    if int(values["gpus_per_node"]) != values["gpus_per_node"]:
-        raise ConfigError(f"--hardware {path}: gpus_per_node={values['gpus_per_node']} must be "
-                          "a whole number")
-    return Hardware(**{**values, "name": str(values["name"]),
-                       "gpus_per_node": int(values["gpus_per_node"])})
+    if not isinstance(values["name"], (str, int, float)) or isinstance(values["name"], bool):
+        raise ConfigError(f"--hardware {path}: name={values['name']!r} must be a plain name")
+    for key, (low, high, unit) in RANGES.items():
+        if key in values:
+            values[key] = _number(f"--hardware {path}: {key}={values[key]}", key, values[key],
+                                  low, high, unit)
+    return Hardware(**{**values, "name": str(values["name"])})
+
+
+def _number(where: str, key: str, value, low: float, high: float, unit: str):
+    """A number of the file, checked: a number, finite, in [low, high], whole for a count."""
+    if isinstance(value, str):  # YAML 1.1 reads 1e3 (no dot) as a string: read it as a number
+        try:
+            value = float(value)
+        except ValueError:
+            raise ConfigError(f"{where} must be a positive number, not text") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{where} must be a positive number, not {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ConfigError(f"{where} must be a finite number")
+    if value <= 0:
+        raise ConfigError(f"{where} must be a positive number")
+    if key == "gpus_per_node" and value != int(value):
+        raise ConfigError(f"{where} must be a whole number")
+    if not low <= value <= high:
+        raise ConfigError(f"{where} must be at most {high:g} ({unit})" if value > high else
+                          f"{where} must be at least {low:g} ({unit})")
+    return int(value) if key == "gpus_per_node" else float(value)

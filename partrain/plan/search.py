@@ -53,7 +53,7 @@ class Candidate:
                 f"parallel.cp={L.cp}", f"parallel.ep={L.ep}", f"parallel.zero_stage={L.zero_stage}",
                 f"parallel.sequence_parallel={str(L.sequence_parallel).lower()}",
                 f"parallel.pp_schedule={L.pp_schedule}",
-                f"parallel.pp_virtual_stages={L.pp_virtual_stages}",
+                f"parallel.pp_virtual_stages={L.pp_virtual_stages}", "parallel.pp_layers=null",
                 f"parallel.offload_optimizer={L.offload_optimizer}",
                 f"train.micro_batch_size={L.micro_batch_size}", "train.micro_batches=null",
                 f"train.activation_checkpointing={L.activation_checkpointing}"]
@@ -82,8 +82,14 @@ class Candidate:
                 **{k: v for k, v in self.time.items()}}
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def _divisors(n: int, limit: int) -> list[int]:
+    """The divisors of n up to `limit`, in order, in O(sqrt(n)) steps (n may be any size: the
+    search runs before the validation that bounds the config's keys)."""
+    found = set()
+    for d in range(1, min(math.isqrt(n), limit) + 1):
+        if n % d == 0:
+            found.update(x for x in (d, n // d) if x <= limit)
+    return sorted(found)
 
 
 def _tp_degrees(m, hw: Hardware, gpus: int) -> list[int]:
@@ -96,16 +102,17 @@ def _tp_degrees(m, hw: Hardware, gpus: int) -> list[int]:
 def layouts(model_cfg, gpus: int, hw: Hardware, global_batch_size: int, seq_len: int):
     """Every layout of the space above that the validation rules allow."""
     moe = moe_enabled(model_cfg)
-    for tp, pp, cp in itertools.product(_tp_degrees(model_cfg, hw, gpus),
-                                        _divisors(model_cfg.n_layers), CP_DEGREES):
-        if gpus % (tp * pp * cp) or pp > gpus:
+    pps = _divisors(model_cfg.n_layers, min(gpus, MAX_PIPELINE_CHUNKS))
+    for tp, pp, cp in itertools.product(_tp_degrees(model_cfg, hw, gpus), pps, CP_DEGREES):
+        if gpus % (tp * pp * cp):
             continue
         dp = gpus // (tp * pp * cp)
         if cp > 1 and (seq_len % (2 * cp) or cp * tp > seq_len):
             continue
         if tp > 1 and seq_len % (tp * cp):
             continue
-        eps = [e for e in _divisors(dp) if not model_cfg.moe.n_experts % e] if moe else [1]
+        # ep divides both dp and the experts: the divisors of their greatest common divisor.
+        eps = _divisors(math.gcd(dp, model_cfg.moe.n_experts), dp) if moe else [1]
         schedules = [("1f1b", 1)]
         if pp > 1 and not model_cfg.n_layers % (2 * pp) and 2 * pp <= MAX_PIPELINE_CHUNKS:
             schedules.append(("interleaved_1f1b", 2))
@@ -197,13 +204,63 @@ def world_overrides(gpus: int, hw: Hardware) -> list[str]:
 
 
 def check_request(gpus: int, hw: Hardware) -> None:
+    from partrain.config.resolve import MAX_WORLD_SIZE
     from partrain.errors import ConfigError
 
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus} must be at least 1")
+    if gpus > MAX_WORLD_SIZE:
+        raise ConfigError(f"--gpus {gpus} must be at most {MAX_WORLD_SIZE:,}, the most ranks "
+                          "partrain plans for")
     if gpus > hw.gpus_per_node and gpus % hw.gpus_per_node:
         raise ConfigError(f"--gpus {gpus} must be a multiple of --gpus-per-node "
                           f"{hw.gpus_per_node} (whole nodes), or at most one node")
+
+
+def check_config(cfg) -> None:
+    """The rules that no layout changes, before the search: each key on its own (a whole number,
+    finite, in its range), the model's shape and its experts, the sequence against the model's
+    rotary tables. The search reads these keys as they are; a model that no layout can run is
+    named here by its keys, not found later as "nothing fits"."""
+    import copy
+
+    from omegaconf import open_dict
+
+    # validate.py has no public name for its layout-free rules; they run here on a copy of the
+    # config whose parallel and micro-batch keys (which the search sets) are the plainest.
+    from partrain.config.validate import (
+        _check_each_key,
+        _check_model_shape,
+        _check_seq_len,
+    )
+    from partrain.config.validate_moe import check_moe
+
+    view = copy.deepcopy(cfg)
+    with open_dict(view):
+        for key in ("dp", "tp", "pp", "cp", "ep", "pp_virtual_stages"):
+            view.parallel[key] = 1
+        view.parallel.pp_layers = None
+        view.train.micro_batch_size, view.train.micro_batches = 1, None
+    _check_each_key(view)
+    _check_model_shape(view.model)
+    check_moe(view, 1)
+    _check_seq_len(view)
+
+
+def why_no_layout(cfg, gpus: int, hw: Hardware) -> str:
+    """Why no layout of `gpus` GPUs exists for cfg's model and batch, naming the keys that bound
+    each degree (for a search that enumerated none)."""
+    m, t = cfg.model, cfg.train
+    tps = _tp_degrees(m, hw, gpus)
+    pps = _divisors(m.n_layers, min(gpus, MAX_PIPELINE_CHUNKS))
+    cps = [c for c in CP_DEGREES if c == 1 or not t.seq_len % (2 * c)]
+    return (f"no layout of --gpus {gpus} splits this model and batch: tp (in {tps}) must divide "
+            f"model.n_heads={m.n_heads}, model.n_kv_heads={m.n_kv_heads}, the MLP size "
+            f"{ffn_dim(m)} and model.vocab_size={m.vocab_size}, and stay within two nodes; pp (in "
+            f"{pps}) must divide model.n_layers={m.n_layers}; cp (in {cps}) must divide "
+            f"train.seq_len={t.seq_len} in 2 * cp chunks; tp * pp * cp must divide {gpus}, and "
+            f"what is left, dp, times a micro-batch size (one of {list(MICRO_BATCH_SIZES)}) must "
+            f"divide train.global_batch_size={t.global_batch_size}. Change --gpus or those keys")
 
 
 def validated(result: dict, config: str | None, overrides: list[str], gpus: int, hw: Hardware,
@@ -215,20 +272,39 @@ def validated(result: dict, config: str | None, overrides: list[str], gpus: int,
     from partrain.config.validate import resolve_and_validate
     from partrain.errors import ConfigError
 
-    kept, refused = [], []
-    for cand in result["best"]:
-        if len(kept) == show:
-            break
+    def refusal(cand: Candidate) -> str | None:
         keys = [*overrides, *world_overrides(gpus, hw), *cand.overrides()]
         try:
             cfg = compose_config(config, keys)
             world = resolve_world(cfg, None, None, 0)
             resolve_and_validate(cfg, world)
         except ConfigError as e:
-            refused.append((cand, str(e)))
-            continue
+            return str(e)
         cand.config = cfg
-        kept.append(cand)
+        return None
+
+    kept, refused = [], []
+    for cand in result["best"]:
+        if len(kept) == show:
+            break
+        reason = refusal(cand)
+        if reason is None:
+            kept.append(cand)
+        else:
+            refused.append((cand, reason))
+    if refused and not kept:
+        reasons = {reason for _, reason in refused}
+        raise ConfigError(
+            f"none of the {len(refused)} best layouts that fit passes partrain's validation"
+            + (f": {reasons.pop()}" if len(reasons) == 1 else
+               f"; the first, {refused[0][0].describe()}: {refused[0][1]}"))
+    too_big = result["smallest_that_does_not_fit"]
+    if not result["best"] and too_big is not None:
+        # Nothing fits: if the layout nearest to fitting breaks a rule, the rule is the news.
+        reason = refusal(too_big)
+        if reason is not None:
+            raise ConfigError(f"no layout fits in memory, and the nearest to fitting, "
+                              f"{too_big.describe()}, is refused by partrain's validation: {reason}")
     return {**result, "best": kept, "refused": refused}
 
 
@@ -273,9 +349,44 @@ def print_search(result: dict, console) -> None:
         console.print(f"refused by validation: {c.describe()}: {reason}")
 
 
+def check_recipe_path(path) -> None:
+    """--write-recipe PATH, before the search: a new file in a directory partrain may write."""
+    import os
+    from pathlib import Path
+
+    from partrain.config.paths import what_is
+    from partrain.errors import ConfigError
+
+    path = Path(path)
+    if path.name in ("", ".", ".."):
+        raise ConfigError(f"--write-recipe {str(path)!r} must name a new file")
+    found = what_is(path)
+    if found == "is a regular file":
+        raise ConfigError(f"--write-recipe {path} exists; give a new path")
+    if not found.startswith("does not exist"):  # (or under a file: said of its directory below)
+        raise ConfigError(f"--write-recipe {path} {found}; give a new path")
+    parent = path.parent
+    found = what_is(parent)
+    if found != "is a directory":
+        raise ConfigError(f"--write-recipe {path}: its directory {parent} {found}")
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"--write-recipe {path}: its directory {parent} is not writable"
+                          + (" (a read-only file system)" if _read_only(parent) else ""))
+
+
+def _read_only(directory) -> bool:
+    import os
+
+    try:
+        return bool(os.statvfs(directory).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
 def write_recipe(path, result: dict, command: str) -> None:
     """The winner as a recipe `partrain launch PATH` and `partrain slurm PATH` run as it is: the
-    whole composed config over the defaults, written under a temporary name and renamed."""
+    whole composed config over the defaults, written under a temporary name beside PATH and
+    renamed, so that PATH is whole or absent; a failed write leaves nothing behind."""
     import os
     from pathlib import Path
 
@@ -290,8 +401,19 @@ def write_recipe(path, result: dict, command: str) -> None:
               f"{best.time['tokens_per_s']:,.0f} tokens/s, MFU {best.time['mfu']:.1%}, "
               f"{best.memory_bytes / 2**30:.1f} GiB per GPU.\n")
     path = Path(path)
-    if path.exists():
-        raise ConfigError(f"--write-recipe {path} exists; give a new path")
-    tmp = path.with_name(f".{path.name}.partial")
-    tmp.write_text(header + OmegaConf.to_yaml(OmegaConf.create(body)))
-    os.replace(tmp, path)
+    check_recipe_path(path)  # again: the search took a while
+    # A short name: PATH's own may already be as long as a file name may be.
+    tmp = path.with_name(f".{path.name[:64]}.{os.getpid()}.partial")
+    try:
+        tmp.write_text(header + OmegaConf.to_yaml(OmegaConf.create(body)))
+        os.replace(tmp, path)
+    except BaseException as e:  # Ctrl-C included: no half-written file stays
+        try:
+            tmp.unlink(missing_ok=True)
+            left = "nothing was left behind"
+        except OSError:
+            left = f"could not remove {tmp}"
+        if not isinstance(e, OSError):
+            raise
+        raise ConfigError(f"--write-recipe {path} cannot be written: {e.strerror or e}; "
+                          f"{left}") from None

@@ -1,2 +1,2 @@
 """A checkpoint and the outside world: Hugging Face import and export (hf), text generation
-(sample)."""
+(sample), and the finiteness of weights read from outside a run (finite)."""

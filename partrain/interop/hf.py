@@ -17,7 +17,9 @@ trained on a `data prepare --tokenizer` dir, loadable by `AutoTokenizer`.
 
 Importing reads config.json (the model's shape must be the config's: a mismatch is refused
 naming both, with the overrides to use) and, on each rank, only the slices of the safetensors
-tensors that the rank holds (safetensors maps the files and slices lazily).
+tensors that the rank holds (safetensors maps the files and slices lazily). Every weight must be
+a finite number (finite.py): the launcher reads each tensor once and refuses a nan or inf naming
+the file and the tensor, before any process starts; an export refuses one in the checkpoint.
 """
 
 import json
@@ -29,6 +31,8 @@ import torch
 
 from partrain.data.tokenizer import TextTokenizer, copy_files, run_tokenizer_dir
 from partrain.errors import ConfigError
+from partrain.interop.finite import chunks, non_finite
+from partrain.interop.sample import check_vocab
 from partrain.models.arith import moe_enabled
 from partrain.staging import check_out, staged_dir
 
@@ -124,16 +128,27 @@ def hf_config(model_cfg, dtype: str) -> dict:
     }
 
 
-def hf_state_dict(model, model_cfg, dtype: str) -> dict[str, torch.Tensor]:
-    """The model's weights under LlamaForCausalLM's names, q/k rows permuted, in `dtype`."""
+def hf_state_dict(model, model_cfg, dtype: str,
+                  where: str = "the model") -> dict[str, torch.Tensor]:
+    """The model's weights under LlamaForCausalLM's names, q/k rows permuted, in `dtype`; each
+    one finite, as saved and as written (`where`: what the refusal names)."""
     state = {}
     for name, param in model.named_parameters():
         weight = param.detach()
+        problem = non_finite(weight)
+        if problem:
+            raise ConfigError(f"{where}: weight {name} holds {problem}; partrain exports finite "
+                              "weights only (export a checkpoint from before the run diverged)")
         if name.endswith("attention.wq.weight"):
             weight = to_rotate_half(weight, model_cfg.n_heads)
         elif name.endswith("attention.wk.weight"):
             weight = to_rotate_half(weight, model_cfg.n_kv_heads)
-        state[hf_name(name)] = weight.to(DTYPES[dtype]).contiguous()
+        weight = weight.to(DTYPES[dtype]).contiguous()
+        problem = non_finite(weight)
+        if problem:
+            raise ConfigError(f"--dtype {dtype}: weight {name} of {where} would hold {problem}; "
+                              f"its values are beyond {dtype}'s range: export with --dtype fp32")
+        state[hf_name(name)] = weight
     return state
 
 
@@ -168,7 +183,12 @@ def export_hf(checkpoint, out: Path, dtype: str = "fp32", max_shard_mb: int = 50
             f"{checkpoint.path} is a mixture of experts (model.moe.n_experts="
             f"{cfg.model.moe.n_experts}); --format hf writes Llama models, which have no experts")
     tokenizer = run_tokenizer_dir(checkpoint.path.parent.parent, cfg.data)
-    state = hf_state_dict(model, cfg.model, dtype)
+    eot_id = None
+    if tokenizer is not None:
+        text_tokenizer = TextTokenizer(tokenizer)
+        check_vocab(text_tokenizer, cfg.model.vocab_size)
+        eot_id = text_tokenizer.eot_id
+    state = hf_state_dict(model, cfg.model, dtype, str(checkpoint.path))
     del model
     # A full disk inside safetensors is its own error type.
     with staged_dir(out, errors=(OSError, SafetensorError)) as stage:
@@ -176,7 +196,7 @@ def export_hf(checkpoint, out: Path, dtype: str = "fp32", max_shard_mb: int = 50
         files = write_safetensors(state, stage.path, max_shard_mb)
         config, generation = hf_config(cfg.model, dtype), {"do_sample": True}
         if tokenizer is not None:  # generate() stops at the end-of-text token the data used
-            config["eos_token_id"] = generation["eos_token_id"] = TextTokenizer(tokenizer).eot_id
+            config["eos_token_id"] = generation["eos_token_id"] = eot_id
             stage.step = "copying the tokenizer files"
             copy_files(tokenizer, stage.path)
         stage.step = "writing config.json"
@@ -297,7 +317,9 @@ def check_hf_init(model_cfg) -> Path:
 
 def _check_tensors(path: Path, files: dict[str, Path], shapes: dict[str, list], where: str):
     """Every weight the model needs is in the files, at its full shape, in a float dtype (the
-    files' headers only: nothing is loaded)."""
+    files' headers), and holds finite numbers only (its values, read a chunk at a time: this
+    reads the weights once here, so that a nan is refused before any process starts rather than
+    trained on)."""
     from safetensors import safe_open
 
     for name, shape in shapes.items():
@@ -317,10 +339,20 @@ def _check_tensors(path: Path, files: dict[str, Path], shapes: dict[str, list], 
                             f"{where}: {name} in {file.name} is {part.get_dtype()} "
                             f"{part.get_shape()}; the model needs a float tensor of shape "
                             f"{shapes[name]}")
+                    _check_finite(part, name, file, where)
         except ConfigError:
             raise
         except Exception as e:  # safetensors' own error for a truncated or foreign file
             raise ConfigError(f"{where}: {file} is not a readable safetensors file ({e})") from None
+
+
+def _check_finite(part, name: str, file: Path, where: str) -> None:
+    shape = part.get_shape()
+    for start, stop in chunks(shape[0], math.prod(shape[1:])):
+        problem = non_finite(part[start:stop], offset=start)
+        if problem:
+            raise ConfigError(f"{where}: tensor {name} in {file} holds {problem}; a run starts "
+                              "from finite weights only (no nan or inf)")
 
 
 def _shown(value) -> str:
@@ -388,6 +420,10 @@ def load_hf_weights(model, path: Path, model_cfg, tp_mesh) -> None:
                 size = param.shape[dim]
                 index[dim] = slice(tp_rank * size, (tp_rank + 1) * size)
             weight = part[tuple(index)]
+            problem = non_finite(weight)
+            if problem:  # check_hf_init read them finite: the file changed since
+                raise ConfigError(f"model.init_from={HF_PREFIX}{path}: tensor {key} in {file} "
+                                  f"holds {problem}; a run starts from finite weights only")
             if name.endswith(("attention.wq.weight", "attention.wk.weight")):
                 weight = from_rotate_half(weight, weight.shape[0] // head_dim)
             param.copy_(weight)

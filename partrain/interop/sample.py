@@ -6,8 +6,10 @@ split over tokens prints whole), or the tokenizer.json of `data prepare --tokeni
 RUN_DIR/tokenizer/ (decoded with the tokenizers library's DecodeStream); its end-of-text token
 ends the sample. Each new token is drawn from the last position's logits over the newest
 max_seq_len tokens (no KV cache: models here are small, and the full forward is the one trained),
-after temperature and top-k; temperature 0 is greedy. A seed fixes the draw, so the same command
-prints the same text.
+after temperature and top-k; temperature 0 is greedy, and any other within float32's range, 1e-45
+to 3.4e38 (the logits are divided by it in float32). A seed fixes the draw, so the same command
+prints the same text. A checkpoint whose weights hold a nan, or a run dir whose tokenizer has
+more tokens than the model's vocabulary, is refused before anything is printed.
 """
 
 import math
@@ -16,6 +18,13 @@ from typing import Callable
 import torch
 
 from partrain.errors import ConfigError
+from partrain.interop.finite import non_finite
+
+# The logits are divided by the temperature in float32, whose smallest positive number is
+# 1.4e-45 (a subnormal): a temperature below 1e-45 rounds to 0 there (and 0 / 0 is nan), one
+# above float32's largest number to inf. Within, a tiny one is the greedy draw, as it should be.
+TEMPERATURE_MIN = 1e-45
+TEMPERATURE_MAX = float(torch.finfo(torch.float32).max)  # 3.4028234663852886e+38
 
 
 def check_options(prompt: str, max_new_tokens: int, temperature: float, top_k: int,
@@ -24,17 +33,47 @@ def check_options(prompt: str, max_new_tokens: int, temperature: float, top_k: i
         raise ConfigError(f"--seed={seed} does not fit in 64 bits")
     if not prompt:
         raise ConfigError("--prompt '' has no tokens: give some text to continue")
-    if not math.isfinite(temperature) or temperature < 0:
-        raise ConfigError(f"--temperature={temperature} must be a finite number >= 0 "
-                          "(0 = always the most likely token)")
+    if not (temperature == 0 or TEMPERATURE_MIN <= temperature <= TEMPERATURE_MAX):
+        raise ConfigError(
+            f"--temperature={temperature} must be a finite number >= 0: 0 (always the most "
+            f"likely token) or from {TEMPERATURE_MIN:g} to {TEMPERATURE_MAX:.8g} (float32's "
+            "range, in which the logits are divided by it: it rounds a smaller one to 0, a "
+            "larger one to inf)")
     if max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens={max_new_tokens} must be at least 1")
     if top_k < 0:
         raise ConfigError(f"--top-k={top_k} must be >= 0 (0 = no limit)")
 
 
+def check_weights(model, checkpoint) -> None:
+    """Every weight of the checkpoint's model is a finite number: checked before anything is
+    printed, where a nan would otherwise end the sample after its prompt."""
+    for name, param in model.named_parameters():
+        problem = non_finite(param.detach())
+        if problem:
+            raise ConfigError(f"{checkpoint}: weight {name} holds {problem}; the model would "
+                              "give non-finite logits: nothing to sample from")
+
+
+def check_vocab(tokenizer, vocab_size: int) -> None:
+    """The run's tokenizer has no more tokens than the model has rows: else it is not the
+    tokenizer the run trained with (export and sample both refuse it)."""
+    if tokenizer.vocab_size > vocab_size:
+        raise ConfigError(f"the run's tokenizer {tokenizer.name} has {tokenizer.vocab_size:,} "
+                          f"tokens, more than the model's model.vocab_size={vocab_size:,}: it is "
+                          "not the tokenizer the run trained with; put that one back")
+
+
 def encode(tokenizer, prompt: str, vocab_size: int) -> list[int]:
     """The prompt's ids under the run's tokenizer, each one a row of the model's embedding."""
+    check_vocab(tokenizer, vocab_size)
+    if tokenizer.directory is not None:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as e:  # bytes of the command line that are not UTF-8
+            raise ConfigError(
+                f"--prompt {prompt!r} holds bytes that are not UTF-8 text (at character "
+                f"{e.start}); the run's tokenizer ({tokenizer.name}) reads text") from None
     ids = tokenizer.encode(prompt)
     if not ids:
         raise ConfigError(f"--prompt {prompt!r} has no tokens under the run's tokenizer "

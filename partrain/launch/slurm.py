@@ -18,7 +18,9 @@ Every value that comes from the user (run name, paths, partition, extra sbatch a
 NCCL variables passed through) is quoted: shlex.quote in the shell body, and sbatch's own quoting
 in `#SBATCH` lines, which sbatch parses itself (it takes backslash as an escape even inside
 quotes, so shlex.quote is not right there). Control characters are refused: a newline in an
-`#SBATCH` comment would end the comment and run the rest as a command.
+`#SBATCH` comment would end the comment and run the rest as a command. An extra sbatch option
+(--sbatch-arg) may not set what the script sets itself, in any spelling sbatch reads: `-N4`,
+`-N 4`, `--nod=4`, `-vN4` are all --nodes, and sbatch keeps the last value given.
 """
 
 import os
@@ -40,24 +42,43 @@ SIGNAL_BEFORE_END_S = 120
 # after a run, a save or a failure they end within seconds of each other, unless one hangs.
 NODES_END_WITHIN_S = 60
 EXIT_PREEMPTED = 3  # `partrain launch`: saved at a step on a preemption signal (launch/local.py)
-# sbatch options the script sets from partrain's own flags and layout; a raw --sbatch-arg that
-# repeats one would contradict it (the last one wins in sbatch, silently).
-FIXED_SBATCH_OPTIONS = {
-    **dict.fromkeys(("--nodes", "-N"), "use --nodes"),
-    **dict.fromkeys(("--ntasks-per-node", "--ntasks", "-n"), "one task per node, which starts "
-                    "the node's ranks; use --nproc-per-node"),
-    **dict.fromkeys(("--output", "-o", "--error", "-e"), "logs go to RUN_DIR/logs"),
-    **dict.fromkeys(("--job-name", "-J"), "the job is named after the config's name"),
-    **dict.fromkeys(("--gpus-per-node",), "use --gpus-per-node"),
-    **dict.fromkeys(("--partition", "-p"), "use --partition"),
-    **dict.fromkeys(("--time", "-t"), "use --time"),
-    **dict.fromkeys(("--account", "-A"), "use --account"),
-    **dict.fromkeys(("--qos", "-q"), "use --qos"),
-    **dict.fromkeys(("--signal",), "partrain asks for USR2 before the time limit"),
-    **dict.fromkeys(("--no-requeue",), "the job requeues itself after a save on a preemption "
-                    "signal"),
-    **dict.fromkeys(("--open-mode",), "a requeued job appends to its log"),
+# The sbatch options the script sets itself, by sbatch's long name: the partrain flag (or what)
+# that sets each one, and why. An --sbatch-arg that sets one again, in any spelling sbatch takes,
+# would contradict it: the user's lines come last, and sbatch keeps the last value, silently.
+# (--wait, --test-only and the like are partrain's too: it submits and reads the job id.)
+_TASKS = ("--nproc-per-node", "one task per node, which starts the node's ranks; use "
+          "--nproc-per-node")
+_GPUS = ("--gpus-per-node", "GPUs are asked for per node; use --gpus-per-node")
+_LOGS = ("--run-dir", "logs go to RUN_DIR/logs")
+_REQUEUE = ("its preemption handling", "the job requeues itself after a save on a preemption "
+            "signal")
+_SUBMIT = ("its submission", "partrain submits the job with sbatch --parsable and reads its id; "
+           "this would make sbatch wait for the job's end, or submit nothing")
+PARTRAIN_SETS = {
+    "nodes": ("--nodes", "use --nodes"),
+    **dict.fromkeys(("ntasks", "ntasks-per-node", "tasks-per-node", "ntasks-per-gpu",
+                     "ntasks-per-tres"), _TASKS),
+    **dict.fromkeys(("gpus-per-node", "gpus", "gpus-per-task", "gpus-per-socket"), _GPUS),
+    **dict.fromkeys(("output", "error"), _LOGS),
+    "open-mode": ("--run-dir", "a requeued job appends to its log"),
+    "job-name": ("the config's name", "the job is named after the config's name"),
+    "partition": ("--partition", "use --partition"),
+    "time": ("--time", "use --time"),
+    "account": ("--account", "use --account"),
+    "qos": ("--qos", "use --qos"),
+    "signal": ("its preemption handling", f"USR2 {SIGNAL_BEFORE_END_S} s before the time "
+               "limit, on which the ranks save a checkpoint"),
+    **dict.fromkeys(("requeue", "no-requeue"), _REQUEUE),
+    **dict.fromkeys(("wait", "test-only", "help", "usage", "version"), _SUBMIT),
 }
+# sbatch's one-letter forms of those (src/common/slurm_opt.c), and the letters that take no
+# value: getopt reads `-vN4` as -v -N 4, and `-N4`, `-N 4` (one argument) as --nodes.
+SHORT_FORMS = {"N": "nodes", "n": "ntasks", "G": "gpus", "o": "output", "e": "error",
+               "J": "job-name", "p": "partition", "t": "time", "A": "account", "q": "qos",
+               "W": "wait", "h": "help", "V": "version"}
+SHORT_FLAGS = frozenset("HIOQsuv")
+# Options that ask for GPUs in their value (`--gres=gpu:4`, `--tres-per-task=gres/gpu:1`).
+GPU_VALUED = ("gres", "tres-per-task")
 # The formats sbatch's --time takes (man sbatch), and its words for no limit.
 SLURM_TIME = re.compile(r"\d+|\d+:\d+|\d+:\d+:\d+|\d+-\d+|\d+-\d+:\d+|\d+-\d+:\d+:\d+|"
                         r"UNLIMITED|INFINITE", re.IGNORECASE)
@@ -122,14 +143,61 @@ def check_job(job: SlurmJob) -> None:
         if value is not None and not value.strip():
             raise ConfigError(f"{what}={value!r} is empty; leave the flag out for SLURM's default")
     for arg in job.sbatch_args:
-        name = arg.split("=", 1)[0]
-        if not arg.startswith("-") or not name.strip("-"):
-            raise ConfigError(f"--sbatch-arg {arg!r} must be an sbatch option starting with '-', "
-                              "e.g. --sbatch-arg=--exclusive or --sbatch-arg=--mem=0")
-        if name in FIXED_SBATCH_OPTIONS:
-            raise ConfigError(
-                f"--sbatch-arg {arg!r} contradicts what partrain writes itself "
-                f"({FIXED_SBATCH_OPTIONS[name]})")
+        check_sbatch_arg(arg)
+
+
+def check_sbatch_arg(arg: str) -> None:
+    """One option per --sbatch-arg, none that partrain sets itself (PARTRAIN_SETS)."""
+    name = arg.split("=", 1)[0]
+    if not arg.startswith("-") or not name.strip("-"):
+        raise ConfigError(f"--sbatch-arg {arg!r} must be an sbatch option starting with '-', "
+                          "e.g. --sbatch-arg=--exclusive or --sbatch-arg=--mem=0")
+    own = partrain_option(arg)
+    if own is not None:
+        option, how = own
+        source, rule = PARTRAIN_SETS[option]
+        raise ConfigError(
+            f"--sbatch-arg {arg!r} contradicts what partrain writes itself: sbatch reads it as "
+            f"--{option}{how}, which partrain sets from {source} ({rule})")
+    if arg.startswith("--") and len(name.split()) > 1:
+        raise ConfigError(f"--sbatch-arg {arg!r}: one option per --sbatch-arg, its value after "
+                          "'=' (e.g. --sbatch-arg=--mem=0); sbatch reads this as one option "
+                          f"named {name[2:]!r}")
+
+
+def partrain_option(arg: str) -> tuple[str, str] | None:
+    """The option of PARTRAIN_SETS that sbatch reads `arg` as setting, and how it gets there
+    ('' when spelled out); None if it sets none. sbatch parses with getopt_long: a long name may
+    be abbreviated to any unambiguous prefix, and one-letter options may be grouped, their value
+    attached."""
+    if arg.startswith("--"):
+        name, _, value = arg[2:].partition("=")
+        name = (name.split() or [""])[0]  # "--nodes 4" as one argument: sbatch's --nodes, refused
+        if name in PARTRAIN_SETS:
+            return name, ""
+        longer = sorted(option for option in PARTRAIN_SETS if option.startswith(name))
+        if longer:
+            return longer[0], f" (sbatch takes --{name} for --{' or --'.join(longer)})"
+        for option in GPU_VALUED:
+            if option.startswith(name) and _asks_for_gpus(value):
+                return "gpus-per-node", f" (--{option}={value} asks for GPUs)"
+        return None
+    for letter in arg[1:]:
+        if letter in SHORT_FORMS:
+            return SHORT_FORMS[letter], f" (-{letter} is its short form)"
+        if letter not in SHORT_FLAGS:
+            return None  # a letter that takes a value: the rest of the argument is that value
+    return None
+
+
+def _asks_for_gpus(value: str) -> bool:
+    """A --gres or --tres-per-task list that names gpu: `gpu`, `gpu:4`, `gpu:a100:4`,
+    `gres/gpu=1`."""
+    for item in value.split(","):
+        kind = re.split(r"[:=]", item.strip())[0].lower()
+        if kind.removeprefix("gres/") == "gpu":
+            return True
+    return False
 
 
 def render_script(job: SlurmJob) -> str:

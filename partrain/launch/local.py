@@ -258,11 +258,23 @@ def _run_agent(config: LaunchConfig, run_dir: Path, spec: ElasticLaunch, agent_l
                       f"{run_dir / 'logs'}/rank-N.log")
         return EXIT_RANK_FAILED
     except (SignalException, KeyboardInterrupt):
-        console_print("interrupted: all workers stopped")
+        console_print(f"interrupted: all workers stopped; {_where_to_resume(run_dir)}")
         return EXIT_INTERRUPTED
     finally:
         signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # from here on, nothing to pass it to
     return EXIT_OK
+
+
+def _where_to_resume(run_dir: Path) -> str:
+    """The newest committed checkpoint and the command that goes on from it."""
+    from partrain.checkpoint import store
+
+    newest = store.newest(run_dir / store.CHECKPOINTS)
+    if newest is None:
+        return ("no checkpoint was committed, so nothing was kept: the same command starts "
+                "the run again")
+    return (f"the newest checkpoint is {newest.path} (step {newest.step}); go on from it with "
+            f"partrain launch --resume {run_dir}")
 
 
 def _space(run_dir: Path) -> str:

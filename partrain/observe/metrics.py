@@ -53,7 +53,7 @@ class MetricsLog:
 
 class ProgressDisplay:
     """Rank 0's view of the run: a live bar with step, loss, lr, tokens/s and ETA on a terminal,
-    a plain line every `log_every` steps when stdout is a file or a pipe."""
+    a plain line every `log_every` steps when stdout is a file or a pipe, with the ETA."""
 
     def __init__(self, max_steps: int, log_every: int, enabled: bool):
         self.enabled, self.log_every, self.max_steps = enabled, log_every, max_steps
@@ -61,6 +61,7 @@ class ProgressDisplay:
         self.console = Console(file=sys.stdout, markup=False, emoji=False)
         self.live = enabled and self.console.is_terminal
         self.progress = None
+        self._timed: list[tuple[int, float]] = []  # (step, when it was reported)
 
     def _start_live(self) -> None:
         if self.progress is None:
@@ -86,11 +87,21 @@ class ProgressDisplay:
             self.progress.update(self.task, completed=rec["step"], loss=f"{rec['loss']:.4f}",
                                  lr=f"{rec['lr']:.2e}", tps=f"{rec['tokens_per_s']:,.0f}",
                                  moe=_moe_text(rec) if "moe_load_balance" in rec else "")
+        self._timed.append((rec["step"], time.monotonic()))
         if rec.get("skipped"):  # always said, also between the live display's refreshes
             self.print(format_step(rec))
         elif not self.live and (rec["step"] % self.log_every == 0
                                 or rec["step"] in (1, self.max_steps)):
-            self.print(format_step(rec))
+            self.print(format_step(rec) + self._eta(rec["step"]))
+
+    def _eta(self, step: int) -> str:
+        """The time the steps left take at the pace since the first step of this launch (the
+        first, which may compile or build ops, not counted)."""
+        (first, t0), (last, t1) = self._timed[0], self._timed[-1]
+        if last <= first or step >= self.max_steps:
+            return ""
+        left = (self.max_steps - step) * (t1 - t0) / (last - first)
+        return f"  eta {int(left // 3600)}:{int(left % 3600 // 60):02d}:{int(left % 60):02d}"
 
     def stop(self) -> None:
         if self.progress is not None:

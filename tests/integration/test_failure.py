@@ -44,8 +44,11 @@ def test_failing_rank_stops_the_job(cli, tmp_path):
                                  pytest.param("ctrl-c-group", marks=pytest.mark.slow)])
 def test_interrupt_stops_all_workers(cli, tmp_path, how):
     run_dir = tmp_path / "run"
-    proc = cli.start("launch", *LONG, "--run-dir", str(run_dir))
+    proc = cli.start("launch", *LONG, "checkpoint.every=1", "--run-dir", str(run_dir))
     _wait_for_steps(run_dir, proc)
+    while not (run_dir / "checkpoints" / "latest").exists():  # a first save to name
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
     workers = processes_mentioning(str(run_dir))
     assert len(workers) >= 3, workers  # the launcher and two ranks
     if how == "sigterm-launcher":
@@ -54,7 +57,18 @@ def test_interrupt_stops_all_workers(cli, tmp_path, how):
         os.killpg(proc.pid, signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr
-    assert "interrupted" in stderr
+    # What to do next: the newest checkpoint and the command.
+    import re
+
+    from partrain.checkpoint import store
+
+    said = " ".join(stderr.split())
+    assert "interrupted: all workers stopped" in said, stderr
+    named = re.search(r"the newest checkpoint is (\S+) \(step (\d+)\)", said)
+    assert named, stderr
+    committed = {str(c.path): c.step for c in store.committed(run_dir / store.CHECKPOINTS)}
+    assert committed.get(named.group(1)) == int(named.group(2)), (named.group(0), committed)
+    assert f"partrain launch --resume {run_dir}" in said, stderr
     assert processes_mentioning(str(run_dir)) == []
 
 

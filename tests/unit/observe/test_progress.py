@@ -1,0 +1,38 @@
+"""The progress lines rank 0 prints when stdout is not a terminal: each with the ETA at the pace
+since the launch's first step, a skipped step always said."""
+
+from partrain.observe import metrics
+from partrain.observe.metrics import ProgressDisplay
+
+
+def _rec(step: int, **extra) -> dict:
+    return {"step": step, "loss": 2.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 1000.0,
+            "step_time_s": 0.5, **extra}
+
+
+def test_plain_lines_carry_the_eta(capsys, monkeypatch):
+    # Reported at the end of each step: step 1's own time (compiling, building ops) is before
+    # the first mark and does not count; then 2 s a step.
+    clock = iter([100.0, 102.0, 104.0, 106.0, 108.0])
+    monkeypatch.setattr(metrics.time, "monotonic", lambda: next(clock))
+    monkeypatch.setenv("COLUMNS", "300")  # one line per step
+    display = ProgressDisplay(max_steps=1000, log_every=2, enabled=True)
+    for step in range(1, 6):
+        display.update(_rec(step))
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in lines] == ["1", "2", "4"]
+    assert "eta" not in lines[0]  # one step: no pace yet
+    assert lines[1].endswith("eta 0:33:16"), lines[1]  # 998 steps left x 2 s
+    assert lines[2].endswith("eta 0:33:12"), lines[2]  # 996 x 2 s
+
+
+def test_the_last_step_has_no_eta_and_a_skipped_step_is_always_said(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")
+    display = ProgressDisplay(max_steps=3, log_every=100, enabled=True)
+    display.update(_rec(1))
+    display.update(_rec(2, skipped=True, skipped_in_a_row=1, nonfinite_param="output.weight"))
+    display.update(_rec(3))
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3
+    assert "skipped (non-finite; 1 in a row, first in output.weight)" in lines[1]
+    assert "eta" not in lines[2]

@@ -54,6 +54,9 @@ def start(request: Request, dry_run: bool, out: Console, err: Console,
                      if checkpoint is not None else "")
     if ready.changed:  # after a spike: optim.lr 0.003 -> 0.0001, and any change of layout
         out.print("changed on resume: " + ", ".join(ready.changed))
+    building = deepspeed_builds(cfg)
+    if building:
+        out.print(building)
     if dry_run:
         print_dry_run(ready, resuming_from, out)
         return 0
@@ -76,6 +79,34 @@ def _config_before(run_dir: Path, checkpoint) -> str | None:
         return (run_dir / CONFIG).read_text() if checkpoint is not None else None
     except OSError:
         return None
+
+
+# DeepSpeed's C++ ops a ZeRO run on CPU JIT-builds on first use, with what they took on 2 cores.
+CPU_OPS = {"deepspeed_shm_comm": "~20 s", "cpu_adam": "30-100 s"}
+
+
+def deepspeed_builds(cfg) -> str | None:
+    """What DeepSpeed will build before the first step of this run (ZeRO on CPU, ops not yet in
+    torch's extension cache), said up front instead of minutes of silence; None if nothing."""
+    if not cfg.parallel.zero_stage or runs_on_cuda(cfg):
+        return None
+    import torch
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR")
+                or Path.home() / ".cache" / "torch_extensions")
+    # torch.utils.cpp_extension's folder for this Python and torch build.
+    cuda = torch.version.cuda
+    folder = root / (f"py{sys.version_info.major}{sys.version_info.minor}"
+                     f"{getattr(sys, 'abiflags', '')}_" + (f"cu{cuda.replace('.', '')}" if cuda
+                                                           else "cpu"))
+    ops = ["deepspeed_shm_comm"] + (["cpu_adam"] if cfg.parallel.offload_optimizer != "none"
+                                    else [])
+    missing = [op for op in ops if not (folder / op / f"{op}.so").is_file()]
+    if not missing:
+        return None
+    return ("deepspeed: building its C++ ops on first use on this machine before the first step: "
+            + ", ".join(f"{op} ({CPU_OPS[op]} on 2 cores)" for op in missing)
+            + f"; cached in {folder} for every later run (TORCH_EXTENSIONS_DIR sets where)")
 
 
 def print_dry_run(ready: Ready, resuming_from: str, out: Console) -> None:

@@ -1,0 +1,44 @@
+"""A ZeRO run on CPU says, before it starts, which DeepSpeed C++ ops it will build first (they
+take tens of seconds each on a fresh machine, in silence) and where they are cached; once they
+are in the cache it says nothing."""
+
+import sys
+
+import pytest
+import torch
+
+ZERO = ["launch", "--dry-run", "launcher.device=cpu", "parallel.dp=2", "parallel.zero_stage=1",
+        "--run-dir", "run"]
+
+
+def _folder(root):
+    cuda = torch.version.cuda
+    tag = f"cu{cuda.replace('.', '')}" if cuda else "cpu"
+    return root / f"py{sys.version_info.major}{sys.version_info.minor}_{tag}"
+
+
+@pytest.mark.parametrize("offload, ops", [("none", ["deepspeed_shm_comm"]),
+                                          ("cpu", ["deepspeed_shm_comm", "cpu_adam"])])
+def test_ops_to_build_are_said_and_cached_ones_are_not(run_main, tmp_path, monkeypatch, offload,
+                                                       ops):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    argv = [*ZERO, f"parallel.offload_optimizer={offload}"]
+    said = " ".join(run_main(*argv).stdout.split())
+    assert "deepspeed: building its C++ ops on first use" in said, said
+    for op in ops:
+        assert op in said
+    assert f"cached in {_folder(tmp_path / 'ext')}" in said
+    for op in ops:  # as torch's JIT build leaves them
+        (_folder(tmp_path / "ext") / op).mkdir(parents=True)
+        (_folder(tmp_path / "ext") / op / f"{op}.so").write_bytes(b"\x7fELF")
+    result = run_main(*argv)
+    assert result.code == 0 and "building its C++ ops" not in result.stdout
+
+
+def test_ddp_builds_nothing(run_main, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    result = run_main("launch", "--dry-run", "launcher.device=cpu", "parallel.dp=2",
+                      "--run-dir", "run")
+    assert result.code == 0 and "deepspeed" not in result.stdout

@@ -86,12 +86,19 @@ def launch(
         None, "--resume", metavar="RUN_DIR", help="Continue the run in RUN_DIR from its newest "
         "checkpoint; OVERRIDEs may change the layout (parallel.*, launcher.*, micro-batches) and "
         "raise train.max_steps"),
+    max_restarts: Optional[int] = typer.Option(
+        None, "--max-restarts", metavar="N", parser=_whole("--max-restarts", 0),
+        help="Restart every node's workers up to N times after a rank fails, from the newest "
+        "checkpoint (launcher.max_restarts)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate and show the plan; start nothing"),
 ) -> None:
     """Compose, validate, write the run dir and train on this node's ranks (or continue the run
     a run dir holds, from its newest checkpoint)."""
     from partrain.launch.preflight import LAUNCH, Request
     from partrain.launch.start import start
+
+    if max_restarts is not None:  # the flag wins over the key, as --nnodes does
+        args = [*(args or []), f"launcher.max_restarts={max_restarts}"]
 
     request = Request(args, LAUNCH, nnodes=nnodes, nproc_per_node=nproc_per_node, run_dir=run_dir,
                       resume=resume, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
@@ -117,12 +124,18 @@ def slurm(
     sbatch_args: Optional[List[str]] = typer.Option(
         None, "--sbatch-arg", help="Another #SBATCH option, e.g. --sbatch-arg=--exclusive (repeatable)"),
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Default: runs/<name>-<time>"),
+    max_restarts: Optional[int] = typer.Option(
+        None, "--max-restarts", metavar="N", parser=_whole("--max-restarts", 0),
+        help="In-job restarts after a rank fails (launcher.max_restarts, frozen in the run dir)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="Write the run dir and print the script "
                                  "(`> job.sh` gives a runnable script); submit nothing"),
 ) -> None:
     """Validate for nodes x ranks, write the run dir and its sbatch script, and submit it."""
     from partrain.launch.preflight import SLURM, Request
     from partrain.launch.start import prepare_job
+
+    if max_restarts is not None:
+        args = [*(args or []), f"launcher.max_restarts={max_restarts}"]
 
     # --nproc-per-node defaults to --gpus-per-node (its help says so), then to the config's.
     request = Request(args, SLURM, nnodes=nodes, nproc_per_node=nproc_per_node or gpus_per_node,

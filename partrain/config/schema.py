@@ -217,6 +217,9 @@ class LauncherConfig:
     """Process-group timeout in seconds; short so that a broken job fails fast."""
     rdzv_timeout_s: int = 120
     """Seconds nodes wait for each other at start."""
+    max_restarts: int = 0
+    """Times the workers of every node are restarted after a rank fails, each time resuming
+    from the newest committed checkpoint (--max-restarts wins; torchrun's --max-restarts)."""
 
 
 @dataclass

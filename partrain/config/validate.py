@@ -364,7 +364,13 @@ def _check_optim(o: DictConfig) -> None:
         raise ConfigError(f"optim.grad_clip={o.grad_clip} must be >= 0 (0 disables it)")
 
 
+MAX_RESTARTS = 1000
+
+
 def _check_launcher(launcher: DictConfig) -> None:
+    if not 0 <= launcher.max_restarts <= MAX_RESTARTS:
+        raise ConfigError(f"launcher.max_restarts={launcher.max_restarts} must be in "
+                          f"0..{MAX_RESTARTS}")
     for key in ("collective_timeout_s", "rdzv_timeout_s"):
         if launcher[key] < 1:
             raise ConfigError(f"launcher.{key}={launcher[key]} must be at least 1")

@@ -51,10 +51,13 @@ STOPPED = {"Diverged: ": EXIT_DIVERGED, "NonFiniteStart: ": 2, "RunDirNotShared:
 
 
 class RunDirLogsSpecs(LogsSpecs):
-    """Elastic error files in RUN_DIR/logs/; the workers send their own output to rank-N.log."""
+    """Elastic error files in RUN_DIR/logs/; the workers send their own output to rank-N.log.
+    The agent asks for them at every (re)start of the workers: at a restart, `on_restart` hears
+    first what the failed ranks recorded, before their files are cleared for the new attempt."""
 
-    def __init__(self, log_dir: Path):
+    def __init__(self, log_dir: Path, on_restart=None):
         super().__init__(log_dir=str(log_dir))
+        self.on_restart = on_restart
 
     @property
     def root_log_dir(self) -> str:
@@ -62,6 +65,10 @@ class RunDirLogsSpecs(LogsSpecs):
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         errors = {}
+        attempt = int(next(iter(envs.values()), {}).get("TORCHELASTIC_RESTART_COUNT", 0) or 0)
+        if attempt and self.on_restart is not None:
+            self.on_restart(attempt, {int(env["RANK"]): _recorded(
+                Path(self._root_log_dir) / f"error-rank-{env['RANK']}.json") for env in envs.values()})
         for local_rank, env in envs.items():
             path = Path(self._root_log_dir) / f"error-rank-{env['RANK']}.json"
             path.unlink(missing_ok=True)
@@ -85,6 +92,7 @@ class ElasticLaunch:
     cpu_threads: int | None = None  # OMP threads per worker on CPU
     local_addr: str | None = None  # this node's address as the other nodes reach it
     max_steps: int | None = None  # train.max_steps: a preemption save before it means exit 3
+    max_restarts: int = 0  # launcher.max_restarts: the agent restarts this node's workers
 
     @property
     def multi_node(self) -> bool:
@@ -110,6 +118,53 @@ def _quiet_agent_logs(run_dir: Path, spec: ElasticLaunch) -> Path:
 # words gloo and NCCL use for that. The launcher names the rank with the real error instead.
 PEER_LOST = ("Connection closed", "Connection reset", "Broken pipe", "NCCL communicator was aborted",
              "remote process exited")
+
+
+def _recorded(path: Path) -> str | None:
+    """The first line of the error a rank recorded in its elastic error file, if it did."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    message = data.get("message", data) if isinstance(data, dict) else data
+    if isinstance(message, dict):
+        message = message.get("message")
+    return str(message).strip().splitlines()[0] if message else None
+
+
+def _last_step(run_dir: Path) -> int | None:
+    """The last step metrics.jsonl records (rank 0 writes it; the run dir is shared)."""
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if "loss" in record:
+            return record["step"]
+    return None
+
+
+def restart_reporter(run_dir: Path, max_restarts: int, console_print):
+    """What the launcher says when the agent restarts the workers: who failed, at which step,
+    with what error, and where the restart resumes from."""
+    from partrain.checkpoint import store
+
+    def report(attempt: int, errors: dict[int, str | None]) -> None:
+        failed = {rank: text for rank, text in errors.items()
+                  if text and not any(words in text for words in PEER_LOST)}
+        who = ("; ".join(f"rank {rank} failed: {text}" for rank, text in sorted(failed.items()))
+               or "a rank failed (on another node, or it recorded no error; see logs/rank-N.log)")
+        step = _last_step(run_dir)
+        newest = store.newest(run_dir / store.CHECKPOINTS)
+        start = (f"from {newest.path.name} (step {newest.step})" if newest else
+                 "from the start: no checkpoint was committed yet")
+        console_print(f"{who} (after step {step if step is not None else 0}); restart {attempt} "
+                      f"of {max_restarts} (launcher.max_restarts), {start}")
+    return report
 
 
 def _message(failure) -> str:
@@ -159,7 +214,7 @@ def launch_workers(run_dir: Path, spec: ElasticLaunch, console_print=print) -> i
         os.environ.setdefault("OMP_NUM_THREADS", str(spec.cpu_threads))
     if spec.multi_node and spec.node_rank != 0 and not _node_0_reachable(spec, console_print):
         return EXIT_RANK_FAILED
-    config = _launch_config(run_dir, spec)
+    config = _launch_config(run_dir, spec, console_print)
     # The agent copies this environment into every worker, which then dies with this process.
     os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     code = _run_agent(config, run_dir, spec, agent_log, console_print)
@@ -189,9 +244,10 @@ def _node_0_reachable(spec: ElasticLaunch, console_print) -> bool:
     return not problem
 
 
-def _launch_config(run_dir: Path, spec: ElasticLaunch) -> LaunchConfig:
-    """torchrun's settings for this node: a fixed node count, no restarts, a c10d rendezvous on
-    127.0.0.1 (one node) or at the endpoint (many), and a quick stop of the others on a failure."""
+def _launch_config(run_dir: Path, spec: ElasticLaunch, console_print=print) -> LaunchConfig:
+    """torchrun's settings for this node: a fixed node count, launcher.max_restarts (each said as
+    it happens), a c10d rendezvous on 127.0.0.1 (one node) or at the endpoint (many), and a quick
+    stop of the others on a failure."""
     rdzv_configs = {"join_timeout": spec.rdzv_timeout_s, "timeout": spec.rdzv_timeout_s}
     if spec.multi_node:
         # read_timeout bounds the connection to the store, so an unreachable endpoint fails in
@@ -206,10 +262,11 @@ def _launch_config(run_dir: Path, spec: ElasticLaunch) -> LaunchConfig:
         rdzv_backend="c10d",
         rdzv_endpoint=spec.rdzv_endpoint if spec.multi_node else "127.0.0.1:0",
         rdzv_configs=rdzv_configs,
-        max_restarts=0,
+        max_restarts=spec.max_restarts,
         monitor_interval=0.2,
         start_method="spawn",
-        logs_specs=RunDirLogsSpecs(run_dir / "logs"),
+        logs_specs=RunDirLogsSpecs(run_dir / "logs", restart_reporter(
+            run_dir, spec.max_restarts, console_print) if spec.max_restarts else None),
         local_addr=spec.local_addr if spec.multi_node else "127.0.0.1",
         shutdown_timeout=5,  # seconds between SIGTERM and SIGKILL for the surviving ranks
     )
@@ -233,7 +290,9 @@ def _run_agent(config: LaunchConfig, run_dir: Path, spec: ElasticLaunch, agent_l
                     console_print(f"error: {_message(failure)[len(prefix):]}")
                     return code
         rank, message = _describe_failure(err)
-        console_print(f"rank {rank} failed: {message}")
+        exhausted = (f" (restarts exhausted: launcher.max_restarts={spec.max_restarts})"
+                     if spec.max_restarts else "")
+        console_print(f"rank {rank} failed: {message}{exhausted}")
         console_print(f"  its log: {run_dir / 'logs' / f'rank-{rank}.log'}; every other rank "
                       "was stopped")
         return EXIT_RANK_FAILED

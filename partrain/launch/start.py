@@ -149,7 +149,7 @@ def launch_spec(ready: Ready):
         rdzv_endpoint=node.rdzv_endpoint, run_id=f"slurm-{job_id}" if job_id else cfg.name,
         rdzv_timeout_s=cfg.launcher.rdzv_timeout_s,
         local_addr=node.network and node.network.addr, cpu_threads=threads,
-        max_steps=cfg.train.max_steps)
+        max_steps=cfg.train.max_steps, max_restarts=cfg.launcher.max_restarts)
 
 
 def prepare_job(request: Request, dry_run: bool, out: Console, err: Console,

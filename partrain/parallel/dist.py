@@ -22,11 +22,25 @@ def pick_device(device: str, local_rank: int) -> torch.device:
 
 
 def init_distributed(device: torch.device, timeout_s: int) -> None:
-    """The default process group from the elastic agent's environment: NCCL on CUDA, gloo on CPU."""
+    """The default process group from the elastic agent's environment: NCCL on CUDA, gloo on CPU.
+
+    After a restart (launcher.max_restarts) the workers meet in the same store as the failed
+    attempt's, whose keys (each rank's gloo address) are still there: a new rank read a dead
+    one's and was refused. Each restart's group gets a store prefix of its own."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    options = {"timeout": timedelta(seconds=timeout_s)}
     if device.type == "cuda":
-        dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s), device_id=device)
-    else:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
+        options["device_id"] = device
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if attempt:
+        from torch.distributed.rendezvous import _create_c10d_store
+
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        store = _create_c10d_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                   rank, world, options["timeout"])
+        options.update(store=dist.PrefixStore(f"partrain/attempt-{attempt}", store), rank=rank,
+                       world_size=world)
+    dist.init_process_group(backend, **options)
 
 
 def end_distributed() -> None:

@@ -162,8 +162,9 @@ def build(cfg, run_dir: Path, device: torch.device) -> Run:
 
 def _outputs(cfg, run_dir: Path, rank: int, start: Start, first_step: int):
     """metrics.jsonl (and curves), the progress display and the checkpointer; rank 0 writes."""
-    if rank == 0 and start.resume:
-        _keep_metrics_until(run_dir / "metrics.jsonl", start.resume.step)
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
+    if rank == 0 and (start.resume or restarted):  # a restart before any checkpoint: from 0
+        _keep_metrics_until(run_dir / "metrics.jsonl", start.resume.step if start.resume else 0)
     metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=rank == 0,
                          curves=Curves(run_dir, cfg, first_step, enabled=rank == 0))
     display = ProgressDisplay(cfg.train.max_steps, cfg.train.log_every, enabled=rank == 0)

@@ -73,7 +73,9 @@ def run_step(run: Run, step: int) -> dict:
     """Train step `step` and report it: one metrics line (and the progress display)."""
     cfg, dims, t = run.cfg, run.dims, run.cfg.train
     fault = os.environ.get(FAULT_ENV)
-    if fault == f"{run.rank}:{step}":
+    # "RANK:STEP" fires in the first attempt only (a restarted run goes on), ":always" in every.
+    first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if fault in (f"{run.rank}:{step}:always", *([f"{run.rank}:{step}"] if first else [])):
         raise RuntimeError(f"injected fault ({FAULT_ENV}={fault}) on rank {run.rank} at step {step}")
     step_start = time.perf_counter()
     lr = lr_at(step, cfg.optim, t.max_steps)

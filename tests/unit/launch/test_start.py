@@ -1,6 +1,7 @@
-"""A ZeRO run on CPU says, before it starts, which DeepSpeed C++ ops it will build first (they
-take tens of seconds each on a fresh machine, in silence) and where they are cached; once they
-are in the cache it says nothing."""
+"""What a start says and freezes before any process starts (launch/start.py): a ZeRO run on CPU
+names the DeepSpeed C++ ops it will build first (tens of seconds each on a fresh machine, in
+silence before) and where they are cached, and says nothing once they are; --max-restarts is
+frozen in the run dir as launcher.max_restarts."""
 
 import sys
 
@@ -42,3 +43,13 @@ def test_ddp_builds_nothing(run_main, tmp_path, monkeypatch):
     result = run_main("launch", "--dry-run", "launcher.device=cpu", "parallel.dp=2",
                       "--run-dir", "run")
     assert result.code == 0 and "deepspeed" not in result.stdout
+
+
+def test_max_restarts_flag_is_frozen_in_the_run_dir(run_main, tmp_path, monkeypatch):
+    """--max-restarts (launch and slurm) is launcher.max_restarts: the sbatch script's
+    `partrain launch --run-dir` reads it from the frozen config, so the job restarts in-job."""
+    monkeypatch.chdir(tmp_path)
+    result = run_main("slurm", "--nodes", "1", "--nproc-per-node", "2", "--max-restarts", "3",
+                      "launcher.device=cpu", "--dry-run", "--run-dir", "run")
+    assert result.code == 0, result.stderr
+    assert "  max_restarts: 3\n" in (tmp_path / "run" / "config.yaml").read_text()

@@ -19,6 +19,11 @@ SHARD = re.compile(r"__(\d+)_\d+\.distcp")
 
 def problems(path: Path) -> list[str]:
     """What keeps the checkpoint directory `path` from being read: [] when it is whole."""
+    return _read_whole(path)[0]
+
+
+def _read_whole(path: Path):
+    """(problems, DCP's metadata: None when it cannot be read) of the directory `path`."""
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
@@ -28,7 +33,7 @@ def problems(path: Path) -> list[str]:
             end = info.offset + info.length
             needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
     except Exception as e:  # unpickling garbage raises anything; a missing file an OSError
-        return [f"its {store.DCP_METADATA} cannot be read ({type(e).__name__}: {e})"]
+        return [f"its {store.DCP_METADATA} cannot be read ({type(e).__name__}: {e})"], None
     found = []
     for name, size in sorted(needed.items()):
         match = SHARD.fullmatch(name)
@@ -40,19 +45,18 @@ def problems(path: Path) -> list[str]:
             continue
         if have < size:
             found.append(f"{name} holds {have:,} of its {size:,} bytes{writer}")
-    return found
+    return found, metadata
 
 
-def shape_problems(path: Path, model_cfg) -> list[str]:
-    """Where the weights in the checkpoint directory `path` are not the shapes of the model
-    `model_cfg` describes (built on the meta device: no memory, no initialisation)."""
+def shape_problems(metadata, model_cfg) -> list[str]:
+    """Where the weights DCP's `metadata` lists are not the shapes of the model `model_cfg`
+    describes (built on the meta device: no memory, no initialisation)."""
     import torch
-    from torch.distributed.checkpoint import FileSystemReader
 
     from partrain.models.llama import Transformer
 
     saved = {key[len("model."):]: tuple(info.size)
-             for key, info in FileSystemReader(str(path)).read_metadata().state_dict_metadata.items()
+             for key, info in metadata.state_dict_metadata.items()
              if key.startswith("model.") and hasattr(info, "size")}
     with torch.device("meta"):
         model = Transformer(model_cfg)
@@ -70,7 +74,7 @@ def check_whole(checkpoint: store.Checkpoint, what: str) -> None:
     """Refuse (ConfigError naming `what` and the files) a committed checkpoint that cannot be
     read whole, or whose weights are not the model its config.yaml describes (an edited or
     swapped config.yaml would otherwise fail inside the ranks)."""
-    found = problems(checkpoint.path)
+    found, metadata = _read_whole(checkpoint.path)  # .metadata read once, for both checks
     if found:
         raise ConfigError(
             f"{what}: the checkpoint {checkpoint.path} (step {checkpoint.step}) is broken: "
@@ -81,7 +85,7 @@ def check_whole(checkpoint: store.Checkpoint, what: str) -> None:
     from partrain.checkpoint.resume import saved_config
 
     model_cfg = OmegaConf.create(saved_config(checkpoint)["model"])
-    found = shape_problems(checkpoint.path, model_cfg)
+    found = shape_problems(metadata, model_cfg)
     if found:
         more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
         raise ConfigError(

@@ -19,7 +19,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from partrain.checkpoint import store
-from tests.unit.checkpoint.test_checkpoint import dcp_files, write_checkpoint, write_run_dir
+from tests.unit.checkpoint.builders import dcp_files, write_checkpoint, write_run_dir
 from tests.unit.cli.hostile import (
     Ctx,
     assert_untouched,

@@ -220,6 +220,15 @@ class LauncherConfig:
     max_restarts: int = 0
     """Times the workers of every node are restarted after a rank fails, each time resuming
     from the newest committed checkpoint (--max-restarts wins; torchrun's --max-restarts)."""
+    hang_timeout_s: Optional[int] = None
+    """Seconds a step may make no progress before the launcher calls it a hang: every rank's
+    stack is dumped, one summary says who waits in which collective, and the job ends (exit 1)
+    or restarts (max_restarts). The first step of each start may take twice as long (it
+    compiles, builds communicators); saves and evaluations are not timed. null = a third of
+    collective_timeout_s; 0 = off; 2 x hang_timeout_s must be below collective_timeout_s."""
+    setup: List[str] = field(default_factory=list)
+    """Shell lines `partrain slurm`'s script runs on every node before partrain (e.g. `module
+    load cuda/12.4`); --setup adds more."""
 
 
 @dataclass

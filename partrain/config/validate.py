@@ -377,6 +377,25 @@ def _check_launcher(launcher: DictConfig) -> None:
         if launcher[key] > MAX_TIMEOUT_S:
             raise ConfigError(f"launcher.{key}={launcher[key]} must be at most {MAX_TIMEOUT_S} "
                               "seconds (a week)")
+    hang = launcher.hang_timeout_s
+    if hang is not None:
+        if hang < 0:
+            raise ConfigError(f"launcher.hang_timeout_s={hang} must be >= 0 (0 turns the hang "
+                              "watch off; null = a third of launcher.collective_timeout_s)")
+        if hang and 2 * hang >= launcher.collective_timeout_s:
+            raise ConfigError(
+                f"launcher.hang_timeout_s={hang} must be below half of "
+                f"launcher.collective_timeout_s={launcher.collective_timeout_s}: the first step "
+                f"may take 2 x {hang} s, and a collective that times out first ends the ranks "
+                "with an error that names no one; raise launcher.collective_timeout_s, or leave "
+                "hang_timeout_s null (a third of it)")
+    for line in launcher.setup:
+        if not isinstance(line, str) or not line.strip():
+            raise ConfigError(f"launcher.setup has {line!r}: each entry must be a shell line, "
+                              "e.g. 'module load cuda/12.4'")
+        if any(ord(c) < 32 or ord(c) == 127 for c in line):
+            raise ConfigError(f"launcher.setup has {line!r}, which contains a control character "
+                              "(newline, tab, ...): give one shell line per entry")
 
 
 def _warnings(cfg: DictConfig, world: World) -> list[str]:

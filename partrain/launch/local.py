@@ -41,6 +41,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from partrain.launch.lifeline import LAUNCHER_PID_ENV
 from partrain.launch.netif import split_endpoint, wait_for_endpoint
 from partrain.launch.preemption import FORWARDER
+from partrain.observe import hang
 
 EXIT_OK, EXIT_RANK_FAILED, EXIT_PREEMPTED, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 1, 3, 4, 130
 # A rank's error file names its exception first. Every rank raises one of these together, and
@@ -69,6 +70,7 @@ class RunDirLogsSpecs(LogsSpecs):
         if attempt and self.on_restart is not None:
             self.on_restart(attempt, {int(env["RANK"]): _recorded(
                 Path(self._root_log_dir) / f"error-rank-{env['RANK']}.json") for env in envs.values()})
+        hang.clear_reports(Path(self._root_log_dir).parent, (env["RANK"] for env in envs.values()))
         for local_rank, env in envs.items():
             path = Path(self._root_log_dir) / f"error-rank-{env['RANK']}.json"
             path.unlink(missing_ok=True)
@@ -93,6 +95,7 @@ class ElasticLaunch:
     local_addr: str | None = None  # this node's address as the other nodes reach it
     max_steps: int | None = None  # train.max_steps: a preemption save before it means exit 3
     max_restarts: int = 0  # launcher.max_restarts: the agent restarts this node's workers
+    cuda: bool = False  # NCCL workers: the flight recorder is turned on
 
     @property
     def multi_node(self) -> bool:
@@ -154,9 +157,13 @@ def restart_reporter(run_dir: Path, max_restarts: int, console_print):
     from partrain.checkpoint import store
 
     def report(attempt: int, errors: dict[int, str | None]) -> None:
+        hung = hang.summary(run_dir, hang.read_reports(run_dir))
+        for line in hung:
+            console_print(line)
         failed = {rank: text for rank, text in errors.items()
                   if text and not any(words in text for words in PEER_LOST)}
-        who = ("; ".join(f"rank {rank} failed: {text}" for rank, text in sorted(failed.items()))
+        who = ("the hang ended every worker" if hung else
+               "; ".join(f"rank {rank} failed: {text}" for rank, text in sorted(failed.items()))
                or "a rank failed (on another node, or it recorded no error; see logs/rank-N.log)")
         step = _last_step(run_dir)
         newest = store.newest(run_dir / store.CHECKPOINTS)
@@ -212,6 +219,10 @@ def launch_workers(run_dir: Path, spec: ElasticLaunch, console_print=print) -> i
     started = time.time()
     if spec.cpu_threads:
         os.environ.setdefault("OMP_NUM_THREADS", str(spec.cpu_threads))
+    if spec.cuda:  # the NCCL flight recorder: who is at which collective, dumped on a hang
+        (run_dir / "logs" / hang.TRACE_DIR).mkdir(exist_ok=True)
+        for name, value in hang.flight_recorder_env(run_dir).items():
+            os.environ.setdefault(name, value)
     if spec.multi_node and spec.node_rank != 0 and not _node_0_reachable(spec, console_print):
         return EXIT_RANK_FAILED
     config = _launch_config(run_dir, spec, console_print)
@@ -282,16 +293,22 @@ def _run_agent(config: LaunchConfig, run_dir: Path, spec: ElasticLaunch, agent_l
     (a rank failed, or the rendezvous did: each said with the log to read) or
     EXIT_INTERRUPTED."""
     try:
-        elastic_launch(config, sys.executable)("-u", "-m", "partrain.train", str(run_dir))
+        with hang.DumpRequester(run_dir):
+            elastic_launch(config, sys.executable)("-u", "-m", "partrain.train", str(run_dir))
     except ChildFailedError as err:
+        exhausted = (f" (restarts exhausted: launcher.max_restarts={spec.max_restarts})"
+                     if spec.max_restarts else "")
+        if any(_message(f).startswith(hang.PREFIX) for f in err.failures.values()):
+            for line in hang.summary(run_dir, hang.read_reports(run_dir)):
+                console_print(line)
+            console_print(f"  every worker was stopped{exhausted}; {_where_to_resume(run_dir)}")
+            return EXIT_RANK_FAILED
         for failure in err.failures.values():
             for prefix, code in STOPPED.items():
                 if _message(failure).startswith(prefix):
                     console_print(f"error: {_message(failure)[len(prefix):]}")
                     return code
         rank, message = _describe_failure(err)
-        exhausted = (f" (restarts exhausted: launcher.max_restarts={spec.max_restarts})"
-                     if spec.max_restarts else "")
         console_print(f"rank {rank} failed: {message}{exhausted}")
         console_print(f"  its log: {run_dir / 'logs' / f'rank-{rank}.log'}; every other rank "
                       "was stopped")

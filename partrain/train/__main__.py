@@ -13,11 +13,14 @@ import sys  # noqa: E402
 import traceback  # noqa: E402
 
 from partrain.launch.lifeline import hold_lifeline  # noqa: E402
+from partrain.observe.hang import listen_for_dumps  # noqa: E402
 from partrain.launch.preemption import PreemptionFlag  # noqa: E402
 from partrain.train.loop import main  # noqa: E402
 
-# First of all: from here on, a launcher killed with SIGKILL takes this rank along.
+# First of all: from here on, a launcher killed with SIGKILL takes this rank along; and a
+# launcher that asks for this rank's stack (a hang elsewhere) gets it.
 hold_lifeline()
+listen_for_dumps()
 # Then: SIGUSR2 asks for a checkpoint and a clean stop (the launcher passes SLURM's on).
 preemption = PreemptionFlag()
 preemption.install()

@@ -9,6 +9,7 @@ launcher can name the failing rank and its message.
 
 import logging
 import os
+import re
 import sys
 import time
 from contextlib import nullcontext
@@ -21,6 +22,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from partrain.checkpoint.state import build_state
 from partrain.config.frozen import CONFIG, load_frozen_config
 from partrain.launch.preemption import PreemptionFlag
+from partrain.observe.hang import HangWatch, hang_limit
 from partrain.observe.memory import StepMemory, per_rank
 from partrain.observe.metrics import format_step, summary_table
 from partrain.observe.trace import write_trace
@@ -39,32 +41,40 @@ from partrain.train.step import evaluate, micro_batches, train_step
 log = logging.getLogger("partrain")
 
 # Test-only fault hooks: PARTRAIN_TEST_FAULT="RANK:STEP" makes that rank raise at that step;
-# PARTRAIN_TEST_NONFINITE (_loss_fn) gives it a NaN loss.
+# PARTRAIN_TEST_NONFINITE (_loss_fn) gives it a NaN loss; PARTRAIN_TEST_HANG="RANK:STEP:HOW"
+# (_hang) makes it hang there. Each fires in the first attempt only; ":always" in every.
 FAULT_ENV = "PARTRAIN_TEST_FAULT"
 NONFINITE_ENV = "PARTRAIN_TEST_NONFINITE"
+HANG_ENV = "PARTRAIN_TEST_HANG"
 
 
-def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) -> None:
+def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag,
+          watch: HangWatch) -> None:
     run = build(cfg, run_dir, device)
     t = cfg.train
     history, val_losses, started = [], [], time.perf_counter()
     preempted_at = None
     try:
         for step in range(run.first_step, t.max_steps + 1):
+            watch.begin(step)
             rec = run_step(run, step)
+            watch.end(step)
             history.append(rec)
-            if (t.eval_every and step % t.eval_every == 0) or step == t.max_steps:
-                val_losses.append((step, run_evaluation(run, step)))
-            if save_if_due(run, step, preemption, skipped=rec.get("skipped", False)):
-                preempted_at = step
-                break
-            run.checkpointer.poll()
-        run.checkpointer.close()
+            with watch.quiet():  # an evaluation or a save may take long; neither is timed
+                if (t.eval_every and step % t.eval_every == 0) or step == t.max_steps:
+                    val_losses.append((step, run_evaluation(run, step)))
+                if save_if_due(run, step, preemption, skipped=rec.get("skipped", False)):
+                    preempted_at = step
+                    break
+                run.checkpointer.poll()
+        with watch.quiet():
+            run.checkpointer.close()
     finally:
         # Also on a failure: a live display left running would leave the terminal's cursor hidden.
         run.display.stop()
         run.metrics.close()
-    finish(run, history, val_losses, time.perf_counter() - started)
+    with watch.quiet():
+        finish(run, history, val_losses, time.perf_counter() - started)
     if preempted_at is not None:
         log.info("stopped at step %d on a preemption signal", preempted_at)
 
@@ -72,11 +82,10 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag) 
 def run_step(run: Run, step: int) -> dict:
     """Train step `step` and report it: one metrics line (and the progress display)."""
     cfg, dims, t = run.cfg, run.dims, run.cfg.train
-    fault = os.environ.get(FAULT_ENV)
-    # "RANK:STEP" fires in the first attempt only (a restarted run goes on), ":always" in every.
-    first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if fault in (f"{run.rank}:{step}:always", *([f"{run.rank}:{step}"] if first else [])):
-        raise RuntimeError(f"injected fault ({FAULT_ENV}={fault}) on rank {run.rank} at step {step}")
+    if _test_hook(FAULT_ENV, run.rank, step) is not None:
+        raise RuntimeError(f"injected fault ({FAULT_ENV}={os.environ[FAULT_ENV]}) on rank "
+                           f"{run.rank} at step {step}")
+    _hang(run, step)
     step_start = time.perf_counter()
     lr = lr_at(step, cfg.optim, t.max_steps)
     set_lr(run.backend.optimizer, lr)
@@ -111,6 +120,33 @@ def run_step(run: Run, step: int) -> dict:
         dist.broadcast_object_list(message, src=0)
         raise Diverged(message[0])
     return rec
+
+
+def _test_hook(name: str, rank: int, step: int) -> str | None:
+    """A test hook's "RANK:STEP[:HOW][:always]" for this rank and step, or None: "" or HOW when
+    it fires. It fires in the first attempt only (a restarted run goes on), ":always" in every."""
+    spec = os.environ.get(name, "")
+    parts = spec.split(":")
+    always = parts[-1] == "always" and len(parts) > 2
+    parts = parts[:-1] if always else parts
+    first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if len(parts) < 2 or parts[:2] != [str(rank), str(step)] or not (first or always):
+        return None
+    return parts[2] if len(parts) > 2 else ""
+
+
+def _hang(run: Run, step: int) -> None:
+    """Test hook PARTRAIN_TEST_HANG="RANK:STEP:sleep" makes that rank sleep inside the step;
+    ":hold" holds the GIL there (its watch cannot run: the launcher's signal must fetch its
+    stack); ":skip" makes it skip ahead, past the step's first collectives, into a world all-reduce
+    that the others reach only after those: a rank in a different branch."""
+    how = _test_hook(HANG_ENV, run.rank, step)
+    if how == "sleep":
+        time.sleep(3600)
+    elif how == "hold":  # stuck in C code that holds the GIL: a regex that backtracks for ages
+        re.fullmatch(r"(a+)+b", "a" * 64)
+    elif how == "skip":
+        dist.all_reduce(torch.zeros(1, device=run.device))
 
 
 def _loss_fn(run: Run, step: int):
@@ -197,16 +233,19 @@ def main(run_dir: str, preemption: PreemptionFlag | None = None) -> None:
     _log_to_file(run_dir, rank)
     device = pick_device(cfg.launcher.device, local_rank)
     init_distributed(device, cfg.launcher.collective_timeout_s)
+    watch = HangWatch(run_dir, rank, int(os.environ["WORLD_SIZE"]), hang_limit(cfg.launcher),
+                      cuda=device.type == "cuda").start()
     stopped = None
     try:
         if int(os.environ.get("GROUP_WORLD_SIZE", 1)) > 1:  # several nodes: one run dir?
             check_shared_run_dir(run_dir, rank, local_rank, int(os.environ.get("GROUP_RANK", 0)))
         # train() returns before the clean end: model, optimizer and mesh are unreferenced.
-        train(cfg, run_dir, device, preemption or PreemptionFlag())
+        train(cfg, run_dir, device, preemption or PreemptionFlag(), watch)
     except (Diverged, NonFiniteStart, RunDirNotShared) as err:
         # Every rank stops here together: end cleanly (out of the except block, whose
         # traceback still holds the run), then report.
         stopped = (type(err), str(err))
+    watch.stop()  # rank 0 may write the trace and the summary first: the end is not timed
     end_distributed()
     if stopped is not None:
         log.error("%s", stopped[1])

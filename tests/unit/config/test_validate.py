@@ -291,6 +291,16 @@ RULES = [
     ("collective_timeout-huge", ["launcher.collective_timeout_s=100000000"], (None, None),
      ["launcher.collective_timeout_s=100000000 must be at most 604800"],
      ["launcher.collective_timeout_s=604800"], (None, None)),
+    ("hang_timeout-negative", ["launcher.hang_timeout_s=-1"], (None, None),
+     ["launcher.hang_timeout_s=-1 must be >= 0", "0 turns the hang watch off"],
+     ["launcher.hang_timeout_s=0"], (None, None)),
+    ("hang_timeout-above-half", ["launcher.hang_timeout_s=60"], (None, None),
+     ["launcher.hang_timeout_s=60 must be below half of launcher.collective_timeout_s=120",
+      "raise launcher.collective_timeout_s"],
+     ["launcher.hang_timeout_s=59"], (None, None)),
+    ("setup-empty-line", ["launcher.setup=[' ']"], (None, None),
+     ["launcher.setup has ' '", "each entry must be a shell line"],
+     ["launcher.setup=[module load cuda]"], (None, None)),
 ]
 
 

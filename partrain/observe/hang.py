@@ -1,0 +1,402 @@
+"""Who waits on whom: a step that makes no progress (launcher.hang_timeout_s) becomes one summary.
+
+Every rank runs a watch thread (HangWatch). The loop tells it when a step begins and ends, and
+pauses it for saves and evaluations (their length says nothing about a hang). A rank that has made
+no progress for the limit calls it a hang. The limit is hang_timeout_s, and twice that until the
+first step of this start has ended: that step compiles (train.compile), builds NCCL communicators
+and warms caches, so it is told apart by being the first, as torchtitan does with its init and
+train timeouts; building the model and loading a checkpoint before it are not timed (a
+collective there fails at launcher.collective_timeout_s).
+
+On a hang the thread reads the main thread's Python stack: the torch.distributed collective it
+waits in (which op, on which process group, with which ranks) and the partrain line that called
+it, or, in none, the line it is at. It writes that to RUN_DIR/logs/hang/rank-N.json and every
+thread's stack to the rank's log (faulthandler), waits a few seconds for the other ranks'
+reports, records `Hang: ...` as its error and ends its process. The elastic agent then ends the
+job, or restarts it under launcher.max_restarts, as for any failed rank; the launcher prints one
+summary from every rank's report (`summary`). The thread can look while the main thread waits:
+c10d's collectives release the GIL while they block.
+
+A rank whose main thread holds the GIL (stuck in C code) cannot report: once a report appears,
+each node's launcher sends its ranks that have none DUMP_SIGNAL, on which faulthandler, registered
+at start, writes their stacks from C into their logs. Not SIGUSR2: that one is preemption.
+
+On CUDA the launcher turns on PyTorch's NCCL flight recorder (flight_recorder_env): it dumps into
+RUN_DIR/logs/nccl-trace/ on a collective timeout, and the watch dumps it there with its report;
+`torchfrtrace RUN_DIR/logs/nccl-trace` reads who is at which collective sequence number.
+"""
+
+import faulthandler
+import json
+import linecache
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+HANG_DIR = "hang"  # under RUN_DIR/logs/
+TRACE_DIR = "nccl-trace"  # under RUN_DIR/logs/: the NCCL flight recorder's dumps
+DUMP_SIGNAL = signal.SIGRTMIN + 3  # a real-time signal nothing else uses: the stacks, from C
+FIRST_STEP_FACTOR = 2
+GATHER_S = 5.0  # how long a rank that saw the hang waits for the others' reports
+PREFIX = "Hang: "  # the error a rank records; the launcher reads it from the error file
+_C10D = os.path.join("torch", "distributed", "distributed_c10d.py")
+_NOT_OURS = tuple(os.sep + name + os.sep for name in ("torch", "deepspeed", "site-packages"))
+
+
+def hang_limit(launcher) -> int | None:
+    """The hang timeout in seconds from the launcher section, or None when the watch is off."""
+    value = launcher.hang_timeout_s
+    if value is None:
+        value = launcher.collective_timeout_s // 3
+    return value or None
+
+
+def flight_recorder_env(run_dir: Path) -> dict[str, str]:
+    """The variables that turn on PyTorch's NCCL flight recorder for the workers, dumping into
+    RUN_DIR/logs/nccl-trace/rank-N on a timeout (both spellings: torch renamed them in 2.7)."""
+    prefix = str(run_dir / "logs" / TRACE_DIR / "rank-")
+    return {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": prefix,
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix}
+
+
+def listen_for_dumps() -> None:
+    """On DUMP_SIGNAL, every thread's stack to stderr (the rank's log once it is redirected: the
+    descriptor is what counts), written from C. First thing in a worker: the signal's default
+    action would end the process."""
+    faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True, chain=False)
+
+
+class Hang(Exception):
+    """A rank that made no progress for the hang timeout; its error file starts with PREFIX."""
+
+
+class HangWatch:
+    """One rank's watch (see the module docstring). `begin`/`end` a step, `quiet()` around what
+    is not timed, `stop()` at the end. With no limit it does nothing."""
+
+    def __init__(self, run_dir: Path, rank: int, world_size: int, limit_s: float | None,
+                 cuda: bool = False, on_hang=None):
+        self.run_dir, self.rank, self.world_size = run_dir, rank, world_size
+        self.limit_s, self.cuda = limit_s, cuda
+        self.step = None  # the step in progress or last ended
+        self.first_ended = False
+        self.since = None  # monotonic time of the last progress; None = not timed
+        self.phase = "before the first step"
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._main = threading.main_thread().ident
+        self._thread = None
+        self.on_hang = on_hang or self._exit  # given the report; by default ends the process
+
+    def start(self) -> "HangWatch":
+        if self.limit_s:
+            self._thread = threading.Thread(target=self._run, name="partrain-hang-watch",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def begin(self, step: int) -> None:
+        with self._lock:
+            self.step, self.phase, self.since = step, f"in step {step}", time.monotonic()
+
+    def end(self, step: int) -> None:
+        with self._lock:
+            self.first_ended = True
+            self.phase, self.since = f"after step {step}", time.monotonic()
+
+    @contextmanager
+    def quiet(self):
+        """Not timed inside (a save, an evaluation); the clock restarts after it."""
+        with self._lock:
+            before, self.since = self.since, None
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.since = time.monotonic() if before is not None else None
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _limit(self) -> float:
+        return self.limit_s * (1 if self.first_ended else FIRST_STEP_FACTOR)
+
+    def _run(self) -> None:
+        poll = min(1.0, self.limit_s / 10)
+        while not self._stopped.wait(poll):
+            with self._lock:
+                idle = None if self.since is None else time.monotonic() - self.since
+                limit = self._limit()
+            if idle is not None and idle > limit:
+                self.on_hang(self._report(idle, limit))
+                return
+
+    def _report(self, idle: float, limit: float) -> dict:
+        """Write this rank's report and every thread's stack, and wait a moment for the other
+        ranks' reports (they saw the hang at about the same time)."""
+        frame = sys._current_frames().get(self._main)
+        report = {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(),
+                  "host": socket.gethostname(), "step": self.step, "phase": self.phase,
+                  "idle_s": round(idle, 1), "limit_s": limit, "first_step": not self.first_ended,
+                  **where(frame)}
+        del frame
+        directory = self.run_dir / "logs" / HANG_DIR
+        directory.mkdir(parents=True, exist_ok=True)
+        write_json(directory / f"rank-{self.rank}.json", report)
+        print(f"partrain: no progress for {idle:.0f} s {self.phase} (hang); every thread's "
+              "stack follows", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        if self.cuda:
+            self._dump_flight_recorder()
+        deadline = time.monotonic() + GATHER_S
+        while (time.monotonic() < deadline and
+               len(list(directory.glob("rank-*.json"))) < self.world_size):
+            time.sleep(0.1)
+        return report
+
+    def _dump_flight_recorder(self) -> None:
+        try:
+            import torch
+
+            dump = torch._C._distributed_c10d._dump_nccl_trace()
+        except (AttributeError, RuntimeError):  # a build without NCCL, or nothing recorded
+            return
+        directory = self.run_dir / "logs" / TRACE_DIR
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / f"rank-{self.rank}").write_bytes(dump)
+
+    def _exit(self, report: dict) -> None:
+        """Record the hang as this rank's error (the agent reads it) and end the process."""
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        waits = report.get("collective")
+        what = (f"waits in {waits['op']} on {waits['group']}" if waits else
+                f"is at {report.get('at') or 'an unknown line'}")
+        error = Hang(f"no progress for {report['idle_s']:.0f} s {report['phase']} "
+                     f"(launcher.hang_timeout_s); rank {self.rank} {what}")
+        ErrorHandler().record_exception(error)
+        sys.stderr.flush()
+        os._exit(1)
+
+
+def write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def where(frame) -> dict:
+    """Where a thread is, from its innermost Python frame: the collective it waits in (the
+    outermost public function of torch.distributed.distributed_c10d on its stack: the one partrain
+    called), and the innermost partrain line, with its source."""
+    collective, ours, stack = None, None, []
+    while frame is not None:
+        code = frame.f_code
+        if len(stack) < 12:
+            stack.append(f"{_short(code.co_filename)}:{frame.f_lineno} in {code.co_name}")
+        if code.co_filename.endswith(_C10D) and not code.co_name.startswith("_"):
+            collective = frame  # keep going: an outer one (broadcast_object_list) wins
+        if ours is None and _is_partrain(code.co_filename):
+            ours = frame
+        frame = frame.f_back
+    found = {"stack": stack}
+    if collective is not None:
+        found["collective"] = {"op": collective.f_code.co_name, **_group(collective)}
+    elif stack and stack[0].startswith("torch/autograd/"):
+        # DDP's gradient all-reduce (and ZeRO's hooks) wait inside autograd, in C++.
+        found["collective"] = {"op": "backward (gradient hooks: DDP's bucketed all-reduce "
+                                     "waits there, in C++)", "group": "", "ranks": None}
+    if ours is not None:
+        line = linecache.getline(ours.f_code.co_filename, ours.f_lineno).strip()
+        found["at"] = (f"{_short(ours.f_code.co_filename)}:{ours.f_lineno} in "
+                       f"{ours.f_code.co_name}")
+        found["code"] = line
+    return found
+
+
+def _is_partrain(path: str) -> bool:
+    """partrain's own code (a checkout or an install), not this module, not a library under it."""
+    tail = path.rpartition(os.sep + "partrain" + os.sep)[2]
+    return (bool(tail) and tail != path and not any(part in os.sep + tail for part in _NOT_OURS)
+            and not path.endswith(os.path.join("observe", "hang.py")))
+
+
+def _short(path: str) -> str:
+    """partrain/train/loop.py, torch/distributed/distributed_c10d.py: from the package down."""
+    parts = Path(path).parts
+    for package in ("partrain", "torch", "deepspeed"):
+        if package in parts:
+            index = len(parts) - 1 - parts[::-1].index(package)
+            return "/".join(parts[index:])
+    for index in range(len(parts) - 1, -1, -1):  # the standard library: re/__init__.py
+        if re.fullmatch(r"python\d+\.\d+", parts[index]):
+            return "/".join(parts[index + 1:])
+    return path
+
+
+def _group(frame) -> dict:
+    """The process group a c10d collective was called with (its `group` argument; None is the
+    default group), by its name and ranks."""
+    import torch.distributed as dist
+
+    group = frame.f_locals.get("group")
+    try:
+        group = group if group is not None else dist.group.WORLD
+        ranks = dist.get_process_group_ranks(group)
+        name = getattr(group, "group_desc", "") or ""
+    except (RuntimeError, ValueError, AttributeError):
+        return {"group": "an unknown group", "ranks": None}
+    name = name.removeprefix("mesh_")
+    label = ("the default group" if name in ("", "default_pg", "undefined") else
+             f"the {name} group")
+    return {"group": label, "ranks": ranks}
+
+
+def read_reports(run_dir: Path) -> list[dict]:
+    """The hang reports the ranks wrote (see HangWatch), by rank."""
+    reports = []
+    for path in sorted((run_dir / "logs" / HANG_DIR).glob("rank-*.json")):
+        try:
+            reports.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return sorted(reports, key=lambda r: r.get("rank", 0))
+
+
+def clear_reports(run_dir: Path, ranks) -> None:
+    for rank in ranks:
+        (run_dir / "logs" / HANG_DIR / f"rank-{rank}.json").unlink(missing_ok=True)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def summary(run_dir: Path, reports: list[dict]) -> list[str]:
+    """One summary of a hang from every rank's report: which ranks wait in which collective on
+    which group, called from where, and where the others are."""
+    if not reports:
+        return []
+    world = max(r.get("world_size", 0) for r in reports)
+    first = min(reports, key=lambda r: r.get("step") or 0)
+    limit = first.get("limit_s")
+    how = ("twice launcher.hang_timeout_s: the first step of a start" if first.get("first_step")
+           else f"launcher.hang_timeout_s={limit:.0f}")
+    lines = [f"hang: no rank made progress for {limit:.0f} s ({how}) {first.get('phase')}; "
+             "who waits on whom:"]
+    places: dict[str, list[int]] = {}
+    for report in reports:
+        waits = report.get("collective")
+        at = report.get("at") or (report.get("stack") or ["an unknown place"])[0]
+        if waits:
+            ranks = waits.get("ranks")
+            place = (f"wait in {waits['op']}" + (f" on {waits['group']}" if waits["group"] else "")
+                     + (f" (ranks {', '.join(map(str, ranks))})" if ranks else "")
+                     + f", called at {at}")
+        else:
+            code = report.get("code")
+            place = f"are in no collective: at {at}" + (f": {code}" if code else "")
+        places.setdefault(place, []).append(report["rank"])
+    for place, ranks in places.items():
+        verb = place if len(ranks) > 1 else (place.replace("wait in", "waits in", 1)
+                                             .replace("are in no", "is in no", 1))
+        lines.append(f"  {_ranks(ranks)} {verb}")
+    if any(r.get("collective") for r in reports) and not all(r.get("collective")
+                                                                for r in reports):
+        lines.append("  the ranks in no collective are the ones the others wait for")
+    for rank in sorted(set(range(world)) - {r["rank"] for r in reports}):
+        dumped = dumped_at(run_dir / "logs" / f"rank-{rank}.log")
+        lines.append(f"  rank {rank} did not report (its main thread holds the GIL, or its node "
+                     "is gone): " + (f"its stack, dumped on its launcher's signal, is at "
+                                     f"{dumped}" if dumped else "no stack of it was dumped"))
+    lines.append(f"  every rank's Python stack: {run_dir / 'logs'}/rank-N.log; the reports: "
+                 f"{run_dir / 'logs' / HANG_DIR}/")
+    traces = run_dir / "logs" / TRACE_DIR
+    if traces.is_dir() and any(traces.iterdir()):
+        lines.append(f"  NCCL flight recorder: {traces}/ (read it with: torchfrtrace {traces})")
+    return lines
+
+
+_FRAME = re.compile(r'\s+File "(.+)", line (\d+) in (\S+)')
+
+
+def dumped_at(log: Path) -> str | None:
+    """Where the main thread was in the last faulthandler dump in a rank's log: its innermost
+    partrain line, and what that called (faulthandler writes the innermost frame first)."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - (1 << 16)))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", text)
+    for block in reversed(blocks):
+        frames = [m.groups() for m in map(_FRAME.match, block.splitlines()) if m]
+        if not any(path.endswith(os.path.join("partrain", "train", "__main__.py"))
+                   for path, _, _ in frames):
+            continue  # not the main thread
+        for i, (path, line, name) in enumerate(frames):
+            if _is_partrain(path):
+                inner = (f" (in {_short(frames[i - 1][0])}:{frames[i - 1][1]} "
+                         f"{frames[i - 1][2]})" if i else "")
+                return f"{_short(path)}:{line} in {name}{inner}"
+    return None
+
+
+class DumpRequester:
+    """The launcher's side: once any rank reported a hang, ask this node's workers that have not
+    for their stacks (DUMP_SIGNAL: faulthandler writes them from C). A thread, polling."""
+
+    def __init__(self, run_dir: Path, poll_s: float = 0.5, grace_s: float = 2.0):
+        self.run_dir, self.poll_s, self.grace_s = run_dir, poll_s, grace_s
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="partrain-hang-dumps",
+                                        daemon=True)
+
+    def __enter__(self) -> "DumpRequester":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stopped.set()
+
+    def _run(self) -> None:
+        asked = set()
+        seen_at = None
+        while not self._stopped.wait(self.poll_s):
+            reports = read_reports(self.run_dir)
+            if not reports:
+                seen_at = None
+                continue
+            seen_at = seen_at or time.monotonic()
+            if time.monotonic() - seen_at < self.grace_s:
+                continue
+            reported = {r["pid"] for r in reports}
+            for pid in local_workers():
+                if pid not in reported and pid not in asked:
+                    asked.add(pid)
+                    try:
+                        os.kill(pid, DUMP_SIGNAL)
+                    except ProcessLookupError:
+                        pass
+
+
+def local_workers(parent: int | None = None) -> list[int]:
+    """The pids of this launcher's worker processes (`python -m partrain.train`), from /proc."""
+    parent = parent or os.getpid()
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid == parent and b"partrain.train" in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found

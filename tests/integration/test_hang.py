@@ -1,0 +1,95 @@
+"""Hang detection (launcher.hang_timeout_s) through the real CLI: a step that makes no progress
+ends with one summary of who waits in which collective on which group, every rank's stack in its
+log, exit 1 (or a restart under launcher.max_restarts). The test hook PARTRAIN_TEST_HANG=
+RANK:STEP:HOW makes a rank hang in the first attempt: `sleep` inside the step, `skip` into a
+collective the others have not reached, `hold` in C code that holds the GIL (its own watch cannot
+run, so the launcher's signal fetches its stack)."""
+
+import pytest
+
+from tests.integration.conftest import processes_mentioning, read_metrics, survivors
+
+HANG = "PARTRAIN_TEST_HANG"
+# The collective timeout well above the hang timeout: the hang must be named before gloo gives up.
+COMMON = ("launcher.device=cpu", "train.seq_len=64", "train.eval_every=0", "train.max_steps=6",
+          "launcher.hang_timeout_s=3", "launcher.collective_timeout_s=60")
+
+
+def _said(res) -> str:
+    return " ".join((res.stdout + res.stderr).split())
+
+
+def _ended_clean(res, run_dir) -> str:
+    said = _said(res)
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "Traceback" not in said and "gloo" not in said.lower(), said
+    assert not survivors(lambda: processes_mentioning(str(run_dir)), 5)
+    return said
+
+
+def test_a_sleeping_rank_is_named_and_the_others_wait_for_it(cli, tmp_path):
+    run_dir = tmp_path / "run"
+    res = cli.run("launch", "parallel.dp=2", *COMMON, "--run-dir", str(run_dir),
+                  env={HANG: "1:3:sleep"})
+    said = _ended_clean(res, run_dir)
+    assert ("hang: no rank made progress for 3 s (launcher.hang_timeout_s=3) in step 3; who "
+            "waits on whom:") in said, said
+    # Rank 0 waits for rank 1's gradients in DDP's all-reduce (C++, inside backward).
+    assert "rank 0 waits in backward (gradient hooks: DDP's bucketed all-reduce" in said, said
+    assert "rank 1 is in no collective: at partrain/train/loop.py:" in said, said
+    assert "in _hang: time.sleep(3600)" in said
+    assert "the ranks in no collective are the ones the others wait for" in said
+    assert f"every rank's Python stack: {run_dir / 'logs'}/rank-N.log" in said
+    assert "no checkpoint was committed, so nothing was kept" in said
+    # Every rank's stack, all threads, in its log (faulthandler).
+    for rank in (0, 1):
+        log = (run_dir / "logs" / f"rank-{rank}.log").read_text()
+        assert "no progress for 3 s in step 3 (hang)" in log
+        assert "most recent call first" in log and "partrain/train/loop.py" in log
+    assert "in _hang" in (run_dir / "logs" / "rank-1.log").read_text()
+    steps, _ = read_metrics(run_dir)
+    assert [s["step"] for s in steps] == [1, 2]
+
+
+@pytest.mark.slow
+def test_a_rank_that_skips_a_collective_is_found_in_another_group(cli, tmp_path):
+    """dp2 x tp2: rank 1 goes past its tp all-reduce into a world all-reduce. Rank 0 waits for it
+    on their tp group; ranks 2 and 3 got through their own tp group and wait for rank 0 in the
+    gradient all-reduce."""
+    run_dir = tmp_path / "run"
+    res = cli.run("launch", "parallel.dp=2", "parallel.tp=2", *COMMON, "--run-dir", str(run_dir),
+                  env={HANG: "1:3:skip"})
+    said = _ended_clean(res, run_dir)
+    assert ("rank 0 waits in all_reduce on the tp group (ranks 0, 1), called at "
+            "partrain/parallel/tensor.py:") in said, said
+    assert ("rank 1 waits in all_reduce on the default group (ranks 0, 1, 2, 3), called at "
+            "partrain/train/loop.py:") in said, said
+    assert "ranks 2, 3 wait in backward (gradient hooks" in said, said
+
+
+@pytest.mark.slow
+def test_a_rank_holding_the_gil_is_dumped_on_the_launchers_signal(cli, tmp_path):
+    run_dir = tmp_path / "run"
+    res = cli.run("launch", "parallel.dp=2", *COMMON, "--run-dir", str(run_dir),
+                  env={HANG: "1:3:hold"})
+    said = _ended_clean(res, run_dir)
+    assert "rank 0 waits in backward" in said, said
+    assert ("rank 1 did not report (its main thread holds the GIL, or its node is gone): its "
+            "stack, dumped on its launcher's signal, is at partrain/train/loop.py:") in said, said
+    assert "in _hang (in re/__init__.py:" in said
+    assert not (run_dir / "logs" / "hang" / "rank-1.json").exists()
+
+
+@pytest.mark.slow
+def test_a_hang_restarts_under_max_restarts(cli, tmp_path):
+    run_dir = tmp_path / "run"
+    res = cli.run("launch", "parallel.dp=2", *COMMON, "checkpoint.every=2", "--max-restarts",
+                  "1", "--run-dir", str(run_dir), env={HANG: "0:3:sleep"})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    said = _said(res)
+    assert "rank 0 is in no collective: at partrain/train/loop.py:" in said, said
+    assert ("the hang ended every worker (after step 2); restart 1 of 1 "
+            "(launcher.max_restarts), from step-00000002 (step 2)") in said, said
+    steps, _ = read_metrics(run_dir)
+    assert [s["step"] for s in steps] == list(range(1, 7))
+    assert not (run_dir / "logs" / "hang" / "rank-0.json").exists()  # cleared for the restart

@@ -1,0 +1,179 @@
+"""The hang watch's parts, in one process: the limit it takes from the config, when a rank calls
+a step hung (twice the limit for the first step of a start; saves and evaluations not timed),
+what its report says, the launcher's summary of every report, and the launcher's signal that
+fetches the stack of a rank that could not report (a real child process, a real signal).
+Through the CLI with real ranks: tests/integration/test_hang.py."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from partrain.observe import hang
+from partrain.observe.hang import HangWatch, summary
+
+
+@pytest.mark.parametrize("hang_timeout_s, collective_timeout_s, limit", [
+    (None, 120, 40), (None, 30, 10), (None, 2, None), (0, 120, None), (7, 120, 7)])
+def test_the_limit_from_the_launcher_section(hang_timeout_s, collective_timeout_s, limit):
+    launcher = SimpleNamespace(hang_timeout_s=hang_timeout_s,
+                               collective_timeout_s=collective_timeout_s)
+    assert hang.hang_limit(launcher) == limit
+
+
+def _watch(tmp_path, limit_s):
+    fired = []
+    watch = HangWatch(tmp_path, rank=0, world_size=1, limit_s=limit_s, on_hang=fired.append)
+    return watch.start(), fired
+
+
+def _wait_for(fired, seconds):
+    deadline = time.monotonic() + seconds
+    while not fired and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return fired
+
+
+def test_a_step_without_progress_is_a_hang_and_the_report_says_where(tmp_path):
+    (tmp_path / "logs").mkdir()
+    watch, fired = _watch(tmp_path, 0.3)
+    watch.begin(1)
+    watch.end(1)
+    watch.begin(2)
+    report = _wait_for(fired, 10)[0]
+    watch.stop()
+    assert (report["rank"], report["step"], report["phase"], report["first_step"]) == (
+        0, 2, "in step 2", False)
+    assert report["idle_s"] >= 0.3 and report["limit_s"] == 0.3
+    # The main thread (this test) was in _wait_for's sleep: in no collective, and not in
+    # partrain's code either, so only the stack names it.
+    assert "collective" not in report
+    assert any("test_hang.py" in frame and "_wait_for" in frame for frame in report["stack"])
+    written = json.loads((tmp_path / "logs" / "hang" / "rank-0.json").read_text())
+    assert written == report
+
+
+def test_the_first_step_of_a_start_gets_twice_the_limit(tmp_path):
+    (tmp_path / "logs").mkdir()
+    watch, fired = _watch(tmp_path, 0.5)
+    watch.begin(1)
+    assert not _wait_for(fired, 0.8)  # past the limit, within twice it
+    report = _wait_for(fired, 10)[0]
+    watch.stop()
+    assert report["first_step"] and report["limit_s"] == 1.0
+    lines = summary(tmp_path, [report])
+    assert lines[0].startswith("hang: no rank made progress for 1 s (twice "
+                               "launcher.hang_timeout_s: the first step of a start) in step 1")
+
+
+def test_saves_and_evaluations_are_not_timed_nor_before_the_first_step(tmp_path):
+    (tmp_path / "logs").mkdir()
+    watch, fired = _watch(tmp_path, 0.2)
+    assert not _wait_for(fired, 0.6)  # building the model: not timed
+    watch.begin(1)
+    watch.end(1)
+    with watch.quiet():
+        assert not _wait_for(fired, 0.6)
+    assert _wait_for(fired, 10)  # the clock runs again after it
+    watch.stop()
+
+
+def test_no_limit_no_thread(tmp_path):
+    watch, fired = _watch(tmp_path, None)
+    assert watch._thread is None
+    watch.begin(1)
+    assert not _wait_for(fired, 0.3)
+
+
+def _report(rank, world=4, step=3, **extra):
+    return {"rank": rank, "world_size": world, "step": step, "phase": f"in step {step}",
+            "limit_s": 5, "first_step": False, "stack": ["x.py:1 in f"], **extra}
+
+
+def test_the_summary_groups_ranks_by_where_they_wait(tmp_path):
+    tp = {"op": "all_reduce", "group": "the tp group", "ranks": [0, 1]}
+    reports = [_report(0, collective=tp, at="partrain/parallel/tensor.py:74 in _all_reduce"),
+               _report(2, collective=tp, at="partrain/parallel/tensor.py:74 in _all_reduce"),
+               _report(1, at="partrain/train/loop.py:9 in run_step", code="time.sleep(9)")]
+    lines = summary(tmp_path, reports)
+    assert lines[0] == ("hang: no rank made progress for 5 s (launcher.hang_timeout_s=5) in step "
+                        "3; who waits on whom:")
+    assert lines[1] == ("  ranks 0, 2 wait in all_reduce on the tp group (ranks 0, 1), called at "
+                        "partrain/parallel/tensor.py:74 in _all_reduce")
+    assert lines[2] == ("  rank 1 is in no collective: at partrain/train/loop.py:9 in run_step: "
+                        "time.sleep(9)")
+    assert lines[3] == "  the ranks in no collective are the ones the others wait for"
+    assert lines[4].startswith("  rank 3 did not report") and "no stack of it was dumped" in lines[4]
+    assert summary(tmp_path, []) == []
+
+
+def test_a_rank_that_did_not_report_is_found_in_its_faulthandler_dump(tmp_path):
+    """A real faulthandler dump, from a process whose main module is a partrain/train/__main__.py
+    that calls into another partrain module, stuck there in the standard library."""
+    package = tmp_path / "src" / "partrain" / "train"
+    package.mkdir(parents=True)
+    (package / "stuck.py").write_text(
+        "import faulthandler, sys, time\n"
+        "def wait():\n"
+        "    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)\n")
+    (package / "__main__.py").write_text(
+        "import sys\nsys.path.insert(0, sys.argv[1])\nimport stuck\nstuck.wait()\n")
+    log = tmp_path / "logs" / "rank-1.log"
+    log.parent.mkdir()
+    with open(log, "w") as err:
+        subprocess.run([sys.executable, str(package / "__main__.py"), str(package)], stderr=err,
+                       check=True, timeout=60)
+    assert hang.dumped_at(log) == "partrain/train/stuck.py:3 in wait"
+    lines = summary(tmp_path, [_report(0, world=2)])
+    assert ("  rank 1 did not report (its main thread holds the GIL, or its node is gone): its "
+            "stack, dumped on its launcher's signal, is at partrain/train/stuck.py:3 in "
+            "wait") in lines
+
+
+def test_the_launcher_signals_a_worker_that_did_not_report(tmp_path):
+    """A real child of this process named like a worker, listening as workers do: once a report
+    appears, the requester sends it DUMP_SIGNAL and its stack lands in its log."""
+    log = tmp_path / "rank-1.log"
+    code = ("import faulthandler, signal, sys, time\n"
+            f"faulthandler.register({int(hang.DUMP_SIGNAL)}, file=sys.stderr, all_threads=True)\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(60)\n")
+    with open(log, "w") as err:
+        child = subprocess.Popen([sys.executable, "-c", code, "partrain.train"], stderr=err,
+                                 stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert child.pid in hang.local_workers()
+        (tmp_path / "logs" / "hang").mkdir(parents=True)
+        hang.write_json(tmp_path / "logs" / "hang" / "rank-0.json", _report(0, pid=-1))
+        with hang.DumpRequester(tmp_path, poll_s=0.05, grace_s=0.1):
+            deadline = time.monotonic() + 20
+            while "most recent call first" not in log.read_text() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert "most recent call first" in log.read_text()
+        assert child.poll() is None  # asked for its stack, not ended
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_without_nccl_there_is_no_flight_recorder_to_dump(tmp_path):
+    """This CPU build of torch has no NCCL: the dump is skipped (on CUDA it writes
+    logs/nccl-trace/rank-N; no GPU here to show it)."""
+    watch = HangWatch(tmp_path, rank=0, world_size=1, limit_s=1, cuda=True)
+    watch._dump_flight_recorder()
+    assert not (tmp_path / "logs" / hang.TRACE_DIR).exists()
+    env = hang.flight_recorder_env(tmp_path)
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "logs" / "nccl-trace" / "rank-")
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and int(env["TORCH_FR_BUFFER_SIZE"]) > 0
+
+
+def test_the_dump_signal_is_not_one_partrain_or_slurm_uses():
+    assert hang.DUMP_SIGNAL not in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+    assert signal.SIGRTMIN < hang.DUMP_SIGNAL <= signal.SIGRTMAX

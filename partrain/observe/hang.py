@@ -209,6 +209,13 @@ def where(frame) -> dict:
     found = {"stack": stack}
     if collective is not None:
         found["collective"] = {"op": collective.f_code.co_name, **_group(collective)}
+    elif ours is not None and "waiting_for" in ours.f_locals:  # what partrain says it awaits
+        found["collective"] = {"op": f"wait() for the {ours.f_locals['waiting_for']}",
+                               "group": "", "ranks": None}
+    elif ours is not None and ".wait()" in linecache.getline(ours.f_code.co_filename,
+                                                             ours.f_lineno):
+        found["collective"] = {"op": "wait() for an async send, receive or collective",
+                               "group": "", "ranks": None}
     elif stack and stack[0].startswith("torch/autograd/"):
         # DDP's gradient all-reduce (and ZeRO's hooks) wait inside autograd, in C++.
         found["collective"] = {"op": "backward (gradient hooks: DDP's bucketed all-reduce "

@@ -138,7 +138,12 @@ class PipelineModel(nn.Module):
                     for a in step.actions:  # wait for receives, or release sends
                         work, tensor = posted.pop((a.op, a.chunk, a.mb))
                         if work is not None:
+                            # Read by the hang watch (observe/hang.py) if this wait never ends.
+                            way = "to" if a.op.startswith("SEND") else "from"
+                            waiting_for = (f"{a.op.lower()} of micro-batch {a.mb} (chunk "
+                                           f"{a.chunk}) {way} rank {self.peers[a.peer]}")
                             work.wait()
+                            del waiting_for
                         if a.op == "RECV_F":
                             inputs[(a.chunk, a.mb)] = tensor.requires_grad_(train)
                         elif a.op == "RECV_B":

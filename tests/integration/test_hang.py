@@ -93,3 +93,14 @@ def test_a_hang_restarts_under_max_restarts(cli, tmp_path):
     steps, _ = read_metrics(run_dir)
     assert [s["step"] for s in steps] == list(range(1, 7))
     assert not (run_dir / "logs" / "hang" / "rank-0.json").exists()  # cleared for the restart
+
+
+@pytest.mark.slow
+def test_a_pipeline_stage_names_the_transfer_it_waits_for(cli, tmp_path):
+    run_dir = tmp_path / "run"
+    res = cli.run("launch", "parallel.dp=1", "parallel.pp=2", "train.micro_batch_size=4", *COMMON,
+                  "--run-dir", str(run_dir), env={HANG: "1:3:sleep"})
+    said = _ended_clean(res, run_dir)
+    assert ("rank 0 waits in wait() for the recv_b of micro-batch 0 (chunk 0) from rank 1, "
+            "called at partrain/parallel/pipeline.py:") in said, said
+    assert "rank 1 is in no collective" in said

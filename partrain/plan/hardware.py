@@ -11,15 +11,27 @@ A preset by name, or a YAML file the user writes with the same keys:
     matmul_efficiency: 0.62         # the fraction of peak that large bf16 GEMMs attain
 
 Bandwidths are per GPU and one way, what a ring collective's step moves at. The presets are the
-vendors' figures for the SXM parts in their usual 8-GPU nodes (NVLink 3 at 300 GB/s and 8 x 200
-Gb/s HDR InfiniBand for the A100; NVLink 4 at 450 GB/s and 8 x 400 Gb/s NDR for H100 and H200).
-The efficiency is not a vendor figure: it is what a dense transformer's GEMMs reach in practice.
+vendors' figures for the SXM/OAM parts in their usual 8-GPU nodes:
+- A100-80GB: 312 TFLOP/s dense bf16, NVLink 3 at 300 GB/s one way, 8 x 200 Gb/s HDR InfiniBand;
+- H100-SXM, H200: 989 TFLOP/s dense bf16, NVLink 4 at 450 GB/s one way, 8 x 400 Gb/s NDR;
+- B200 (HGX B200 datasheet): 180 GB HBM3e, 2.25 PFLOP/s dense bf16 (4.5 with sparsity), NVLink 5
+  at 900 GB/s one way (1.8 TB/s both ways), 8 x 400 Gb/s ConnectX-7;
+- MI300X (AMD's datasheet): 192 GB HBM3, 1307 TFLOP/s dense bf16, Infinity Fabric to each of the
+  seven other GPUs at 64 GB/s one way (448 GB/s in all), 8 x 400 Gb/s NICs.
+The efficiency is not a vendor figure: it is what a dense transformer's GEMMs reach in practice
+(lower on MI300X: independent GEMM benchmarks of it, such as SemiAnalysis's of December 2024,
+found large bf16 GEMMs at about half of its peak, against about two thirds on H100).
+
+Presets are found by their common names: case, `-SXM`/`-80GB` and punctuation do not matter
+(`h100`, `H100`, `h100-sxm`); an unknown name that is close to one gets a did-you-mean.
 
 Every number of a file must be finite and in RANGES (gpus_per_node a whole number): a NaN or an
 infinity would flow through the memory and time models into a table of "nan GiB".
 """
 
+import difflib
 import math
+import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -55,7 +67,24 @@ PRESETS = {
     "A100-80GB": Hardware("A100-80GB", 8, 80, 312, 300, 25, 0.60),
     "H100-SXM": Hardware("H100-SXM", 8, 80, 989, 450, 50, 0.55),
     "H200": Hardware("H200", 8, 141, 989, 450, 50, 0.55),
+    "B200": Hardware("B200", 8, 180, 2250, 900, 50, 0.55),
+    "MI300X": Hardware("MI300X", 8, 192, 1307, 448, 50, 0.45),
 }
+
+
+def _plain(name: str) -> str:
+    """A preset's name as people write it: no case, no punctuation, no form factor or memory
+    (H100-SXM, h100 sxm5, H100 -> h100; A100-80GB, a100 -> a100)."""
+    plain = re.sub(r"[^a-z0-9]", "", name.lower())
+    return re.sub(r"(sxm\d?|oam|80gb|141gb)$", "", plain) or plain
+
+
+def find_preset(name: str) -> Hardware | None:
+    wanted = _plain(name)
+    for preset in PRESETS.values():
+        if _plain(preset.name) == wanted:
+            return preset
+    return None
 
 
 # What a file's numbers may be: finite, and within what any machine could have, so that the
@@ -72,15 +101,19 @@ RANGES = {
 
 
 def load_hardware(name_or_path: str) -> Hardware:
-    """A preset by name (case-insensitive), or a YAML file of Hardware's keys."""
-    for name, preset in PRESETS.items():
-        if name.lower() == name_or_path.lower():
-            return preset
+    """A preset by its common name (find_preset), or a YAML file of Hardware's keys."""
+    preset = find_preset(name_or_path)
+    if preset is not None:
+        return preset
     path = Path(name_or_path)
     found = what_is(path)
     if found != "is a regular file":
+        close = difflib.get_close_matches(_plain(name_or_path), [_plain(p) for p in PRESETS],
+                                          n=1, cutoff=0.6)
+        guess = (f"; did you mean {find_preset(close[0]).name}?" if close and
+                 not any(c in name_or_path for c in "/.") else "")
         raise ConfigError(f"--hardware {name_or_path}: neither a preset "
-                          f"({', '.join(PRESETS)}) nor a YAML file: {name_or_path} {found}")
+                          f"({', '.join(PRESETS)}) nor a YAML file: {name_or_path} {found}{guess}")
     from partrain.config.compose import read_yaml
 
     try:  # what no config file may be, too: huge, not UTF-8, a key twice, an alias bomb

@@ -121,8 +121,19 @@ def slurm(
     time_limit: Optional[str] = typer.Option(None, "--time", help="SLURM time limit, e.g. 04:00:00"),
     account: Optional[str] = typer.Option(None, "--account"),
     qos: Optional[str] = typer.Option(None, "--qos"),
+    cpus_per_task: Optional[int] = typer.Option(
+        None, "--cpus-per-task", metavar="N", parser=_whole("--cpus-per-task"),
+        help="CPUs per node for its ranks (srun's step asks for them too); default: none asked, "
+        "the step gets the job's CPUs on each node"),
+    mem: Optional[str] = typer.Option(None, "--mem", metavar="SIZE",
+                                      help="Memory per node, e.g. 64G or 500M; 0 = all of it"),
+    exclusive: bool = typer.Option(False, "--exclusive", help="Whole nodes: no other job on them"),
+    setup: Optional[List[str]] = typer.Option(
+        None, "--setup", metavar="LINE", help="A shell line run on every node before partrain, "
+        "after launcher.setup's, e.g. --setup 'module load cuda/12.4' (repeatable)"),
     sbatch_args: Optional[List[str]] = typer.Option(
-        None, "--sbatch-arg", help="Another #SBATCH option, e.g. --sbatch-arg=--exclusive (repeatable)"),
+        None, "--sbatch-arg", help="Another #SBATCH option, e.g. --sbatch-arg=--constraint=a100 "
+        "(repeatable)"),
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Default: runs/<name>-<time>"),
     max_restarts: Optional[int] = typer.Option(
         None, "--max-restarts", metavar="N", parser=_whole("--max-restarts", 0),
@@ -142,7 +153,8 @@ def slurm(
                       run_dir=run_dir)
     prepare_job(request, dry_run, out, err, _warn, gpus_per_node=gpus_per_node,
                 partition=partition, time=time_limit, account=account, qos=qos,
-                sbatch_args=tuple(sbatch_args or ()))
+                cpus_per_task=cpus_per_task, mem=mem, exclusive=exclusive,
+                setup=tuple(setup or ()), sbatch_args=tuple(sbatch_args or ()))
 
 
 @app.command()

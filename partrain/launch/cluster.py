@@ -218,6 +218,23 @@ class SlurmEnvironment:
 ENVIRONMENTS = (TorchElasticEnvironment, SlurmEnvironment)
 
 
+def usable_cores(env: Mapping[str, str] | None = None) -> int:
+    """The cores this process may run on, to share out among its ranks: its CPU affinity (what
+    srun's binding or a cgroup cpuset left it, fewer than os.cpu_count() shows), and inside a
+    SLURM job no more than the step's CPUs on this node (SLURM_CPUS_ON_NODE; with one task per
+    node, SLURM_CPUS_PER_TASK too), which hold where the site binds nothing (TaskPlugin=task/none)
+    and the task could run on every core of the machine."""
+    env = os.environ if env is None else env
+    cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+             else os.cpu_count() or 1)
+    if "SLURM_JOB_ID" in env:
+        for name in ("SLURM_CPUS_PER_TASK", "SLURM_CPUS_ON_NODE"):
+            share = env.get(name, "")
+            if share.isdigit() and int(share) > 0:
+                cores = min(cores, int(share))
+    return max(1, cores)
+
+
 def detect_place(nproc_per_node: int | None, env: Mapping[str, str] | None = None) -> NodePlace:
     """The first environment that detects itself says where this node is; else a plain machine."""
     env = os.environ if env is None else env

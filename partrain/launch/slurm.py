@@ -14,6 +14,20 @@ tells both runs. srun must not kill the other nodes when one exits non-zero
 (`--kill-on-bad-exit=0`): exit 3 is no failure, and a node killed while it ends would turn srun's
 exit code into 130 or 137. `--wait` bounds how long a node may hang once another has ended.
 
+CPUs: with --cpus-per-task N the job asks N CPUs per node (its one task), and srun asks them
+again: since SLURM 22.05 a step no longer inherits sbatch's --cpus-per-task, and a step asked
+for one CPU per task is bound to one core. Without it the script asks for none, and srun's step
+gets every CPU the job holds on each node (srun's default without --exact); either way each
+`partrain launch` shares out the cores its task may run on among its ranks (cluster.py's
+usable_cores: the affinity, and no more than the step's SLURM_CPUS_ON_NODE and
+SLURM_CPUS_PER_TASK).
+
+Setup (launcher.setup, then --setup): shell lines that must run on every node, in the task srun
+starts there, so that a `module load` or an activated environment reaches partrain. srun runs
+NODE_PROGRAM under bash with the lines as arguments: each is eval'd in order under `set -e`, and
+the first that fails ends the task with its code and a line in the job log that names it;
+partrain is exec'd only after the last.
+
 Every value that comes from the user (run name, paths, partition, extra sbatch arguments, the
 NCCL variables passed through) is quoted: shlex.quote in the shell body, and sbatch's own quoting
 in `#SBATCH` lines, which sbatch parses itself (it takes backslash as an escape even inside
@@ -66,6 +80,10 @@ PARTRAIN_SETS = {
     "time": ("--time", "use --time"),
     "account": ("--account", "use --account"),
     "qos": ("--qos", "use --qos"),
+    "cpus-per-task": ("--cpus-per-task", "use --cpus-per-task, which srun's step asks for too"),
+    "mem": ("--mem", "use --mem"),
+    # Only bare: --exclusive=user (or =mcs, =topo) is another sharing mode, passed on as given.
+    "exclusive": ("--exclusive", "use --exclusive"),
     "signal": ("its preemption handling", f"USR2 {SIGNAL_BEFORE_END_S} s before the time "
                "limit, on which the ranks save a checkpoint"),
     **dict.fromkeys(("requeue", "no-requeue"), _REQUEUE),
@@ -75,13 +93,20 @@ PARTRAIN_SETS = {
 # value: getopt reads `-vN4` as -v -N 4, and `-N4`, `-N 4` (one argument) as --nodes.
 SHORT_FORMS = {"N": "nodes", "n": "ntasks", "G": "gpus", "o": "output", "e": "error",
                "J": "job-name", "p": "partition", "t": "time", "A": "account", "q": "qos",
-               "W": "wait", "h": "help", "V": "version"}
+               "c": "cpus-per-task", "W": "wait", "h": "help", "V": "version"}
 SHORT_FLAGS = frozenset("HIOQsuv")
 # Options that ask for GPUs in their value (`--gres=gpu:4`, `--tres-per-task=gres/gpu:1`).
 GPU_VALUED = ("gres", "tres-per-task")
 # The formats sbatch's --time takes (man sbatch), and its words for no limit.
 SLURM_TIME = re.compile(r"\d+|\d+:\d+|\d+:\d+:\d+|\d+-\d+|\d+-\d+:\d+|\d+-\d+:\d+:\d+|"
                         r"UNLIMITED|INFINITE", re.IGNORECASE)
+# sbatch's --mem: megabytes, or K, M, G, T in either case, a B after it allowed (64G, 64gb, as
+# sbatch 22.05 takes them; 64GiB, 1.5G, 64 G it refuses); 0 = all of each node's memory.
+SLURM_MEM = re.compile(r"\d{1,12}(?:[KMGT]B?)?", re.IGNORECASE)
+MAX_CPUS_PER_TASK = 65534  # SLURM holds it in 16 bits, the top value meaning "not set"
+# sbatch refuses these together with partrain's flag ("mutually exclusive").
+EXCLUDES = {"mem": ("--mem", ("mem-per-cpu", "mem-per-gpu")),
+            "cpus_per_task": ("--cpus-per-task", ("cpus-per-gpu",))}
 
 
 @dataclass(frozen=True)
@@ -98,8 +123,12 @@ class SlurmJob:
     time: str | None = None
     account: str | None = None
     qos: str | None = None
+    cpus_per_task: int | None = None  # per node (its one task); None = SLURM's default
+    mem: str | None = None  # per node, sbatch's format: 64G, 0 = all
+    exclusive: bool = False  # whole nodes
     sbatch_args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = field(default=())  # exported before srun
+    setup: tuple[str, ...] = ()  # launcher.setup, then --setup: run on every node before partrain
 
 
 def partrain_command() -> tuple[str, ...]:
@@ -129,21 +158,58 @@ def check_job(job: SlurmJob) -> None:
     """Refuse values that no quoting makes safe, naming the flag that carried them."""
     values = [("name", job.job_name), ("--run-dir", str(job.run_dir)),
               ("--partition", job.partition), ("--time", job.time), ("--account", job.account),
-              ("--qos", job.qos), *(("--sbatch-arg", a) for a in job.sbatch_args),
-              *((name, value) for name, value in job.env)]
+              ("--qos", job.qos), ("--mem", job.mem),
+              *(("--sbatch-arg", a) for a in job.sbatch_args),
+              *((name, value) for name, value in job.env),
+              # launcher.setup passed the same rule in validation: only a flag's line gets here.
+              *(("--setup", line) for line in job.setup)]
     for what, value in values:
         if value is not None:
             _check_printable(what, value)
+    for line in job.setup:
+        if not line.strip():
+            raise ConfigError(f"--setup {line!r} is empty: give a shell line, e.g. "
+                              "--setup 'module load cuda/12.4'")
     if job.time is not None and not SLURM_TIME.fullmatch(job.time):
         raise ConfigError(
             f"--time {job.time!r} is not a SLURM time limit: give minutes, MM:SS, HH:MM:SS, "
             "D-HH, D-HH:MM or D-HH:MM:SS (e.g. 04:00:00 or 2-00:00:00), or UNLIMITED")
+    if job.mem is not None and not SLURM_MEM.fullmatch(job.mem):
+        raise ConfigError(
+            f"--mem {job.mem!r} is not a SLURM memory size: give a whole number of megabytes, or "
+            "one with a K, M, G or T suffix (e.g. 64G, 64GB or 500M; at most 12 digits), or 0 for "
+            "all of each node's memory")
+    if job.cpus_per_task is not None and not 1 <= job.cpus_per_task <= MAX_CPUS_PER_TASK:
+        raise ConfigError(f"--cpus-per-task={job.cpus_per_task} must be between 1 and "
+                          f"{MAX_CPUS_PER_TASK}, the most SLURM takes")
     for what, value in (("--partition", job.partition), ("--account", job.account),
                         ("--qos", job.qos)):
         if value is not None and not value.strip():
             raise ConfigError(f"{what}={value!r} is empty; leave the flag out for SLURM's default")
     for arg in job.sbatch_args:
         check_sbatch_arg(arg)
+        _check_not_against_flags(job, arg)
+
+
+def _long_name(arg: str) -> str | None:
+    """The option name of a long sbatch argument (`--mem-per-gpu=10G` -> 'mem-per-gpu')."""
+    return arg[2:].partition("=")[0] if arg.startswith("--") else None
+
+
+def _check_not_against_flags(job: SlurmJob, arg: str) -> None:
+    """An --sbatch-arg that sbatch takes as the same thing as one of partrain's flags, another
+    way: --exclusive=user with --exclusive, --mem-per-gpu with --mem (sbatch refuses the pair)."""
+    name = _long_name(arg)
+    if not name:
+        return
+    if job.exclusive and len(name) >= len("exclus") and "exclusive".startswith(name):
+        raise ConfigError(f"--sbatch-arg {arg!r} and --exclusive ask for two ways of sharing the "
+                          "nodes; give one of them")
+    for attribute, (flag, options) in EXCLUDES.items():
+        taken = [option for option in options if option.startswith(name)]
+        if getattr(job, attribute) is not None and taken:
+            raise ConfigError(f"--sbatch-arg {arg!r} and {flag} cannot go together: sbatch "
+                              f"takes one of {flag}, --{', --'.join(taken)}")
 
 
 def check_sbatch_arg(arg: str) -> None:
@@ -151,7 +217,7 @@ def check_sbatch_arg(arg: str) -> None:
     name = arg.split("=", 1)[0]
     if not arg.startswith("-") or not name.strip("-"):
         raise ConfigError(f"--sbatch-arg {arg!r} must be an sbatch option starting with '-', "
-                          "e.g. --sbatch-arg=--exclusive or --sbatch-arg=--mem=0")
+                          "e.g. --sbatch-arg=--constraint=a100 or --sbatch-arg=--mail-type=END")
     own = partrain_option(arg)
     if own is not None:
         option, how = own
@@ -161,8 +227,8 @@ def check_sbatch_arg(arg: str) -> None:
             f"--{option}{how}, which partrain sets from {source} ({rule})")
     if arg.startswith("--") and len(name.split()) > 1:
         raise ConfigError(f"--sbatch-arg {arg!r}: one option per --sbatch-arg, its value after "
-                          "'=' (e.g. --sbatch-arg=--mem=0); sbatch reads this as one option "
-                          f"named {name[2:]!r}")
+                          "'=' (e.g. --sbatch-arg=--constraint=a100); sbatch reads this as one "
+                          f"option named {name[2:]!r}")
 
 
 def partrain_option(arg: str) -> tuple[str, str] | None:
@@ -173,6 +239,8 @@ def partrain_option(arg: str) -> tuple[str, str] | None:
     if arg.startswith("--"):
         name, _, value = arg[2:].partition("=")
         name = (name.split() or [""])[0]  # "--nodes 4" as one argument: sbatch's --nodes, refused
+        if value and len(name) >= len("exclus") and "exclusive".startswith(name):
+            return None  # --exclusive=user: a sharing mode partrain's --exclusive does not set
         if name in PARTRAIN_SETS:
             return name, ""
         longer = sorted(option for option in PARTRAIN_SETS if option.startswith(name))
@@ -205,16 +273,19 @@ def render_script(job: SlurmJob) -> str:
     check_job(job)
     run_dir, q = job.run_dir, shlex.quote
     log_pattern = str(run_dir / "logs").replace("%", "%%") + "/slurm-%j.out"
+    cpus = job.cpus_per_task and str(job.cpus_per_task)
     options = [("job-name", job.job_name), ("nodes", str(job.nodes)), ("ntasks-per-node", "1"),
+               ("cpus-per-task", cpus),
                ("gpus-per-node", job.gpus_per_node and str(job.gpus_per_node)),
-               ("partition", job.partition), ("time", job.time), ("account", job.account),
-               ("qos", job.qos), ("output", log_pattern),
+               ("mem", job.mem), ("partition", job.partition), ("time", job.time),
+               ("account", job.account), ("qos", job.qos), ("output", log_pattern),
                ("signal", f"USR2@{SIGNAL_BEFORE_END_S}")]
     lines = ["#!/bin/bash",
              f"# Written by `partrain slurm`: {job.nodes} node(s) x {job.nproc_per_node} rank(s) "
              f"= {job.nodes * job.nproc_per_node} ranks.",
              f"# Run dir {q(str(run_dir))}; submit again with: sbatch {q(str(run_dir / SCRIPT))}"]
     lines += [f"#SBATCH --{key}={_sbatch_quote(value)}" for key, value in options if value]
+    lines += ["#SBATCH --exclusive"] * job.exclusive
     lines += ["#SBATCH --requeue", "#SBATCH --open-mode=append"]
     lines += [f"#SBATCH {_sbatch_quote(arg)}" for arg in job.sbatch_args]
     lines += ["", "set -euo pipefail",
@@ -232,12 +303,17 @@ def render_script(job: SlurmJob) -> str:
         'head_addr=$(scontrol show node -o "$head_node" | sed -n \'s/.*NodeAddr=\\([^ ]*\\).*/\\1/p\')',
         f"rdzv_port=$(({SLURM_BASE_PORT} + SLURM_JOB_ID % {SLURM_PORT_SPAN}))",
         "",
+        *_setup_lines(job.setup),
         "# One task per node: each `partrain launch` starts its node's ranks itself. No kill on a",
         "# non-zero exit: after a save the nodes exit 3 a moment apart, and a node killed as it ends",
         "# would make srun's code 130 or 137, not 3. --wait still stops a node that hangs.",
+        *(["# srun asks for the CPUs again: a step does not inherit sbatch's --cpus-per-task."]
+          if cpus else []),
         "code=0",
         f"srun --kill-on-bad-exit=0 --wait={NODES_END_WITHIN_S} --nodes={job.nodes} "
-        "--ntasks-per-node=1 --export=ALL \\",
+        f"--ntasks-per-node=1{f' --cpus-per-task={cpus}' if cpus else ''} --export=ALL \\",
+        *(['    bash -c "$on_each_node" partrain-setup "${#setup[@]}" "${setup[@]}" \\']
+          if job.setup else []),
         f"    {' '.join(q(part) for part in job.partrain)} launch "
         f"{q(str(run_dir / 'config.yaml'))} --run-dir {q(str(run_dir))} \\",
         f"    --nnodes {job.nodes} --nproc-per-node {job.nproc_per_node} "
@@ -251,6 +327,42 @@ def render_script(job: SlurmJob) -> str:
         'exit "$code"',
     ]
     return "\n".join(lines) + "\n"
+
+
+# What srun runs on each node before partrain when there are setup lines: its arguments are their
+# count, the lines, then the `partrain launch` command. Each line is eval'd in this shell (what it
+# exports or activates reaches partrain) under `set -e`; the EXIT trap names the line that ended
+# the shell, which exits non-zero even on a line's `exit 0`, and partrain is never started there.
+# Written with no single quote: the script holds it in one.
+NODE_PROGRAM = """\
+set -e
+partrain_setup=("${@:2:$1}") partrain_launch=("${@:$1+2}") partrain_at=0
+partrain_failed() {
+    local code=$?
+    echo "partrain: setup line $partrain_at of ${#partrain_setup[@]} failed on node" \\
+        "${SLURMD_NODENAME:-$HOSTNAME} (exit $code); partrain not started there:" \\
+        "${partrain_setup[partrain_at-1]}" >&2
+    exit $((code ? code : 1))
+}
+trap partrain_failed EXIT
+for partrain_line in "${partrain_setup[@]}"; do
+    partrain_at=$((partrain_at + 1))
+    eval "$partrain_line"
+done
+trap - EXIT
+exec "${partrain_launch[@]}"
+"""
+
+
+def _setup_lines(setup: tuple[str, ...]) -> list[str]:
+    """The script's setup part: the lines as a bash array (each quoted), and NODE_PROGRAM."""
+    if not setup:
+        return []
+    return ["# launcher.setup, then --setup: run on every node before partrain, in the task srun",
+            "# starts there (on_each_node), each under set -e; the first that fails ends that",
+            "# node's task with its code and names the line in this log; partrain does not start.",
+            "setup=(", *(f"    {shlex.quote(line)}" for line in setup), ")",
+            f"on_each_node={shlex.quote(NODE_PROGRAM)}", ""]
 
 
 def write_script(job: SlurmJob) -> Path:

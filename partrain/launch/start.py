@@ -17,6 +17,7 @@ from rich.console import Console
 from partrain.checkpoint import store
 from partrain.config.frozen import CONFIG
 from partrain.errors import ConfigError
+from partrain.launch.cluster import usable_cores
 from partrain.launch.netif import set_ifname_variables
 from partrain.launch.preemption import FORWARDER
 from partrain.launch.preflight import Ready, Request, preflight, runs_on_cuda
@@ -138,36 +139,47 @@ def print_start(ready: Ready, resuming_from: str, out: Console) -> None:
 
 def launch_spec(ready: Ready):
     """The agent's view of this node: its place in the job, the rendezvous, and on CPU how many
-    OpenMP threads each worker gets (the cores shared out)."""
+    OpenMP threads each worker gets (the cores this task may use, shared out: under SLURM the
+    step's, not the machine's)."""
     from partrain.launch.local import ElasticLaunch
 
     cfg, world, node = ready.cfg, ready.world, ready.node
     job_id = node.place.job_id
-    threads = None if runs_on_cuda(cfg) else max(1, (os.cpu_count() or 1) // world.nproc_per_node)
+    threads = None if runs_on_cuda(cfg) else max(1, usable_cores() // world.nproc_per_node)
     return ElasticLaunch(
         nnodes=world.nnodes, nproc_per_node=world.nproc_per_node, node_rank=node.rank,
         rdzv_endpoint=node.rdzv_endpoint, run_id=f"slurm-{job_id}" if job_id else cfg.name,
         rdzv_timeout_s=cfg.launcher.rdzv_timeout_s,
         local_addr=node.network and node.network.addr, cpu_threads=threads,
-        max_steps=cfg.train.max_steps, max_restarts=cfg.launcher.max_restarts)
+        max_steps=cfg.train.max_steps, max_restarts=cfg.launcher.max_restarts,
+        cuda=runs_on_cuda(cfg))
 
 
 def prepare_job(request: Request, dry_run: bool, out: Console, err: Console,
                 warn: Callable[[str], None], *, gpus_per_node: int | None = None,
                 partition: str | None = None, time: str | None = None,
                 account: str | None = None, qos: str | None = None,
+                cpus_per_task: int | None = None, mem: str | None = None,
+                exclusive: bool = False, setup: tuple[str, ...] = (),
                 sbatch_args: tuple[str, ...] = ()) -> None:
     """Check for nodes x ranks, write the run dir and its sbatch script, and submit it (with
-    --dry-run: print the script instead). A failed write or submission takes back what it wrote."""
+    --dry-run: print the script instead). A failed write or submission takes back what it wrote.
+    `setup` (--setup) runs on every node after the config's launcher.setup."""
     ready = preflight(request)
     cfg, world, run_dir = ready.cfg, ready.world, ready.run_dir
     job = SlurmJob(run_dir=run_dir, job_name=cfg.name, nodes=world.nnodes,
                    nproc_per_node=world.nproc_per_node, partrain=partrain_command(),
                    gpus_per_node=gpus_per_node, partition=partition, time=time,
-                   account=account, qos=qos, sbatch_args=sbatch_args,
-                   env=passed_through_env())
+                   account=account, qos=qos, cpus_per_task=cpus_per_task, mem=mem,
+                   exclusive=exclusive, sbatch_args=sbatch_args, env=passed_through_env(),
+                   setup=(*cfg.launcher.setup, *setup))
     script_text = render_script(job)  # refuses unsafe values before anything is written
-    for warning in ready.warnings:
+    warnings = list(ready.warnings)
+    if cpus_per_task is not None and cpus_per_task < world.nproc_per_node:
+        warnings.append(f"--cpus-per-task={cpus_per_task} gives the {world.nproc_per_node} ranks "
+                        f"of each node less than a core each; ask for at least "
+                        f"{world.nproc_per_node}")
+    for warning in warnings:
         warn(warning)
     created = not run_dir.exists()
     script = write_job(ready, job, created)

@@ -10,7 +10,8 @@ and is stopped when the test session ends; jobs still queued are cancelled first
 
 Facts that shaped this: munged runs as the munge user and insists on a socket directory of mode
 755 that it owns; a job asking more tasks than CPUs pends forever unless the node claims more
-(`SlurmdParameters=config_overrides` lets a node claim CPUs it does not have); without accounting
+(`SlurmdParameters=config_overrides` lets a node claim CPUs it does not have, and the memory a
+job's --mem asks for: RealMemory defaults to 1 MB); without accounting
 there is no sacct, so the job's state is read with `scontrol show job`. A requeued job waits
 AuthInfo's cred_expire + 1 s before it may start again (default 120 s; 5 is the least SLURM takes),
 and then for the main scheduling loop (sched_interval, default 60 s): both are short here.
@@ -28,6 +29,7 @@ from pathlib import Path
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 BINARIES = ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "munged")
 NODES = ("n1", "n2")
+NODE_MEMORY_MB = 1000  # what each node claims (config_overrides): a job may ask --mem up to this
 
 SLURM_CONF = """\
 ClusterName=partraintest
@@ -57,7 +59,7 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
 MailProg=/bin/true
-NodeName=n[1-2] NodeHostname={host} NodeAddr=127.0.0.1 Port=[{node_port}-{node_port_2}] CPUs=2 State=UNKNOWN
+NodeName=n[1-2] NodeHostname={host} NodeAddr=127.0.0.1 Port=[{node_port}-{node_port_2}] CPUs=2 RealMemory={memory_mb} State=UNKNOWN
 PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP
 """
 
@@ -146,7 +148,7 @@ class SlurmCluster:
         (self.base / "state").mkdir()
         self.conf.write_text(SLURM_CONF.format(
             host=socket.gethostname(), ctld_port=ctld_port, munge_socket=sock, base=self.base,
-            node_port=node_port, node_port_2=node_port + 1))
+            node_port=node_port, node_port_2=node_port + 1, memory_mb=NODE_MEMORY_MB))
         self._start(_which("slurmctld"), "-D", "-c", "-f", str(self.conf))
         for node in NODES:
             self._start(_which("slurmd"), "-D", "-N", node, "-f", str(self.conf))

@@ -2,8 +2,11 @@
 emulate a two-node cluster (tests/integration/slurm_cluster.py). The quickstart goes through
 sbatch -> srun (one task per node) -> `partrain launch` on each node -> 2 ranks per node, and must
 match the single-process run. A job preempted mid-run (SIGUSR2 to its steps, as a site sends it)
-saves, requeues itself, resumes and must match an uninterrupted run to the bit. Only GPUs and
-NCCL are missing: the ranks use gloo on CPU.
+saves, requeues itself, resumes and must match an uninterrupted run to the bit. A job with
+--cpus-per-task, --mem, --exclusive and setup lines gets what it asked for, runs the lines on
+every node before partrain, and restarts in the job after a rank fails (--max-restarts); a
+failing setup line fails the job without starting partrain (the one quick test here). Only GPUs
+and NCCL are missing: the ranks use gloo on CPU.
 
 Needs root and apt-get on a machine without SLURM (the fixture installs the Debian packages);
 skipped, with the reason, where that cannot work.
@@ -17,8 +20,6 @@ import pytest
 from partrain.checkpoint import store
 from tests.integration.conftest import PARITY_COMMON, assert_parity, read_metrics
 from tests.integration.slurm_cluster import SlurmCluster, Unavailable, install
-
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="session")
@@ -34,6 +35,7 @@ def slurm_cluster():
         cluster.stop()
 
 
+@pytest.mark.slow
 def test_quickstart_on_two_slurm_nodes(cli, tmp_path, slurm_cluster, single_process_reference):
     canary = tmp_path / "pwned"
     # A hostile run dir: it lands in the #SBATCH --output line, which sbatch parses itself, and in
@@ -85,6 +87,7 @@ def _steps_in(run_dir) -> int:
         return 0
 
 
+@pytest.mark.slow
 def test_preempted_slurm_job_saves_requeues_and_resumes(cli, tmp_path, slurm_cluster):
     """A site's preemption (`scancel --signal=USR2`, to the job's steps) mid-run: the ranks save
     at one step, both launchers exit 3, the script requeues the job, the same script resumes it
@@ -154,3 +157,89 @@ def test_preempted_slurm_job_saves_requeues_and_resumes(cli, tmp_path, slurm_clu
         assert (got["loss"], got["grad_norm"]) == (ref["loss"], ref["grad_norm"]), (
             f"step {n}: loss {got['loss']!r}, grad_norm {got['grad_norm']!r} after resuming from "
             f"step {step}; uninterrupted: loss {ref['loss']!r}, grad_norm {ref['grad_norm']!r}")
+
+
+def _submitted(res, slurm_cluster, run_dir, timeout: float) -> tuple[dict[str, str], str]:
+    """The finished job's `scontrol show job` fields and its log."""
+    assert res.returncode == 0, res.stderr
+    job_id = re.search(r"submitted job (\d+)", res.stdout).group(1)
+    info = slurm_cluster.wait_job(job_id, timeout=timeout)
+    job_log = run_dir / "logs" / f"slurm-{job_id}.out"
+    return info, job_log.read_text() if job_log.exists() else "(no job log)"
+
+
+RESTART_STEPS = 8
+RESTART_RUN = ("launcher.device=cpu", "parallel.dp=2", f"train.max_steps={RESTART_STEPS}",
+               "checkpoint.every=2", "train.seq_len=64", "train.eval_every=0",
+               "train.log_every=1", "launcher.rdzv_timeout_s=60",
+               "launcher.collective_timeout_s=60")
+
+
+@pytest.mark.slow
+def test_a_cluster_ready_job_gets_what_it_asks_and_restarts_in_the_job(cli, tmp_path,
+                                                                       slurm_cluster):
+    """One job for both: --cpus-per-task 1 --mem 500M --exclusive as `scontrol show job` reports
+    them; a launcher.setup line and a --setup line ran on both nodes, in that order, in the task
+    that then became partrain (the step's CPUs are srun's --cpus-per-task); and with
+    --max-restarts 1, rank 1 failing at step 3 in the first attempt (PARTRAIN_TEST_FAULT in the
+    submitting shell, which sbatch exports to the job) restarts both nodes' workers from step 2's
+    checkpoint, and the job ends COMPLETED with every step once."""
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    config = tmp_path / "cluster.yaml"
+    config.write_text(
+        "defaults:\n  - config\n  - _self_\nlauncher:\n  setup:\n"
+        "    - 'echo \"setup-config on node $SLURM_NODEID\"; "
+        f"touch {marks}/config-$SLURM_NODEID'\n")
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    res = cli.run("slurm", str(config), *RESTART_RUN, "name=slurm-ready", "--nodes", "2",
+                  "--nproc-per-node", "1", "--cpus-per-task", "1", "--mem", "500M", "--exclusive",
+                  "--setup", 'echo "setup-flag on node $SLURM_NODEID: $SLURM_CPUS_ON_NODE CPU(s)"; '
+                  f"touch {marks}/flag-$SLURM_NODEID",
+                  "--max-restarts", "1", "--run-dir", str(run_dir),
+                  env={**slurm_cluster.env, "PARTRAIN_TEST_FAULT": "1:3"})
+    info, log = _submitted(res, slurm_cluster, run_dir, timeout=240)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), log
+    print(f"slurm job {info['JobId']}: submitted to finished in {time.monotonic() - started:.0f} s")
+
+    # What the job asked for: a CPU per node's task, 500 MB per node, whole nodes (each of the
+    # two claims 2 CPUs: 4 in all, not the 2 the tasks take).
+    assert (info["NumCPUs"], info["CPUs/Task"], info["MinMemoryNode"], info["OverSubscribe"]) \
+        == ("4", "1", "500M", "NO"), info
+
+    # The setup lines: on both nodes, the config's then the flag's, each before its node's
+    # launcher said where it runs; in a step of one CPU per node (srun asked for it again).
+    assert sorted(p.name for p in marks.iterdir()) == ["config-0", "config-1", "flag-0", "flag-1"]
+    for node in (0, 1):
+        config_at = log.index(f"setup-config on node {node}\n")
+        flag_at = log.index(f"setup-flag on node {node}: 1 CPU(s)\n")
+        assert config_at < flag_at < log.index(f"(node {node} of 2, SLURM job"), log
+
+    # The fault reached the workers through sbatch's environment, and the job restarted in place.
+    said = " ".join(log.split())
+    assert ("rank 1 failed: RuntimeError: injected fault (PARTRAIN_TEST_FAULT=1:3) on rank 1 at "
+            "step 3 (after step 2); restart 1 of 1 (launcher.max_restarts), from step-00000002 "
+            "(step 2)") in said, log
+    assert "restarts exhausted" not in said and said.count("done: metrics in") == 2, log
+    steps, _ = read_metrics(run_dir)
+    assert [s["step"] for s in steps] == list(range(1, RESTART_STEPS + 1)), steps
+    assert steps[-1]["loss"] < steps[0]["loss"]
+
+
+def test_a_failing_setup_line_fails_the_job_before_partrain(cli, tmp_path, slurm_cluster):
+    """`--setup false`: the job fails with the line's code, its log names the line and the node,
+    and partrain never started there (no launcher log, no metrics). Quick: no rank starts."""
+    run_dir = tmp_path / "run"
+    res = cli.run("slurm", "launcher.device=cpu", "parallel.dp=1", "name=slurm-setup-fails",
+                  "--nodes", "1", "--nproc-per-node", "1", "--setup", "echo setup-1-ran",
+                  "--setup", "false", "--setup", "echo setup-3-ran", "--run-dir", str(run_dir),
+                  env=slurm_cluster.env)
+    info, log = _submitted(res, slurm_cluster, run_dir, timeout=60)
+    assert (info["JobState"], info["ExitCode"]) == ("FAILED", "1:0"), log
+    assert "setup-1-ran" in log and "setup-3-ran" not in log, log
+    assert ("partrain: setup line 2 of 3 failed on node n1 (exit 1); partrain not started "
+            "there: false") in log, log
+    assert "partrain: run dir" not in log, log
+    assert not (run_dir / "metrics.jsonl").exists()
+    assert not list((run_dir / "logs").glob("launcher*.log"))

@@ -274,7 +274,7 @@ ROWS_FLAGS = [
         ["slurm", "--nodes", "1", "--partition", "gpu\nrm -rf ~", "--dry-run"],
         "--partition", "control character"),
     row("slurm --sbatch-arg with a newline",
-        ["slurm", "--nodes", "1", "--sbatch-arg", "--exclusive\n#SBATCH --x", "--dry-run"],
+        ["slurm", "--nodes", "1", "--sbatch-arg", "--constraint=a\n#SBATCH --x", "--dry-run"],
         "--sbatch-arg", "control character"),
     row("name=../../x", ["launch", "--dry-run", "name=../../x"], "name='../../x'", "plain name"),
     row("name of 129 characters", ["show", "name=" + "a" * 129], "a" * 129, "at most 128"),

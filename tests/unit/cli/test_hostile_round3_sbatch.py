@@ -1,8 +1,10 @@
 """Hostile input, round three, the SLURM part: `slurm --sbatch-arg` spelling an option that
 partrain's script sets itself (short forms, attached values, abbreviations, grouped letters, GPU
-requests by --gres), or one that blocks or submits nothing, is refused naming the partrain flag;
-every other sbatch option is written as given. The contract and the checks are test_hostile.py's
-(tests/unit/cli/hostile.py); the other inputs of the round are in
+requests by --gres, and --cpus-per-task, --mem, --exclusive, which are partrain's flags now), or
+one that blocks or submits nothing, is refused naming the partrain flag; every other sbatch
+option is written as given. The values of --cpus-per-task, --mem and --setup (and the config's
+launcher.setup) are refused naming the flag or key, the value and the rule. The contract and the
+checks are test_hostile.py's (tests/unit/cli/hostile.py); the other inputs of the round are in
 test_hostile_round3_interop.py."""
 
 import pytest
@@ -64,11 +66,22 @@ ROWS_SBATCH = [
         ("--wait", "wait", "its submission", ["--parsable"]),
         ("-W", "wait", "its submission", []),
         ("--test-only", "test-only", "its submission", []),
-        ("--version", "version", "its submission", []))
+        ("--version", "version", "its submission", []),
+        ("-c8", "cpus-per-task", "--cpus-per-task", ["-c is its short form", "srun's step"]),
+        ("-c 8", "cpus-per-task", "--cpus-per-task", []),
+        ("-vc8", "cpus-per-task", "--cpus-per-task", []),
+        ("--cpus-per-task=8", "cpus-per-task", "--cpus-per-task", []),
+        ("--cpus-per-t=8", "cpus-per-task", "--cpus-per-task",
+         ["sbatch takes --cpus-per-t for --cpus-per-task"]),
+        ("--mem=0", "mem", "--mem", ["use --mem"]),
+        ("--mem=64G", "mem", "--mem", []),
+        ("--exclusive", "exclusive", "--exclusive", ["use --exclusive"]),
+        ("--excl", "exclusive", "--exclusive", []),
+        ("--excl=user", "exclusive", "--exclusive", []),  # also --exclude's: not the sharing mode
+        ("--e=/tmp/x.err", "error", "--run-dir", []))
 ] + [
-    row("--sbatch-arg two options in one", _sbatch("--exclusive --mem=0"),
-        "--sbatch-arg '--exclusive --mem=0'", "one option per --sbatch-arg",
-        "'exclusive --mem'"),
+    row("--sbatch-arg two options in one", _sbatch("--hold --nice=10"),
+        "--sbatch-arg '--hold --nice=10'", "one option per --sbatch-arg", "'hold --nice'"),
     row("--sbatch-arg a value without its option", _sbatch("4"), "--sbatch-arg '4'",
         "must be an sbatch option"),
 ]
@@ -79,14 +92,92 @@ def test_refused(argv, fragments, absent, run_main, tmp_path, monkeypatch):
     check_row(argv, fragments, absent, run_main, tmp_path, monkeypatch)
 
 
-@pytest.mark.parametrize("arg", ["--exclusive", "--mem=0", "--gres=nvme:1",
+# slurm --cpus-per-task, --mem, --exclusive, --setup and launcher.setup: their values.
+
+
+def _slurm(*flags: str):
+    return lambda c: ["slurm", "--nodes", "2", "--nproc-per-node", "1", "parallel.dp=2",
+                      "--dry-run", "--run-dir", "run", *flags]
+
+
+MEM_RULE = "not a SLURM memory size"
+
+ROWS_FLAGS = [
+    row("--mem 64GiB", _slurm("--mem", "64GiB"), "--mem '64GiB'", MEM_RULE, "K, M, G or T"),
+    row("--mem 500B", _slurm("--mem", "500B"), "--mem '500B'", MEM_RULE),
+    row("--mem 1.5G", _slurm("--mem", "1.5G"), "--mem '1.5G'", MEM_RULE),
+    row("--mem=-1", _slurm("--mem=-1"), "--mem '-1'", MEM_RULE),
+    row("--mem ''", _slurm("--mem", ""), "--mem ''", MEM_RULE),
+    row("--mem 64 G", _slurm("--mem", "64 G"), "--mem '64 G'", MEM_RULE),
+    row("--mem 13 digits", _slurm("--mem", "9" * 13), "--mem '9999999999999'", "at most 12 digits"),
+    row("--mem with a newline", _slurm("--mem", "64G\n#SBATCH --x"), "--mem=", "control character"),
+    row("--cpus-per-task 0", _slurm("--cpus-per-task", "0"), "--cpus-per-task=0", "at least 1"),
+    row("--cpus-per-task x", _slurm("--cpus-per-task", "x"), "--cpus-per-task='x'",
+        "not a whole number"),
+    row("--cpus-per-task 65535", _slurm("--cpus-per-task", "65535"), "--cpus-per-task=65535",
+        "between 1 and 65534"),
+    row("--cpus-per-task of 50 digits", _slurm("--cpus-per-task", "9" * 50), "--cpus-per-task",
+        "too large a number"),
+    row("--exclusive=yes", _slurm("--exclusive=yes"), "--exclusive", "does not take a value"),
+    row("--setup ''", _slurm("--setup", ""), "--setup ''", "empty", "give a shell line"),
+    row("--setup with a newline", _slurm("--setup", "module load x\nrm -rf ~"),
+        "--setup='module load x\\nrm -rf ~'", "control character"),
+    row("--setup with a tab", _slurm("--setup", "echo\ta"), "--setup='echo\\ta'",
+        "control character"),
+    row("launcher.setup with a tab", lambda c: ["slurm", c.file(
+        "cfg.yaml", "defaults:\n  - config\n  - _self_\nlauncher:\n  setup:\n"
+                    '    - "echo\\ta"\n'), *_slurm()(c)[1:]],
+        "launcher.setup", "'echo\\ta'", "control character"),
+    row("launcher.setup with an empty line", _slurm("launcher.setup=[a,' ']"), "launcher.setup",
+        "must be a shell line"),
+    row("--exclusive with --sbatch-arg=--exclusive=user",
+        _slurm("--exclusive", "--sbatch-arg=--exclusive=user"), "--sbatch-arg '--exclusive=user'",
+        "--exclusive", "two ways of sharing"),
+    row("--mem with --sbatch-arg=--mem-per-cpu",
+        _slurm("--mem", "8G", "--sbatch-arg=--mem-per-cpu=1G"),
+        "--sbatch-arg '--mem-per-cpu=1G'", "--mem", "takes one of"),
+    row("--cpus-per-task with --sbatch-arg=--cpus-per-gpu",
+        _slurm("--cpus-per-task", "8", "--sbatch-arg=--cpus-per-gpu=4"),
+        "--sbatch-arg '--cpus-per-gpu=4'", "--cpus-per-task", "takes one of"),
+]
+
+
+@pytest.mark.parametrize("argv, fragments, absent", ROWS_FLAGS)
+def test_bad_job_values_refused(argv, fragments, absent, run_main, tmp_path, monkeypatch):
+    check_row(argv, fragments, absent, run_main, tmp_path, monkeypatch)
+
+
+def test_dry_run_shows_every_new_flag(run_main, tmp_path, monkeypatch):
+    c = Ctx(tmp_path, monkeypatch)
+    config = c.file("cfg.yaml", "defaults:\n  - config\n  - _self_\nlauncher:\n  setup:\n"
+                                "    - module load cuda/12.4\n")
+    argv = _slurm("--cpus-per-task", "4", "--mem", "64G", "--exclusive",
+                  "--setup", "echo \"it's $HOSTNAME\"")(c)
+    result = run_main("slurm", config, *argv[1:])
+    assert result.code == 0, result.stderr
+    for line in ("#SBATCH --cpus-per-task=4\n", "#SBATCH --mem=64G\n", "#SBATCH --exclusive\n",
+                 " --cpus-per-task=4 --export=ALL \\\n",
+                 "setup=(\n    'module load cuda/12.4'\n    'echo \"it'\"'\"'s $HOSTNAME\"'\n)\n"):
+        assert line in result.stdout, line
+    assert result.stdout == (tmp_path / "run" / "job.sbatch").read_text()
+
+
+def test_fewer_cpus_than_ranks_is_a_warning(run_main, tmp_path, monkeypatch):
+    result = run_main("slurm", "--nodes", "1", "--nproc-per-node", "2", "parallel.dp=2",
+                      "--dry-run", "--run-dir", "run", "--cpus-per-task", "1")
+    assert result.code == 0, result.stderr
+    assert "warning: --cpus-per-task=1 gives the 2 ranks of each node less than a core each; " \
+        "ask for at least 2" in " ".join(result.stderr.split())
+
+
+@pytest.mark.parametrize("arg", ["--gres=nvme:1",
                                  "--gres-flags=enforce-binding", "--constraint=a100",
                                  "-Ca100", "-bnow", "--begin=now",
                                  "--comment=a b", "--nodelist=n[1-2]", "--no-kill",
                                  "--time-min=10", "--mem-per-gpu=10G", "--cpus-per-gpu=4",
                                  "--gpu-bind=closest", "--exclusive=user", "--export=ALL",
                                  "--mail-type=END", "--dependency=afterok:1", "-dafterok:1",
-                                 "-HQv", "--hold", "--nice=10", "-c8"])
+                                 "-HQv", "--hold", "--nice=10", "--mem-per-cpu=2G"])
 def test_sbatch_args_partrain_does_not_set_are_written(arg, run_main, tmp_path, monkeypatch):
     from partrain.launch.slurm import _sbatch_quote
 

@@ -1,7 +1,9 @@
 """The sbatch script of `partrain slurm`: rendered against a stored expected file, hostile values
 and the launcher's exit codes (3: requeue) run through bash with stub `srun`/`scontrol` (stubs,
 because these tests need no cluster; the real daemons run in tests/integration/test_slurm*.py),
-and the CLI around it: --dry-run, sbatch missing or refusing the job (exit 2 with sbatch's own
+the setup lines (launcher.setup, --setup) run in the task srun starts on each node, before
+partrain, and the first that fails stops it there; --cpus-per-task asked for again by srun; and
+the CLI around it: --dry-run, sbatch missing or refusing the job (exit 2 with sbatch's own
 message, nothing left behind)."""
 
 import dataclasses
@@ -13,15 +15,17 @@ import pytest
 
 from partrain.errors import ConfigError
 from partrain.launch.cluster import slurm_port
-from partrain.launch.slurm import SlurmJob, render_script, write_script
+from partrain.launch.slurm import NODE_PROGRAM, SlurmJob, render_script, write_script
 
 EXPECTED = Path(__file__).parent / "expected" / "llama-2x8.sbatch"
 
 FULL_JOB = SlurmJob(
     run_dir=Path("/shared/runs/llama-7b-tp4-pp2"), job_name="llama-7b-tp4-pp2", nodes=2,
     nproc_per_node=8, partrain=("/opt/venv/bin/partrain",), gpus_per_node=8, partition="gpu",
-    time="04:00:00", account="proj-42", qos="high", sbatch_args=("--exclusive", "--mem=0"),
-    env=(("NCCL_DEBUG", "WARN"), ("NCCL_IB_HCA", "mlx5_0,mlx5_1")))
+    time="04:00:00", account="proj-42", qos="high", cpus_per_task=96, mem="0", exclusive=True,
+    sbatch_args=("--constraint=h100",),
+    env=(("NCCL_DEBUG", "WARN"), ("NCCL_IB_HCA", "mlx5_0,mlx5_1")),
+    setup=("module load cuda/12.4", "source /shared/venvs/train/bin/activate"))
 
 
 def test_rendered_script_matches_the_stored_file():
@@ -33,7 +37,10 @@ def test_rendered_script_matches_the_stored_file():
 def test_script_has_what_the_issue_asks():
     script = render_script(FULL_JOB)
     for line in ("#SBATCH --ntasks-per-node=1", "#SBATCH --signal=USR2@120", "#SBATCH --requeue",
-                 "#SBATCH --open-mode=append",
+                 "#SBATCH --open-mode=append", "#SBATCH --cpus-per-task=96", "#SBATCH --mem=0",
+                 "#SBATCH --exclusive\n", "#SBATCH --constraint=h100",
+                 "--ntasks-per-node=1 --cpus-per-task=96 --export=ALL",
+                 "    'module load cuda/12.4'\n",
                  "#SBATCH --output=/shared/runs/llama-7b-tp4-pp2/logs/slurm-%j.out",
                  'scontrol show hostnames "$SLURM_JOB_NODELIST"', "srun --kill-on-bad-exit=0",
                  "/opt/venv/bin/partrain launch /shared/runs/llama-7b-tp4-pp2/config.yaml",
@@ -80,13 +87,14 @@ def test_hostile_values_stay_literal(tmp_path):
     job = SlurmJob(run_dir=run_dir, job_name=hostile, nodes=2, nproc_per_node=2,
                    partrain=(str(tmp_path / "bin" / "partrain"),), partition=f"$(touch {canary})",
                    account=hostile, sbatch_args=(f"--comment={hostile}",),
-                   env=(("NCCL_DEBUG", hostile),))
+                   env=(("NCCL_DEBUG", hostile),), setup=(hostile, f"echo $(touch {canary})"))
     result = _run_script(tmp_path, job)
     assert result.returncode == 0, result.stderr
     record = tmp_path / "srun-args"
     argv = record.read_text().split("\0")[:-1]
     assert argv == ["--kill-on-bad-exit=0", "--wait=60", "--nodes=2", "--ntasks-per-node=1",
-                    "--export=ALL",
+                    "--export=ALL", "bash", "-c", NODE_PROGRAM, "partrain-setup", "2", hostile,
+                    f"echo $(touch {canary})",  # to run on the nodes, not in the batch shell
                     str(tmp_path / "bin" / "partrain"), "launch", str(run_dir / "config.yaml"),
                     "--run-dir", str(run_dir), "--nnodes", "2", "--nproc-per-node", "2",
                     "--rdzv-endpoint", f"10.0.0.5:{slurm_port('1234')}"]
@@ -138,6 +146,75 @@ def test_srun_inherits_usr2_as_not_ignored(tmp_path):
     assert not mask >> (12 - 1) & 1
 
 
+# srun's stand-in that runs the task as a node would: its options dropped, the rest executed.
+RUN_THE_TASK = 'while [ "${1#--}" != "$1" ]; do shift; done; exec "$@"'
+
+
+def _fake_partrain(tmp_path: Path, log: Path) -> tuple[str]:
+    """A `partrain` that appends what it got (a variable a setup line exports, its arguments)."""
+    fake = tmp_path / "fake-partrain"
+    fake.write_text(f'#!/bin/bash\necho "partrain FROM_SETUP=${{FROM_SETUP:-unset}} $1" >> {log}\n')
+    fake.chmod(0o755)
+    return (str(fake),)
+
+
+def test_setup_lines_run_in_the_nodes_task_in_order_before_partrain(tmp_path):
+    log = tmp_path / "order"
+    lines = (f"echo one >> {log}", "export FROM_SETUP=yes",
+             f"""echo "it's $((1 + 1)) `echo x`" >> {log}""")
+    job = dataclasses.replace(PLAIN_JOB, run_dir=tmp_path / "run",
+                              partrain=_fake_partrain(tmp_path, log), setup=lines)
+    job.run_dir.mkdir()
+    result = _run_script(tmp_path, job, SRUN_DOES=RUN_THE_TASK, SLURMD_NODENAME="n1")
+    assert result.returncode == 0, result.stderr
+    # Each line ran once, as written, and what it exported reached partrain, which ran last.
+    assert log.read_text() == "one\nit's 2 x\npartrain FROM_SETUP=yes launch\n"
+
+
+def test_setup_lines_do_not_run_on_the_batch_host(tmp_path):
+    marker = tmp_path / "ran"
+    job = dataclasses.replace(PLAIN_JOB, run_dir=tmp_path / "run", setup=(f"touch {marker}",))
+    job.run_dir.mkdir()
+    result = _run_script(tmp_path, job)  # srun does nothing: no task runs
+    assert result.returncode == 0, result.stderr
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("failing, code", [("false", 1), ("exit 7", 7), ("exit 0", 1),
+                                           ("f() { false; echo past; }; f", 1),
+                                           ('echo "unclosed', 2), ("false; true", 1)])
+def test_a_failing_setup_line_stops_the_node_and_names_the_line(tmp_path, failing, code):
+    log = tmp_path / "order"
+    job = dataclasses.replace(PLAIN_JOB, run_dir=tmp_path / "run",
+                              partrain=_fake_partrain(tmp_path, log),
+                              setup=(f"echo one >> {log}", failing, f"echo three >> {log}"))
+    job.run_dir.mkdir()
+    result = _run_script(tmp_path, job, SRUN_DOES=RUN_THE_TASK, SLURMD_NODENAME="n1")
+    assert result.returncode == code, result.stderr  # the job fails with the line's code
+    said = [line for line in result.stderr.splitlines() if line.startswith("partrain:")]
+    shown = {"exit 0": 0}.get(failing, code)
+    assert said == [f"partrain: setup line 2 of 3 failed on node n1 (exit {shown}); partrain not "
+                    f"started there: {failing}"], result.stderr
+    assert log.read_text() == "one\n"  # neither the next line nor partrain ran
+
+
+@pytest.mark.parametrize("cpus, srun_has", [(8, ["--cpus-per-task=8"]), (None, [])])
+def test_srun_asks_for_the_cpus_per_task_again(tmp_path, cpus, srun_has):
+    job = dataclasses.replace(PLAIN_JOB, run_dir=tmp_path / "run", cpus_per_task=cpus)
+    job.run_dir.mkdir()
+    result = _run_script(tmp_path, job)
+    assert result.returncode == 0, result.stderr
+    argv = (tmp_path / "srun-args").read_text().split("\0")
+    assert [a for a in argv if a.startswith("--cpus-per-task")] == srun_has
+    assert ("#SBATCH --cpus-per-task=8\n" in render_script(job)) == bool(cpus)
+
+
+@pytest.mark.parametrize("mem", ["0", "500", "500M", "500m", "64G", "64GB", "64gb", "2T", "512k"])
+def test_memory_sizes_sbatch_takes_are_written(mem):
+    # What sbatch 22.05 takes (tried against the real one): a suffix in either case, a B after it.
+    assert f"#SBATCH --mem={mem}\n" in render_script(dataclasses.replace(PLAIN_JOB, mem=mem))
+
+
 def test_sbatch_lines_quote_for_sbatchs_parser():
     job = SlurmJob(run_dir=Path("/r/100%"), job_name='a "b" \\c', nodes=1, nproc_per_node=1,
                    partrain=("partrain",))
@@ -152,6 +229,20 @@ def test_sbatch_lines_quote_for_sbatchs_parser():
     ("sbatch_args", ("exclusive",), "--sbatch-arg 'exclusive' must be an sbatch option"),
     ("sbatch_args", ("--no-requeue",), "the job requeues itself after a save on a preemption"),
     ("sbatch_args", ("--open-mode=truncate",), "a requeued job appends to its log"),
+    ("mem", "64GiB", "--mem '64GiB' is not a SLURM memory size"),
+    ("mem", "1.5G", "--mem '1.5G' is not a SLURM memory size"),
+    ("mem", "-1", "--mem '-1' is not a SLURM memory size"),
+    ("mem", "", "--mem '' is not a SLURM memory size"),
+    ("mem", "1" * 13, "at most 12 digits"),
+    ("mem", "64G\n", "--mem='64G\\n' contains a control character"),
+    ("cpus_per_task", 0, "--cpus-per-task=0 must be between 1 and 65534"),
+    ("cpus_per_task", 65535, "--cpus-per-task=65535 must be between 1 and 65534"),
+    ("setup", ("echo a\nrm -rf ~",), "--setup='echo a\\nrm -rf ~' contains a control character"),
+    ("setup", ("  ",), "--setup '  ' is empty: give a shell line"),
+    ("sbatch_args", ("--exclusive=user",), "'--exclusive=user' and --exclusive ask for two ways"),
+    ("sbatch_args", ("--mem-per-gpu=10G",), "sbatch takes one of --mem, --mem-per-gpu"),
+    ("sbatch_args", ("--mem-per=10G",), "takes one of --mem, --mem-per-cpu, --mem-per-gpu"),
+    ("sbatch_args", ("--cpus-per-gpu=4",), "sbatch takes one of --cpus-per-task, --cpus-per-gpu"),
 ])
 def test_values_no_quoting_makes_safe_are_refused(field, value, fragment):
     job = dataclasses.replace(FULL_JOB, **{field: value})

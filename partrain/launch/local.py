@@ -156,8 +156,10 @@ def restart_reporter(run_dir: Path, max_restarts: int, console_print):
     with what error, and where the restart resumes from."""
     from partrain.checkpoint import store
 
+    since = time.time()  # hang reports of this launch only
+
     def report(attempt: int, errors: dict[int, str | None]) -> None:
-        hung = hang.summary(run_dir, hang.read_reports(run_dir))
+        hung = hang.summary(run_dir, hang.read_reports(run_dir, since))
         for line in hung:
             console_print(line)
         failed = {rank: text for rank, text in errors.items()
@@ -292,6 +294,7 @@ def _run_agent(config: LaunchConfig, run_dir: Path, spec: ElasticLaunch, agent_l
     rank finished, else EXIT_DIVERGED (the divergence guard stopped every rank), EXIT_RANK_FAILED
     (a rank failed, or the rendezvous did: each said with the log to read) or
     EXIT_INTERRUPTED."""
+    since = time.time()  # hang reports of this launch only
     try:
         with hang.DumpRequester(run_dir):
             elastic_launch(config, sys.executable)("-u", "-m", "partrain.train", str(run_dir))
@@ -299,7 +302,7 @@ def _run_agent(config: LaunchConfig, run_dir: Path, spec: ElasticLaunch, agent_l
         exhausted = (f" (restarts exhausted: launcher.max_restarts={spec.max_restarts})"
                      if spec.max_restarts else "")
         if any(_message(f).startswith(hang.PREFIX) for f in err.failures.values()):
-            for line in hang.summary(run_dir, hang.read_reports(run_dir)):
+            for line in hang.summary(run_dir, hang.read_reports(run_dir, since)):
                 console_print(line)
             console_print(f"  every worker was stopped{exhausted}; {_where_to_resume(run_dir)}")
             return EXIT_RANK_FAILED
@@ -309,6 +312,13 @@ def _run_agent(config: LaunchConfig, run_dir: Path, spec: ElasticLaunch, agent_l
                     console_print(f"error: {_message(failure)[len(prefix):]}")
                     return code
         rank, message = _describe_failure(err)
+        if spec.multi_node and any(words in message for words in PEER_LOST):
+            # Every rank here only lost a peer: the one that failed is on another node.
+            console_print(f"a rank on another node failed: this node's rank {rank} lost its peer "
+                          f"({message}){exhausted}; the failed rank and its error are in that "
+                          "node's output and its logs/rank-N.log")
+            console_print(f"  every other rank was stopped; {_where_to_resume(run_dir)}")
+            return EXIT_RANK_FAILED
         console_print(f"rank {rank} failed: {message}{exhausted}")
         console_print(f"  its log: {run_dir / 'logs' / f'rank-{rank}.log'}; every other rank "
                       "was stopped")

@@ -143,7 +143,7 @@ class HangWatch:
         ranks' reports (they saw the hang at about the same time)."""
         frame = sys._current_frames().get(self._main)
         report = {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(),
-                  "host": socket.gethostname(), "step": self.step, "phase": self.phase,
+                  "host": socket.gethostname(), "time": time.time(), "step": self.step, "phase": self.phase,
                   "idle_s": round(idle, 1), "limit_s": limit, "first_step": not self.first_ended,
                   **where(frame)}
         del frame
@@ -266,14 +266,18 @@ def _group(frame) -> dict:
     return {"group": label, "ranks": ranks}
 
 
-def read_reports(run_dir: Path) -> list[dict]:
-    """The hang reports the ranks wrote (see HangWatch), by rank."""
+def read_reports(run_dir: Path, since: float = 0.0) -> list[dict]:
+    """The hang reports the ranks wrote (see HangWatch), by rank; only those written at or after
+    `since` (a time.time(): a launcher's start), not a previous launch's that another node has
+    not cleared yet."""
     reports = []
     for path in sorted((run_dir / "logs" / HANG_DIR).glob("rank-*.json")):
         try:
-            reports.append(json.loads(path.read_text()))
+            report = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
+        if isinstance(report, dict) and report.get("time", 0) >= since:
+            reports.append(report)
     return sorted(reports, key=lambda r: r.get("rank", 0))
 
 
@@ -363,6 +367,7 @@ class DumpRequester:
 
     def __init__(self, run_dir: Path, poll_s: float = 0.5, grace_s: float = 2.0):
         self.run_dir, self.poll_s, self.grace_s = run_dir, poll_s, grace_s
+        self.started = time.time()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="partrain-hang-dumps",
                                         daemon=True)
@@ -378,7 +383,7 @@ class DumpRequester:
         asked = set()
         seen_at = None
         while not self._stopped.wait(self.poll_s):
-            reports = read_reports(self.run_dir)
+            reports = read_reports(self.run_dir, since=self.started)
             if not reports:
                 seen_at = None
                 continue

@@ -93,6 +93,7 @@ def test_no_limit_no_thread(tmp_path):
 
 def _report(rank, world=4, step=3, **extra):
     return {"rank": rank, "world_size": world, "step": step, "phase": f"in step {step}",
+            "time": time.time(),
             "limit_s": 5, "first_step": False, "stack": ["x.py:1 in f"], **extra}
 
 
@@ -151,13 +152,15 @@ def test_the_launcher_signals_a_worker_that_did_not_report(tmp_path):
         assert child.stdout.readline().strip() == "ready"
         assert child.pid in hang.local_workers()
         (tmp_path / "logs" / "hang").mkdir(parents=True)
-        hang.write_json(tmp_path / "logs" / "hang" / "rank-0.json", _report(0, pid=-1))
         with hang.DumpRequester(tmp_path, poll_s=0.05, grace_s=0.1):
+            hang.write_json(tmp_path / "logs" / "hang" / "rank-0.json", _report(0, pid=-1))
             deadline = time.monotonic() + 20
             while "most recent call first" not in log.read_text() and time.monotonic() < deadline:
                 time.sleep(0.05)
         assert "most recent call first" in log.read_text()
         assert child.poll() is None  # asked for its stack, not ended
+        # A report from before the requester started (a previous launch's) asks nobody.
+        assert hang.read_reports(tmp_path, since=time.time() + 1) == []
     finally:
         child.kill()
         child.wait()

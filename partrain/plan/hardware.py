@@ -9,6 +9,7 @@ A preset by name, or a YAML file the user writes with the same keys:
     intra_node_gbps: 450            # GB/s one way per GPU over the node's links (NVLink)
     inter_node_gbps: 50             # GB/s one way per GPU across nodes (its share of the NICs)
     matmul_efficiency: 0.62         # the fraction of peak that large bf16 GEMMs attain
+    hbm_gbps: 3350                  # GB/s of GPU memory bandwidth (optional: peak / 295 FLOP/B)
 
 Bandwidths are per GPU and one way, what a ring collective's step moves at. The presets are the
 vendors' figures for the SXM/OAM parts in their usual 8-GPU nodes:
@@ -18,9 +19,14 @@ vendors' figures for the SXM/OAM parts in their usual 8-GPU nodes:
   at 900 GB/s one way (1.8 TB/s both ways), 8 x 400 Gb/s ConnectX-7;
 - MI300X (AMD's datasheet): 192 GB HBM3, 1307 TFLOP/s dense bf16, Infinity Fabric to each of the
   seven other GPUs at 64 GB/s one way (448 GB/s in all), 8 x 400 Gb/s NICs.
-The efficiency is not a vendor figure: it is what a dense transformer's GEMMs reach in practice
-(lower on MI300X: independent GEMM benchmarks of it, such as SemiAnalysis's of December 2024,
-found large bf16 GEMMs at about half of its peak, against about two thirds on H100).
+Memory bandwidth (HBM, the vendors' datasheets): A100-80GB 2039 GB/s, H100-SXM 3350, H200 4800,
+B200 8000, MI300X 5300; it prices the element-wise work (norms, activations, the loss) and the
+optimizer step. The efficiency is not a vendor figure: it is what a dense transformer's large GEMMs reach in a
+training step. A100 0.63 and H100 0.68 are fitted (`python scripts/bench_time_model.py --fit`)
+on the fit rows of published runs only (Megatron-LM's 2021 A100 table, the Llama 3 paper's
+Table 4); H200 and B200 take the H100's (not fitted on them); MI300X 0.50: independent GEMM
+benchmarks of it, such as SemiAnalysis's of December 2024, found large bf16 GEMMs at about half
+of its peak.
 
 Presets are found by their common names: case, `-SXM`/`-80GB` and punctuation do not matter
 (`h100`, `H100`, `h100-sxm`); an unknown name that is close to one gets a did-you-mean.
@@ -49,6 +55,7 @@ class Hardware:
     intra_node_gbps: float
     inter_node_gbps: float
     matmul_efficiency: float = 0.6
+    hbm_gbps: float = 0.0  # GB/s of GPU memory; 0: peak_tflops / 295 FLOP per byte (an H100's)
 
     @property
     def memory_bytes(self) -> float:
@@ -58,17 +65,24 @@ class Hardware:
     def peak_flops(self) -> float:
         return self.peak_tflops * 1e12
 
+    @property
+    def hbm_bandwidth(self) -> float:
+        """Bytes/s of the GPU's memory."""
+        return (self.hbm_gbps or self.peak_tflops * 1e3 / H100_FLOP_PER_BYTE) * 1e9
+
     def bandwidth(self, crosses_nodes: bool) -> float:
         """Bytes/s one way per GPU on the links a group uses."""
         return (self.inter_node_gbps if crosses_nodes else self.intra_node_gbps) * 1e9
 
 
+H100_FLOP_PER_BYTE = 989e12 / 3350e9  # a machine's balance when a file gives no hbm_gbps
+
 PRESETS = {
-    "A100-80GB": Hardware("A100-80GB", 8, 80, 312, 300, 25, 0.60),
-    "H100-SXM": Hardware("H100-SXM", 8, 80, 989, 450, 50, 0.55),
-    "H200": Hardware("H200", 8, 141, 989, 450, 50, 0.55),
-    "B200": Hardware("B200", 8, 180, 2250, 900, 50, 0.55),
-    "MI300X": Hardware("MI300X", 8, 192, 1307, 448, 50, 0.45),
+    "A100-80GB": Hardware("A100-80GB", 8, 80, 312, 300, 25, 0.63, 2039),
+    "H100-SXM": Hardware("H100-SXM", 8, 80, 989, 450, 50, 0.68, 3350),
+    "H200": Hardware("H200", 8, 141, 989, 450, 50, 0.68, 4800),
+    "B200": Hardware("B200", 8, 180, 2250, 900, 50, 0.68, 8000),
+    "MI300X": Hardware("MI300X", 8, 192, 1307, 448, 50, 0.50, 5300),
 }
 
 
@@ -97,6 +111,7 @@ RANGES = {
     "intra_node_gbps": (1e-3, 1e6, "GB/s per GPU"),
     "inter_node_gbps": (1e-3, 1e6, "GB/s per GPU"),
     "matmul_efficiency": (1e-3, 1, "a fraction of the peak"),
+    "hbm_gbps": (1e-3, 1e7, "GB/s per GPU"),
 }
 
 
@@ -128,7 +143,7 @@ def load_hardware(name_or_path: str) -> Hardware:
     unknown = sorted(map(str, set(raw) - set(known)))
     if unknown:
         raise ConfigError(f"--hardware {path}: unknown key {unknown[0]} (keys: {', '.join(known)})")
-    missing = [k for k, f in known.items() if k not in raw and k not in ("name", "matmul_efficiency")]
+    missing = [k for k, f in known.items() if k not in raw and k not in ("name", "matmul_efficiency", "hbm_gbps")]
     if missing:
         raise ConfigError(f"--hardware {path}: {missing[0]} is required")
     values = {"name": path.stem, **raw}

@@ -1,49 +1,89 @@
 """A model of one training step's time on a cluster (`partrain plan --hardware`, and the search).
 
-The step of the slowest pipeline stage, from its parts:
+The step of the slowest pipeline stage (the last: it has the head), from its parts. Each term
+names where its figure comes from; `Implementation` says what the trainer does (partrain's by
+default; scripts/bench_time_model.py models other trainers' published runs by their own).
 
-- compute: the stage's FLOPs (6 x active parameters per token, causal attention, a full
-  recomputation's extra forward of the blocks) at `matmul_efficiency` of the GPU's peak, lowered
-  for GEMMs too thin to fill the GPU (a tp slice of a small hidden size, a micro-batch of few
-  tokens);
-- tp: the block's collectives (costs.tp_collectives: all-reduces, or all-gathers and
-  reduce-scatters under sequence parallelism), on the critical path, over NVLink when a tp group
-  fits in a node and over the inter-node links when it spans nodes;
-- cp: the ring's key/value blocks or the all-to-alls (costs.cp_traffic), on the critical path;
-- ep: the token all-to-alls of the MoE blocks (costs.moe_traffic), on the critical path;
-- pp: the schedule's bubble, (p-1)/(m+p-1) of the step ((p-1)/(v m + p-1) interleaved), and the
-  point-to-point sends, priced in line with compute: on NCCL partrain's executor posts them in
-  the schedule's order (gloo's early receives are a CPU matter: scripts/bench_pp.py);
-- dp: the gradient reduction over dp x cp with the overlap partrain really has: DDP's buckets
-  overlap the last micro-batch's backward; under pp the average comes after the schedule; ZeRO-1/2
-  reduce-scatter at DeepSpeed's step and all-gather the updated weights; ZeRO-3 also gathers every
-  weight for every micro-batch's forward and backward;
+- compute, three kinds of work, not one efficiency for all:
+  - GEMMs (the blocks' linear layers, the output head): FLOPs at `hw.matmul_efficiency` of the
+    peak, lowered for thin GEMMs by x / (x + GEMM_HALF_DIM), x the thinnest side (the rank's
+    tokens of a micro-batch, the hidden size / tp; the head's vocabulary / tp): few tiles per
+    SM and little reuse per byte (cuBLAS sweeps of GEMM shapes, and the fit below);
+  - attention (flash attention): its causal FLOPs at ATTENTION_EFFICIENCY of the GEMMs'
+    (FlashAttention-2 paper: forward + backward at 50-73% of A100 peak, about 0.7 of a GEMM's);
+    without a fused kernel (`impl.flash_attention` False: Megatron-LM 2021-22) the full score
+    matrix's GEMMs at GEMM efficiency and its softmax and dropout through HBM
+    (UNFUSED_SCORE_BYTES per score);
+  - element-wise work (norms, rotary, SwiGLU's gate, residual adds, the loss's softmax): bytes
+    through HBM at the GPU's memory bandwidth (`hw.hbm_bandwidth`); replicated over tp ranks
+    unless sequence parallelism shards it;
+  plus recomputation: "full" repeats the forward, "selective" repeats the element-wise forward
+  (partrain) and `impl.selective_matmuls` of the forward GEMMs (torchtitan's per-op policy
+  recomputes every other matmul).
+- tp: the block's collectives (costs.tp_collectives) at the implementation's wire bytes
+  (partrain gathers the fp32 residual under sequence parallelism; Megatron sends bf16), less the
+  share the implementation overlaps (`impl.tp_overlap`: partrain none; Megatron-Core's
+  `--tp-comm-overlap` and torchtitan's async TP most of it).
+- cp: the ring's key/value blocks or the all-to-alls (costs.cp_traffic); hidden behind the
+  attention it feeds where the implementation overlaps them (`impl.cp_overlap`).
+- ep: the token all-to-alls of the MoE blocks (costs.moe_traffic), on the critical path.
+- pp: the schedule's bubble, (p-1)/(m+p-1) of the step ((p-1)/(v m + p-1) interleaved with v
+  chunks per rank: `virtual_stage_counts` lists every v the layers allow), and the sends.
+- dp over dp x cp: the gradient reduction and the updated weights' all-gather, hidden behind
+  the backward and forward they overlap (DDP's buckets, Megatron's `--overlap-grad-reduce` and
+  `--overlap-param-gather`); ZeRO-3 / FSDP gathers every weight for each micro-batch's forward
+  and backward and reduce-scatters its gradients, hidden behind that micro-batch's compute when
+  the next layer is prefetched (FSDP2, DeepSpeed's prefetch buckets), plus DeepSpeed's
+  per-module hooks (measured).
 - offload: ZeRO-Offload's AdamW on the host and the gradients and weights over PCIe.
 
-Ring collectives move 2(n-1)/n of the payload per rank for an all-reduce and (n-1)/n for an
-all-gather or reduce-scatter, at the per-GPU bandwidth of the links the group uses.
+Links: a ring collective moves 2(n-1)/n of the payload per rank for an all-reduce and (n-1)/n
+for an all-gather or reduce-scatter, at BUS_EFFICIENCY of the per-GPU bandwidth of its links.
+A group inside a node uses NVLink; a group that crosses nodes uses the network, and its k ranks
+per node drive k NICs (NCCL builds one ring channel per NIC), so it moves at
+min(k x inter_node, intra_node) per GPU: tp=8 leaves one dp rank per node (one NIC's share), tp=1
+eight.
+
+Fitted, on the fit rows of scripts/bench_time_model.py only (Megatron-LM's 2021 A100 table and
+the Llama 3 paper's Table 4; every other row is held out): the presets' matmul_efficiency for
+A100 and H100 and GEMM_HALF_DIM.
 """
 
 import math
 from dataclasses import dataclass
 
-from partrain.models.arith import count_params, flops_per_token, moe_blocks
+from partrain.models.arith import count_params, ffn_dim, flops_per_token, moe_blocks
 from partrain.parallel.schedules import bubble_theory
 from partrain.plan.costs import cp_traffic, moe_traffic, tp_collectives
 from partrain.plan.hardware import Hardware
 
-# DeepSpeed's own work beyond the collectives, per parameter of the rank: the bf16 -> fp32
-# gradient copies into its flat buffers and the weights' copy back (ZeRO-1/2, per step), and
-# ZeRO-3's per-module gather and release hooks (per micro-batch). Measured at dp=1 on an H100,
-# where there is nothing to communicate (README "On GPUs": a 1.5B model, ZeRO-1/2/3 at 0.963,
-# 0.828 and 0.362 of DDP's tokens/s, 2 micro-batches per step).
+# DeepSpeed's own work beyond the collectives, measured at dp=1 on an H100 where there is
+# nothing to communicate (docs/performance.md "On GPUs": llama-1b, 1.5B parameters in 16 blocks,
+# 2 micro-batches of 8192 tokens; ZeRO-1/2/3 at 0.963, 0.828 and 0.362 of DDP's tokens/s):
+# ZeRO-1/2's bf16 -> fp32 gradient copies into its flat buffers and the weights' copy back, per
+# parameter and step; ZeRO-3's gather and release hooks, per module and micro-batch (0.357 s per
+# micro-batch over 147 modules: 9 per block, the embedding, the final norm and the head). The
+# hooks are Python and kernel launches per module, so they scale with modules, not parameters.
 DEEPSPEED_S_PER_PARAM = {1: 1.1e-11, 2: 5.7e-11, 3: 5.7e-11}
-ZERO3_HOOKS_S_PER_PARAM_MB = 2.4e-10
+ZERO3_HOOK_S_PER_MODULE = 0.357 / 147
+MODULES_PER_BLOCK = 9  # q, k, v, o, w1, w2, w3 and the two norms
 HOST_ADAM_PARAMS_PER_S = 1.5e9  # DeepSpeedCPUAdam over one GPU's host cores (H100 node, measured)
 PCIE_BYTES_PER_S = 25e9  # one way, per GPU (PCIe gen4 x16 in practice; gen5 cards reach more)
-# GEMMs thinner than this (the smaller of the rows and the per-rank columns) lose efficiency in
-# proportion: fewer tiles than the GPU has SMs, and less reuse per byte loaded.
-FULL_EFFICIENCY_DIM = 1024
+# Thin GEMMs: efficiency x / (x + GEMM_HALF_DIM) of a large one, x the thinnest side. Fitted
+# on the fit rows (scripts/bench_time_model.py --fit): 0, no penalty; their thinnest sides are
+# 1536 and more, so they cannot see one, and a guess would be fitting by hand.
+GEMM_HALF_DIM = 0
+# Flash attention's forward + backward against a large GEMM (FlashAttention-2, Dao 2023: 50-73%
+# of A100 peak forward, less backward; about 0.7 of cuBLAS's large GEMMs).
+ATTENTION_EFFICIENCY = 0.7
+# Attention without a fused kernel (batched GEMMs and a fused scale-mask-softmax, Megatron-LM
+# 2021-22): bytes per score element through HBM, forward and backward (scores written, read by
+# the softmax, probabilities written, dropout's read, write and mask, and the backward's
+# reads and writes of each): about 20 bytes.
+UNFUSED_SCORE_BYTES = 20
+# Bus bandwidth that NCCL's ring collectives reach of the links' (nccl-tests on DGX A100/H100:
+# about 80% of NVLink's and of the NICs' line rate at large messages).
+BUS_EFFICIENCY = 0.8
 
 
 @dataclass(frozen=True)
@@ -67,11 +107,36 @@ class Layout:
         return self.dp * self.tp * self.pp * self.cp
 
 
-def _ring(op: str, payload: float, n: int, bandwidth: float) -> float:
-    if n <= 1 or payload <= 0:
-        return 0.0
-    factor = 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
-    return factor * payload / bandwidth
+@dataclass(frozen=True)
+class Implementation:
+    """What the time model assumes of the trainer; partrain's by default (PARTRAIN). Another
+    trainer's published runs are modelled by its own (scripts/bench_time_model.py)."""
+    dp_overlap: bool = True  # the gradient reduction goes out during the last backward
+    dp_overlap_under_pp: bool = False  # ... also under pp (partrain averages after the schedule)
+    param_gather_overlap: bool = False  # ZeRO-1/2's weight all-gather under the next forward
+    zero3_prefetch: bool = True  # ZeRO-3/FSDP gathers the next layer during this one's compute
+    zero3_hook_s_per_module: float = ZERO3_HOOK_S_PER_MODULE  # per module and micro-batch
+    deepspeed: bool = True  # ZeRO is DeepSpeed's (its flat-buffer copies, DEEPSPEED_S_PER_PARAM)
+    tp_overlap: float = 0.0  # share of the tp collectives hidden behind GEMMs
+    tp_wire_bytes: int = 0  # bytes per element of every tp collective; 0: partrain's (costs.py)
+    grad_bytes: int = 0  # bytes per gradient element reduced; 0: partrain's (fp32 under DDP)
+    cp_overlap: bool = False  # cp's key/value exchange hidden behind attention
+    flash_attention: bool = True  # fused attention; False: scores through HBM (Megatron 2021-22)
+    selective_matmuls: float = 0.0  # share of the forward GEMMs "selective" recomputes
+    send_bytes: int = 4  # bytes per element of a pipeline send (partrain: the fp32 residual)
+    send_split_tp: bool = False  # each tp rank sends 1/tp of it (Megatron's scatter/gather)
+
+
+PARTRAIN = Implementation()
+
+
+def virtual_stage_counts(n_layers: int, pp: int, max_chunks: int | None = None) -> list[int]:
+    """Every number of chunks per rank an interleaved schedule can use: v >= 2 with pp * v
+    dividing the layers (each chunk a whole number of them), pp * v at most max_chunks."""
+    if pp <= 1:
+        return []
+    return [v for v in range(2, n_layers // pp + 1)
+            if not n_layers % (pp * v) and (max_chunks is None or pp * v <= max_chunks)]
 
 
 def crosses_nodes(span: int, gpus_per_node: int) -> bool:
@@ -79,16 +144,20 @@ def crosses_nodes(span: int, gpus_per_node: int) -> bool:
     return span > gpus_per_node
 
 
-@dataclass(frozen=True)
-class Implementation:
-    """What the time model assumes of the trainer; partrain's by default. Another trainer's
-    published runs are modelled by its own (scripts/bench_time_model.py: Megatron-LM 2021)."""
-    dp_overlap: bool = True  # DDP's gradient buckets go out during the last backward
-    send_bytes: int = 4  # bytes per element of a pipeline send (partrain: the fp32 residual)
-    send_split_tp: bool = False  # each tp rank sends 1/tp of it (Megatron's scatter/gather)
+def group_bandwidth(hw: Hardware, size: int, stride: int) -> float:
+    """Bytes/s one way per GPU that a ring over `size` ranks `stride` apart moves at: NVLink
+    inside a node; across nodes, the NICs of the group's ranks on each node, at most NVLink."""
+    if size * stride <= hw.gpus_per_node:
+        return hw.bandwidth(False) * BUS_EFFICIENCY
+    per_node = max(1, min(size, hw.gpus_per_node // stride))
+    return min(per_node * hw.bandwidth(True), hw.bandwidth(False)) * BUS_EFFICIENCY
 
 
-PARTRAIN = Implementation()
+def _ring(op: str, payload: float, n: int, bandwidth: float) -> float:
+    if n <= 1 or payload <= 0:
+        return 0.0
+    factor = 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
+    return factor * payload / bandwidth
 
 
 def step_time(model_cfg, layout: Layout, global_batch_size: int, seq_len: int, hw: Hardware,
@@ -100,14 +169,13 @@ def step_time(model_cfg, layout: Layout, global_batch_size: int, seq_len: int, h
     micro_tokens = L.micro_batch_size * seq_len // L.cp  # one rank's tokens of a micro-batch
 
     # One micro-batch on one rank of the slowest stage: compute, then what the collectives and
-    # the pipeline's sends add on the critical path. Each over the links its group spans: rank
-    # order is pp, dp, cp, tp (mesh.py), so tp groups are consecutive ranks, cp groups stride tp,
-    # dp groups stride cp x tp, pp groups stride dp x cp x tp.
+    # the pipeline's sends add on the critical path. Rank order is pp, dp, cp, tp (mesh.py): tp
+    # groups are consecutive ranks, cp groups stride tp, dp groups stride cp x tp.
     model_flops_token = flops_per_token(model_cfg, seq_len)
-    compute_mb, efficiency = _compute_per_micro_batch(model_cfg, L, model_flops_token,
-                                                      micro_tokens, hw)
-    tp_mb = _tp_per_micro_batch(model_cfg, L, micro_tokens, hw, low_precision)
-    cp_mb = _cp_per_micro_batch(model_cfg, L, seq_len, hw, act_bytes)
+    c = _compute_per_micro_batch(model_cfg, L, seq_len, micro_tokens, hw, impl)
+    compute_mb = c["gemm_s"] + c["attention_s"] + c["elementwise_s"]
+    tp_mb = _tp_per_micro_batch(model_cfg, L, micro_tokens, hw, low_precision, impl)
+    cp_mb = _cp_per_micro_batch(model_cfg, L, seq_len, hw, act_bytes, impl, c["attention_s"])
     ep_mb = _ep_per_micro_batch(model_cfg, L, micro_tokens, hw, act_bytes)
     p2p_mb = _p2p_per_micro_batch(model_cfg, L, micro_tokens, hw, impl)
     per_mb = compute_mb + tp_mb + cp_mb + ep_mb + p2p_mb
@@ -125,56 +193,95 @@ def step_time(model_cfg, layout: Layout, global_batch_size: int, seq_len: int, h
              "pp_p2p_s": m * p2p_mb, "pp_bubble_s": pipeline - m * per_mb, "dp_s": dp_s,
              "zero3_gather_s": zero3_s, "offload_s": offload_s, "optimizer_s": optimizer_s}
     return {"step_s": total, "tokens_per_s": tokens_per_s, "mfu": mfu, **parts,
-            "efficiency": efficiency, "micro_batches": m, "bubble": bubble,
+            "compute_parts": {k: m * s for k, s in c.items() if k.endswith("_s")},
+            "efficiency": c["efficiency"], "micro_batches": m, "bubble": bubble,
             "limits": limits(parts, total, crosses_nodes(L.tp, hw.gpus_per_node),
                              crosses_nodes(L.dp * L.cp * L.tp, hw.gpus_per_node))}
 
 
-def _compute_per_micro_batch(model_cfg, L: Layout, model_flops_token: float, micro_tokens: int,
-                             hw: Hardware) -> tuple[float, float]:
-    """Seconds of one micro-batch's forward and backward on a rank of the slowest stage (the
-    last: it has the head), and the matmul efficiency they run at."""
-    head_flops = 6 * model_cfg.vocab_size * model_cfg.dim
-    block_flops = model_flops_token - head_flops
-    recompute = {"none": 0.0, "selective": 0.0, "full": 1 / 3}[L.activation_checkpointing]
-    stage_flops = (block_flops / L.pp * (1 + recompute) + head_flops) * micro_tokens / L.tp
-    thin = min(micro_tokens, model_cfg.dim // L.tp, FULL_EFFICIENCY_DIM)
-    efficiency = hw.matmul_efficiency * min(1.0, thin / FULL_EFFICIENCY_DIM) ** 0.5
-    compute_mb = stage_flops / (hw.peak_flops * efficiency)
-    # Selective recomputation redoes only element-wise work: a few percent of the time.
-    if L.activation_checkpointing == "selective":
-        compute_mb *= 1.03
-    return compute_mb, efficiency
+def gemm_efficiency(hw: Hardware, thinnest: float) -> float:
+    """The fraction of peak a GEMM whose thinnest side is `thinnest` reaches."""
+    return hw.matmul_efficiency * thinnest / (thinnest + GEMM_HALF_DIM)
+
+
+def elementwise_bytes(model_cfg, tp: int, sequence_parallel: bool) -> float:
+    """Bytes of element-wise work per token and block on one rank, forward and backward (the
+    backward reads and writes about twice the forward's): the two norms and residual adds
+    (10 x dim, replicated over tp unless sequence parallel), rotary on q and k, SwiGLU's gate
+    (3 x ffn), each element 2 bytes."""
+    head_dim = model_cfg.dim // model_cfg.n_heads
+    q, kv = model_cfg.n_heads * head_dim, model_cfg.n_kv_heads * head_dim
+    residual = 10 * model_cfg.dim / (tp if sequence_parallel else 1)
+    sharded = (2 * (q + kv) + 3 * ffn_dim(model_cfg)) / tp
+    return 3 * 2 * (residual + sharded)
+
+
+def _compute_per_micro_batch(model_cfg, L: Layout, seq_len: int, micro_tokens: int,
+                             hw: Hardware, impl: Implementation) -> dict:
+    """Seconds of one micro-batch's forward and backward on a rank of the last stage, by kind
+    of work, and the blocks' GEMM efficiency."""
+    vocab, dim = model_cfg.vocab_size, model_cfg.dim
+    head_flops = 6 * vocab * dim
+    attention_flops = 6 * model_cfg.n_layers * seq_len * dim  # causal, forward and backward
+    block_flops = flops_per_token(model_cfg, seq_len) - head_flops - attention_flops
+    # Recomputation repeats forwards (a third of forward + backward).
+    matmul_again = {"none": 0.0, "selective": impl.selective_matmuls / 3,
+                    "full": 1 / 3}[L.activation_checkpointing]
+    attention_again = 1 / 3 if L.activation_checkpointing == "full" else 0.0
+    elementwise_again = 0.0 if L.activation_checkpointing == "none" else 1 / 3
+
+    efficiency = gemm_efficiency(hw, min(micro_tokens, dim / L.tp))
+    head_efficiency = gemm_efficiency(hw, min(micro_tokens, dim, vocab / L.tp))
+    tokens = micro_tokens / L.tp
+    gemm_s = (block_flops / L.pp * (1 + matmul_again) * tokens / (hw.peak_flops * efficiency)
+              + head_flops * tokens / (hw.peak_flops * head_efficiency))
+    if impl.flash_attention:
+        attention_s = (attention_flops / L.pp * (1 + attention_again) * tokens
+                       / (hw.peak_flops * efficiency * ATTENTION_EFFICIENCY))
+    else:  # every score computed (twice the causal FLOPs) and moved through HBM
+        scores = seq_len * model_cfg.n_heads / L.tp * model_cfg.n_layers / L.pp
+        attention_s = (1 + attention_again) * micro_tokens * (
+            2 * attention_flops / L.pp / L.tp / (hw.peak_flops * efficiency)
+            + scores * UNFUSED_SCORE_BYTES / hw.hbm_bandwidth)
+    # The loss: fp32 logits written, soft-maxed and differentiated, about 5 passes of 4 bytes.
+    loss_bytes = 20 * vocab / L.tp
+    block_bytes = elementwise_bytes(model_cfg, L.tp, L.sequence_parallel) * model_cfg.n_layers / L.pp
+    elementwise_s = (block_bytes * (1 + elementwise_again) + loss_bytes) * micro_tokens \
+        / hw.hbm_bandwidth
+    return {"gemm_s": gemm_s, "attention_s": attention_s, "elementwise_s": elementwise_s,
+            "efficiency": efficiency}
 
 
 def _tp_per_micro_batch(model_cfg, L: Layout, micro_tokens: int, hw: Hardware,
-                        low_precision: bool) -> float:
-    """The tp collectives of a micro-batch (the stage's share of the blocks; the recomputed
-    forward repeats its collectives)."""
+                        low_precision: bool, impl: Implementation) -> float:
+    """The tp collectives of a micro-batch left on the critical path (the stage's share of the
+    blocks; the recomputed forward repeats its collectives)."""
+    if L.tp <= 1:
+        return 0.0
+    bw = group_bandwidth(hw, L.tp, 1)
     tp_mb = 0.0
-    if L.tp > 1:
-        bw = hw.bandwidth(crosses_nodes(L.tp, hw.gpus_per_node))
-        for row in tp_collectives(model_cfg, micro_tokens, L.tp, L.sequence_parallel, low_precision):
-            share = 1 / L.pp if "attention/MLP" in row["where"] else 1.0
-            again = 1 + (0.5 if L.activation_checkpointing == "full" and "(fwd)" in row["where"]
-                         and "attention/MLP" in row["where"] else 0.0)
-            tp_mb += share * again * row["calls"] * _ring(row["op"], row["bytes"] / row["calls"],
-                                                           L.tp, bw)
-    return tp_mb
+    for row in tp_collectives(model_cfg, micro_tokens, L.tp, L.sequence_parallel, low_precision):
+        share = 1 / L.pp if "attention/MLP" in row["where"] else 1.0
+        again = 1 + (0.5 if L.activation_checkpointing == "full" and "(fwd)" in row["where"]
+                     and "attention/MLP" in row["where"] else 0.0)
+        payload = row["elements"] * impl.tp_wire_bytes if impl.tp_wire_bytes \
+            else row["bytes"] / row["calls"]
+        tp_mb += share * again * row["calls"] * _ring(row["op"], payload, L.tp, bw)
+    return tp_mb * (1 - impl.tp_overlap)
 
 
-def _cp_per_micro_batch(model_cfg, L: Layout, seq_len: int, hw: Hardware,
-                        act_bytes: int) -> float:
+def _cp_per_micro_batch(model_cfg, L: Layout, seq_len: int, hw: Hardware, act_bytes: int,
+                        impl: Implementation, attention_s: float) -> float:
     """The cp ring's key/value blocks or the all-to-alls of a micro-batch, for the stage's
-    blocks."""
-    cp_mb = 0.0
-    if L.cp > 1:
-        bw = hw.bandwidth(crosses_nodes(L.cp * L.tp, hw.gpus_per_node))
-        layers = model_cfg.n_layers / L.pp  # per stage (the balanced split)
-        for row in cp_traffic(model_cfg, L.micro_batch_size, seq_len, L.cp, L.tp, L.cp_method,
-                              math.ceil(layers), act_bytes):
-            cp_mb += row["bytes"] / bw
-    return cp_mb
+    blocks; what attention hides of them where the implementation overlaps."""
+    if L.cp <= 1:
+        return 0.0
+    bw = group_bandwidth(hw, L.cp, L.tp)
+    layers = model_cfg.n_layers / L.pp  # per stage (the balanced split)
+    cp_mb = sum(row["bytes"] for row in cp_traffic(
+        model_cfg, L.micro_batch_size, seq_len, L.cp, L.tp, L.cp_method, math.ceil(layers),
+        act_bytes)) / bw
+    return max(cp_mb - attention_s, 0.0) if impl.cp_overlap else cp_mb
 
 
 def _ep_per_micro_batch(model_cfg, L: Layout, micro_tokens: int, hw: Hardware,
@@ -183,8 +290,8 @@ def _ep_per_micro_batch(model_cfg, L: Layout, micro_tokens: int, hw: Hardware,
     n_moe = len(moe_blocks(model_cfg)) / L.pp if getattr(model_cfg, "moe", None) else 0
     if not (L.ep > 1 and n_moe):
         return 0.0
-    # ep groups are consecutive dp ranks: they span ep x cp x tp ranks.
-    bw = hw.bandwidth(crosses_nodes(L.ep * L.cp * L.tp, hw.gpus_per_node))
+    # ep groups are consecutive dp ranks: ep of them, cp x tp apart.
+    bw = group_bandwidth(hw, L.ep, L.cp * L.tp)
     traffic = moe_traffic(model_cfg, micro_tokens, 1, L.ep, round(n_moe), act_bytes)
     return (traffic["bytes_sent"] + traffic["count_bytes"]) / bw
 
@@ -192,45 +299,59 @@ def _ep_per_micro_batch(model_cfg, L: Layout, micro_tokens: int, hw: Hardware,
 def _p2p_per_micro_batch(model_cfg, L: Layout, micro_tokens: int, hw: Hardware,
                          impl: Implementation) -> float:
     """The pipeline's sends of the residual stream in and out of each stage, for a micro-batch
-    (every chunk of an interleaved schedule sends)."""
+    (every chunk of an interleaved schedule sends), in line with compute: on NCCL partrain's
+    executor posts them in the schedule's order."""
     if L.pp <= 1:
         return 0.0
-    # pp groups stride dp x cp x tp: they leave the node when the world spans nodes and one
-    # stage's ranks fill a node.
+    # pp groups stride dp x cp x tp: they leave the node when one stage's ranks fill a node, and
+    # then every GPU sends over its own share of the NICs.
     pp_cross = crosses_nodes(L.world_size, hw.gpus_per_node) and \
         L.dp * L.cp * L.tp >= hw.gpus_per_node
     seq_split = L.tp if L.sequence_parallel or impl.send_split_tp else 1
     send = micro_tokens * model_cfg.dim * impl.send_bytes / seq_split
-    return 2 * send * L.pp_virtual_stages / hw.bandwidth(pp_cross)
+    return 2 * send * L.pp_virtual_stages / (hw.bandwidth(pp_cross) * BUS_EFFICIENCY)
 
 
 def _data_parallel(model_cfg, L: Layout, m: int, compute_mb: float, hw: Hardware,
                    act_bytes: int, impl: Implementation) -> tuple[float, float, float, float]:
     """The step's data-parallel part over dp x cp, for this rank's parameters (its stage's, its
-    tp slice): the gradient reduction (DDP's or ZeRO's), ZeRO-3's per-micro-batch gathers,
+    tp slice), as much of it as the compute it overlaps does not hide: the gradient reduction
+    and the weights' all-gather (ZeRO-1/2), ZeRO-3's per-micro-batch gathers and reductions,
     ZeRO-Offload's host step, and the optimizer step on the GPU."""
     nd = L.dp * L.cp
     params = count_params(model_cfg) / (L.pp * L.tp)
-    grad_bytes = params * (4 if L.zero_stage == 0 else act_bytes)
-    bw_dp = hw.bandwidth(crosses_nodes(L.dp * L.cp * L.tp, hw.gpus_per_node))
+    grad_bytes = impl.grad_bytes or (4 if L.zero_stage == 0 else act_bytes)
+    bw = group_bandwidth(hw, nd, L.tp)
+    overlaps = impl.dp_overlap and (L.pp == 1 or impl.dp_overlap_under_pp)
+    backward, forward = 2 / 3 * compute_mb, 1 / 3 * compute_mb
     dp_s, zero3_s, offload_s = 0.0, 0.0, 0.0
     if L.zero_stage == 0:
-        reduce = _ring("all_reduce", grad_bytes, nd, bw_dp)
-        # DDP's buckets go out during the last micro-batch's backward (2/3 of its compute);
-        # under pp partrain averages after the schedule.
-        hidden = 0.0 if L.pp > 1 or not impl.dp_overlap else 2 / 3 * compute_mb
-        dp_s = max(reduce - hidden, 0.0)
+        dp_s = max(_ring("all_reduce", params * grad_bytes, nd, bw)
+                   - (backward if overlaps else 0.0), 0.0)
+    elif L.zero_stage in (1, 2):
+        reduce = _ring("reduce_scatter", params * grad_bytes, nd, bw)
+        gather = _ring("all_gather", params * act_bytes, nd, bw)
+        dp_s = (max(reduce - (backward if overlaps else 0.0), 0.0)
+                + max(gather - (forward if impl.param_gather_overlap else 0.0), 0.0))
     else:
-        dp_s = (_ring("reduce_scatter", grad_bytes, nd, bw_dp)
-                + _ring("all_gather", params * act_bytes, nd, bw_dp))
+        # Every micro-batch gathers the weights for its forward and again for its backward and
+        # reduce-scatters its gradients; prefetching hides them behind its compute, all but the
+        # first block's gather.
+        comm = (2 * _ring("all_gather", params * act_bytes, nd, bw)
+                + _ring("reduce_scatter", params * grad_bytes, nd, bw))
+        blocks = model_cfg.n_layers / L.pp
+        exposed = max(comm - compute_mb, comm / (3 * blocks)) if impl.zero3_prefetch else comm
+        hooks = impl.zero3_hook_s_per_module * (MODULES_PER_BLOCK * blocks + 3)
+        zero3_s = m * (exposed + hooks)
+    if L.zero_stage and impl.deepspeed:
         dp_s += params * DEEPSPEED_S_PER_PARAM[L.zero_stage]
-        if L.zero_stage == 3:
-            zero3_s = m * (2 * _ring("all_gather", params * act_bytes, nd, bw_dp)
-                           + params * ZERO3_HOOKS_S_PER_PARAM_MB)
     if L.zero_stage and L.offload_optimizer != "none":
         shard = params / nd
         offload_s = shard / HOST_ADAM_PARAMS_PER_S + shard * 2 * act_bytes / PCIE_BYTES_PER_S
-    optimizer_s = 0.0 if offload_s else params / (nd if L.zero_stage else 1) * 16 * 2 / 2e12
+    # AdamW on the GPU: weights, gradients and two moments read and written (16 bytes each way
+    # per parameter of the rank's shard), at the memory's bandwidth.
+    optimizer_s = 0.0 if offload_s else \
+        params / (nd if L.zero_stage else 1) * 16 * 2 / hw.hbm_bandwidth
     return dp_s, zero3_s, offload_s, optimizer_s
 
 

@@ -1,11 +1,9 @@
 """The hardware presets and files, the time model (partrain/plan/time_model.py) against its own rules
-and against Megatron-LM's published A100 table (scripts/bench_time_model.py), and `partrain plan
+(its published rows: test_time_model_terms.py), and `partrain plan
 --search` (partrain/plan/search.py) against the decision guide of the source material."""
 
 import dataclasses
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
@@ -88,8 +86,9 @@ def test_tp_across_nodes_is_named_and_slower():
     # The same tp8 group on nodes of 4 GPUs: it spans two.
     across = _time(model="llama-70b", gbs=64, dp=1, tp=8, pp=1, micro_batch_size=1,
                    sequence_parallel=True, hw=dataclasses.replace(H100, gpus_per_node=4))
+    # Its 4 ranks on each node drive 4 NICs (NCCL's one ring channel per NIC).
     assert across["tp_s"] == pytest.approx(inside["tp_s"] * H100.intra_node_gbps
-                                           / H100.inter_node_gbps)
+                                           / min(4 * H100.inter_node_gbps, H100.intra_node_gbps))
     assert "tp collectives cross nodes" in across["limits"]
     assert "cross nodes" not in inside["limits"]
 
@@ -107,22 +106,6 @@ def test_offload_puts_the_optimizer_on_the_host():
     on = _time(gbs=64, dp=8, micro_batch_size=1, zero_stage=2)
     assert off["offload_s"] > 0 and off["optimizer_s"] == 0 and on["offload_s"] == 0
     assert off["step_s"] > on["step_s"]
-
-
-def test_megatron_a100_table_within_20_percent():
-    """Each row of Megatron-LM's 2021 A100 table, fed to the time model: TFLOP/s per GPU within
-    20% of the published figure."""
-    path = Path(__file__).resolve().parents[3] / "scripts" / "bench_time_model.py"
-    spec = importlib.util.spec_from_file_location("bench_time_model", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    rows = bench.rows()
-    assert len(rows) == 10
-    for row in rows:
-        assert 0.8 <= row["ratio"] <= 1.2, row
-    # Not one constant off: the model tracks the table's shape (large models with pp are slower
-    # than their GEMMs alone by the bubble, small ones by the dp all-reduce).
-    assert "dp reduction" in rows[0]["limits"] and "bubble" in rows[-1]["limits"]
 
 
 def _best(model, gpus, seq, gbs, hw=H100, *more):

@@ -173,44 +173,85 @@ def plan(
                                                 parser=_whole("--gpus-per-node"),
                                                 help="--search: GPUs per node (default: the "
                                                 "hardware's)"),
-    hardware: str = typer.Option("H100-SXM", "--hardware", metavar="NAME_OR_YAML",
-                                 help="--search: A100-80GB, H100-SXM, H200 or a YAML file"),
+    hardware: Optional[str] = typer.Option(
+        None, "--hardware", metavar="NAME_OR_YAML",
+        help="The GPUs: A100-80GB, H100-SXM (the default), H200, B200, MI300X or a YAML file. "
+        "Without --search: check that this layout fits them and price its step on them"),
+    tokens_per_step: Optional[str] = typer.Option(
+        None, "--tokens-per-step", metavar="TOKENS",
+        help="The global batch in tokens (K = 1,024, M = 1,048,576: 4M): train.global_batch_size "
+        "= TOKENS / train.seq_len"),
+    explain: Optional[str] = typer.Option(
+        None, "--explain", metavar="'tp=8 pp=8'",
+        help="--search: where the best layout with these values ranks and why, or what rules "
+        "it out"),
     write_recipe: Optional[Path] = typer.Option(None, "--write-recipe", metavar="PATH",
                                                 help="--search: write the best layout as a "
                                                 "recipe that launch and slurm run as it is"),
 ) -> None:
     """Show every rank's place in the mesh, the groups and the batch arithmetic; start nothing.
-    With --search: the best layouts for N GPUs instead."""
+    On a GPU target (launcher.device=cuda or --hardware): whether each stage fits the GPU's
+    memory, and the step's time. With --search: the best layouts for N GPUs instead."""
     from partrain.launch.preflight import PLAN, Request, preflight
+    from partrain.plan.fit import DEFAULT_HARDWARE, on_hardware
+    from partrain.plan.hardware import load_hardware
     from partrain.plan.layout import build_plan
     from partrain.plan.render import print_plan
 
+    args = list(args or [])
     if search:
-        _search(args, gpus, gpus_per_node, hardware, write_recipe, as_json)
+        _search(args, gpus, gpus_per_node, hardware, tokens_per_step, explain, write_recipe,
+                as_json)
         return
     for flag, value in (("--gpus", gpus), ("--gpus-per-node", gpus_per_node),
-                        ("--write-recipe", write_recipe)):
+                        ("--explain", explain), ("--write-recipe", write_recipe)):
         if value is not None:
             raise ConfigError(f"{flag} is a --search option; add --search")
+    hw = load_hardware(hardware) if hardware is not None else None
+    if tokens_per_step is not None:
+        args.append(_tokens_override(args, tokens_per_step))
     ready = preflight(Request(args, PLAN, world_size=world_size))
     result = build_plan(ready.cfg, ready.world, ready.warnings)
+    if hw is not None or ready.cfg.launcher.device == "cuda":
+        on_hardware(result, ready.cfg, ready.world, hw or load_hardware(DEFAULT_HARDWARE),
+                    "--hardware" if hw is not None else
+                    "the default --hardware, for launcher.device=cuda")
     if as_json:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
     else:
         print_plan(result, out)
 
 
-def _search(args, gpus, gpus_per_node, hardware, write_recipe, as_json) -> None:
+def _tokens_override(args: list[str], tokens_per_step: str) -> str:
+    """--tokens-per-step as the override train.global_batch_size=N, read against the config's
+    train.seq_len (composed once more for it)."""
+    from partrain.config.compose import compose_config
+    from partrain.launch.preflight import split_args
+    from partrain.plan.search import tokens_to_sequences
+
+    config, overrides = split_args(args)
+    if any(o.lstrip("+").split("=", 1)[0] == "train.global_batch_size" for o in overrides):
+        raise ConfigError(f"--tokens-per-step {tokens_per_step} and train.global_batch_size both "
+                          "set the global batch; give one")
+    seq_len = compose_config(config, overrides).train.seq_len
+    return f"train.global_batch_size={tokens_to_sequences(tokens_per_step, seq_len)}"
+
+
+def _search(args, gpus, gpus_per_node, hardware, tokens_per_step, explain, write_recipe,
+            as_json) -> None:
     import shlex
 
     from partrain.config.compose import compose_config
     from partrain.launch.preflight import split_args
+    from partrain.plan.fit import DEFAULT_HARDWARE
     from partrain.plan.hardware import load_hardware
     from partrain.plan.search import as_json as search_json
     from partrain.plan.search import (
+        assumptions,
         check_config,
         check_recipe_path,
         check_request,
+        parse_explain,
         print_search,
         validated,
         why_no_layout,
@@ -220,7 +261,8 @@ def _search(args, gpus, gpus_per_node, hardware, write_recipe, as_json) -> None:
 
     if gpus is None:
         raise ConfigError("--search needs --gpus N")
-    hw = load_hardware(hardware)
+    wanted = parse_explain(explain) if explain is not None else None
+    hw = load_hardware(hardware if hardware is not None else DEFAULT_HARDWARE)
     if gpus_per_node is not None:
         from partrain.config.validate import MAX_NPROC_PER_NODE
 
@@ -231,16 +273,24 @@ def _search(args, gpus, gpus_per_node, hardware, write_recipe, as_json) -> None:
     check_request(gpus, hw)
     if write_recipe is not None:
         check_recipe_path(write_recipe)
+    flags = {}
+    if tokens_per_step is not None:
+        args = [*args, _tokens_override(args, tokens_per_step)]
+        flags[f"--tokens-per-step {tokens_per_step}"] = ("train.global_batch_size",)
     config, overrides = split_args(args)
     cfg = compose_config(config, overrides)
     check_config(cfg)
-    found = run_search(cfg, gpus, hw, top=40)
+    found = run_search(cfg, gpus, hw, top=40, explain=wanted)
     if not found["candidates"]:
         raise ConfigError(why_no_layout(cfg, gpus, hw))
     result = validated(found, config, overrides, gpus, hw)
+    result["assumptions"] = assumptions(
+        cfg, config, overrides, hw, gpus, flags=flags,
+        hw_source=("--hardware" if hardware is not None else "the default --hardware")
+        + (", --gpus-per-node" if gpus_per_node is not None else ""))
     if write_recipe is not None:
         command = " ".join(["partrain plan --search", shlex.join(args or []), f"--gpus {gpus}",
-                            f"--gpus-per-node {hw.gpus_per_node}", f"--hardware {hardware}"])
+                            f"--gpus-per-node {hw.gpus_per_node}", f"--hardware {hw.name}"])
         write(write_recipe, result, command)
     if as_json:
         sys.stdout.write(json.dumps(search_json(result), indent=2) + "\n")

@@ -229,6 +229,10 @@ class LauncherConfig:
     setup: List[str] = field(default_factory=list)
     """Shell lines `partrain slurm`'s script runs on every node before partrain (e.g. `module
     load cuda/12.4`); --setup adds more."""
+    allow_predicted_oom: bool = False
+    """Start on CUDA even when partrain's memory model predicts a rank's peak above the GPU's
+    memory by more than the model's error (10%); `partrain launch` refuses such a layout
+    otherwise and names the changes that would fit."""
 
 
 @dataclass

@@ -11,6 +11,9 @@ the last step passes):
     as it is, or a recipe composed with overrides; this node's CUDA devices counted (launch);
     the world resolved (plan's --world-size split into nodes x ranks per node) and every rule of
     the config validated (every command).
+ 3b. The layout fits this node's GPUs (check_memory): on CUDA, each pipeline stage's peak by
+    partrain's memory model against the GPU's memory; refused when it exceeds it by more than
+    the model's error, unless launcher.allow_predicted_oom (launch).
  4. The world can start on one node (check_startable) (launch, slurm).
  5. This node in the job: its rank, the rendezvous endpoint, its address and interface
     (netif.pick_network) (launch).
@@ -22,7 +25,7 @@ the last step passes):
     one model.init_from names, or its Hugging Face directory (check_init_from); a checkpoint's
     files are checked whole against its .metadata (checkpoint/verify) (launch, slurm).
 
-torch is imported only to count CUDA devices (step 3, launch) and, for `show` of a ZeRO config on
+torch is imported only to count CUDA devices and read their memory (steps 3 and 3b, launch) and, for `show` of a ZeRO config on
 launcher.device auto or cuda, to ask whether CUDA is visible; `plan` runs without it.
 """
 
@@ -129,6 +132,8 @@ def preflight(request: Request) -> Ready:
                           "--resume continues in its own")
     place = detect_place(request.nproc_per_node) if checks.on_this_node else None
     cfg, world, warnings = resolve(request, place)
+    if checks.on_this_node and runs_on_cuda(cfg):
+        check_memory(cfg, world, warnings)
     if checks.startable:
         check_startable(world)
     ready = Ready(cfg, world, warnings)
@@ -222,6 +227,29 @@ def visible_gpus(cfg: DictConfig, gpus_on_node: int | None) -> int:
         raise ConfigError("launcher.device=cuda but no CUDA device is visible; "
                           "use launcher.device=cpu")
     return cuda_devices
+
+
+def cuda_memory() -> tuple[int, str]:
+    """The memory in bytes of this node's smallest visible GPU, and its name."""
+    import torch
+
+    props = min((torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())),
+                key=lambda d: d.total_memory)
+    return props.total_memory, props.name
+
+
+def check_memory(cfg: DictConfig, world: World, warnings: list[str]) -> None:
+    """Step 3b: each pipeline stage's predicted peak (plan/fit.py) against this node's GPU. A
+    layout over the device by more than the memory model's error is refused (it would run out
+    of memory once the model is built) unless launcher.allow_predicted_oom; one over the share
+    a step may use is a warning."""
+    from partrain.plan.fit import check_fit, fit_warnings, refusal
+
+    total, name = cuda_memory()
+    fit = check_fit(cfg, world, total, name)
+    if fit["certain_oom"] and not cfg.launcher.allow_predicted_oom:
+        raise ConfigError(refusal(fit))
+    warnings.extend(fit_warnings(fit))
 
 
 def has_cuda() -> bool:

@@ -21,6 +21,18 @@ Counted as partrain's code really holds them (checked against tensor accounting 
 
 from dataclasses import dataclass
 
+# The share of a GPU's memory a training step may plan to use: the rest goes to the CUDA context,
+# the libraries' workspaces and the caching allocator's fragmentation. `plan` warns above it and
+# `plan --search` keeps only layouts below it.
+USABLE_FRACTION = 0.9
+# How far a measured peak has been from this model's prediction (docs/performance.md, "Memory:
+# plan against measured"): scripts/bench_memory.py holds every rank of its 17 layouts to 10% on
+# CPU (all came within 9.0%), and on one H100 plan / measured ran from 0.907 (bf16 without
+# checkpointing, about 8% unexplained) to 1.043. `partrain launch` refuses a layout only when
+# the prediction exceeds the device's memory by more than this: then even the model's error
+# cannot make it fit.
+MODEL_ERROR = 0.10
+
 from partrain.models.arith import expert_ffn_dim, expert_params, ffn_dim, is_moe_block
 from partrain.plan.costs import zero_memory
 

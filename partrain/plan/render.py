@@ -57,6 +57,8 @@ def print_plan(plan: dict, console: Console) -> None:
         _print_pipeline(plan, console)
     _print_tp_collectives(plan, console)
     _print_context(plan, console)
+    if plan.get("time"):
+        _print_on_hardware(plan, console)
     for warning in plan["warnings"]:
         console.print(Text.assemble(("warning:", "yellow"), " ", warning))
 
@@ -221,3 +223,23 @@ def _print_context(plan: dict, console: Console) -> None:
                           _size(r["bytes"]))
         table.add_row("total", "", "", "", _size(ctx["bytes_per_step"]))
         console.print(table)
+
+
+def _print_on_hardware(plan: dict, console: Console) -> None:
+    """The fit and the step's price on the plan's GPUs (plan/fit.py), parts of 1% or more."""
+    t, fit = plan["time"], plan["fit"]
+    console.print(f"on {t['gpus']:,} x {t['hardware']} ({t['hardware_source']}; "
+                  f"{_size(fit['device_bytes'])} each, {t['gpus_per_node']} per node as the "
+                  f"plan's world), {t['dtype']}, {t['global_batch_size']:,} sequences x "
+                  f"{t['seq_len']:,} tokens = {t['tokens_per_step']:,} tokens per step:")
+    peaks = ", ".join(f"pp rank {s['pp_rank']} {_size(s['peak_bytes'])}" for s in fit["stages"])
+    console.print(f"  memory: {peaks}; "
+                  + (f"fits in {fit['usable_fraction']:.0%} of the GPU ({_size(fit['usable_bytes'])})"
+                     if fit["fits"] else "does NOT fit (see the warnings)"))
+    parts = ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {t[k]:.3g} s"
+                      for k in t if k.endswith("_s") and k != "step_s"
+                      and not k.startswith("tokens_per") and isinstance(t[k], float) and t[k] >= 0.01 * t["step_s"])
+    console.print(f"  step {t['step_s']:.3g} s ({parts}): {t['tokens_per_s_per_gpu']:,.0f} "
+                  f"tokens/s per GPU, {t['tokens_per_s_per_job']:,.0f} tokens/s per job, MFU "
+                  f"{t['mfu']:.1%}; limited by {t['limits']} (partrain's time model, the "
+                  "search's own)")

@@ -22,17 +22,18 @@ from types import SimpleNamespace
 
 from omegaconf import DictConfig, OmegaConf
 
+from partrain.config.resolve import compute_dtype
 from partrain.config.validate import MAX_PIPELINE_CHUNKS
 from partrain.models.arith import ffn_dim, moe_enabled
 from partrain.parallel.mesh import ParallelDims
 from partrain.plan.hardware import Hardware
 from partrain.plan.layout import stage_plan
-from partrain.plan.memory_model import memory_per_stage
+from partrain.plan.memory_model import USABLE_FRACTION, memory_per_stage
 from partrain.plan.time_model import Layout, step_time
 
-# Memory held back from the GPU's capacity: the CUDA context and libraries' workspaces, and the
-# caching allocator's fragmentation.
-MEMORY_MARGIN = 0.9
+# The share of the GPU's memory a layout may use (the rest: the CUDA context and libraries'
+# workspaces, the caching allocator's fragmentation); `plan`'s fit warnings use the same.
+MEMORY_MARGIN = USABLE_FRACTION
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 CP_DEGREES = (1, 2, 4, 8)
 CHECKPOINTING = ("none", "selective", "full")
@@ -79,7 +80,14 @@ class Candidate:
     def as_dict(self) -> dict:
         return {"layout": asdict(self.layout), "describe": self.describe(),
                 "memory_bytes": self.memory_bytes, "memory_largest": self.memory_largest,
-                **{k: v for k, v in self.time.items()}}
+                **{k: v for k, v in self.time.items()},
+                "tokens_per_s_per_job": self.time.get("tokens_per_s"),
+                "tokens_per_s_per_gpu": self.per_gpu()}
+
+    def per_gpu(self) -> float | None:
+        """Tokens/s of one GPU: the job's over its world size."""
+        return (self.time["tokens_per_s"] / self.layout.world_size
+                if "tokens_per_s" in self.time else None)
 
 
 def _divisors(n: int, limit: int) -> list[int]:
@@ -135,7 +143,8 @@ def layouts(model_cfg, gpus: int, hw: Hardware, global_batch_size: int, seq_len:
                                  activation_checkpointing=ckpt, offload_optimizer=offload)
 
 
-def _memory(model, layout: Layout, global_batch_size: int, seq_len: int, stages_cache: dict) -> dict:
+def _memory(model, layout: Layout, global_batch_size: int, seq_len: int, stages_cache: dict,
+            dtype: str = "bf16") -> dict:
     """The largest rank's peak bytes by the memory model (no schedule simulation)."""
     L = layout
     dims = ParallelDims(pp=L.pp, dp=L.dp, tp=L.tp, cp=L.cp, ep=L.ep)
@@ -152,7 +161,7 @@ def _memory(model, layout: Layout, global_batch_size: int, seq_len: int, stages_
                                  pp_schedule=L.pp_schedule, offload_optimizer=L.offload_optimizer),
         train=SimpleNamespace(micro_batch_size=L.micro_batch_size, seq_len=seq_len,
                               micro_batches=m, activation_checkpointing=L.activation_checkpointing))
-    per_stage = memory_per_stage(view, dims, stages_cache[key], "bf16", simulate=False)
+    per_stage = memory_per_stage(view, dims, stages_cache[key], dtype, simulate=False)
     return max(per_stage, key=lambda s: s["total"])
 
 
@@ -170,30 +179,265 @@ def _rank(c: Candidate) -> tuple:
     return (-math.floor(math.log(c.time["tokens_per_s"]) / math.log(TIE)), simpler)
 
 
-def search(cfg, gpus: int, hw: Hardware, top: int = 10) -> dict:
+def search(cfg, gpus: int, hw: Hardware, top: int = 10, explain: dict | None = None) -> dict:
     """Rank every layout for `cfg`'s model and batch on `gpus` GPUs of `hw`; cfg is composed
-    (its parallel and micro-batch keys are ignored: the search sets them)."""
+    (its parallel and micro-batch keys are ignored: the search sets them). The compute dtype is
+    train.dtype's on CUDA (`auto`: bf16). `explain` (Layout fields -> values, parse_explain)
+    also collects every enumerated layout that has those values, fitting or not."""
     start = time.perf_counter()
     t = cfg.train
     # Plain attribute access: the model config is read millions of times.
     model = OmegaConf.to_object(cfg.model) if isinstance(cfg.model, DictConfig) else cfg.model
     seq_len, gbs = t.seq_len, t.global_batch_size
+    dtype = compute_dtype(t.dtype, True)
     budget = hw.memory_bytes * MEMORY_MARGIN
     stages_cache: dict = {}
-    fits, counted, too_big = [], 0, None
+    fits, counted, too_big, matching = [], 0, None, []
     for layout in layouts(model, gpus, hw, gbs, seq_len):
         counted += 1
-        mem = _memory(model, layout, gbs, seq_len, stages_cache)
+        mem = _memory(model, layout, gbs, seq_len, stages_cache, dtype)
+        wanted = explain is not None and all(getattr(layout, k) == v for k, v in explain.items())
         if mem["total"] > budget:
             if too_big is None or mem["total"] < too_big.memory_bytes:
                 too_big = Candidate(layout, mem["total"], mem["largest"], {})
+            if wanted:
+                matching.append(Candidate(layout, mem["total"], mem["largest"], {}))
             continue
-        timing = step_time(model, layout, gbs, seq_len, hw)
+        timing = step_time(model, layout, gbs, seq_len, hw, low_precision=dtype != "fp32")
         fits.append(Candidate(layout, mem["total"], mem["largest"], timing))
+        if wanted:
+            matching.append(fits[-1])
     fits.sort(key=_rank)
     return {"gpus": gpus, "hardware": asdict(hw), "candidates": counted, "fit": len(fits),
             "best": fits[:top], "smallest_that_does_not_fit": too_big,
-            "seconds": time.perf_counter() - start}
+            "seconds": time.perf_counter() - start, "dtype": dtype,
+            "global_batch_size": gbs, "seq_len": seq_len,
+            "explain": explained(explain, matching, fits, budget, model, gpus, hw, gbs, seq_len)
+            if explain is not None else None}
+
+
+def batch_exhausted(c: Candidate) -> bool:
+    """Whether a layout has used the whole batch on data parallelism: one sequence per
+    micro-batch and no more micro-batches than its pipeline needs, so dp cannot grow."""
+    L = c.layout
+    return (L.micro_batch_size == 1 and c.time.get("micro_batches") == max(1, L.pp)
+            and L.tp * L.pp * L.cp > 1)
+
+
+def batch_limit(result: dict) -> str | None:
+    """The batch named as the limit, when the best layout has run out of sequences to give
+    data parallelism and spends the GPUs on tp, pp and cp instead."""
+    if not result["best"] or not batch_exhausted(result["best"][0]):
+        return None
+    best, gbs, seq = result["best"][0], result["global_batch_size"], result["seq_len"]
+    L, gpus = best.layout, result["gpus"]
+    tokens = gbs * seq
+    return (f"the global batch is the limit: {gbs:,} sequences of {seq:,} tokens ({tokens:,} "
+            f"tokens per step, {tokens / gpus:,.1f} per GPU) cannot feed dp > {gbs:,}; the best "
+            f"layout gives each of its dp={L.dp} replica(s) {best.time['micro_batches']} "
+            f"micro-batch(es) of one sequence and puts the {gpus // L.dp:,} GPUs of a replica "
+            f"into tp({L.tp}) x pp({L.pp}) x cp({L.cp}): raise train.global_batch_size (or "
+            "--tokens-per-step)")
+
+
+# --explain: what a layout may be asked by, and the Layout field each name sets.
+EXPLAIN_KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "zero": "zero_stage",
+                "zero_stage": "zero_stage", "mb": "micro_batch_size",
+                "micro_batch_size": "micro_batch_size", "ckpt": "activation_checkpointing",
+                "activation_checkpointing": "activation_checkpointing",
+                "schedule": "pp_schedule", "pp_schedule": "pp_schedule",
+                "v": "pp_virtual_stages", "pp_virtual_stages": "pp_virtual_stages",
+                "offload": "offload_optimizer", "offload_optimizer": "offload_optimizer"}
+EXPLAIN_CHOICES = {"activation_checkpointing": CHECKPOINTING,
+                   "pp_schedule": ("1f1b", "interleaved_1f1b"),
+                   "offload_optimizer": ("none", "cpu")}
+
+
+def parse_explain(text: str) -> dict:
+    """--explain 'tp=8 pp=8' (spaces or commas; `parallel.` and `train.` prefixes allowed) as
+    Layout fields -> values."""
+    from partrain.errors import ConfigError
+
+    wanted = {}
+    items = [i for i in text.replace(",", " ").split() if i]
+    if not items:
+        raise ConfigError(f"--explain {text!r} names no degree; give key=value pairs such as "
+                          "'tp=8 pp=8'")
+    for item in items:
+        key, sep, value = item.partition("=")
+        name = key.removeprefix("parallel.").removeprefix("train.")
+        if not sep or name not in EXPLAIN_KEYS:
+            raise ConfigError(f"--explain {item!r}: each item is key=value with key one of "
+                              f"{', '.join(sorted(set(EXPLAIN_KEYS)))}")
+        field = EXPLAIN_KEYS[name]
+        if field in EXPLAIN_CHOICES:
+            if value not in EXPLAIN_CHOICES[field]:
+                raise ConfigError(f"--explain {item}: {key} must be one of "
+                                  f"{', '.join(EXPLAIN_CHOICES[field])}")
+            wanted[field] = value
+        else:
+            if not value.isdigit() or len(value) > 9 or int(value) < (0 if field == "zero_stage"
+                                                                        else 1):
+                raise ConfigError(f"--explain {item}: {key} must be a whole number, at least "
+                                  f"{0 if field == 'zero_stage' else 1}")
+            wanted[field] = int(value)
+    return wanted
+
+
+def _why_not_enumerated(want: dict, model, gpus: int, hw: Hardware, gbs: int, seq_len: int) -> str:
+    """The search's rule (or partrain's) that leaves no layout with the asked values."""
+    tp, pp, cp = want.get("tp", 1), want.get("pp", 1), want.get("cp", 1)
+    tps, pps = _tp_degrees(model, hw, gpus), _divisors(model.n_layers, min(gpus, MAX_PIPELINE_CHUNKS))
+    if "tp" in want and tp not in tps:
+        return (f"tp={tp} is not one the search tries for this model on {gpus} GPUs ({tps}): tp "
+                f"must divide model.n_heads={model.n_heads}, model.n_kv_heads="
+                f"{model.n_kv_heads}, the MLP size {ffn_dim(model)} and model.vocab_size="
+                f"{model.vocab_size}, be a power of two and stay within two nodes "
+                f"({2 * hw.gpus_per_node} GPUs)")
+    if "pp" in want and pp not in pps:
+        return f"pp={pp} must divide model.n_layers={model.n_layers} (pp in {pps})"
+    if "cp" in want and (cp not in CP_DEGREES or cp > 1 and seq_len % (2 * cp)):
+        return (f"cp={cp} must be one of {list(CP_DEGREES)} and split train.seq_len={seq_len} "
+                "into 2 * cp chunks")
+    if gpus % (tp * pp * cp):
+        return f"tp({tp}) * pp({pp}) * cp({cp}) = {tp * pp * cp} must divide --gpus {gpus}"
+    dp = gpus // (tp * pp * cp)
+    if "dp" in want and want["dp"] != dp and all(k in want for k in ("tp", "pp", "cp")):
+        return f"dp is what is left: {gpus} / (tp * pp * cp) = {dp}, not {want['dp']}"
+    if "dp" in want and gpus % want["dp"]:
+        return f"dp={want['dp']} must divide --gpus {gpus}"
+    mb = want.get("micro_batch_size")
+    if mb is not None and mb not in MICRO_BATCH_SIZES:
+        return f"the search tries micro-batch sizes {list(MICRO_BATCH_SIZES)}, not {mb}"
+    dp = want.get("dp", dp)
+    if gbs % dp or gbs < dp * max(1, pp):
+        return (f"train.global_batch_size={gbs} cannot be shared by dp={dp}"
+                + (f" with at least pp={pp} micro-batches each" if pp > 1 else "")
+                + f": it needs a multiple of {dp * max(1, pp)} sequences")
+    zero = want.get("zero_stage", 0)
+    if zero >= 2 and (pp > 1 or tp > 1):
+        return f"ZeRO-{zero} does not go with pp > 1 or tp > 1 (sequence parallelism)"
+    if zero > 3:
+        return f"zero={zero}: ZeRO stages are 0 to 3"
+    if want.get("ep", 1) > 1 and not moe_enabled(model):
+        return "ep > 1 needs a mixture-of-experts model"
+    return ("no layout the search enumerates has all of these values together (see `partrain "
+            "plan --help` and docs/planner.md for the space it searches)")
+
+
+def explained(want: dict, matching: list, fits: list, budget: float, model, gpus: int,
+              hw: Hardware, gbs: int, seq_len: int) -> dict:
+    """Where the best layout with the asked values ranks and why, or what rules it out."""
+    asked = " ".join(f"{k}={v}" for k, v in want.items())
+    if not matching:
+        return {"asked": asked, "verdict": "not enumerated",
+                "reason": _why_not_enumerated(want, model, gpus, hw, gbs, seq_len)}
+    fitting = [c for c in matching if c.time]
+    if not fitting:
+        least = min(matching, key=lambda c: c.memory_bytes)
+        return {"asked": asked, "verdict": "does not fit", "variants": len(matching),
+                "reason": f"none of its {len(matching):,} variants (micro-batch, checkpointing, "
+                          f"ZeRO, offload) fits in {budget / 2**30:,.1f} GiB: the smallest, "
+                          f"{least.describe()}, needs {least.memory_bytes / 2**30:,.1f} GiB "
+                          f"(largest part: {least.memory_largest})",
+                "nearest": least.describe(), "memory_bytes": least.memory_bytes}
+    order = {id(c): i for i, c in enumerate(fits)}
+    best = min(fitting, key=lambda c: order[id(c)])
+    winner, rank = fits[0], order[id(best)] + 1
+    ratio = best.time["tokens_per_s"] / winner.time["tokens_per_s"]
+    costs = sorted(((best.time[k] - winner.time[k], k) for k in best.time
+                    if k.endswith("_s") and k != "step_s" and not k.startswith("tokens_per")
+                    and isinstance(best.time[k], float)), reverse=True)
+    more = [f"{k.removesuffix('_s').replace('_', ' ')} +{d:.3g} s" for d, k in costs[:3]
+            if d > 0.01 * winner.time["step_s"]]
+    why = ("it is the best layout" if rank == 1 else
+           f"{ratio:.1%} of the best's tokens/s ({winner.describe()}); its step is "
+           f"{best.time['step_s']:.3g} s against {winner.time['step_s']:.3g} s"
+           + (f", more time in: {', '.join(more)}" if more else "")
+           + (" (within 1%: ranked by simplicity)" if ratio > 1 / TIE else ""))
+    return {"asked": asked, "verdict": "ranked", "rank": rank, "of": len(fits),
+            "variants": len(matching), "fitting_variants": len(fitting),
+            "best_variant": best.as_dict(), "reason": why}
+
+
+def explain_text(ex: dict) -> str:
+    if ex["verdict"] == "ranked":
+        b = ex["best_variant"]
+        return (f"--explain {ex['asked']}: its best variant, {b['describe']}, ranks "
+                f"{ex['rank']:,} of {ex['of']:,} that fit: {b['tokens_per_s_per_gpu']:,.0f} "
+                f"tokens/s per GPU, MFU {b['mfu']:.1%}, {b['memory_bytes'] / 2**30:.1f} GiB, "
+                f"limited by {b['limits']}; {ex['reason']}")
+    return f"--explain {ex['asked']}: {ex['verdict']}: {ex['reason']}"
+
+
+def tokens_to_sequences(text: str, seq_len: int) -> int:
+    """--tokens-per-step TOKENS (a whole number, K = 1,024, M = 1,048,576) as sequences of
+    train.seq_len tokens."""
+    import re
+
+    from partrain.errors import ConfigError
+
+    match = re.fullmatch(r"(\d{1,15}(?:\.\d{1,6})?)([KkMm]?)", text.strip())
+    if not match:
+        raise ConfigError(f"--tokens-per-step {text!r} is not a number of tokens: give a whole "
+                          "number, or one with K (1,024) or M (1,048,576), such as 4M")
+    scale = {"": 1, "k": 2**10, "m": 2**20}[match.group(2).lower()]
+    tokens = float(match.group(1)) * scale
+    if tokens != int(tokens) or tokens < 1:
+        raise ConfigError(f"--tokens-per-step {text} is {tokens:g} tokens: it must be a whole "
+                          "number of tokens, at least 1")
+    tokens = int(tokens)
+    if tokens % seq_len:
+        raise ConfigError(f"--tokens-per-step {text} = {tokens:,} tokens is not a multiple of "
+                          f"train.seq_len={seq_len}: the global batch is whole sequences (try "
+                          f"{max(1, tokens // seq_len) * seq_len:,} or "
+                          f"{(tokens // seq_len + 1) * seq_len:,})")
+    return tokens // seq_len
+
+
+def key_source(key: str, config: str | None, overrides: list[str],
+               flags: dict | None = None) -> str:
+    """Where a config key's value came from: a flag, an override, the recipe, or the defaults."""
+    for flag, keys in (flags or {}).items():
+        if key in keys:
+            return flag
+    if any(o.lstrip("+").split("=", 1)[0] == key for o in overrides):
+        return "override"
+    from partrain.config.compose import find_recipe, read_yaml
+    from partrain.errors import ConfigError
+
+    try:
+        node = read_yaml(find_recipe(config))
+        for part in key.split("."):
+            node = node[part]
+        return f"config {config or 'quickstart (no CONFIG given)'}"
+    except (ConfigError, KeyError, TypeError):  # not in the file: the defaults' value
+        return "default (configs/)"
+
+
+def assumptions(cfg, config: str | None, overrides: list[str], hw: Hardware, gpus: int,
+                hw_source: str, flags: dict | None = None) -> dict:
+    """What the search priced and where each came from."""
+    t = cfg.train
+    src = {k: key_source(f"train.{k}", config, overrides, flags)
+           for k in ("global_batch_size", "seq_len", "dtype")}
+    return {"global_batch_size": t.global_batch_size, "seq_len": t.seq_len,
+            "tokens_per_step": t.global_batch_size * t.seq_len,
+            "dtype": compute_dtype(t.dtype, True), "train_dtype": t.dtype,
+            "hardware": hw.name, "gpus": gpus, "gpus_per_node": hw.gpus_per_node,
+            "sources": {"train.global_batch_size": src["global_batch_size"],
+                        "train.seq_len": src["seq_len"], "train.dtype": src["dtype"],
+                        "hardware": hw_source}}
+
+
+def assumptions_text(a: dict) -> str:
+    s = a["sources"]
+    return (f"priced: global batch {a['global_batch_size']:,} sequences x {a['seq_len']:,} "
+            f"tokens = {a['tokens_per_step']:,} tokens per step (train.global_batch_size: "
+            f"{s['train.global_batch_size']}; train.seq_len: {s['train.seq_len']}), dtype "
+            f"{a['dtype']} (train.dtype={a['train_dtype']}: {s['train.dtype']}), on "
+            f"{a['gpus']:,} x {a['hardware']}, {a['gpus_per_node']} per node (hardware: "
+            f"{s['hardware']})")
 
 
 def world_overrides(gpus: int, hw: Hardware) -> list[str]:
@@ -310,9 +554,10 @@ def validated(result: dict, config: str | None, overrides: list[str], gpus: int,
 
 def as_json(result: dict) -> dict:
     too_big = result["smallest_that_does_not_fit"]
-    return {"gpus": result["gpus"], "hardware": result["hardware"],
-            "candidates": result["candidates"], "fit": result["fit"],
-            "seconds": round(result["seconds"], 3),
+    return {"assumptions": result.get("assumptions"), "gpus": result["gpus"],
+            "hardware": result["hardware"], "candidates": result["candidates"],
+            "fit": result["fit"], "seconds": round(result["seconds"], 3),
+            "batch_limit": batch_limit(result), "explain": result["explain"],
             "best": [c.as_dict() | {"overrides": c.overrides()} for c in result["best"]],
             "refused": [{"describe": c.describe(), "reason": r} for c, r in result["refused"]],
             "smallest_that_does_not_fit": too_big and {
@@ -325,6 +570,8 @@ def print_search(result: dict, console) -> None:
 
     hw = result["hardware"]
     gib = 2**30
+    if result.get("assumptions"):
+        console.print(assumptions_text(result["assumptions"]))
     console.print(f"{result['candidates']:,} layouts of {result['gpus']} x {hw['name']} "
                   f"({hw['gpus_per_node']} per node, {hw['memory_gib']:g} GiB each); "
                   f"{result['fit']:,} fit in {MEMORY_MARGIN:.0%} of the memory "
@@ -335,16 +582,28 @@ def print_search(result: dict, console) -> None:
                                         f"{too_big.memory_bytes / gib:.1f} GiB per GPU "
                                         f"(largest part: {too_big.memory_largest})"
                                         if too_big else ""))
+        if result["explain"]:
+            console.print(explain_text(result["explain"]))
         return
+    limit = batch_limit(result)
+    if limit:
+        console.print(limit)
     table = Table(title="best predicted layouts (partrain's memory and time models)")
-    for col in ("#", "layout", "memory/GPU", "largest part", "tokens/s", "MFU", "limited by"):
-        table.add_column(col, justify="right" if col in ("#", "memory/GPU", "tokens/s", "MFU")
-                         else "left")
+    numbers = ("#", "memory/GPU", "tokens/s per GPU", "tokens/s per job", "MFU")
+    for col in ("#", "layout", "memory/GPU", "largest part", "tokens/s per GPU",
+                "tokens/s per job", "MFU", "limited by"):
+        table.add_column(col, justify="right" if col in numbers else "left")
     for i, c in enumerate(result["best"], 1):
+        limits = c.time["limits"]
+        if batch_exhausted(c):
+            limits = f"batch ({result['global_batch_size']:,} sequences), {limits}"
         table.add_row(str(i), c.describe(), f"{c.memory_bytes / gib:.1f} GiB",
                       c.memory_largest.removesuffix("_bytes").replace("_", " "),
-                      f"{c.time['tokens_per_s']:,.0f}", f"{c.time['mfu']:.1%}", c.time["limits"])
+                      f"{c.per_gpu():,.0f}", f"{c.time['tokens_per_s']:,.0f}",
+                      f"{c.time['mfu']:.1%}", limits)
     console.print(table)
+    if result["explain"]:
+        console.print(explain_text(result["explain"]))
     for c, reason in result["refused"]:
         console.print(f"refused by validation: {c.describe()}: {reason}")
 
@@ -398,7 +657,7 @@ def write_recipe(path, result: dict, command: str) -> None:
     body = OmegaConf.to_container(best.config)
     body = {"defaults": ["config", "_self_"], **body}
     header = (f"# Written by `{command}`: {best.describe()}; predicted "
-              f"{best.time['tokens_per_s']:,.0f} tokens/s, MFU {best.time['mfu']:.1%}, "
+              f"{best.time['tokens_per_s']:,.0f} tokens/s per job ({best.per_gpu():,.0f} per GPU), MFU {best.time['mfu']:.1%}, "
               f"{best.memory_bytes / 2**30:.1f} GiB per GPU.\n")
     path = Path(path)
     check_recipe_path(path)  # again: the search took a while

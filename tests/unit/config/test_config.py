@@ -89,7 +89,7 @@ def test_plan_math_llama_1b_dp8(run_main):
     assert (plan["world_size"], plan["nnodes"], plan["nproc_per_node"]) == (8, 1, 8)
     assert plan["degrees"] == {"pp": 1, "dp": 8, "cp": 1, "tp": 1, "ep": 1, "zero_stage": 0}
     batch = plan["batch"]
-    assert (batch["global_batch_size"], batch["micro_batch_size"], batch["micro_batches"]) == (256, 8, 4)
+    assert (batch["global_batch_size"], batch["micro_batch_size"], batch["micro_batches"]) == (256, 2, 16)
     assert batch["tokens_per_step"] == 256 * 4096 == 2**20  # "1M tokens per step"
     assert plan["groups"]["dp"] == [list(range(8))]
     # Llama-3.2-1B has 1,235,814,400 parameters with tied embeddings; untied adds 128256 * 2048.

@@ -5,11 +5,22 @@ of `data prepare` (a token is a byte; the text is UTF-8, decoded incrementally s
 split over tokens prints whole), or the tokenizer.json of `data prepare --tokenizer`, kept in
 RUN_DIR/tokenizer/ (decoded with the tokenizers library's DecodeStream); its end-of-text token
 ends the sample. Each new token is drawn from the last position's logits over the newest
-max_seq_len tokens (no KV cache: models here are small, and the full forward is the one trained),
-after temperature and top-k; temperature 0 is greedy, and any other within float32's range, 1e-45
-to 3.4e38 (the logits are divided by it in float32). A seed fixes the draw, so the same command
-prints the same text. A checkpoint whose weights hold a nan, or a run dir whose tokenizer has
-more tokens than the model's vocabulary, is refused before anything is printed.
+max_seq_len tokens, after temperature and top-k; temperature 0 is greedy, and any other within
+float32's range, 1e-45 to 3.4e38 (the logits are divided by it in float32). A seed fixes the draw,
+so the same command prints the same text. A checkpoint whose weights hold a nan, or a run dir whose
+tokenizer has more tokens than the model's vocabulary, is refused before anything is printed.
+
+The logits come from a KV cache (`Transformer.decode`, as Hugging Face's and gpt-fast's generation
+do): the prompt runs once (the prefill), then each new token alone, its attention reading the keys
+(rotated at their positions) and values of the tokens before it from the cache of each layer.
+Once the text fills max_seq_len positions, the window moves by one token per step and every
+position in it changes (rotary positions are absolute, and every hidden state depends on the token
+the window dropped), so from there each step runs the whole window from an empty cache: what the
+forward without a cache computes, at its cost. An MoE with a capacity (model.moe.capacity_factor)
+drops tokens by their place in the whole sequence, so its earlier positions change as the text
+grows: it is sampled without the cache. `kv_cache=False` is the full forward over the window for
+every token, kept to compare with: the same tokens (tested, greedy and seeded), the logits equal to
+float32 rounding, not bit for bit (the same products in other shapes sum in another order).
 """
 
 import math
@@ -19,6 +30,7 @@ import torch
 
 from partrain.errors import ConfigError
 from partrain.interop.finite import non_finite
+from partrain.models.moe import MoE
 
 # The logits are divided by the temperature in float32, whose smallest positive number is
 # 1.4e-45 (a subnormal): a temperature below 1e-45 rounds to 0 there (and 0 / 0 is nan), one
@@ -101,20 +113,57 @@ def next_token(logits: torch.Tensor, temperature: float, top_k: int,
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def cache_exact(model) -> bool:
+    """Whether the KV cache computes what the full forward does: not for an MoE block with a
+    capacity, whose choice of dropped tokens depends on the whole sequence."""
+    return not any(isinstance(m, MoE) and m.capacity_factor for m in model.modules())
+
+
+class Recompute:
+    """The last position's logits from the full forward over the newest max_seq_len tokens."""
+
+    def __init__(self, model, max_seq_len: int, device):
+        self.model, self.max_seq_len, self.device = model, max_seq_len, device
+
+    def __call__(self, out: list[int]) -> torch.Tensor:
+        return self.model(torch.tensor([out[-self.max_seq_len:]], device=self.device))[0, -1]
+
+
+class Cached:
+    """The same logits from a KV cache: only the tokens not yet seen run through the model,
+    unless they would pass max_seq_len positions; then the newest max_seq_len tokens are run from
+    an empty cache (the window has moved: no cached key or value is still valid)."""
+
+    def __init__(self, model, max_seq_len: int, device):
+        self.model, self.max_seq_len, self.device = model, max_seq_len, device
+        self.cache = model.kv_cache()
+        self.seen = 0  # tokens of `out` run through the model so far
+
+    def __call__(self, out: list[int]) -> torch.Tensor:
+        new = out[self.seen:]
+        if self.cache.length + len(new) > self.max_seq_len:
+            self.cache.length = 0
+            new = out[-self.max_seq_len:]
+        self.seen = len(out)
+        return self.model.decode(torch.tensor([new], device=self.device), self.cache)[0, -1]
+
+
 @torch.no_grad()
 def generate(model, tokenizer, ids: list[int], max_new_tokens: int, temperature: float, top_k: int,
-             seed: int, max_seq_len: int, emit: Callable[[str], None]) -> list[int]:
+             seed: int, max_seq_len: int, emit: Callable[[str], None],
+             kv_cache: bool = True) -> list[int]:
     """Extend `ids` by up to max_new_tokens tokens, passing the decoded text to `emit` as it
-    comes; the tokenizer's end-of-text token ends the text early."""
+    comes; the tokenizer's end-of-text token ends the text early. `kv_cache=False` runs the full
+    forward for every token (the same tokens, slower)."""
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     step, flush = tokenizer.decoder()
+    use_cache = kv_cache and cache_exact(model)
+    logits_of = (Cached if use_cache else Recompute)(model, max_seq_len, device)
     out = list(ids)
     for _ in range(max_new_tokens):
-        context = torch.tensor([out[-max_seq_len:]], device=device)
         # Rows past the tokenizer's vocabulary (model.vocab_size padded for tp) are never drawn.
-        token = next_token(model(context)[0, -1, :tokenizer.vocab_size], temperature, top_k,
-                           generator)
+        token = next_token(logits_of(out)[:tokenizer.vocab_size], temperature, top_k, generator)
         out.append(token)
         if token == tokenizer.eot_id:
             break

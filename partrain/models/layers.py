@@ -1,5 +1,9 @@
 """The layers a decoder is built from: RMSNorm, rotary embeddings (with Llama 3 scaling),
-grouped-query causal attention, the SwiGLU feed-forward. Shared by every model family."""
+grouped-query causal attention, the SwiGLU feed-forward. Shared by every model family.
+
+Attention also has a generation path, `decode` with a `KVCache` (partrain.interop.sample): the
+keys and values of the positions already seen are kept instead of computed again. Training never
+takes it."""
 
 import math
 
@@ -58,6 +62,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rotated.type_as(x)
 
 
+class KVCache:
+    """The keys (rotated) and values of a batch's first `length` positions, per layer, for
+    generating one token at a time: tensors (layers, batch, kv_heads, max_seq_len, head_dim),
+    allocated once. Grouped-query attention keeps its kv heads, not the query heads they serve."""
+
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_seq_len: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device):
+        shape = (n_layers, batch, n_kv_heads, max_seq_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0  # positions filled
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.k.shape[3]
+
+
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -90,6 +111,32 @@ class Attention(nn.Module):
                                                  enable_gqa=self.n_heads != self.n_kv_heads)
         else:
             out = self.context(q, k, v)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+               layer: int) -> torch.Tensor:
+        """`forward` for x (batch, seq, dim) at positions cache.length onwards: their keys and
+        values are written to the cache, the queries attend to every position cached so far. The
+        whole model on one process (no tensor or context parallelism)."""
+        bsz, seq, _ = x.shape
+        start, end = cache.length, cache.length + seq
+        cos, sin = cos[start:end], sin[start:end]
+        q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim)
+        k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache.k[layer, :bsz, :, start:end] = k.transpose(1, 2)
+        cache.v[layer, :bsz, :, start:end] = v.transpose(1, 2)
+        keys, values = cache.k[layer, :bsz, :, :end], cache.v[layer, :bsz, :, :end]
+        # One new token sees every cached one (no mask); a prompt from position 0 is the causal
+        # case of `forward`; new tokens after cached ones see those and the new ones before them.
+        mask = None
+        if seq > 1 and start > 0:
+            positions = torch.arange(end, device=x.device)
+            mask = positions <= positions[start:, None]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                             is_causal=seq > 1 and start == 0,
+                                             enable_gqa=self.n_heads != self.n_kv_heads)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 

@@ -10,6 +10,10 @@ With `tie_embeddings` the head's weight is the embedding's Parameter (Megatron's
 tied input/output embeddings): one (vocab_size, dim) matrix, counted, initialised and saved once
 under the embedding's name. A pipeline stage that has the head but not the embedding keeps a copy
 (partrain.parallel.pipeline keeps the copies equal).
+
+Generation has a path of its own, `decode` with a `KVCache` from `kv_cache()` (partrain.interop.
+sample): the same layers, keys and values of earlier positions read from the cache. `forward`,
+the one trained, never takes it.
 """
 
 import math
@@ -21,6 +25,7 @@ from partrain.models.arith import ffn_dim, is_moe_block, tied
 from partrain.models.layers import (
     Attention,
     FeedForward,
+    KVCache,
     RMSNorm,
     rope_scaling,
     rope_tables,
@@ -45,6 +50,13 @@ class TransformerBlock(nn.Module):
 
     def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
+               layer: int) -> torch.Tensor:
+        """`forward` with the attention's keys and values from the cache (`Attention.decode`);
+        the MLP or MoE is per token (an MoE's capacity is not: partrain.interop.sample)."""
+        h = x + self.attention.decode(self.attention_norm(x), cos, sin, cache, layer)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -115,6 +127,29 @@ class Transformer(nn.Module):
             h = block(h, self.rope_cos, self.rope_sin)
         if self.output is None:
             return h
+        return self.output(self.norm(h))
+
+    def kv_cache(self, batch: int = 1) -> KVCache:
+        """An empty cache for `decode`: every layer, model.max_seq_len positions, in the weights'
+        dtype and on their device."""
+        attention = next(iter(self.layers.values())).attention
+        weight = self.tok_embeddings.weight
+        return KVCache(len(self.layers), batch, attention.n_kv_heads, self.cfg.max_seq_len,
+                       attention.head_dim, weight.dtype, weight.device)
+
+    def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Logits (batch, seq, vocab) of token ids (batch, seq) that follow the cache's `length`
+        positions; their keys and values are added to the cache. What `forward` gives at those
+        positions of the whole sequence (cached and new), up to float rounding (the same products
+        in other shapes). The whole model on one process: no parallel wrapper applied."""
+        end = cache.length + tokens.shape[1]
+        if end > cache.max_seq_len:
+            raise ValueError(f"{cache.length} cached + {tokens.shape[1]} new positions = {end} "
+                             f"> model.max_seq_len={cache.max_seq_len}")
+        h = self.tok_embeddings(tokens)
+        for layer, block in enumerate(self.layers.values()):
+            h = block.decode(h, self.rope_cos, self.rope_sin, cache, layer)
+        cache.length = end
         return self.output(self.norm(h))
 
     def pipeline_chunk(self, layer_ids: list[int], first: bool, last: bool) -> "Transformer":

@@ -9,27 +9,37 @@ group (so its collectives never interleave with the training's), and rank 0 comm
 completes: at a later step boundary, at the next save, or at the end, whichever comes first.
 """
 
+import errno
+import itertools
 import logging
 import os
+import shutil
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from omegaconf import OmegaConf
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.tensor import DTensor
 
 from partrain.checkpoint import store
-from partrain.checkpoint.state import said
+from partrain.checkpoint.state import failures, out_of_space
 from partrain.checkpoint.verify import problems
+from partrain.models.arith import count_params
 
 log = logging.getLogger("partrain")
 
-# Test-only hook: PARTRAIN_TEST_SAVE_PAUSE="RANK:STEP:before|after" makes that rank sleep at that
-# step's save, before it writes its part or after every part is written and before the commit,
-# so that a test can kill the job mid-save.
+# Test-only hook: PARTRAIN_TEST_SAVE_PAUSE="RANK:STEP:before|during|after" makes that rank sleep
+# at that step's save: before it writes its part, once it has written its first file (in the
+# writer, a background thread with checkpoint.async_save), or after every part is written and
+# before the commit, so that a test can stop the job mid-save. It fires in the first attempt only
+# (launcher.max_restarts: the restarted run goes on).
 PAUSE_ENV = "PARTRAIN_TEST_SAVE_PAUSE"
 
 # Writer threads per rank, as Megatron's torch_dist checkpoints have them: a rank's files are
@@ -37,14 +47,78 @@ PAUSE_ENV = "PARTRAIN_TEST_SAVE_PAUSE"
 # 0.74 of every rank's plain torch.save (scripts/bench_checkpoint.py); two bring it to 0.85.
 WRITE_THREADS = 2
 
+# What a checkpoint holds per parameter: the fp32 weight and AdamW's two fp32 moments.
+BYTES_PER_PARAM = 12
 
-def storage_writer(path: Path) -> FileSystemWriter:
+
+# Bytes free under which torch's error for a failed write is put down to a full disk: its zip
+# writer may lose the OSError of a short write and say only "[enforce fail at
+# inline_container.cc] unexpected pos" (an OSError says what it is).
+FULL_BELOW = 1 << 20
+
+
+class _NotingFileSystem(FileSystem):
+    """DCP's file system, noting the first error a file's write meets, in whichever thread, and
+    saying ENOSPC for a write that failed on a full disk however torch reported it."""
+
+    def __init__(self, after_first_file=None):
+        super().__init__()
+        self.error: BaseException | None = None
+        self.after_first_file, self.files = after_first_file, itertools.count(1)
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        try:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+        except Exception as err:
+            full = out_of_space(err) or (not isinstance(err, OSError)
+                                         and _free(Path(path).parent) < FULL_BELOW)
+            noted = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)) if full else err
+            self.error = self.error or noted
+            if noted is err:
+                raise
+            raise noted from err
+        if next(self.files) == 1 and self.after_first_file is not None:
+            self.after_first_file()
+
+
+class _Writer(FileSystemWriter):
+    """DCP's FileSystemWriter that fails the save when any of this rank's items was not written.
+    DCP's extra write threads end on an error without passing it on: their items are only
+    missing from the results, and the coordinator would write a .metadata without them, a
+    checkpoint that looks whole and cannot be read. Raised here, the error fails the save on
+    every rank, as an error in the first thread does."""
+
+    def __init__(self, path: Path, after_first_file=None):
+        super().__init__(path, thread_count=WRITE_THREADS)
+        self.fs = _NotingFileSystem(after_first_file)
+
+    def write_data(self, plan, planner):
+        written = super().write_data(plan, planner)
+        results = {result.index for result in written.wait()}
+        lost = sum(item.index not in results for item in plan.items)
+        if lost:
+            raise self.fs.error or RuntimeError(
+                f"{lost} of this rank's {len(plan.items)} items were not written")
+        return written
+
+
+def _free(path: Path) -> float:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return float("inf")
+
+
+def storage_writer(path: Path, after_first_file=None) -> FileSystemWriter:
     """How partrain writes a checkpoint directory (also what the benchmark measures)."""
-    return FileSystemWriter(path, thread_count=WRITE_THREADS)
+    return _Writer(path, after_first_file)
 
 
 def _test_pause(rank: int, step: int, where: str) -> None:
-    if os.environ.get(PAUSE_ENV) == f"{rank}:{step}:{where}":
+    first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0")
+    if first and os.environ.get(PAUSE_ENV) == f"{rank}:{step}:{where}":
         log.info("%s: rank %d pauses %s writing step %d", PAUSE_ENV, rank, where, step)
         time.sleep(600)
 
@@ -81,13 +155,15 @@ class Checkpointer:
         t0 = time.perf_counter()
         path = store.tmp_dir(self.root, step)
         _test_pause(self.rank, step, "before")
+        writer = storage_writer(path, lambda: _test_pause(self.rank, step, "during"))
         if self.group is not None:
-            future = dcp.async_save(state, storage_writer=storage_writer(path),
-                                    process_group=self.group, async_stager=self.stager)
+            with self._undone_on_failure(step, f"saving the checkpoint of step {step}"):
+                future = dcp.async_save(state, storage_writer=writer, process_group=self.group,
+                                        async_stager=self.stager)
             self.pending = [future, step, reason, started, time.perf_counter() - t0]
             return True
-        with said(f"saving the checkpoint of step {step} into {path}"):
-            dcp.save(state, storage_writer=storage_writer(path))
+        with self._undone_on_failure(step, f"saving the checkpoint of step {step}"):
+            dcp.save(state, storage_writer=writer)
         self._commit(step, reason, started, blocked_s=time.perf_counter() - t0)
         return True
 
@@ -140,9 +216,44 @@ class Checkpointer:
             t0 = time.perf_counter()
             staging.result()
             blocked += time.perf_counter() - t0
-        with said(f"saving the checkpoint of step {step} (in the background)"):
+        with self._undone_on_failure(step, f"saving the checkpoint of step {step} (in the "
+                                           "background)"):
             _result(future)
         self._commit(step, reason, started, blocked)
+
+    @contextmanager
+    def _undone_on_failure(self, step: int, what: str):
+        """A save that fails (DCP's CheckpointException: any rank's write; or rank 0's commit)
+        takes what it wrote along: nothing half-written stays, and on a full disk its space is
+        back for the ranks' error files (an empty one was all the launcher could read). The
+        error says what failed, on which ranks, why, and on a full disk how much room a
+        checkpoint needs and how much there is."""
+        try:
+            yield
+        except (CheckpointException, OSError) as err:
+            store.discard(self.root, step)
+            raise RuntimeError(self._failed(err, what)) from None
+
+    def _failed(self, err: BaseException, what: str) -> str:
+        kept = store.newest(self.root)
+        newest = (f"the newest checkpoint is still {kept.path} (step {kept.step})" if kept
+                  else f"no checkpoint was committed yet in {self.root}")
+        if not out_of_space(err):
+            return f"{what} failed: {failures(err)}. Nothing of it was kept; {newest}"
+        run_dir, need = self.root.parent, self._checkpoint_bytes(kept)
+        room = f"a checkpoint of this run needs about {need:,} bytes, " if need else ""
+        return (f"{what} failed: the run dir's file system is full: {room}{_free(run_dir):,} "
+                f"free at {run_dir} ({failures(err)}). Nothing of it was kept; {newest}. Free "
+                f"space there, then relaunch to resume{' from it' if kept else ''}")
+
+    def _checkpoint_bytes(self, kept: store.Checkpoint | None) -> int:
+        """About the room a checkpoint of this run takes: the newest committed one's size (every
+        save of a run holds the same tensors), or before the first, the model's parameters
+        times BYTES_PER_PARAM (DCP adds a little for each tensor)."""
+        if kept is not None and kept.meta.get("bytes"):
+            return int(kept.meta["bytes"])
+        model = OmegaConf.create(self.config_yaml).get("model")
+        return BYTES_PER_PARAM * count_params(model) if model else 0
 
     def _commit(self, step: int, reason: str, started: float, blocked_s: float) -> None:
         # DCP's save returns on every rank only after the coordinator (rank 0) has gathered all
@@ -164,7 +275,8 @@ class Checkpointer:
         seconds = time.time() - started
         meta = {"reason": reason, "saved_at": time.time(), "seconds": round(seconds, 4),
                 "blocked_s": round(blocked_s, 4), "world_size": dist.get_world_size()}
-        self.newest = store.commit(self.root, step, meta, self.config_yaml)
+        with self._undone_on_failure(step, f"committing the checkpoint of step {step}"):
+            self.newest = store.commit(self.root, step, meta, self.config_yaml)
         pruned = store.prune(self.root, self.cfg.keep)
         record = {"step": step, "checkpoint": str(self.newest.path.relative_to(self.root.parent)),
                   "bytes": self.newest.meta["bytes"], "seconds": round(seconds, 4),

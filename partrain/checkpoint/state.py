@@ -30,8 +30,8 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, Shard
 
 WRAPPER_PREFIX = re.compile(r"^(?:module\.|chunks\.\d+\.)+")
@@ -51,12 +51,42 @@ def said(what: str):
 
 def describe(err: CheckpointException) -> str:
     """Each failed rank's error in one line, and what to do about a full disk."""
-    parts = [f"rank {rank}: {type(exc).__name__}: {exc}"
-             for rank, (exc, _) in sorted(err.failures.items())]
-    full = any(getattr(exc, "errno", None) == errno.ENOSPC for exc, _ in err.failures.values())
     hint = (" (the file system is full: free space there, then relaunch to resume from the "
-            "newest committed checkpoint)" if full else "")
-    return "; ".join(parts) + hint
+            "newest committed checkpoint)" if out_of_space(err) else "")
+    return failures(err) + hint
+
+
+def failures(err: BaseException) -> str:
+    """Each failed rank's error (a CheckpointException's), ranks with the same error together:
+    `ranks 0, 1: OSError: [Errno 28] No space left on device`."""
+    if not isinstance(err, CheckpointException):
+        return f"{type(err).__name__}: {err}"
+    ranks: dict[str, list[int]] = {}
+    for rank, (exc, _) in sorted(err.failures.items()):
+        exc = _full_disk_error(exc) or exc
+        ranks.setdefault(f"{type(exc).__name__}: {exc}", []).append(rank)
+    return "; ".join(f"rank{'s' if len(found) > 1 else ''} {', '.join(map(str, found))}: {text}"
+                     for text, found in ranks.items())
+
+
+def out_of_space(err: BaseException) -> bool:
+    """Whether `err` is a full file system or a used-up quota: any rank's failure of a
+    CheckpointException, or an error it was raised from or while handling (torch.save's writer
+    reports a full disk as a RuntimeError raised while handling the OSError)."""
+    if isinstance(err, CheckpointException):
+        return any(_full_disk_error(exc) for exc, _ in err.failures.values())
+    return _full_disk_error(err) is not None
+
+
+def _full_disk_error(err: BaseException | None) -> OSError | None:
+    """The OSError saying the disk is full that `err` is or was raised from or while handling."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
 
 
 def canonical_name(name: str) -> str:

@@ -10,11 +10,14 @@ every rank only after the coordinator wrote .metadata), one rank writes meta.jso
 directory: the rename is the commit. A SIGKILL at any moment leaves either the old set of
 committed checkpoints or the new one. `latest` follows the rename; a reader that finds it stale
 (a kill between the two) takes the newest committed directory, which is always right. Older
-checkpoints are deleted only after a newer one is committed. Pure file operations: no process
-group, so the launcher and the unit tests use them directly.
+checkpoints are deleted only after a newer one is committed. A save that fails (a full disk, any
+rank's error) is discarded by its ranks at once; one that was killed leaves its temporary
+directory, which the next start removes. Pure file operations: no process group, so the launcher
+and the unit tests use them directly.
 """
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -30,6 +33,8 @@ SAVED_CONFIG = "config.yaml"
 DCP_METADATA = ".metadata"
 STEP_DIR = re.compile(r"step-(\d{8,})")
 TMP_PREFIX = ".tmp-"
+
+log = logging.getLogger("partrain")
 
 
 def step_dir_name(step: int) -> str:
@@ -118,11 +123,15 @@ def _fsync_dir(path: Path) -> None:
 
 def _write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}.{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written pointer behind
+        raise
 
 
 def dir_bytes(path: Path) -> int:
@@ -142,8 +151,19 @@ def commit(root: Path, step: int, meta: dict, config_yaml: str) -> Checkpoint:
         shutil.rmtree(final)
     os.rename(tmp, final)
     _fsync_dir(root)
-    _write_atomically(root / LATEST, final.name + "\n")
+    try:
+        _write_atomically(root / LATEST, final.name + "\n")
+    except OSError as err:
+        # Committed all the same: the rename was the commit, and a reader that finds `latest`
+        # stale takes the newest committed directory. A disk this full fails the next save.
+        log.warning("%s committed, but %s could not be updated (%s)", final, root / LATEST, err)
     return Checkpoint(final, step, meta)
+
+
+def discard(root: Path, step: int) -> None:
+    """Remove what a failed save of `step` wrote, at once: on a full disk its space is what the
+    ranks need to record their errors. Every rank of the failed save may call it together."""
+    shutil.rmtree(tmp_dir(root, step), ignore_errors=True)
 
 
 def prune(root: Path, keep: int) -> list[Path]:

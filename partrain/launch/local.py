@@ -51,14 +51,44 @@ EXIT_OK, EXIT_RANK_FAILED, EXIT_PREEMPTED, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 
 STOPPED = {"Diverged: ": EXIT_DIVERGED, "NonFiniteStart: ": 2, "RunDirNotShared: ": 2}
 
 
+class _AgentFailures(logging.Handler):
+    """How the agent's workers ended: it logs the first failed one of each attempt ("failed
+    (exitcode: -9) local_rank: 1 ..."); kept by local rank, to say how a rank that recorded no
+    error ended (killed by a signal, or an exit code)."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.exitcodes: dict[int, int] = {}
+        logging.getLogger("torch.distributed.elastic.multiprocessing.api").addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if str(record.msg).startswith("failed (exitcode") and len(record.args or ()) >= 2:
+            try:
+                self.exitcodes[int(record.args[1])] = int(record.args[0])
+            except (TypeError, ValueError):
+                pass
+
+
 class RunDirLogsSpecs(LogsSpecs):
     """Elastic error files in RUN_DIR/logs/; the workers send their own output to rank-N.log.
     The agent asks for them at every (re)start of the workers: at a restart, `on_restart` hears
-    first what the failed ranks recorded, before their files are cleared for the new attempt."""
+    first what the failed ranks recorded, before their files are cleared for the new attempt,
+    and how those that recorded nothing ended.
+
+    It also numbers the attempts. torch's agent counts a restart only after its own workers
+    failed (TORCHELASTIC_RESTART_COUNT); an agent whose workers were still running when another
+    node's agent asked for a new rendezvous restarts them as a membership change, uncounted, and
+    its workers would look for the others under another attempt's store prefix
+    (parallel/dist.py) and never meet them. Every agent starts its workers once per rendezvous
+    round, so the number of starts is the same on every node: that is the attempt the workers
+    are told."""
 
     def __init__(self, log_dir: Path, on_restart=None):
         super().__init__(log_dir=str(log_dir))
         self.on_restart = on_restart
+        self.starts = 0
+        self.ranks: dict[int, int] = {}  # the last attempt's global rank of each local rank
+        self.ended = _AgentFailures() if on_restart is not None else None
 
     @property
     def root_log_dir(self) -> str:
@@ -66,10 +96,17 @@ class RunDirLogsSpecs(LogsSpecs):
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         errors = {}
-        attempt = int(next(iter(envs.values()), {}).get("TORCHELASTIC_RESTART_COUNT", 0) or 0)
+        attempt, self.starts = self.starts, self.starts + 1
+        for env in envs.values():
+            env["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
         if attempt and self.on_restart is not None:
+            ended = {self.ranks[local]: code for local, code in self.ended.exitcodes.items()
+                     if local in self.ranks}
+            self.ended.exitcodes.clear()
             self.on_restart(attempt, {int(env["RANK"]): _recorded(
-                Path(self._root_log_dir) / f"error-rank-{env['RANK']}.json") for env in envs.values()})
+                Path(self._root_log_dir) / f"error-rank-{env['RANK']}.json")
+                for env in envs.values()}, ended)
+        self.ranks = {local: int(env["RANK"]) for local, env in envs.items()}
         hang.clear_reports(Path(self._root_log_dir).parent, (env["RANK"] for env in envs.values()))
         for local_rank, env in envs.items():
             path = Path(self._root_log_dir) / f"error-rank-{env['RANK']}.json"
@@ -158,15 +195,20 @@ def restart_reporter(run_dir: Path, max_restarts: int, console_print):
 
     since = time.time()  # hang reports of this launch only
 
-    def report(attempt: int, errors: dict[int, str | None]) -> None:
+    def report(attempt: int, errors: dict[int, str | None], ended: dict[int, int]) -> None:
+        """`errors`: what this node's ranks recorded (None: nothing); `ended`: the exit code of
+        the rank the agent saw fail first (negative: the signal that killed it)."""
         hung = hang.summary(run_dir, hang.read_reports(run_dir, since))
         for line in hung:
             console_print(line)
         failed = {rank: text for rank, text in errors.items()
                   if text and not any(words in text for words in PEER_LOST)}
+        silent = {rank: code for rank, code in ended.items() if not errors.get(rank)}
         who = ("the hang ended every worker" if hung else
                "; ".join(f"rank {rank} failed: {text}" for rank, text in sorted(failed.items()))
-               or "a rank failed (on another node, or it recorded no error; see logs/rank-N.log)")
+               or "; ".join(f"rank {rank} {_ending(code)}" for rank, code in sorted(silent.items()))
+               or "a rank on another node failed (this node's ranks lost their peers or were "
+                  "stopped; the failed rank is in that node's output and its logs/rank-N.log)")
         step = _last_step(run_dir)
         newest = store.newest(run_dir / store.CHECKPOINTS)
         start = (f"from {newest.path.name} (step {newest.step})" if newest else
@@ -174,6 +216,16 @@ def restart_reporter(run_dir: Path, max_restarts: int, console_print):
         console_print(f"{who} (after step {step if step is not None else 0}); restart {attempt} "
                       f"of {max_restarts} (launcher.max_restarts), {start}")
     return report
+
+
+def _ending(exitcode: int) -> str:
+    """How a process that recorded no error ended, from its exit code."""
+    if exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with code {exitcode} and recorded no error"
 
 
 def _message(failure) -> str:

@@ -105,26 +105,55 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
-def test_a_full_disk_fails_loudly_and_loses_nothing(cli, small_disk):
+@pytest.mark.parametrize("how", [pytest.param((), id="sync"),
+                                 pytest.param(("checkpoint.async_save=true",), id="async",
+                                              marks=pytest.mark.slow)])
+def test_a_full_disk_fails_loudly_and_loses_nothing(cli, small_disk, tmp_path, how):
     """The disk fills up during the second save: the run stops (exit 1) saying the file system is
-    full, commits nothing half-written, and the newest committed checkpoint stays the first; once
-    there is room, a relaunch resumes from it. The old code said "no Python error recorded" (DCP's
-    CheckpointException escapes torch's error recorder) or, when even the error file could not be
-    written, printed the launcher's traceback."""
+    full, how much room a checkpoint needs and how much there is at the run dir; it commits nothing
+    and takes the half-written save along, and the newest committed checkpoint stays the first,
+    whole; once there is room, a relaunch resumes from it. The old code said "no Python error
+    recorded" (DCP's CheckpointException escapes torch's error recorder) or, when the half-written
+    save had left no room for the ranks' error files, that they could not be read."""
+    import re
     import subprocess
 
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     from partrain.checkpoint import store
+    from partrain.checkpoint.verify import problems
 
     run_dir = small_disk / "run"
     common = ("launcher.device=cpu", "parallel.dp=2", "train.seq_len=64", "train.eval_every=0",
               "checkpoint.every=2", "train.max_steps=4")
-    res = cli.run("launch", *common, "--run-dir", str(run_dir))
+    res = cli.run("launch", *common, *how, "--run-dir", str(run_dir))
     text = res.stdout + res.stderr
+    said = " ".join(text.split())
     assert res.returncode == 1, text
     assert "Traceback" not in text and "no Python error recorded" not in text, text
-    assert "file system is full" in " ".join(text.split()), text
+    # A rank's own error, not the launcher's guess from an empty error file.
+    background = " (in the background)" if how else ""
+    assert (f"failed: RuntimeError: saving the checkpoint of step 4{background} failed: the run "
+            "dir's file system is full") in said, said
+    room = re.search(rf"needs about ([\d,]+) bytes, ([\d,]+) free at {re.escape(str(run_dir))} ",
+                     said)
+    assert room, said
+    need, free = (int(n.replace(",", "")) for n in room.groups())
     root = run_dir / store.CHECKPOINTS
-    assert [c.step for c in store.committed(root)] == [2]
+    [kept] = store.committed(root)
+    assert kept.step == 2
+    assert free < need
+    assert f"Nothing of it was kept; the newest checkpoint is still {kept.path} (step 2)" in said
+    assert "Free space there, then relaunch to resume from it" in said
+    # Nothing half-written: no step-4 (committed or not), no temporary directory, no pointer.
+    assert sorted(p.name for p in root.iterdir()) == [store.LATEST, "step-00000002"]
+    assert (root / store.LATEST).read_text() == "step-00000002\n"
+    assert problems(kept.path) == []
+    dcp_to_torch_save(kept.path, tmp_path / "kept.pt")  # every tensor of it reads back
+    tensors = torch.load(tmp_path / "kept.pt")
+    assert {key.split(".")[0] for key in tensors} == {"model", "optim"}
+    assert all(torch.isfinite(t).all() for t in tensors.values())
     assert not survivors(lambda: processes_mentioning(str(run_dir)), 5)
 
     subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
@@ -133,6 +162,9 @@ def test_a_full_disk_fails_loudly_and_loses_nothing(cli, small_disk):
     assert "resuming from step 2" in resumed.stdout
     assert [c.step for c in store.committed(root)] == [2, 4]
     assert not store.leftovers(root)
+    # The room said was the room the save took once there was some.
+    took = store.dir_bytes(store.newest(root).path)
+    assert abs(took - need) < 0.01 * need, (took, need)
 
 
 def test_a_failed_resume_leaves_the_run_dirs_config_as_it_was(cli, tmp_path):

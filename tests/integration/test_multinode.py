@@ -10,10 +10,12 @@ import signal
 import subprocess
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
 from tests.integration.conftest import (
+    CLI,
     PARITY_COMMON,
     assert_parity,
     processes_mentioning,
@@ -56,11 +58,12 @@ def two_nodes():
             _ip("netns", "del", ns)
 
 
-def _start_nodes(cli, names, run_dir, *overrides):
-    env = {"OMP_NUM_THREADS": "1"}  # two "machines" share these 2 cores
-    return [cli.start("launch", *overrides, *FAST_FAIL, "--nnodes", "2", "--nproc-per-node", "2",
-                      "--node-rank", str(rank), "--rdzv-endpoint", f"{SUBNET}.1:{PORT}",
-                      "--run-dir", str(run_dir), env=env, prefix=("ip", "netns", "exec", ns))
+def _start_nodes(cli, names, run_dir, *overrides, nproc=2, env=None):
+    env = {"OMP_NUM_THREADS": "1", **(env or {})}  # two "machines" share these 2 cores
+    return [cli.start("launch", *overrides, *FAST_FAIL, "--nnodes", "2", "--nproc-per-node",
+                      str(nproc), "--node-rank", str(rank), "--rdzv-endpoint",
+                      f"{SUBNET}.1:{PORT}", "--run-dir", str(run_dir), env=env,
+                      prefix=("ip", "netns", "exec", ns))
             for rank, ns in enumerate(names)]
 
 
@@ -225,5 +228,90 @@ def test_nodes_that_do_not_see_one_run_dir_stop_with_exit_2(cli, tmp_path, two_n
         assert not (run_dir / "metrics.jsonl").exists() or not read_metrics(run_dir)[0]
         assert not (run_dir / "checkpoints").exists() or not any((run_dir / "checkpoints").iterdir())
         assert not (run_dir / ".partrain-node-check").exists()
+    for ns in names:
+        assert not survivors(lambda ns=ns: _processes_in(ns), 10), f"{ns} kept processes"
+
+
+RESTART_COMMON = ("launcher.device=cpu", "parallel.dp=2", "train.seq_len=64", "train.eval_every=0",
+                  "train.max_steps=8", "checkpoint.every=2")
+
+
+def _workers_in(namespace: str) -> list[int]:
+    """The worker processes (python -m partrain.train) running on an emulated node."""
+    found = []
+    for pid in running(_processes_in(namespace)):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"partrain.train" in cmdline:
+            found.append(pid)
+    return found
+
+
+@pytest.fixture(scope="module")
+def two_node_reference(two_nodes, tmp_path_factory):
+    """The restart test's run on the same two nodes, uninterrupted: its steps."""
+    cli, run_dir = CLI(), tmp_path_factory.mktemp("plain") / "run"
+    try:
+        procs = _start_nodes(cli, two_nodes[0], run_dir, *RESTART_COMMON, nproc=1)
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=240)
+            assert proc.returncode == 0, stdout[-2000:] + stderr[-2000:]
+    finally:
+        cli.kill_all()
+    return read_metrics(run_dir)[0]
+
+
+@pytest.mark.parametrize("paused", [
+    # The killed rank sleeps before its part of step 6's save: rank 0 (node 0) waits for it in a
+    # collective, sees the connection close and fails too, so both agents count a restart.
+    pytest.param("1:6:before", id="node-0-in-a-collective"),
+    # Rank 0 (node 0) sleeps outside any collective: node 0's workers are still running when
+    # node 1's agent asks for a new rendezvous, and node 0's agent restarts them as a membership
+    # change, which torch's agents do not count as a restart.
+    pytest.param("0:6:before", id="node-0-busy"),
+])
+def test_a_worker_killed_on_node_1_restarts_both_nodes_from_the_newest_checkpoint(
+        cli, tmp_path, two_nodes, two_node_reference, paused):
+    """Two nodes x 1 rank, launcher.max_restarts=1: node 1's worker is killed (SIGKILL) after
+    step 4's checkpoint is committed. Both nodes restart their workers, which resume from step 4;
+    both launchers say so and exit 0, and the run ends bit-identical to the uninterrupted one on
+    the same two nodes (the data position is the step)."""
+    from partrain.checkpoint import store
+
+    names, _ = two_nodes
+    run_dir = tmp_path / "run"
+    nodes = _start_nodes(cli, names, run_dir, *RESTART_COMMON, "launcher.max_restarts=1",
+                         nproc=1, env={"PARTRAIN_TEST_SAVE_PAUSE": paused})
+    log = run_dir / "logs" / f"rank-{paused[0]}.log"
+    deadline = time.monotonic() + 120
+    while not (log.exists() and "PARTRAIN_TEST_SAVE_PAUSE: rank" in log.read_text()):
+        assert time.monotonic() < deadline, "the pause at step 6 never came"
+        for node in nodes:
+            assert node.poll() is None, node.communicate()
+        time.sleep(0.2)
+    assert store.newest(run_dir / store.CHECKPOINTS).step == 4
+    [worker] = _workers_in(names[1])
+    os.kill(worker, signal.SIGKILL)
+
+    outputs = [node.communicate(timeout=240) for node in nodes]
+    said = [" ".join((stdout + stderr).split()) for stdout, stderr in outputs]
+    # Node 1's launcher names its rank that died; node 0's says the failure was elsewhere.
+    who = [("a rank on another node failed (this node's ranks lost their peers or were stopped; "
+            "the failed rank is in that node's output and its logs/rank-N.log)"),
+           "rank 1 was killed by SIGKILL"]
+    for rank, (node, text) in enumerate(zip(nodes, said)):
+        print(f"node {rank}: exit {node.returncode}: {text[-1500:]}")  # shown with -s, for notes
+        assert node.returncode == 0, text[-3000:]
+        assert (f"{who[rank]} (after step 6); restart 1 of 1 (launcher.max_restarts), from "
+                "step-00000004 (step 4)") in text, text
+        assert "Traceback" not in text
+    assert "resuming from step 4" in said[0]
+
+    steps, _ = read_metrics(run_dir)
+    assert [s["step"] for s in steps] == list(range(1, 9))  # one line per step
+    for got, want in zip(steps, two_node_reference):
+        assert (got["loss"], got["grad_norm"]) == (want["loss"], want["grad_norm"]), got["step"]
     for ns in names:
         assert not survivors(lambda ns=ns: _processes_in(ns), 10), f"{ns} kept processes"

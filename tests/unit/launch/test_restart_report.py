@@ -1,0 +1,54 @@
+"""What the launcher tells the workers and says at an in-job restart (launch/local.py), without
+an agent: RunDirLogsSpecs numbers the attempts by its own starts (the same on every node, where
+torch's count is not), and the restart line names a rank that died without recording an error by
+how it ended."""
+
+import logging
+
+from partrain.launch.local import RunDirLogsSpecs, restart_reporter
+
+
+def _envs(ranks, count="0"):
+    return {local: {"RANK": str(rank), "TORCHELASTIC_RESTART_COUNT": count}
+            for local, rank in enumerate(ranks)}
+
+
+def test_every_start_is_the_next_attempt_whatever_torch_counted(tmp_path):
+    (tmp_path / "logs").mkdir()
+    heard = []
+    specs = RunDirLogsSpecs(tmp_path / "logs", lambda *args: heard.append(args))
+    told = []
+    # torch's count stays 0 at the second start: a membership change, not counted by the agent.
+    for count in ("0", "0", "1"):
+        envs = _envs([2, 3], count)
+        specs.reify(envs)
+        told.append({env["TORCHELASTIC_RESTART_COUNT"] for env in envs.values()})
+    assert told == [{"0"}, {"1"}, {"2"}]
+    assert [attempt for attempt, *_ in heard] == [1, 2]
+
+
+def _restarted(tmp_path, failed=None) -> str:
+    """What the launcher says at the first restart of ranks 2 and 3 (local ranks 0 and 1), after
+    the agent logged `failed` (exit code, local rank) for this node, as torch's process context
+    does when a worker dies."""
+    said = []
+    specs = RunDirLogsSpecs(tmp_path / "logs", restart_reporter(tmp_path, 1, said.append))
+    specs.reify(_envs([2, 3]))
+    if failed:
+        logging.getLogger("torch.distributed.elastic.multiprocessing.api").error(
+            "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s", *failed, 1234, "python")
+    specs.reify(_envs([2, 3], "1"))
+    [line] = said
+    return line
+
+
+def test_a_killed_rank_is_named_by_how_it_ended(tmp_path):
+    (tmp_path / "logs").mkdir()
+    start = ("(after step 0); restart 1 of 1 (launcher.max_restarts), from the start: no "
+             "checkpoint was committed yet")
+    assert _restarted(tmp_path, (-9, 1)) == f"rank 3 was killed by SIGKILL {start}"
+    assert _restarted(tmp_path, (7, 0)) == f"rank 2 exited with code 7 and recorded no error {start}"
+    # Nothing of this node failed by itself: the failure was elsewhere.
+    assert _restarted(tmp_path) == (
+        "a rank on another node failed (this node's ranks lost their peers or were stopped; the "
+        f"failed rank is in that node's output and its logs/rank-N.log) {start}")

@@ -227,7 +227,7 @@ def _tokens_override(args: list[str], tokens_per_step: str) -> str:
     train.seq_len (composed once more for it)."""
     from partrain.config.compose import compose_config
     from partrain.launch.preflight import split_args
-    from partrain.plan.search import tokens_to_sequences
+    from partrain.plan.explain import tokens_to_sequences
 
     config, overrides = split_args(args)
     if any(o.lstrip("+").split("=", 1)[0] == "train.global_batch_size" for o in overrides):
@@ -243,15 +243,14 @@ def _search(args, gpus, gpus_per_node, hardware, tokens_per_step, explain, write
 
     from partrain.config.compose import compose_config
     from partrain.launch.preflight import split_args
+    from partrain.plan.explain import assumptions, parse_explain
     from partrain.plan.fit import DEFAULT_HARDWARE
     from partrain.plan.hardware import load_hardware
     from partrain.plan.search import as_json as search_json
     from partrain.plan.search import (
-        assumptions,
         check_config,
         check_recipe_path,
         check_request,
-        parse_explain,
         print_search,
         validated,
         why_no_layout,

@@ -1,7 +1,8 @@
 """`partrain plan --search`: every layout partrain can run for a model on N GPUs, ranked.
 
 Enumerated: tp (dividing the heads, kv heads, MLP and vocabulary; up to two nodes' GPUs), pp
-(dividing the layers; 1F1B, and interleaved with 2 chunks per rank where it applies), cp (ring,
+(dividing the layers; 1F1B, and interleaved with every chunk count per rank up to
+MAX_CHUNKS_PER_RANK that splits the layers evenly), cp (ring,
 2 to 8, where the sequence divides), ep (MoE models: dividing the experts and dp), dp the rest,
 ZeRO 0-3 (ZeRO-2/3 not with pp or sequence parallelism, ZeRO-3 not with ep), the micro-batch
 size, activation checkpointing none / selective / full, and ZeRO-Offload of the optimizer. Sequence
@@ -26,17 +27,30 @@ from partrain.config.resolve import compute_dtype
 from partrain.config.validate import MAX_PIPELINE_CHUNKS
 from partrain.models.arith import ffn_dim, moe_enabled
 from partrain.parallel.mesh import ParallelDims
+from partrain.plan.explain import (
+    assumptions_text,
+    batch_exhausted,
+    batch_limit,
+    explain_text,
+    explained,
+)
+from partrain.plan.fit import CHECKPOINTING
 from partrain.plan.hardware import Hardware
 from partrain.plan.layout import stage_plan
 from partrain.plan.memory_model import USABLE_FRACTION, memory_per_stage
-from partrain.plan.time_model import Layout, step_time
+from partrain.plan.time_model import Layout, step_time, virtual_stage_counts
 
 # The share of the GPU's memory a layout may use (the rest: the CUDA context and libraries'
 # workspaces, the caching allocator's fragmentation); `plan`'s fit warnings use the same.
 MEMORY_MARGIN = USABLE_FRACTION
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
 CP_DEGREES = (1, 2, 4, 8)
-CHECKPOINTING = ("none", "selective", "full")
+# Interleaved 1F1B's chunks per rank, v: the bubble, (p-1)/(v m + p-1), shrinks about as 1/v
+# while every chunk sends its activations (sends grow as v), and each v is one more schedule to
+# price. At v = 8 the bubble is under 1/9 of the step even with the fewest micro-batches
+# interleaving takes (m = p), so more chunks buy little and cost sends. The layers rarely allow
+# many more anyway: 80 layers on pp=8 allow v in {2, 5, 10}.
+MAX_CHUNKS_PER_RANK = 8
 
 
 @dataclass
@@ -107,6 +121,12 @@ def _tp_degrees(m, hw: Hardware, gpus: int) -> list[int]:
             and not m.n_kv_heads % t and not hidden % t and not m.vocab_size % t]
 
 
+def _chunk_counts(n_layers: int, pp: int) -> list[int]:
+    """The interleaved schedule's chunks per rank the search tries for pp stages."""
+    return virtual_stage_counts(n_layers, pp,
+                                min(MAX_PIPELINE_CHUNKS, pp * MAX_CHUNKS_PER_RANK))
+
+
 def layouts(model_cfg, gpus: int, hw: Hardware, global_batch_size: int, seq_len: int):
     """Every layout of the space above that the validation rules allow."""
     moe = moe_enabled(model_cfg)
@@ -121,9 +141,8 @@ def layouts(model_cfg, gpus: int, hw: Hardware, global_batch_size: int, seq_len:
             continue
         # ep divides both dp and the experts: the divisors of their greatest common divisor.
         eps = _divisors(math.gcd(dp, model_cfg.moe.n_experts), dp) if moe else [1]
-        schedules = [("1f1b", 1)]
-        if pp > 1 and not model_cfg.n_layers % (2 * pp) and 2 * pp <= MAX_PIPELINE_CHUNKS:
-            schedules.append(("interleaved_1f1b", 2))
+        schedules = [("1f1b", 1)] + [("interleaved_1f1b", v)
+                                     for v in _chunk_counts(model_cfg.n_layers, pp)]
         for mb in MICRO_BATCH_SIZES:
             if global_batch_size % (mb * dp):
                 continue
@@ -182,7 +201,7 @@ def _rank(c: Candidate) -> tuple:
 def search(cfg, gpus: int, hw: Hardware, top: int = 10, explain: dict | None = None) -> dict:
     """Rank every layout for `cfg`'s model and batch on `gpus` GPUs of `hw`; cfg is composed
     (its parallel and micro-batch keys are ignored: the search sets them). The compute dtype is
-    train.dtype's on CUDA (`auto`: bf16). `explain` (Layout fields -> values, parse_explain)
+    train.dtype's on CUDA (`auto`: bf16). `explain` (Layout fields -> values, explain.parse_explain)
     also collects every enumerated layout that has those values, fitting or not."""
     start = time.perf_counter()
     t = cfg.train
@@ -212,80 +231,14 @@ def search(cfg, gpus: int, hw: Hardware, top: int = 10, explain: dict | None = N
             "best": fits[:top], "smallest_that_does_not_fit": too_big,
             "seconds": time.perf_counter() - start, "dtype": dtype,
             "global_batch_size": gbs, "seq_len": seq_len,
-            "explain": explained(explain, matching, fits, budget, model, gpus, hw, gbs, seq_len)
-            if explain is not None else None}
-
-
-def batch_exhausted(c: Candidate) -> bool:
-    """Whether a layout has used the whole batch on data parallelism: one sequence per
-    micro-batch and no more micro-batches than its pipeline needs, so dp cannot grow."""
-    L = c.layout
-    return (L.micro_batch_size == 1 and c.time.get("micro_batches") == max(1, L.pp)
-            and L.tp * L.pp * L.cp > 1)
-
-
-def batch_limit(result: dict) -> str | None:
-    """The batch named as the limit, when the best layout has run out of sequences to give
-    data parallelism and spends the GPUs on tp, pp and cp instead."""
-    if not result["best"] or not batch_exhausted(result["best"][0]):
-        return None
-    best, gbs, seq = result["best"][0], result["global_batch_size"], result["seq_len"]
-    L, gpus = best.layout, result["gpus"]
-    tokens = gbs * seq
-    return (f"the global batch is the limit: {gbs:,} sequences of {seq:,} tokens ({tokens:,} "
-            f"tokens per step, {tokens / gpus:,.1f} per GPU) cannot feed dp > {gbs:,}; the best "
-            f"layout gives each of its dp={L.dp} replica(s) {best.time['micro_batches']} "
-            f"micro-batch(es) of one sequence and puts the {gpus // L.dp:,} GPUs of a replica "
-            f"into tp({L.tp}) x pp({L.pp}) x cp({L.cp}): raise train.global_batch_size (or "
-            "--tokens-per-step)")
-
-
-# --explain: what a layout may be asked by, and the Layout field each name sets.
-EXPLAIN_KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "zero": "zero_stage",
-                "zero_stage": "zero_stage", "mb": "micro_batch_size",
-                "micro_batch_size": "micro_batch_size", "ckpt": "activation_checkpointing",
-                "activation_checkpointing": "activation_checkpointing",
-                "schedule": "pp_schedule", "pp_schedule": "pp_schedule",
-                "v": "pp_virtual_stages", "pp_virtual_stages": "pp_virtual_stages",
-                "offload": "offload_optimizer", "offload_optimizer": "offload_optimizer"}
-EXPLAIN_CHOICES = {"activation_checkpointing": CHECKPOINTING,
-                   "pp_schedule": ("1f1b", "interleaved_1f1b"),
-                   "offload_optimizer": ("none", "cpu")}
-
-
-def parse_explain(text: str) -> dict:
-    """--explain 'tp=8 pp=8' (spaces or commas; `parallel.` and `train.` prefixes allowed) as
-    Layout fields -> values."""
-    from partrain.errors import ConfigError
-
-    wanted = {}
-    items = [i for i in text.replace(",", " ").split() if i]
-    if not items:
-        raise ConfigError(f"--explain {text!r} names no degree; give key=value pairs such as "
-                          "'tp=8 pp=8'")
-    for item in items:
-        key, sep, value = item.partition("=")
-        name = key.removeprefix("parallel.").removeprefix("train.")
-        if not sep or name not in EXPLAIN_KEYS:
-            raise ConfigError(f"--explain {item!r}: each item is key=value with key one of "
-                              f"{', '.join(sorted(set(EXPLAIN_KEYS)))}")
-        field = EXPLAIN_KEYS[name]
-        if field in EXPLAIN_CHOICES:
-            if value not in EXPLAIN_CHOICES[field]:
-                raise ConfigError(f"--explain {item}: {key} must be one of "
-                                  f"{', '.join(EXPLAIN_CHOICES[field])}")
-            wanted[field] = value
-        else:
-            if not value.isdigit() or len(value) > 9 or int(value) < (0 if field == "zero_stage"
-                                                                        else 1):
-                raise ConfigError(f"--explain {item}: {key} must be a whole number, at least "
-                                  f"{0 if field == 'zero_stage' else 1}")
-            wanted[field] = int(value)
-    return wanted
+            "explain": None if explain is None else explained(
+                explain, matching, fits, budget, TIE, None if matching else
+                _why_not_enumerated(explain, model, gpus, hw, gbs, seq_len))}
 
 
 def _why_not_enumerated(want: dict, model, gpus: int, hw: Hardware, gbs: int, seq_len: int) -> str:
-    """The search's rule (or partrain's) that leaves no layout with the asked values."""
+    """The search's rule (or partrain's) that leaves no layout with the asked values (--explain,
+    explain.py). It restates layouts()'s rules, so it lives beside them."""
     tp, pp, cp = want.get("tp", 1), want.get("pp", 1), want.get("cp", 1)
     tps, pps = _tp_degrees(model, hw, gpus), _divisors(model.n_layers, min(gpus, MAX_PIPELINE_CHUNKS))
     if "tp" in want and tp not in tps:
@@ -296,6 +249,19 @@ def _why_not_enumerated(want: dict, model, gpus: int, hw: Hardware, gbs: int, se
                 f"({2 * hw.gpus_per_node} GPUs)")
     if "pp" in want and pp not in pps:
         return f"pp={pp} must divide model.n_layers={model.n_layers} (pp in {pps})"
+    v, schedule = want.get("pp_virtual_stages", 1), want.get("pp_schedule")
+    if v > 1 and schedule not in (None, "interleaved_1f1b"):
+        return f"v={v} chunks per rank needs schedule=interleaved_1f1b"
+    if v > 1 or schedule == "interleaved_1f1b":
+        if "pp" in want and pp == 1:
+            return "interleaved 1F1B (v chunks per rank) needs pp > 1"
+        counts = {p: _chunk_counts(model.n_layers, p)
+                  for p in ([pp] if "pp" in want else pps) if p > 1}
+        if not any(v in c if v > 1 else c for c in counts.values()):
+            return (f"the search tries interleaved 1F1B with the chunks per rank v that split "
+                    f"model.n_layers={model.n_layers} evenly over pp * v chunks, v at most "
+                    f"{MAX_CHUNKS_PER_RANK}: "
+                    + ", ".join(f"pp={p}: v in {c}" for p, c in counts.items()))
     if "cp" in want and (cp not in CP_DEGREES or cp > 1 and seq_len % (2 * cp)):
         return (f"cp={cp} must be one of {list(CP_DEGREES)} and split train.seq_len={seq_len} "
                 "into 2 * cp chunks")
@@ -323,121 +289,6 @@ def _why_not_enumerated(want: dict, model, gpus: int, hw: Hardware, gbs: int, se
         return "ep > 1 needs a mixture-of-experts model"
     return ("no layout the search enumerates has all of these values together (see `partrain "
             "plan --help` and docs/planner.md for the space it searches)")
-
-
-def explained(want: dict, matching: list, fits: list, budget: float, model, gpus: int,
-              hw: Hardware, gbs: int, seq_len: int) -> dict:
-    """Where the best layout with the asked values ranks and why, or what rules it out."""
-    asked = " ".join(f"{k}={v}" for k, v in want.items())
-    if not matching:
-        return {"asked": asked, "verdict": "not enumerated",
-                "reason": _why_not_enumerated(want, model, gpus, hw, gbs, seq_len)}
-    fitting = [c for c in matching if c.time]
-    if not fitting:
-        least = min(matching, key=lambda c: c.memory_bytes)
-        return {"asked": asked, "verdict": "does not fit", "variants": len(matching),
-                "reason": f"none of its {len(matching):,} variants (micro-batch, checkpointing, "
-                          f"ZeRO, offload) fits in {budget / 2**30:,.1f} GiB: the smallest, "
-                          f"{least.describe()}, needs {least.memory_bytes / 2**30:,.1f} GiB "
-                          f"(largest part: {least.memory_largest})",
-                "nearest": least.describe(), "memory_bytes": least.memory_bytes}
-    order = {id(c): i for i, c in enumerate(fits)}
-    best = min(fitting, key=lambda c: order[id(c)])
-    winner, rank = fits[0], order[id(best)] + 1
-    ratio = best.time["tokens_per_s"] / winner.time["tokens_per_s"]
-    costs = sorted(((best.time[k] - winner.time[k], k) for k in best.time
-                    if k.endswith("_s") and k != "step_s" and not k.startswith("tokens_per")
-                    and isinstance(best.time[k], float)), reverse=True)
-    more = [f"{k.removesuffix('_s').replace('_', ' ')} +{d:.3g} s" for d, k in costs[:3]
-            if d > 0.01 * winner.time["step_s"]]
-    why = ("it is the best layout" if rank == 1 else
-           f"{ratio:.1%} of the best's tokens/s ({winner.describe()}); its step is "
-           f"{best.time['step_s']:.3g} s against {winner.time['step_s']:.3g} s"
-           + (f", more time in: {', '.join(more)}" if more else "")
-           + (" (within 1%: ranked by simplicity)" if ratio > 1 / TIE else ""))
-    return {"asked": asked, "verdict": "ranked", "rank": rank, "of": len(fits),
-            "variants": len(matching), "fitting_variants": len(fitting),
-            "best_variant": best.as_dict(), "reason": why}
-
-
-def explain_text(ex: dict) -> str:
-    if ex["verdict"] == "ranked":
-        b = ex["best_variant"]
-        return (f"--explain {ex['asked']}: its best variant, {b['describe']}, ranks "
-                f"{ex['rank']:,} of {ex['of']:,} that fit: {b['tokens_per_s_per_gpu']:,.0f} "
-                f"tokens/s per GPU, MFU {b['mfu']:.1%}, {b['memory_bytes'] / 2**30:.1f} GiB, "
-                f"limited by {b['limits']}; {ex['reason']}")
-    return f"--explain {ex['asked']}: {ex['verdict']}: {ex['reason']}"
-
-
-def tokens_to_sequences(text: str, seq_len: int) -> int:
-    """--tokens-per-step TOKENS (a whole number, K = 1,024, M = 1,048,576) as sequences of
-    train.seq_len tokens."""
-    import re
-
-    from partrain.errors import ConfigError
-
-    match = re.fullmatch(r"(\d{1,15}(?:\.\d{1,6})?)([KkMm]?)", text.strip())
-    if not match:
-        raise ConfigError(f"--tokens-per-step {text!r} is not a number of tokens: give a whole "
-                          "number, or one with K (1,024) or M (1,048,576), such as 4M")
-    scale = {"": 1, "k": 2**10, "m": 2**20}[match.group(2).lower()]
-    tokens = float(match.group(1)) * scale
-    if tokens != int(tokens) or tokens < 1:
-        raise ConfigError(f"--tokens-per-step {text} is {tokens:g} tokens: it must be a whole "
-                          "number of tokens, at least 1")
-    tokens = int(tokens)
-    if tokens % seq_len:
-        raise ConfigError(f"--tokens-per-step {text} = {tokens:,} tokens is not a multiple of "
-                          f"train.seq_len={seq_len}: the global batch is whole sequences (try "
-                          f"{max(1, tokens // seq_len) * seq_len:,} or "
-                          f"{(tokens // seq_len + 1) * seq_len:,})")
-    return tokens // seq_len
-
-
-def key_source(key: str, config: str | None, overrides: list[str],
-               flags: dict | None = None) -> str:
-    """Where a config key's value came from: a flag, an override, the recipe, or the defaults."""
-    for flag, keys in (flags or {}).items():
-        if key in keys:
-            return flag
-    if any(o.lstrip("+").split("=", 1)[0] == key for o in overrides):
-        return "override"
-    from partrain.config.compose import find_recipe, read_yaml
-    from partrain.errors import ConfigError
-
-    try:
-        node = read_yaml(find_recipe(config))
-        for part in key.split("."):
-            node = node[part]
-        return f"config {config or 'quickstart (no CONFIG given)'}"
-    except (ConfigError, KeyError, TypeError):  # not in the file: the defaults' value
-        return "default (configs/)"
-
-
-def assumptions(cfg, config: str | None, overrides: list[str], hw: Hardware, gpus: int,
-                hw_source: str, flags: dict | None = None) -> dict:
-    """What the search priced and where each came from."""
-    t = cfg.train
-    src = {k: key_source(f"train.{k}", config, overrides, flags)
-           for k in ("global_batch_size", "seq_len", "dtype")}
-    return {"global_batch_size": t.global_batch_size, "seq_len": t.seq_len,
-            "tokens_per_step": t.global_batch_size * t.seq_len,
-            "dtype": compute_dtype(t.dtype, True), "train_dtype": t.dtype,
-            "hardware": hw.name, "gpus": gpus, "gpus_per_node": hw.gpus_per_node,
-            "sources": {"train.global_batch_size": src["global_batch_size"],
-                        "train.seq_len": src["seq_len"], "train.dtype": src["dtype"],
-                        "hardware": hw_source}}
-
-
-def assumptions_text(a: dict) -> str:
-    s = a["sources"]
-    return (f"priced: global batch {a['global_batch_size']:,} sequences x {a['seq_len']:,} "
-            f"tokens = {a['tokens_per_step']:,} tokens per step (train.global_batch_size: "
-            f"{s['train.global_batch_size']}; train.seq_len: {s['train.seq_len']}), dtype "
-            f"{a['dtype']} (train.dtype={a['train_dtype']}: {s['train.dtype']}), on "
-            f"{a['gpus']:,} x {a['hardware']}, {a['gpus_per_node']} per node (hardware: "
-            f"{s['hardware']})")
 
 
 def world_overrides(gpus: int, hw: Hardware) -> list[str]:

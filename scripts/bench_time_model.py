@@ -3,7 +3,9 @@
 The rows and their sources are in scripts/published_runs.py: Megatron-LM's 2021 A100 table and
 the Llama 3 paper's Table 4 (the fit rows: the model's fitted constants were chosen on them
 alone), and held out, Megatron-LM's 2022 MFU table (sequence parallelism, selective
-recomputation), torchtitan's H100 runs (FSDP, FSDP x TP) and its 2024 A100 runs (FSDP).
+recomputation), torchtitan's H100 runs (FSDP, FSDP x TP, its 2024 405B run) and its 2024 A100 runs
+(FSDP), and MosaicML's MPT benchmark tables (Composer FSDP on H100 and A100-80GB, 125M-70B,
+sequences of 512 to 65,536).
 
 Each row is fed to the time model as its trainer ran it (an Implementation per trainer, below),
 and the model's throughput is put in the published figure's unit by the source's own FLOP count
@@ -54,13 +56,30 @@ IMPLEMENTATIONS = {
                                  deepspeed=False, grad_bytes=4, tp_wire_bytes=2,
                                  selective_matmuls=0.5),
 }
+# torchtitan on H100s: PyTorch's SDPA runs FlashAttention-2 there (cuDNN's kernel is opt-in since
+# pytorch/pytorch#138522; torchtitan asks for it on B200 only), which reaches 35% of an H100's peak
+# (FlashAttention-3 paper, arXiv 2407.08608, abstract; 329 TFLOP/s forward in pytorch/pytorch#142132
+# on a December 2024 nightly).
+IMPLEMENTATIONS["torchtitan_h100"] = dataclasses.replace(IMPLEMENTATIONS["torchtitan"],
+                                                         attention_peak_fraction=0.35)
+# MosaicML's llm-foundry on Composer's FSDP (2023-24): FULL_SHARD prefetches the next block's gather
+# (ZeRO-3), SHARD_GRAD_OP gathers once in the forward, overlapped (ZeRO-2); no DeepSpeed hooks;
+# gradients reduced in fp32 under its DEFAULT mixed precision, bf16 under PURE; attn_impl "flash"
+# (the flash-attn package: FlashAttention-2, 35% of an H100's peak, as above).
+IMPLEMENTATIONS["mpt"] = Implementation(zero3_prefetch=True, zero3_hook_s_per_module=0.0,
+                                        deepspeed=False, grad_bytes=4, param_gather_overlap=True)
+IMPLEMENTATIONS["mpt_pure"] = dataclasses.replace(IMPLEMENTATIONS["mpt"], grad_bytes=2)
+IMPLEMENTATIONS["mpt_h100"] = dataclasses.replace(IMPLEMENTATIONS["mpt"], attention_peak_fraction=0.35)
+IMPLEMENTATIONS["mpt_h100_pure"] = dataclasses.replace(IMPLEMENTATIONS["mpt_h100"], grad_bytes=2)
 
 
 def hardware(name: str):
-    """A preset, or torchtitan's H100s at their 500 W power limit: a peak between the SXM's
-    989 and the NVL's 835 TFLOP/s by their footnote, the middle taken."""
+    """A preset, or torchtitan's H100s as its benchmark files describe them (Grand Teton: 96 GB of
+    HBM2e at 2.4 TB/s, the default 500 W power limit, 400 Gb/s per GPU between hosts): a peak
+    between the SXM's 989 and the NVL's 835 TFLOP/s by their footnote, the middle taken."""
     if name == "H100-500W":
-        return dataclasses.replace(PRESETS["H100-SXM"], name=name, peak_tflops=(989 + 835) / 2)
+        return dataclasses.replace(PRESETS["H100-SXM"], name=name, peak_tflops=(989 + 835) / 2,
+                                   memory_gib=96e9 / 2**30, hbm_gbps=2400)
     return PRESETS[name]
 
 

@@ -5,9 +5,12 @@ layout, the batch, the hardware and the published figure with its unit.
 
 Fit rows (chosen before any tuning): Megatron-LM's 2021 A100 table and the Llama 3 paper's
 Table 4 (H100). Every other row is held out: the model's constants never saw them.
-Rows left out, and why: Float8 runs (torchtitan's 405B tables, NeMo's H100 Llama rows: partrain
-computes in bf16), MegaScale's tables (parallel blocks and sliding-window attention, and its
-tables were not found in text), Megatron-LM's 2024 H100 table (published as an image).
+Rows left out, and why: Float8 runs (torchtitan's 405B tables, NeMo's H100 Llama rows, MPT's
+H100 FP8 table: partrain computes in bf16), MegaScale's tables (parallel blocks and sliding-window
+attention, and its tables were not found in text), Megatron-LM's 2024 H100 table (published as an
+image), torchtitan's "selective layer" A100 row (every other block recomputed: not a layout
+partrain expresses), MPT's A100 40GB table (no A100-40GB preset: its HBM is 1,555 GB/s, not the
+80 GB part's 2,039).
 """
 
 # Model shapes: (layers, hidden, heads, kv heads, ffn, vocabulary, tied).
@@ -18,10 +21,17 @@ LLAMA2_13B = (40, 5120, 40, 40, 13824, 32000, False)
 LLAMA2_70B = (80, 8192, 64, 8, 28672, 32000, False)
 
 
-def gpt(heads: int, hidden: int, layers: int) -> tuple:
+def gpt(heads: int, hidden: int, layers: int, vocab: int = 51200) -> tuple:
     """A GPT row as partrain runs it: a Llama block of the same size (SwiGLU with ffn = 8h/3 has
-    GPT's 4h GELU MLP's parameters and FLOPs), tied embeddings, vocabulary 51,200."""
-    return (layers, hidden, heads, heads, round(8 * hidden / 3 / 512) * 512, 51200, True)
+    GPT's 4h GELU MLP's parameters and FLOPs), tied embeddings, vocabulary 51,200 (Megatron's)."""
+    return (layers, hidden, heads, heads, round(8 * hidden / 3 / 512) * 512, vocab, True)
+
+
+# MPT (mosaicml/llm-foundry scripts/train/yamls/pretrain/mpt-*.yaml): heads, hidden, layers; a
+# GPT block (4h GELU MLP, no biases), tied embeddings, vocabulary 50,368.
+MPT = {"125m": (12, 768, 12), "350m": (16, 1024, 24), "760m": (12, 1536, 24),
+       "1b": (16, 2048, 24), "3b": (20, 2560, 32), "7b": (32, 4096, 32), "13b": (40, 5120, 40),
+       "30b": (56, 7168, 48), "70b": (64, 8192, 80)}
 
 
 MEGATRON_2021 = "Narayanan et al., SC'21 (arXiv 2104.04473), Table 1; Megatron-LM README 2021 table"
@@ -31,6 +41,12 @@ LLAMA3_T4 = "Llama 3 Herd of Models (arXiv 2407.21783), Table 4"
 TITAN_H100 = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
 TITAN_ASYNC = "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"
 TITAN_A100 = "pytorch/torchtitan docs/performance.md (2024, 64 A100s, FSDP2)"
+TITAN_405B = ("pytorch/torchtitan docs/performance.md as of August 2024 (commit b5642d6a2), "
+              "'Llama 3.1 performance numbers': 405B on 128 H100s, no optimizations")
+MPT_H100 = ("mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit c90b9b312), "
+            "tables 'H100 80GB BF16 (Large Scale, >= 128 GPUs)' and 'H100 80GB BF16'")
+MPT_A100 = ("mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit c90b9b312), "
+            "table 'A100 80GB with 1600 Gbps node-node interconnect (RoCE)'")
 
 _MEGATRON_2021 = [  # params, heads, hidden, layers, tp, pp, GPUs, micro-batch, batch, TFLOP/s
     (1.7, 24, 2304, 24, 1, 1, 32, 16, 512, 137),
@@ -49,6 +65,147 @@ _MEGATRON_2022 = [  # params, heads, hidden, layers, tp, pp, GPUs, batch, MFU
     ("175B", 96, 12288, 96, 8, 8, 64, 64, 0.514),
     ("530B", 128, 20480, 105, 8, 35, 280, 280, 0.560),
     ("1T", 160, 25600, 128, 8, 64, 512, 512, 0.563),
+]
+
+
+# MPT's training benchmarks, every bf16 row of its H100 and A100-80GB tables as printed (Composer's
+# FSDP: FULL_SHARD = ZeRO-3, SHARD_GRAD_OP = ZeRO-2; activation checkpointing = whole blocks):
+# model, seq, GPUs, micro-batch, micro-batches per step, tokens/s/GPU, ZeRO stage, checkpointing,
+# FSDP mixed precision (DEFAULT: bf16 weights, fp32 gradient reduction; PURE: bf16 both).
+_MPT_H100 = [
+    ("70b", 2048, 512, 8, 1, 1007, 3, True, "DEFAULT"),
+    ("70b", 2048, 256, 8, 1, 1035, 3, True, "DEFAULT"),
+    ("70b", 2048, 128, 8, 1, 1058, 3, True, "DEFAULT"),
+    ("30b", 2048, 512, 8, 1, 2115, 3, True, "DEFAULT"),
+    ("30b", 2048, 256, 8, 1, 2148, 3, True, "DEFAULT"),
+    ("30b", 2048, 128, 8, 1, 2199, 3, True, "DEFAULT"),
+    ("13b", 2048, 512, 16, 1, 4952, 3, True, "DEFAULT"),
+    ("13b", 2048, 256, 16, 1, 4989, 3, True, "DEFAULT"),
+    ("13b", 2048, 128, 16, 1, 5080, 3, True, "DEFAULT"),
+    ("7b", 2048, 512, 6, 1, 9670, 3, False, "DEFAULT"),
+    ("7b", 2048, 256, 6, 1, 10119, 3, False, "DEFAULT"),
+    ("7b", 2048, 128, 6, 1, 10475, 3, False, "DEFAULT"),
+    ("3b", 2048, 512, 8, 1, 21664, 2, False, "DEFAULT"),
+    ("3b", 2048, 256, 8, 1, 22772, 2, False, "DEFAULT"),
+    ("3b", 2048, 128, 8, 1, 23422, 2, False, "DEFAULT"),
+    ("1b", 2048, 512, 12, 1, 39837, 2, False, "DEFAULT"),
+    ("1b", 2048, 256, 12, 1, 42555, 2, False, "DEFAULT"),
+    ("1b", 2048, 128, 12, 1, 44123, 2, False, "DEFAULT"),
+    ("70b", 2048, 64, 8, 4, 1039, 3, True, "DEFAULT"),
+    ("70b", 2048, 32, 2, 16, 882, 3, True, "DEFAULT"),
+    ("30b", 8192, 8, 1, 21, 1384, 3, True, "DEFAULT"),
+    ("30b", 4096, 8, 1, 21, 1802, 3, True, "DEFAULT"),
+    ("30b", 2048, 32, 14, 3, 2308, 3, True, "DEFAULT"),
+    ("30b", 2048, 16, 10, 3, 2263, 3, True, "DEFAULT"),
+    ("30b", 2048, 8, 3, 21, 2002, 3, True, "DEFAULT"),
+    ("30b", 1024, 8, 6, 21, 2084, 3, True, "DEFAULT"),
+    ("13b", 32768, 8, 1, 3, 1976, 3, True, "DEFAULT"),
+    ("13b", 16384, 8, 3, 3, 2985, 3, True, "DEFAULT"),
+    ("13b", 4096, 8, 10, 3, 4717, 3, True, "DEFAULT"),
+    ("13b", 2048, 64, 2, 1, 4800, 3, False, "DEFAULT"),
+    ("13b", 2048, 32, 2, 1, 4811, 3, False, "DEFAULT"),
+    ("13b", 2048, 16, 2, 1, 4767, 3, False, "DEFAULT"),
+    ("13b", 2048, 8, 2, 1, 4792, 3, False, "DEFAULT"),
+    ("13b", 1024, 8, 40, 3, 5502, 3, True, "DEFAULT"),
+    ("7b", 65536, 8, 1, 2, 1956, 3, True, "DEFAULT"),
+    ("7b", 32768, 8, 2, 2, 3318, 3, True, "DEFAULT"),
+    ("7b", 8192, 8, 8, 2, 6935, 3, True, "DEFAULT"),
+    ("7b", 4096, 8, 16, 2, 8611, 3, True, "DEFAULT"),
+    ("7b", 2048, 8, 6, 1, 10643, 3, False, "DEFAULT"),
+    ("7b", 1024, 8, 64, 2, 10203, 3, True, "DEFAULT"),
+    ("3b", 65536, 8, 1, 2, 3262, 3, True, "DEFAULT"),
+    ("3b", 32768, 8, 3, 6, 5873, 3, True, "DEFAULT"),
+    ("3b", 16384, 8, 1, 6, 11152, 3, False, "DEFAULT"),
+    ("3b", 8192, 8, 3, 6, 16578, 3, False, "DEFAULT"),
+    ("3b", 4096, 8, 5, 6, 20964, 3, False, "DEFAULT"),
+    ("3b", 2048, 64, 6, 3, 22525, 3, False, "DEFAULT"),
+    ("3b", 2048, 32, 6, 3, 23021, 3, False, "DEFAULT"),
+    ("3b", 2048, 16, 10, 3, 24142, 3, False, "DEFAULT"),
+    ("3b", 1024, 8, 20, 6, 27046, 3, False, "DEFAULT"),
+    ("3b", 512, 8, 40, 6, 27965, 3, False, "DEFAULT"),
+    ("1b", 65536, 8, 1, 2, 5506, 3, True, "DEFAULT"),
+    ("1b", 32768, 8, 1, 4, 12025, 3, False, "DEFAULT"),
+    ("1b", 16384, 8, 2, 4, 19649, 3, False, "DEFAULT"),
+    ("1b", 8192, 8, 3, 4, 29157, 3, False, "DEFAULT"),
+    ("1b", 4096, 8, 7, 4, 38535, 3, False, "DEFAULT"),
+    ("1b", 2048, 64, 20, 1, 44402, 3, False, "DEFAULT"),
+    ("1b", 2048, 32, 20, 1, 45130, 3, False, "DEFAULT"),
+    ("1b", 2048, 16, 20, 1, 46037, 3, False, "DEFAULT"),
+    ("1b", 2048, 8, 14, 1, 45455, 3, False, "DEFAULT"),
+    ("1b", 1024, 8, 18, 4, 48910, 3, False, "DEFAULT"),
+    ("1b", 512, 8, 56, 4, 52275, 3, False, "DEFAULT"),
+    ("760m", 32768, 8, 1, 2, 16291, 3, False, "DEFAULT"),
+    ("760m", 16384, 8, 3, 2, 27815, 3, False, "DEFAULT"),
+    ("760m", 8192, 8, 6, 2, 41825, 3, False, "DEFAULT"),
+    ("760m", 4096, 8, 12, 2, 55459, 3, False, "DEFAULT"),
+    ("760m", 2048, 32, 24, 1, 67971, 3, False, "DEFAULT"),
+    ("760m", 2048, 16, 24, 1, 68551, 3, False, "DEFAULT"),
+    ("760m", 2048, 8, 24, 2, 63147, 3, False, "DEFAULT"),
+    ("760m", 1024, 8, 48, 2, 78581, 3, False, "DEFAULT"),
+    ("760m", 512, 8, 96, 2, 83749, 3, False, "DEFAULT"),
+]
+_MPT_A100 = [
+    ("70b", 2048, 64, 8, 4, 410, 3, True, "PURE"),
+    ("70b", 2048, 32, 2, 16, 373, 3, True, "PURE"),
+    ("30b", 8192, 8, 1, 21, 574, 3, True, "DEFAULT"),
+    ("30b", 4096, 8, 1, 21, 814, 3, True, "DEFAULT"),
+    ("30b", 2048, 8, 3, 21, 916, 3, True, "DEFAULT"),
+    ("30b", 1024, 8, 6, 21, 946, 3, True, "DEFAULT"),
+    ("30b", 512, 8, 12, 21, 967, 3, True, "DEFAULT"),
+    ("13b", 32768, 8, 1, 3, 1016, 3, True, "DEFAULT"),
+    ("13b", 16384, 8, 3, 3, 1431, 3, True, "DEFAULT"),
+    ("13b", 8192, 8, 5, 3, 1795, 3, True, "DEFAULT"),
+    ("13b", 4096, 8, 10, 3, 2060, 3, True, "DEFAULT"),
+    ("13b", 2048, 8, 2, 3, 2262, 3, False, "DEFAULT"),
+    ("13b", 1024, 8, 40, 3, 2330, 3, True, "DEFAULT"),
+    ("7b", 65536, 8, 1, 2, 1013, 3, True, "DEFAULT"),
+    ("7b", 32768, 8, 2, 2, 1672, 3, True, "DEFAULT"),
+    ("7b", 16384, 8, 4, 2, 2453, 3, True, "DEFAULT"),
+    ("7b", 8192, 8, 8, 2, 3206, 3, True, "DEFAULT"),
+    ("7b", 4096, 8, 16, 2, 3684, 3, True, "DEFAULT"),
+    ("7b", 2048, 8, 6, 2, 4641, 3, False, "DEFAULT"),
+    ("7b", 1024, 8, 64, 2, 4357, 3, True, "DEFAULT"),
+    ("3b", 65536, 8, 1, 2, 1767, 3, True, "DEFAULT"),
+    ("3b", 32768, 8, 3, 6, 3029, 3, True, "DEFAULT"),
+    ("3b", 16384, 8, 1, 6, 5529, 3, False, "DEFAULT"),
+    ("3b", 8192, 8, 3, 6, 7695, 3, False, "DEFAULT"),
+    ("3b", 4096, 8, 5, 6, 9457, 3, False, "DEFAULT"),
+    ("3b", 2048, 8, 10, 2, 10811, 3, False, "DEFAULT"),
+    ("3b", 1024, 8, 20, 6, 11580, 3, False, "DEFAULT"),
+    ("3b", 512, 8, 40, 6, 12127, 3, False, "DEFAULT"),
+    ("1b", 65536, 8, 1, 2, 3044, 3, True, "DEFAULT"),
+    ("1b", 32768, 8, 1, 4, 6275, 3, False, "DEFAULT"),
+    ("1b", 16384, 8, 2, 4, 9956, 3, False, "DEFAULT"),
+    ("1b", 8192, 8, 3, 4, 13814, 3, False, "DEFAULT"),
+    ("1b", 4096, 8, 7, 4, 17807, 3, False, "DEFAULT"),
+    ("1b", 2048, 8, 14, 4, 20513, 3, False, "DEFAULT"),
+    ("1b", 1024, 8, 18, 4, 22112, 3, False, "DEFAULT"),
+    ("1b", 512, 8, 56, 4, 23148, 3, False, "DEFAULT"),
+    ("760m", 65536, 8, 1, 2, 4143, 3, True, "DEFAULT"),
+    ("760m", 32768, 8, 1, 2, 8802, 3, False, "DEFAULT"),
+    ("760m", 16384, 8, 3, 2, 14274, 3, False, "DEFAULT"),
+    ("760m", 8192, 8, 6, 2, 20933, 3, False, "DEFAULT"),
+    ("760m", 4096, 8, 12, 2, 27351, 3, False, "DEFAULT"),
+    ("760m", 2048, 8, 24, 2, 32434, 3, False, "DEFAULT"),
+    ("760m", 1024, 8, 48, 2, 29765, 3, False, "DEFAULT"),
+    ("760m", 512, 8, 96, 2, 29446, 3, False, "DEFAULT"),
+    ("350m", 65536, 8, 1, 2, 7524, 3, False, "DEFAULT"),
+    ("350m", 32768, 8, 2, 2, 13652, 3, False, "DEFAULT"),
+    ("350m", 16384, 8, 4, 2, 23559, 3, False, "DEFAULT"),
+    ("350m", 8192, 8, 8, 2, 36569, 3, False, "DEFAULT"),
+    ("350m", 4096, 8, 16, 2, 49555, 3, False, "DEFAULT"),
+    ("350m", 2048, 8, 32, 2, 58782, 3, False, "DEFAULT"),
+    ("350m", 1024, 8, 64, 2, 64813, 3, False, "DEFAULT"),
+    ("350m", 512, 8, 128, 2, 69330, 3, False, "DEFAULT"),
+    ("125m", 65536, 8, 1, 2, 20368, 3, False, "DEFAULT"),
+    ("125m", 32768, 8, 2, 2, 36407, 3, False, "DEFAULT"),
+    ("125m", 16384, 8, 4, 2, 60040, 3, False, "DEFAULT"),
+    ("125m", 8192, 8, 8, 2, 90392, 3, False, "DEFAULT"),
+    ("125m", 4096, 8, 16, 2, 118396, 3, False, "DEFAULT"),
+    ("125m", 2048, 8, 40, 2, 142830, 3, False, "DEFAULT"),
+    ("125m", 2048, 8, 32, 2, 141737, 3, False, "DEFAULT"),
+    ("125m", 1024, 8, 64, 2, 156468, 3, False, "DEFAULT"),
+    ("125m", 512, 8, 128, 2, 165681, 3, False, "DEFAULT"),
 ]
 
 
@@ -93,7 +250,7 @@ def rows() -> list[dict]:
             ("Llama 3 70B FSDP32 x TP8, vanilla TP", LLAMA3_70B, 256, 32, 8, 16, "full", 597.3,
              TITAN_ASYNC)):
         out.append({
-            "name": name, "source": src, "split": "held-out", "impl": "torchtitan", "shape": shape,
+            "name": name, "source": src, "split": "held-out", "impl": "torchtitan_h100", "shape": shape,
             "hardware": "H100-500W", "seq": 8192, "batch": dp * local,
             "layout": {"dp": dp, "tp": tp, "zero_stage": 3, "micro_batch_size": local,
                         "sequence_parallel": tp > 1, "activation_checkpointing": ckpt},
@@ -111,4 +268,23 @@ def rows() -> list[dict]:
             "layout": {"dp": 64, "zero_stage": 3, "micro_batch_size": local,
                         "activation_checkpointing": ckpt},
             "published": tps, "unit": "tokens/s/GPU", "flops": None})
+    # The same H100s as torchtitan's H100 tables (its footnote: "HBM2e based lower TDP SXM H100"),
+    # Llama 3.1 405B, bf16, FSDP 16 x TP 8 (vanilla TP: async TP is the table's third row), local
+    # batch 2 at seq 8192 (train_configs/llama3_405b.toml of that commit), full checkpointing.
+    out.append({
+        "name": "Llama 3.1 405B FSDP16 x TP8", "source": TITAN_405B, "split": "held-out",
+        "impl": "torchtitan_h100", "shape": LLAMA3_405B, "hardware": "H100-500W", "seq": 8192,
+        "batch": 32, "layout": {"dp": 16, "tp": 8, "zero_stage": 3, "micro_batch_size": 2,
+                                "sequence_parallel": True, "activation_checkpointing": "full"},
+        "published": 109, "unit": "tokens/s/GPU", "flops": None})
+    for table, hw, source in ((_MPT_H100, "H100-SXM", MPT_H100), (_MPT_A100, "A100-80GB", MPT_A100)):
+        for size, seq, gpus, mb, accum, tps, zero, ckpt, precision in table:
+            out.append({
+                "name": f"MPT {size} seq {seq}, {gpus} GPUs", "source": source, "split": "held-out",
+                "impl": ("mpt_h100" if hw == "H100-SXM" else "mpt") + ("_pure" if precision == "PURE" else ""),
+                "shape": gpt(*MPT[size], vocab=50368), "hardware": hw, "seq": seq,
+                "batch": gpus * mb * accum,
+                "layout": {"dp": gpus, "zero_stage": zero, "micro_batch_size": mb,
+                           "activation_checkpointing": "full" if ckpt else "none"},
+                "published": tps, "unit": "tokens/s/GPU", "flops": None})
     return out

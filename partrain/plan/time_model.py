@@ -10,7 +10,10 @@ default; scripts/bench_time_model.py models other trainers' published runs by th
     tokens of a micro-batch, the hidden size / tp; the head's vocabulary / tp): few tiles per
     SM and little reuse per byte (cuBLAS sweeps of GEMM shapes, and the fit below);
   - attention (flash attention): its causal FLOPs at ATTENTION_EFFICIENCY of the GEMMs'
-    (FlashAttention-2 paper: forward + backward at 50-73% of A100 peak, about 0.7 of a GEMM's);
+    (FlashAttention-2 paper: forward + backward at 50-73% of A100 peak, about 0.7 of a GEMM's),
+    or at the kernel's own fraction of the peak where it is known on that GPU
+    (`impl.attention_peak_fraction`: FlashAttention-2 on an H100 reaches 35%, the
+    FlashAttention-3 paper's abstract);
     without a fused kernel (`impl.flash_attention` False: Megatron-LM 2021-22) the full score
     matrix's GEMMs at GEMM efficiency and its softmax and dropout through HBM
     (UNFUSED_SCORE_BYTES per score);
@@ -122,6 +125,11 @@ class Implementation:
     grad_bytes: int = 0  # bytes per gradient element reduced; 0: partrain's (fp32 under DDP)
     cp_overlap: bool = False  # cp's key/value exchange hidden behind attention
     flash_attention: bool = True  # fused attention; False: scores through HBM (Megatron 2021-22)
+    # The fused kernel's forward + backward as a fraction of the GPU's peak, where its figure on
+    # that GPU is known (FlashAttention-2 on an H100: 0.35, FlashAttention-3's abstract; it is
+    # what PyTorch's SDPA runs there unless cuDNN's is asked for, pytorch/pytorch#138522);
+    # 0: ATTENTION_EFFICIENCY of the GEMMs'.
+    attention_peak_fraction: float = 0.0
     selective_matmuls: float = 0.0  # share of the forward GEMMs "selective" recomputes
     send_bytes: int = 4  # bytes per element of a pipeline send (partrain: the fp32 residual)
     send_split_tp: bool = False  # each tp rank sends 1/tp of it (Megatron's scatter/gather)
@@ -236,8 +244,9 @@ def _compute_per_micro_batch(model_cfg, L: Layout, seq_len: int, micro_tokens: i
     gemm_s = (block_flops / L.pp * (1 + matmul_again) * tokens / (hw.peak_flops * efficiency)
               + head_flops * tokens / (hw.peak_flops * head_efficiency))
     if impl.flash_attention:
+        fraction = impl.attention_peak_fraction or efficiency * ATTENTION_EFFICIENCY
         attention_s = (attention_flops / L.pp * (1 + attention_again) * tokens
-                       / (hw.peak_flops * efficiency * ATTENTION_EFFICIENCY))
+                       / (hw.peak_flops * fraction))
     else:  # every score computed (twice the causal FLOPs) and moved through HBM
         scores = seq_len * model_cfg.n_heads / L.tp * model_cfg.n_layers / L.pp
         attention_s = (1 + attention_again) * micro_tokens * (

@@ -150,7 +150,7 @@ class HangWatch:
         directory = self.run_dir / "logs" / HANG_DIR
         directory.mkdir(parents=True, exist_ok=True)
         write_json(directory / f"rank-{self.rank}.json", report)
-        print(f"partrain: no progress for {idle:.0f} s {self.phase} (hang); every thread's "
+        print(f"partrain: no progress for {limit:g} s {self.phase} (hang); every thread's "
               "stack follows", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         if self.cuda:
@@ -179,7 +179,7 @@ class HangWatch:
         waits = report.get("collective")
         what = (f"waits in {waits['op']} on {waits['group']}" if waits else
                 f"is at {report.get('at') or 'an unknown line'}")
-        error = Hang(f"no progress for {report['idle_s']:.0f} s {report['phase']} "
+        error = Hang(f"no progress for {report['limit_s']:g} s {report['phase']} "
                      f"(launcher.hang_timeout_s); rank {self.rank} {what}")
         ErrorHandler().record_exception(error)
         sys.stderr.flush()

@@ -117,6 +117,13 @@ def deepspeed_ops():
     return proc.stdout
 
 
+def deepspeed_if_zero(request, layout) -> None:
+    """The deepspeed_ops fixture, for a layout that runs ZeRO only: a DDP, tp or pp row of a table
+    that also has ZeRO rows does not wait for (or, on a fresh machine, build) DeepSpeed's ops."""
+    if any(arg.startswith("parallel.zero_stage=") and not arg.endswith("=0") for arg in layout):
+        request.getfixturevalue("deepspeed_ops")
+
+
 # Layout parity (docs/design.md) for the multi-node tests (test_multinode, test_slurm): the same rule
 # and reference run as test_parity.py.
 PARITY_STEPS = 10

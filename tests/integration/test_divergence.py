@@ -16,7 +16,13 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from partrain.checkpoint import store
-from tests.integration.conftest import assert_no_abort, processes_mentioning, read_metrics, survivors
+from tests.integration.conftest import (
+    assert_no_abort,
+    deepspeed_if_zero,
+    processes_mentioning,
+    read_metrics,
+    survivors,
+)
 
 FAST = ("launcher.device=cpu", "train.seq_len=64", "train.eval_every=0")
 NONFINITE_ENV = "PARTRAIN_TEST_NONFINITE"
@@ -118,7 +124,7 @@ LAYOUTS = [
                  marks=pytest.mark.slow),
     # The loss lives on the last stage (rank 1).
     pytest.param("pp2", ("parallel.dp=1", "parallel.pp=2", "train.micro_batch_size=2"), 1,
-                 id="pp2"),
+                 id="pp2", marks=pytest.mark.slow),  # pp2 stays quick in the exit-4 table
     pytest.param("cp2", ("parallel.dp=1", "parallel.cp=2"), 1, id="cp2", marks=pytest.mark.slow),
     pytest.param("tiny-moe dp2 x ep2", ("moe-tiny", "parallel.dp=2", "parallel.ep=2",
                                         "model.moe.balance=bias"), 1, id="moe-ep2",
@@ -127,10 +133,11 @@ LAYOUTS = [
 
 
 @pytest.mark.parametrize("label, layout, rank", LAYOUTS)
-def test_a_skipped_step_changes_nothing(cli, tmp_path, deepspeed_ops, label, layout, rank):
+def test_a_skipped_step_changes_nothing(cli, tmp_path, request, label, layout, rank):
     """A NaN loss on one rank at step 3 of 3: every rank skips the update together, so the
     state saved at the end (step 3) is the state of step 2, every tensor bit for bit: weights,
     moments, step counters, a MoE's expert bias. The run then ends well (exit 0)."""
+    deepspeed_if_zero(request, layout)
     run_dir = tmp_path / "run"
     res = cli.run("launch", *layout, *FAST, "train.max_steps=3", "checkpoint.every=1",
                   "checkpoint.keep=5", "--run-dir", str(run_dir),
@@ -164,11 +171,12 @@ EXIT_4 = [
 
 
 @pytest.mark.parametrize("layout, rank", EXIT_4)
-def test_skipped_steps_in_a_row_stop_every_rank_with_exit_4(cli, tmp_path, deepspeed_ops,
-                                                            layout, rank):
+def test_skipped_steps_in_a_row_stop_every_rank_with_exit_4(cli, tmp_path, request, layout,
+                                                            rank):
     """NaN from step 3 on, on one rank, train.max_skipped_steps=2 and checkpoint.keep=1: steps
     3 and 4 are skipped, the run stops at step 4 with exit 4 on every rank, and the one
     checkpoint kept is step 2's (rotation never removed the newest good one)."""
+    deepspeed_if_zero(request, layout)
     run_dir = tmp_path / "run"
     res = cli.run("launch", *layout, *FAST, "train.max_steps=8", "checkpoint.every=1",
                   "checkpoint.keep=1", "train.max_skipped_steps=2", "--run-dir", str(run_dir),
@@ -208,7 +216,8 @@ def _poison_checkpoint(checkpoint: Path, key: str, tmp: Path) -> None:
 
 
 @pytest.mark.parametrize("key", ["model.layers.1.feed_forward.w2.weight",
-                                 "optim.output.weight.exp_avg_sq"])
+                                 pytest.param("optim.output.weight.exp_avg_sq",
+                                              marks=pytest.mark.slow)])
 def test_a_checkpoint_holding_a_nan_is_not_trained_from(cli, tmp_path, key):
     """Resuming from a checkpoint with a NaN weight or moment (one committed before the guard
     existed) trained every step to NaN; now every rank refuses it before the first step: exit

@@ -167,6 +167,7 @@ def test_a_full_disk_fails_loudly_and_loses_nothing(cli, small_disk, tmp_path, h
     assert abs(took - need) < 0.01 * need, (took, need)
 
 
+@pytest.mark.slow
 def test_a_failed_resume_leaves_the_run_dirs_config_as_it_was(cli, tmp_path):
     """A resume whose ranks fail before they save anything restores config.yaml: the run dir
     still describes what its checkpoints were trained with, not the failed try's overrides."""

@@ -6,7 +6,13 @@ attempt only, so the restarted run goes on; ":always" fires in every attempt."""
 
 import pytest
 
-from tests.integration.conftest import assert_no_abort, processes_mentioning, read_metrics, survivors
+from tests.integration.conftest import (
+    assert_no_abort,
+    deepspeed_if_zero,
+    processes_mentioning,
+    read_metrics,
+    survivors,
+)
 
 COMMON = ("launcher.device=cpu", "train.seq_len=64", "train.eval_every=0", "train.max_steps=8",
           "checkpoint.every=2")
@@ -23,7 +29,8 @@ def _said(res) -> str:
                  marks=pytest.mark.slow),
     pytest.param(("parallel.dp=2", "parallel.zero_stage=1"), id="zero1", marks=pytest.mark.slow),
 ])
-def test_a_restarted_run_ends_as_the_uninterrupted_one(cli, tmp_path, deepspeed_ops, layout):
+def test_a_restarted_run_ends_as_the_uninterrupted_one(cli, tmp_path, request, layout):
+    deepspeed_if_zero(request, layout)
     env = {"DS_ACCELERATOR": "cpu"}
     plain = cli.run("launch", *layout, *COMMON, "--run-dir", str(tmp_path / "plain"), env=env)
     assert plain.returncode == 0, plain.stderr[-2000:]
@@ -44,6 +51,7 @@ def test_a_restarted_run_ends_as_the_uninterrupted_one(cli, tmp_path, deepspeed_
     assert_no_abort(run_dir, res.stdout, res.stderr)
 
 
+@pytest.mark.slow
 def test_a_failure_before_the_first_checkpoint_restarts_from_the_start(cli, tmp_path):
     run_dir = tmp_path / "run"
     res = cli.run("launch", "parallel.dp=2", *COMMON, "checkpoint.every=4", "--max-restarts", "1",
@@ -57,6 +65,7 @@ def test_a_failure_before_the_first_checkpoint_restarts_from_the_start(cli, tmp_
     assert [s["step"] for s in steps] == list(range(1, 9))
 
 
+@pytest.mark.slow
 def test_exhausted_restarts_end_with_exit_1(cli, tmp_path):
     run_dir = tmp_path / "run"
     res = cli.run("launch", "parallel.dp=2", *COMMON, "launcher.max_restarts=1",

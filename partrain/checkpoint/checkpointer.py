@@ -32,6 +32,7 @@ from partrain.checkpoint import store
 from partrain.checkpoint.state import failures, out_of_space
 from partrain.checkpoint.verify import problems
 from partrain.models.arith import count_params
+from partrain.parallel.dist import attempt
 
 log = logging.getLogger("partrain")
 
@@ -117,8 +118,7 @@ def storage_writer(path: Path, after_first_file=None) -> FileSystemWriter:
 
 
 def _test_pause(rank: int, step: int, where: str) -> None:
-    first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") in ("", "0")
-    if first and os.environ.get(PAUSE_ENV) == f"{rank}:{step}:{where}":
+    if not attempt() and os.environ.get(PAUSE_ENV) == f"{rank}:{step}:{where}":
         log.info("%s: rank %d pauses %s writing step %d", PAUSE_ENV, rank, where, step)
         time.sleep(600)
 

@@ -198,9 +198,7 @@ def restart_reporter(run_dir: Path, max_restarts: int, console_print):
     def report(attempt: int, errors: dict[int, str | None], ended: dict[int, int]) -> None:
         """`errors`: what this node's ranks recorded (None: nothing); `ended`: the exit code of
         the rank the agent saw fail first (negative: the signal that killed it)."""
-        hung = hang.summary(run_dir, hang.read_reports(run_dir, since))
-        for line in hung:
-            console_print(line)
+        hung = _say_hang(run_dir, since, console_print)
         failed = {rank: text for rank, text in errors.items()
                   if text and not any(words in text for words in PEER_LOST)}
         silent = {rank: code for rank, code in ended.items() if not errors.get(rank)}
@@ -216,6 +214,15 @@ def restart_reporter(run_dir: Path, max_restarts: int, console_print):
         console_print(f"{who} (after step {step if step is not None else 0}); restart {attempt} "
                       f"of {max_restarts} (launcher.max_restarts), {start}")
     return report
+
+
+def _say_hang(run_dir: Path, since: float, console_print) -> bool:
+    """Print the summary of a hang from the ranks' reports written since `since` (this launch's);
+    False if there are none."""
+    lines = hang.summary(run_dir, hang.read_reports(run_dir, since))
+    for line in lines:
+        console_print(line)
+    return bool(lines)
 
 
 def _ending(exitcode: int) -> str:
@@ -354,8 +361,7 @@ def _run_agent(config: LaunchConfig, run_dir: Path, spec: ElasticLaunch, agent_l
         exhausted = (f" (restarts exhausted: launcher.max_restarts={spec.max_restarts})"
                      if spec.max_restarts else "")
         if any(_message(f).startswith(hang.PREFIX) for f in err.failures.values()):
-            for line in hang.summary(run_dir, hang.read_reports(run_dir, since)):
-                console_print(line)
+            _say_hang(run_dir, since, console_print)
             console_print(f"  every worker was stopped{exhausted}; {_where_to_resume(run_dir)}")
             return EXIT_RANK_FAILED
         for failure in err.failures.values():

@@ -31,16 +31,21 @@ def init_distributed(device: torch.device, timeout_s: int) -> None:
     options = {"timeout": timedelta(seconds=timeout_s)}
     if device.type == "cuda":
         options["device_id"] = device
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if attempt:
+    if attempt():
         from torch.distributed.rendezvous import _create_c10d_store
 
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         store = _create_c10d_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                    rank, world, options["timeout"])
-        options.update(store=dist.PrefixStore(f"partrain/attempt-{attempt}", store), rank=rank,
+        options.update(store=dist.PrefixStore(f"partrain/attempt-{attempt()}", store), rank=rank,
                        world_size=world)
     dist.init_process_group(backend, **options)
+
+
+def attempt() -> int:
+    """This worker's attempt: 0 first, then one more at each in-job restart (launcher.max_restarts;
+    the launcher numbers them the same on every node: launch/local.py's RunDirLogsSpecs)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
 def end_distributed() -> None:

@@ -30,6 +30,7 @@ from partrain.observe.curves import Curves
 from partrain.observe.metrics import MetricsLog, ProgressDisplay, peak_flops
 from partrain.observe.trace import Tracer
 from partrain.parallel.data import DataParallelBackend
+from partrain.parallel.dist import attempt
 from partrain.parallel.expert import finish_moe_step, moe_modules
 from partrain.parallel.mesh import ParallelDims
 from partrain.parallel.parallelize import checkpointed_blocks, parallelize
@@ -162,8 +163,7 @@ def build(cfg, run_dir: Path, device: torch.device) -> Run:
 
 def _outputs(cfg, run_dir: Path, rank: int, start: Start, first_step: int):
     """metrics.jsonl (and curves), the progress display and the checkpointer; rank 0 writes."""
-    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") not in ("", "0")
-    if rank == 0 and (start.resume or restarted):  # a restart before any checkpoint: from 0
+    if rank == 0 and (start.resume or attempt()):  # a restart before any checkpoint: from 0
         _keep_metrics_until(run_dir / "metrics.jsonl", start.resume.step if start.resume else 0)
     metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=rank == 0,
                          curves=Curves(run_dir, cfg, first_step, enabled=rank == 0))

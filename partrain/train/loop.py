@@ -27,6 +27,7 @@ from partrain.observe.memory import StepMemory, per_rank
 from partrain.observe.metrics import format_step, summary_table
 from partrain.observe.trace import write_trace
 from partrain.parallel.dist import (
+    attempt,
     end_distributed,
     env_rank,
     init_distributed,
@@ -129,8 +130,7 @@ def _test_hook(name: str, rank: int, step: int) -> str | None:
     parts = spec.split(":")
     always = parts[-1] == "always" and len(parts) > 2
     parts = parts[:-1] if always else parts
-    first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if len(parts) < 2 or parts[:2] != [str(rank), str(step)] or not (first or always):
+    if len(parts) < 2 or parts[:2] != [str(rank), str(step)] or (attempt() and not always):
         return None
     return parts[2] if len(parts) > 2 else ""
 

@@ -20,6 +20,7 @@ and the model's throughput is put in the published figure's unit by the source's
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 from pathlib import Path
@@ -83,7 +84,9 @@ def hardware(name: str):
     return PRESETS[name]
 
 
+@functools.lru_cache(maxsize=None)
 def model_config(shape: tuple, seq: int):
+    """A row's model as partrain's config (cached: the fit prices every row many times)."""
     from omegaconf import OmegaConf
 
     from partrain.config.schema import ModelConfig

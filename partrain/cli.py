@@ -322,7 +322,7 @@ def show(
     ready = preflight(Request(args, PLAN))
     cfg, warnings = ready.cfg, ready.warnings
     sys.stdout.write(OmegaConf.to_yaml(cfg))
-    if cfg.parallel.zero_stage > 0:
+    if cfg.parallel.zero_stage > 0 and cfg.parallel.zero_backend == "deepspeed":
         from partrain.config.deepspeed import deepspeed_config
 
         text = json.dumps(deepspeed_config(cfg, runs_on_cuda(cfg)), indent=2)

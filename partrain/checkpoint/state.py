@@ -123,6 +123,8 @@ def as_saved(local: torch.Tensor, param: nn.Parameter, tp_mesh) -> torch.Tensor:
     checkpoint: a DTensor slice of the full tensor if the parameter is a tp shard, or an
     expert-parallel slice (dim 0 of stacked experts over its ep mesh)."""
     dim = getattr(param, "tp_shard_dim", None)
+    if isinstance(local, DTensor):  # FSDP's shard over dp x cp, and a tp split besides
+        return _fsdp_saved(local, dim, getattr(param, "saved_mesh", None))
     if getattr(param, "ep_sharded", False):
         dim, tp_mesh = 0, param.ep_mesh
     if dim is None or tp_mesh is None or tp_mesh.size() == 1:
@@ -131,6 +133,27 @@ def as_saved(local: torch.Tensor, param: nn.Parameter, tp_mesh) -> torch.Tensor:
     full[dim] *= tp_mesh.size()
     return DTensor.from_local(local, tp_mesh, [Shard(dim)], run_check=False,
                               shape=torch.Size(full), stride=torch.empty(full, device="meta").stride())
+
+
+def _fsdp_saved(shard: DTensor, tp_dim: int | None, saved_mesh) -> DTensor:
+    """An FSDP shard as the checkpoint records it: as it is, or, where tp splits the weight too,
+    a DTensor over (dp x cp, tp) whose offsets place this rank's rectangle in the full tensor
+    (FSDP splits the other dimension: partrain.parallel.fsdp.shard_dim)."""
+    if tp_dim is None or saved_mesh is None:
+        return shard
+    full = list(shard.shape)
+    full[tp_dim] *= saved_mesh.size(1)
+    return DTensor.from_local(shard.to_local(), saved_mesh, [shard.placements[-1], Shard(tp_dim)],
+                              run_check=False, shape=torch.Size(full),
+                              stride=torch.empty(full, device="meta").stride())
+
+
+def _as_param(value: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
+    """Loaded optimizer state shaped like `param`: a DTensor like FSDP's parameter, or a copy."""
+    if isinstance(param, DTensor):
+        return DTensor.from_local(_local(value).clone(), param.device_mesh, param.placements,
+                                  run_check=False, shape=param.shape, stride=param.stride())
+    return _local(value).clone()
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -208,7 +231,8 @@ def _template(shapes: dict[str, tuple[nn.Parameter, torch.Size]], tp_mesh, keys)
             else:
                 prefix = "model" if key == "weight" else "optim"
                 suffix = "" if key == "weight" else f".{key}"
-                state[f"{prefix}.{name}{suffix}"] = as_saved(torch.zeros(shape), param, tp_mesh)
+                zeros = torch.zeros_like(param) if isinstance(param, DTensor) else torch.zeros(shape)
+                state[f"{prefix}.{name}{suffix}"] = as_saved(zeros, param, tp_mesh)
     return state
 
 
@@ -242,7 +266,7 @@ def load_optimizer(model: nn.Module, optimizer, path, tp_mesh, zero: bool) -> No
         for name, param in params.items():
             optimizer.state[param] = {
                 "step": torch.tensor(float(state[f"optim.{name}.step"]), dtype=torch.float32),
-                **{key: _local(state[f"optim.{name}.{key}"]).clone() for key in MOMENTS}}
+                **{key: _as_param(state[f"optim.{name}.{key}"], param) for key in MOMENTS}}
         return
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 

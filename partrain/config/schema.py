@@ -105,7 +105,10 @@ class ParallelConfig:
     cp_method: str = "ring"
     """ring (key/value blocks around a ring) | all_to_all (DeepSpeed-Ulysses)."""
     zero_stage: int = 0
-    """0 = DDP; 1, 2, 3 = DeepSpeed ZeRO over the dp dimension."""
+    """0 = DDP; 1, 2, 3 = ZeRO over the dp dimension (optimizer state; + gradients; + weights)."""
+    zero_backend: str = "deepspeed"
+    """deepspeed | fsdp: the engine that shards at zero_stage >= 1 (DeepSpeed ZeRO, or PyTorch's
+    FSDP2 at stage 2 or 3)."""
     pp_schedule: str = "1f1b"
     """gpipe | 1f1b | interleaved_1f1b."""
     pp_virtual_stages: int = 1

@@ -29,6 +29,7 @@ from partrain.models.arith import RECOMPUTE_MODES, ffn_dim
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 CP_METHODS = ("ring", "all_to_all")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
+ZERO_BACKENDS = ("deepspeed", "fsdp")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 DEVICES = ("auto", "cpu", "cuda")
 DATA_SOURCES = ("stdlib", "tokens")
@@ -80,7 +81,7 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
         p.dp = dp
         t.global_batch_size, t.micro_batch_size, t.micro_batches = g, b, mb
         cfg.launcher.nnodes, cfg.launcher.nproc_per_node = world.nnodes, world.nproc_per_node
-    if p.zero_stage > 0:
+    if p.zero_stage > 0 and p.zero_backend == "deepspeed":
         from partrain.config.deepspeed import deepspeed_config
 
         deepspeed_config(cfg)  # raises on a raw key that contradicts a derived one
@@ -188,6 +189,10 @@ def _check_zero(cfg: DictConfig) -> None:
         raise ConfigError(f"parallel.zero_stage={stage} must be 0 (DDP), 1, 2 or 3")
     _choice("parallel.offload_optimizer", p.offload_optimizer, OFFLOAD_DEVICES)
     _choice("parallel.offload_params", p.offload_params, OFFLOAD_DEVICES)
+    _choice("parallel.zero_backend", p.zero_backend, ZERO_BACKENDS)
+    if p.zero_backend == "fsdp":
+        _check_fsdp(cfg)
+        return
     if stage >= 2 and p.pp > 1:
         raise ConfigError(
             f"parallel.zero_stage={stage} with parallel.pp={p.pp}: ZeRO-2/3 shard gradients "
@@ -218,6 +223,46 @@ def _check_zero(cfg: DictConfig) -> None:
         raise ConfigError(
             "parallel.deepspeed sets raw DeepSpeed keys, but parallel.zero_stage=0 runs DDP, not "
             "DeepSpeed; set parallel.zero_stage to 1, 2 or 3")
+
+
+def _check_fsdp(cfg: DictConfig) -> None:
+    """FSDP2's rules (parallel.zero_backend=fsdp): what it shards, and what it composes with
+    so far."""
+    p, stage = cfg.parallel, cfg.parallel.zero_stage
+    if stage == 0:
+        raise ConfigError(
+            "parallel.zero_backend=fsdp picks the engine of a sharded stage, but "
+            "parallel.zero_stage=0 is DDP: set parallel.zero_stage=2 or 3")
+    if stage == 1:
+        raise ConfigError(
+            "parallel.zero_stage=1 with parallel.zero_backend=fsdp: FSDP2 shards the weights "
+            "themselves, so its least sharded form is stage 2 (weights kept gathered from forward "
+            "to backward); use parallel.zero_stage=2, or zero_backend=deepspeed for stage 1")
+    for key, degree, why in (("pp", p.pp, "one FSDP unit per stage and one gradient reduction "
+                              "per step are not built yet"),
+                             ("ep", p.ep, "the experts' own sharding group is not built yet")):
+        if degree > 1:
+            raise ConfigError(
+                f"parallel.{key}={degree} with parallel.zero_backend=fsdp is not supported yet "
+                f"({why}); use zero_backend=deepspeed (ZeRO-1{' or 2' if key == 'ep' else ''}) "
+                f"with {key}, or parallel.{key}=1")
+    for key in ("offload_optimizer", "offload_params"):
+        if p[key] == "nvme":
+            raise ConfigError(
+                f"parallel.{key}=nvme with parallel.zero_backend=fsdp: FSDP2 offloads to the host "
+                f"only; use parallel.{key}=cpu, or zero_backend=deepspeed for nvme")
+    if p.offload_params != "none" and stage != 3:
+        raise ConfigError(
+            f"parallel.offload_params={p.offload_params} needs parallel.zero_stage=3 (only "
+            f"stage 3 keeps the weights sharded between uses; got zero_stage={stage})")
+    if cfg.train.dtype == "fp16":
+        raise ConfigError(
+            "train.dtype=fp16 with parallel.zero_backend=fsdp: partrain's loss scaling is "
+            "DeepSpeed's; use train.dtype=bf16, or zero_backend=deepspeed")
+    if p.get("deepspeed"):
+        raise ConfigError(
+            "parallel.deepspeed sets raw DeepSpeed keys, but parallel.zero_backend=fsdp does not "
+            "run DeepSpeed; remove them, or set parallel.zero_backend=deepspeed")
 
 
 def _check_model_shape(m: DictConfig) -> None:

@@ -51,7 +51,7 @@ def check_moe(cfg: DictConfig, dp: int) -> None:
     if moe.n_experts % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide model.moe.n_experts={moe.n_experts} "
                           f"(try ep in {divisors(moe.n_experts)})")
-    if p.ep > 1 and p.zero_stage == 3:
+    if p.ep > 1 and p.zero_stage == 3 and p.zero_backend == "deepspeed":
         raise ConfigError(
             f"parallel.ep={p.ep} with parallel.zero_stage=3 is not supported: DeepSpeed's ZeRO-3 "
             "does not take expert-parallel slices (its MoE support is ZeRO-1/2); use "

@@ -89,7 +89,7 @@ CPU_OPS = {"deepspeed_shm_comm": "~20 s", "cpu_adam": "30-100 s"}
 def deepspeed_builds(cfg) -> str | None:
     """What DeepSpeed will build before the first step of this run (ZeRO on CPU, ops not yet in
     torch's extension cache), said up front instead of minutes of silence; None if nothing."""
-    if not cfg.parallel.zero_stage or runs_on_cuda(cfg):
+    if not cfg.parallel.zero_stage or cfg.parallel.zero_backend != "deepspeed" or runs_on_cuda(cfg):
         return None
     import torch
 

@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
+from partrain.parallel.dist import local
 from partrain.parallel.expert import average_expert_gradients
 from partrain.parallel.grads import average_gradients, clip_grads, global_grad_norm
 from partrain.parallel.tensor import sync_sequence_parallel_grads
@@ -57,7 +58,7 @@ def first_nonfinite(params) -> nn.Parameter | None:
     """The first parameter in backward's order (the last of `params`, the model's order) whose
     gradient holds a NaN or an infinity: where a non-finite value entered the gradients."""
     for param in reversed(list(params)):
-        if param.grad is not None and not torch.isfinite(param.grad).all():
+        if param.grad is not None and not torch.isfinite(local(param.grad)).all():
             return param
     return None
 

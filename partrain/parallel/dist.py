@@ -58,3 +58,9 @@ def end_distributed() -> None:
 def env_rank() -> tuple[int, int, int]:
     """(global rank, local rank, world size) as the elastic agent sets them."""
     return int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP's parameters, gradients and optimizer state); a plain
+    tensor as it is."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor

@@ -13,36 +13,44 @@ import math
 import torch
 import torch.distributed as dist
 
+from partrain.parallel.dist import local
 from partrain.parallel.tensor import note_collective
 
 
 def _sum_of_squares(grads: list[torch.Tensor], device) -> torch.Tensor:
     if not grads:
         return torch.zeros((), device=device)
-    return torch.stack([g.detach().float().pow(2).sum() for g in grads]).sum()
+    return torch.stack([local(g).detach().float().pow(2).sum() for g in grads]).sum()
 
 
 def _spans(group) -> bool:
     return group is not None and dist.get_world_size(group) > 1
 
 
-def global_grad_norm(parameters, tp_group=None, pp_group=None, ep_group=None) -> torch.Tensor:
-    """The norm of every gradient of the sharded model, each parameter counted once."""
+def global_grad_norm(parameters, tp_group=None, pp_group=None, ep_group=None,
+                     shard_group=None) -> torch.Tensor:
+    """The norm of every gradient of the sharded model, each parameter counted once. Under FSDP
+    (`shard_group`) each rank holds a shard of every gradient: its sums are summed there first."""
     params = [p for p in parameters if p.grad is not None]
-    device = params[0].grad.device
+    device = local(params[0].grad).device
     counted = [p for p in params if not getattr(p, "tied_to", None)]
     experts = [p.grad for p in counted if getattr(p, "ep_sharded", False)]
     counted = [p for p in counted if not getattr(p, "ep_sharded", False)]
     sharded = [p.grad for p in counted if getattr(p, "tp_sharded", False)]
     replicated = [p.grad for p in counted if not getattr(p, "tp_sharded", False)]
     sharded_sq = _sum_of_squares(sharded, device)
+    expert_sq = _sum_of_squares(experts, device)
+    replicated_sq = _sum_of_squares(replicated, device)
+    if _spans(shard_group):
+        sums = torch.stack([sharded_sq, expert_sq, replicated_sq])
+        dist.all_reduce(sums, group=shard_group)
+        sharded_sq, expert_sq, replicated_sq = sums.unbind()
     if _spans(tp_group):
         note_collective("all_reduce", sharded_sq)
         dist.all_reduce(sharded_sq, group=tp_group)
-    expert_sq = _sum_of_squares(experts, device)
     if _spans(ep_group):
         dist.all_reduce(expert_sq, group=ep_group)
-    total_sq = sharded_sq + expert_sq + _sum_of_squares(replicated, device)
+    total_sq = sharded_sq + expert_sq + replicated_sq
     if _spans(pp_group):
         dist.all_reduce(total_sq, group=pp_group)
     return total_sq.sqrt()
@@ -53,7 +61,7 @@ def clip_grads(parameters, total: torch.Tensor, max_norm: float) -> None:
     clipping)."""
     if math.isfinite(max_norm):
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_([p.grad for p in parameters if p.grad is not None], coef)
+        torch._foreach_mul_([local(p.grad) for p in parameters if p.grad is not None], coef)
 
 
 def clip_grad_norm(parameters, max_norm: float, tp_group=None, pp_group=None,

@@ -19,13 +19,23 @@ class ParallelDims:
     pp: int
     dp: int
     tp: int
-    zero_stage: int = 0  # 0 = DDP over dp x cp; 1-3 = DeepSpeed ZeRO over dp x cp
+    zero_stage: int = 0  # 0 = DDP over dp x cp; 1-3 = ZeRO over dp x cp
     cp: int = 1  # context parallelism: each sequence split over cp ranks
     ep: int = 1  # expert parallelism: experts split over groups of ep consecutive dp ranks
+    zero_backend: str = "deepspeed"  # what shards at zero_stage >= 1: deepspeed | fsdp
 
     @property
     def zero_enabled(self) -> bool:
+        """Sharded data parallelism, by either engine (each keeps its own precision)."""
         return self.zero_stage > 0
+
+    @property
+    def deepspeed_enabled(self) -> bool:
+        return self.zero_enabled and self.zero_backend == "deepspeed"
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.zero_enabled and self.zero_backend == "fsdp"
 
     @property
     def world_size(self) -> int:

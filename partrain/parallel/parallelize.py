@@ -4,7 +4,7 @@
 it wrapped for this rank, with the data-parallel backend that the step drives:
 
     activation checkpointing -> tensor -> context -> MoE wiring -> expert -> pipeline -> compile
-    -> (the weights to start from) -> DDP or ZeRO
+    -> (the weights to start from) -> DDP, DeepSpeed ZeRO or FSDP2
 
 Each step sees what the one before produced, and the comment on each says why it comes there
 (torchtitan's parallelize_llama is the model). The model-parallel apply_* get their own mesh
@@ -12,18 +12,21 @@ slice and config section; the order is not repeated anywhere else in partrain or
 (docs/design.md points here).
 """
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from partrain.config.deepspeed import deepspeed_config
+from partrain.config.resolve import compute_dtype
 from partrain.models.arith import moe_blocks
 from partrain.models.llama import TransformerBlock
 from partrain.models.moe import MoE
 from partrain.parallel.context import apply_context_parallel
 from partrain.parallel.data import DataParallelBackend, DDPBackend, apply_data_parallel
 from partrain.parallel.expert import apply_expert_parallel, moe_modules
+from partrain.parallel.fsdp import FSDPBackend, apply_fsdp
 from partrain.parallel.mesh import ParallelDims
 from partrain.parallel.pipeline import apply_pipeline_parallel
 from partrain.parallel.tensor import apply_tensor_parallel
@@ -78,7 +81,15 @@ def parallelize(model: torch.nn.Module, cfg, dims: ParallelDims, mesh, expert_me
     # rank reads only its slices, whatever layout wrote them (and ZeRO copies them to its fp32
     # master weights when it starts).
     load_weights(model)
-    if dims.zero_enabled:
+    if dims.fsdp_enabled:
+        # FSDP2 replaces DDP: every block a unit over dp x cp, then the root; the optimizer
+        # steps the DTensor shards it leaves.
+        apply_fsdp(model, mesh["dp_cp"], saved_mesh(mesh) if dims.tp_enabled else None,
+                   dims.zero_stage, fsdp_param_dtype(cfg, mesh.device_type),
+                   offload="cpu" in (p.offload_params, p.offload_optimizer))
+        backend = FSDPBackend(model, build_optimizer(model), dims, mesh, sequence_parallel,
+                              cfg.optim.grad_clip)
+    elif dims.deepspeed_enabled:
         # ZeRO replaces DDP and the optimizer: DeepSpeed shards over dp and builds AdamW from
         # the derived config (over the same parameter groups).
         ds_config = deepspeed_config(cfg, on_cuda=mesh.device_type == "cuda")
@@ -94,6 +105,21 @@ def parallelize(model: torch.nn.Module, cfg, dims: ParallelDims, mesh, expert_me
         backend = DDPBackend(model, build_optimizer(model), dims, mesh, expert_mesh,
                              sequence_parallel, cfg.optim.grad_clip)
     return Parallelized(backend, moe_load_group, n_moe_blocks, sequence_parallel)
+
+
+def saved_mesh(mesh):
+    """The (dp x cp, tp) mesh a checkpoint records FSDP's shards of tp-split weights on."""
+    with warnings.catch_warnings():
+        # torch would have flattened meshes kept apart from the root; the slice is what it was.
+        warnings.filterwarnings("ignore", message=".*flattened dim.*")
+        return mesh["dp_cp", "tp"]
+
+
+def fsdp_param_dtype(cfg, device_type: str) -> torch.dtype | None:
+    """What FSDP gathers its fp32 shards as for compute: bf16 under train.dtype bf16 (auto on
+    CUDA), else the fp32 weights themselves."""
+    bf16 = compute_dtype(cfg.train.dtype, device_type == "cuda") == "bf16"
+    return torch.bfloat16 if bf16 else None
 
 
 def setup_moe(layers, n_moe_blocks: int, dims: ParallelDims, mesh, sequence_parallel: bool,

@@ -36,6 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
+from partrain.parallel.dist import local
+
 # Module treatments a model's plan can ask for.
 STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head", "region", "attention", "norm",
           "replicated")
@@ -413,7 +415,7 @@ def _shared_weights(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
 def sync_sequence_parallel_grads(model: nn.Module, group) -> None:
     """Sum over tp the gradients of weights that saw only a sequence shard (norms under sequence
     parallelism); once per step, after the last micro-batch's backward, in one collective."""
-    grads = [p.grad for p in model.parameters()
+    grads = [local(p.grad) for p in model.parameters()
              if getattr(p, "sequence_parallel_partial", False) and p.grad is not None]
     if not grads:
         return

@@ -30,7 +30,7 @@ from partrain.observe.curves import Curves
 from partrain.observe.metrics import MetricsLog, ProgressDisplay, peak_flops
 from partrain.observe.trace import Tracer
 from partrain.parallel.data import DataParallelBackend
-from partrain.parallel.dist import attempt
+from partrain.parallel.dist import attempt, local
 from partrain.parallel.expert import finish_moe_step, moe_modules
 from partrain.parallel.mesh import ParallelDims
 from partrain.parallel.parallelize import checkpointed_blocks, parallelize
@@ -106,7 +106,8 @@ def load_start_weights(model: torch.nn.Module, start: Start, model_cfg, tp_mesh)
 def build(cfg, run_dir: Path, device: torch.device) -> Run:
     p, t = cfg.parallel, cfg.train
     rank = dist.get_rank()
-    dims = ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp, zero_stage=p.zero_stage, cp=p.cp, ep=p.ep)
+    dims = ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp, zero_stage=p.zero_stage, cp=p.cp, ep=p.ep,
+                        zero_backend=p.zero_backend)
     mesh = dims.build_mesh(device.type)
     expert_mesh = dims.build_expert_mesh(device.type) if dims.ep_enabled else None
     coords = dims.coords(rank)
@@ -127,14 +128,15 @@ def build(cfg, run_dir: Path, device: torch.device) -> Run:
     backend = built.backend
     if start.resume:
         load_optimizer(backend.model, backend.optimizer, start.resume.path, tp_mesh,
-                       dims.zero_enabled)
+                       dims.deepspeed_enabled)
     source = start.resume or start.init_from
     if source or start.hf_from:
         check_finite_start(backend.model, backend.optimizer,
                            f"the checkpoint {source.path}" if source
                            else f"the Hugging Face model in {start.hf_from}")
 
-    # Under ZeRO, DeepSpeed keeps bf16/fp16 weights with fp32 master copies itself.
+    # Under ZeRO, DeepSpeed keeps bf16/fp16 weights with fp32 master copies itself, and FSDP
+    # gathers bf16 copies of its fp32 shards (its MixedPrecisionPolicy).
     use_bf16 = compute_dtype(t.dtype, device.type == "cuda") == "bf16"
     autocast = torch.autocast(device.type, dtype=torch.bfloat16,
                               enabled=use_bf16 and not dims.zero_enabled)
@@ -200,8 +202,9 @@ def _announce(run: Run, n_params: int, sequence_parallel: bool) -> None:
     """The run's first lines on rank 0: the model, the data, the layout, where it starts."""
     cfg, dims, t, p = run.cfg, run.dims, run.cfg.train, run.cfg.parallel
     model = run.backend.model
-    # ZeRO-3 leaves each parameter empty and keeps this rank's shard in `ds_tensor`.
-    rank_params = sum(getattr(q, "ds_tensor", q).numel() for q in model.parameters())
+    # ZeRO-3 leaves each parameter empty and keeps this rank's shard in `ds_tensor`; FSDP's
+    # parameters are DTensors whose local part is this rank's shard.
+    rank_params = sum(local(getattr(q, "ds_tensor", q)).numel() for q in model.parameters())
     run.display.print(
         f"partrain: {cfg.model.name} ({n_params:,} parameters, {rank_params:,} on rank "
         f"0), {run.splits.description}, layout pp={dims.pp} dp={dims.dp}"

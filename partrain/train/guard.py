@@ -21,6 +21,7 @@ import torch.distributed as dist
 from partrain.checkpoint import store
 from partrain.checkpoint.state import named_parameters
 from partrain.parallel.data import Update
+from partrain.parallel.dist import local
 
 # The launcher recognises a divergence by this exception's name in the rank's error file.
 DIVERGED = "Diverged"
@@ -40,13 +41,15 @@ def _first_nonfinite_local(model, optimizer) -> str | None:
     """This rank's first weight or optimizer-state tensor holding a NaN or an infinity."""
     params = named_parameters(model)
     for name, param in params.items():
-        local = getattr(param, "ds_tensor", param)  # ZeRO-3 keeps this rank's part there
-        if local.is_floating_point() and not torch.isfinite(local).all():
+        # ZeRO-3 keeps this rank's part in ds_tensor, FSDP in the DTensor's local shard.
+        mine = local(getattr(param, "ds_tensor", param))
+        if mine.is_floating_point() and not torch.isfinite(mine).all():
             return f"model.{name}"
     names = {id(p): name for name, p in params.items()}
     inner = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed's ZeRO wraps AdamW
     for param, state in inner.state.items():
         for key, value in state.items():
+            value = local(value) if torch.is_tensor(value) else value
             if torch.is_tensor(value) and value.is_floating_point() and \
                     not torch.isfinite(value).all():
                 return f"optim.{names.get(id(param), '(a ZeRO partition)')}.{key}"

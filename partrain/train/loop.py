@@ -183,7 +183,7 @@ def save_if_due(run: Run, step: int, preemption: PreemptionFlag, skipped: bool) 
         reason = ("preemption" if signalled is not None else
                   "every" if ckpt.every and step % ckpt.every == 0 else "last")
         run.checkpointer.save(build_state(run.backend.model, run.backend.optimizer, run.tp_mesh,
-                                          run.dims.zero_enabled),
+                                          run.dims.deepspeed_enabled),
                               step, reason, started=signalled)
     if signalled is None:
         return False

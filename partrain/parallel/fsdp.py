@@ -1,0 +1,121 @@
+"""FSDP2 (parallel.zero_backend=fsdp): PyTorch's own sharded data parallelism, per-parameter DTensor
+shards over the data-parallel ranks (dp x cp), instead of DeepSpeed's ZeRO.
+
+`apply_fsdp` shards the model after tp, cp and compile have rewritten it (torchtitan's order):
+every transformer block is one FSDP unit, then the root (embedding, final norm, head). What
+`parallel.zero_stage` means here:
+
+- 3: parameters, gradients and optimizer state sharded; a block's parameters are gathered for its
+  forward, freed after it (`reshard_after_forward`), gathered again for its backward.
+- 2: the same, but a block keeps its gathered parameters from its forward until its backward ends
+  (one gather per micro-batch instead of two; the memory of the gathered blocks meanwhile).
+- 1 (optimizer state only) is not an FSDP mode: FSDP2 shards parameters, so its least sharded
+  form is stage 2. Validation refuses it and says so.
+
+Each micro-batch's gradients are reduce-scattered as its backward ends (in fp32:
+`MixedPrecisionPolicy(reduce_dtype=float32)`) and accumulate in the shards, so gradients are never
+held whole, as ZeRO-2/3 do. With `train.dtype=bf16` FSDP gathers bf16 copies for compute and keeps
+the fp32 shards as master weights (`param_dtype=bfloat16`); autocast is off then.
+`parallel.offload_params=cpu` or `offload_optimizer=cpu` keep the shards, their gradients and the
+optimizer step on the host (`CPUOffloadPolicy`: FSDP2 offloads them together).
+
+Tensor parallelism already splits some weights (partrain's TP keeps local slices, marked
+`tp_shard_dim`): FSDP then shards the other dimension of a matrix, so that a rank's piece stays
+one rectangle of the full weight, which a checkpoint records as a DTensor over (dp x cp, tp) with
+its offsets (`saved_mesh`, partrain.checkpoint.state.as_saved). The marks partrain puts on
+parameters (tp, pipeline ties, sequence-parallel partials) are carried over to the DTensor
+parameters FSDP puts in their place.
+
+`FSDPBackend` is the data-parallel backend the train step drives (partrain.parallel.data): it
+adds one all-reduce of the local squared norms over the shards to the usual norm.
+"""
+
+import math
+from contextlib import nullcontext
+from typing import ContextManager
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Shard
+
+from partrain.models.llama import TransformerBlock
+from partrain.parallel.data import Update, first_nonfinite
+from partrain.parallel.grads import clip_grads, global_grad_norm
+from partrain.parallel.tensor import sync_sequence_parallel_grads
+
+# What partrain marks on a parameter (the checkpoint names, the norm's counting, the gradients'
+# extra reductions); FSDP replaces each parameter by a DTensor one, and these go along.
+MARKS = ("tp_sharded", "tp_shard_dim", "tied_to", "sequence_parallel_partial")
+
+
+def shard_dim(param: nn.Parameter) -> int:
+    """The dimension FSDP splits `param` on: 0, or 1 where tp already splits dim 0."""
+    if getattr(param, "tp_shard_dim", None) == 0:
+        if param.dim() < 2:
+            raise ValueError("a 1-D weight split by tp cannot be sharded by FSDP as well")
+        return 1
+    return 0
+
+
+def apply_fsdp(model: nn.Module, dp_mesh, saved_mesh, stage: int, param_dtype: torch.dtype | None,
+               offload: bool) -> nn.Module:
+    """Shard `model` in place over `dp_mesh`, every block a unit, then the root. `saved_mesh`,
+    the (dp x cp, tp) mesh, is where a checkpoint records tp-split weights (None without tp)."""
+    marks = {name: {k: v for k, v in vars(p).items() if k in MARKS}
+             for name, p in model.named_parameters()}
+    options = dict(
+        mesh=dp_mesh,
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
+        offload_policy=CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy(),
+        shard_placement_fn=lambda p: Shard(shard_dim(p)))
+    for block in [m for m in model.modules() if isinstance(m, TransformerBlock)]:
+        fully_shard(block, reshard_after_forward=stage == 3, **options)
+    # The root's weights (the head) are the first the backward needs: not freed after forward.
+    fully_shard(model, reshard_after_forward=False, **options)
+    for name, param in model.named_parameters():
+        vars(param).update(marks[name])
+        if saved_mesh is not None and getattr(param, "tp_sharded", False):
+            param.saved_mesh = saved_mesh
+    return model
+
+
+class FSDPBackend:
+    """zero_backend=fsdp: FSDP2's reduce-scatter at each micro-batch's backward, then the global
+    norm over every shard (dp x cp, tp, pp) and AdamW on the DTensor shards."""
+
+    def __init__(self, model: nn.Module, optimizer, dims, mesh, sequence_parallel: bool,
+                 grad_clip: float):
+        self.model = self.module = model
+        self.optimizer = optimizer
+        self.max_norm = grad_clip if grad_clip > 0 else math.inf
+        self.shard_group = mesh["dp_cp"].get_group() if dims.dp_cp > 1 else None
+        self.tp_group = mesh["tp"].get_group() if dims.tp_enabled else None
+        self.pp_group = mesh["pp"].get_group() if dims.pp_enabled else None
+        self.sequence_parallel = sequence_parallel
+
+    def no_sync(self, last: bool) -> ContextManager:
+        # Every micro-batch reduce-scatters: gradients stay sharded (ZeRO-2/3), never whole.
+        return nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def step(self, tracer, loss_finite: bool) -> Update:
+        params = list(self.model.parameters())
+        with tracer.span("gradients: clip", "comm"):
+            if self.sequence_parallel:
+                sync_sequence_parallel_grads(self.model, self.tp_group)
+            grad_norm = global_grad_norm(params, self.tp_group, self.pp_group,
+                                         shard_group=self.shard_group)
+            norm = grad_norm.item()
+            update = Update(norm, applied=loss_finite and math.isfinite(norm))
+            if update.applied:
+                clip_grads(params, grad_norm, self.max_norm)
+            else:
+                update.nonfinite = first_nonfinite(params)
+        with tracer.span("optimizer", "compute"):
+            if update.applied:
+                self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        return update

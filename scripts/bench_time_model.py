@@ -50,12 +50,12 @@ IMPLEMENTATIONS = {
     "llama3": Implementation(dp_overlap=True, dp_overlap_under_pp=True,
                              param_gather_overlap=True, grad_bytes=2, tp_wire_bytes=2,
                              send_bytes=2, deepspeed=False),
-    # torchtitan: FSDP2 (prefetch, no DeepSpeed hooks), fp32 gradient reduction (its default
-    # mixed_precision_reduce), bf16 DTensor collectives, per-op SAC recomputing every other
-    # matmul of the forward.
+    # torchtitan: FSDP2 (prefetch, no DeepSpeed hooks, its copy-in/copy-out), fp32 gradient
+    # reduction (its default mixed_precision_reduce), bf16 DTensor collectives, per-op SAC
+    # recomputing every other matmul of the forward.
     "torchtitan": Implementation(zero3_prefetch=True, zero3_hook_s_per_module=0.0,
                                  deepspeed=False, grad_bytes=4, tp_wire_bytes=2,
-                                 selective_matmuls=0.5),
+                                 selective_matmuls=0.5, fsdp_copies=True),
 }
 # torchtitan on H100s: PyTorch's SDPA runs FlashAttention-2 there (cuDNN's kernel is opt-in since
 # pytorch/pytorch#138522; torchtitan asks for it on B200 only), which reaches 35% of an H100's peak

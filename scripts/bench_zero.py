@@ -1,15 +1,19 @@
-"""Benchmark: what each rank holds under DDP and ZeRO stages 1-3, against the ZeRO formulas.
+"""Benchmark: what each rank holds under DDP, DeepSpeed ZeRO stages 1-3 and FSDP2 stages 2-3,
+against the ZeRO formulas, and FSDP2's tokens/s against DeepSpeed's at the same stage.
 
 One run, dp=2 on 2 gloo processes, the same model, config and batches for every stage: each
 stage's model is set up exactly as the workers do it (`apply_data_parallel` for stage 0,
-`apply_zero` with the derived DeepSpeed config for 1-3), trained a few steps for tokens/s, and
+`apply_zero` with the derived DeepSpeed config for 1-3, `apply_fsdp` for the FSDP rows), trained
+a few steps for tokens/s, and
 then, after the backward of one more step and before its reduction and update (when gradients,
 parameters and optimizer state are all alive), every tensor the engine holds is found by walking
 the model and the optimizer's objects, deduplicated by storage, and counted as parameters,
 gradients or optimizer state (Adam moments and fp32 master weights). Process RSS is not used.
 
 Prediction: partrain.plan.costs.zero_memory (ZeRO paper's per-rank formulas with this run's
-dtype; `partrain plan` prints the same).
+dtype; `partrain plan` prints the same). FSDP2 reduce-scatters during backward and frees a block's
+gathered weights when its backward ends, so at that point both FSDP stages hold what ZeRO-3 does
+(its formula); stage 2's gathered weights live only from a block's forward to its backward.
 
     python scripts/bench_zero.py          # a table
     python scripts/bench_zero.py --json   # {"stages": [{"stage", "param_bytes", "grad_bytes",
@@ -42,6 +46,7 @@ from partrain.data.batches import rank_micro_batches  # noqa: E402
 from partrain.data.tokens import load_tokens
 from partrain.models.llama import build_model  # noqa: E402
 from partrain.parallel.data import DDPBackend, apply_data_parallel  # noqa: E402
+from partrain.parallel.fsdp import FSDPBackend, apply_fsdp
 from partrain.parallel.mesh import ParallelDims  # noqa: E402
 from partrain.parallel.zero import ZeroBackend, apply_zero
 from partrain.plan.costs import zero_memory  # noqa: E402
@@ -80,6 +85,11 @@ def _tensors(obj, path: str, seen: set, out: list, depth: int = 0) -> None:
     if depth > 8 or id(obj) in seen:
         return
     seen.add(id(obj))
+    if hasattr(obj, "to_local"):  # FSDP2's DTensors: this rank's shard, and its gradient's
+        _tensors(obj.to_local(), path, seen, out, depth + 1)
+        if obj.is_leaf and obj.grad is not None:
+            _tensors(obj.grad, f"{path}.grad", seen, out, depth + 1)
+        return
     if isinstance(obj, torch.Tensor):
         out.append((path, obj))
         grad = obj.grad if obj.is_leaf else None
@@ -136,14 +146,20 @@ def worker(rank, a, store_path, out_path):
     dist.init_process_group("gloo", store=store, rank=rank, world_size=DP,
                             timeout=timedelta(seconds=300))
     results = []
-    for stage in (0, 1, 2, 3):
+    for stage, engine in ((0, "ddp"), (1, "deepspeed"), (2, "deepspeed"), (3, "deepspeed"),
+                          (2, "fsdp"), (3, "fsdp")):
         cfg = config(a, stage)
         t = cfg.train
         dims = ParallelDims(pp=1, dp=DP, tp=1, zero_stage=stage)
         mesh = dims.build_mesh("cpu")
         model = build_model(cfg.model, t.seed)
         n_params = sum(p.numel() for p in model.parameters())
-        if stage:
+        fsdp = engine == "fsdp"
+        if fsdp:
+            apply_fsdp(model, mesh["dp_cp"], None, stage, None, offload=False)
+            optimizer = build_optimizer(model, cfg.optim)
+            backend = FSDPBackend(model, optimizer, dims, mesh, False, cfg.optim.grad_clip)
+        elif stage:
             model, optimizer = apply_zero(model, mesh, dims, deepspeed_config(cfg),
                                           param_groups(model, cfg.optim))
             backend = ZeroBackend(model, optimizer)
@@ -161,10 +177,16 @@ def worker(rank, a, store_path, out_path):
                                       micro_batch_size=t.micro_batch_size, dp=DP, dp_rank=rank,
                                       seq_len=t.seq_len, seed=t.seed)
 
+        def update():
+            if stage and not fsdp:
+                model.step()
+            else:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
         def step(s):
             forward_backward(backend, micro(s), loss_fn, dims, device, autocast)
-            model.step() if stage else optimizer.step()
-            optimizer.zero_grad(set_to_none=True) if not stage else None
+            update()
 
         step(0)  # warm-up: optimizer state exists from here on
         times = []
@@ -178,21 +200,27 @@ def worker(rank, a, store_path, out_path):
         forward_backward(backend, micro(a.steps + 1), loss_fn, dims, device, autocast)
         gc.collect()
         totals, paths = held_bytes(model, optimizer)
-        predicted = zero_memory(stage, n_params, DP, compute_dtype(cfg.train.dtype, False))
-        results.append({"stage": stage, "n_params": n_params, "param_bytes": totals["param"],
+        # Between steps FSDP holds its shards alone at either stage (its stage-3 formula).
+        predicted = zero_memory(3 if fsdp else stage, n_params, DP,
+                                compute_dtype(cfg.train.dtype, False), engine=engine)
+        results.append({"stage": stage, "engine": engine, "n_params": n_params,
+                        "param_bytes": totals["param"],
                         "grad_bytes": totals["grad"], "optim_bytes": totals["optim"],
                         "predicted": predicted,
                         "predicted_bytes": predicted["total"],
                         "tokens_per_s": t.global_batch_size * t.seq_len / statistics.median(times),
                         "largest": {k: sorted(v, key=lambda x: -x[1])[:4] for k, v in paths.items()}})
-        model.step() if stage else optimizer.step()
+        update()
         del model, optimizer, mesh, backend
         gc.collect()
         dist.barrier()
     if rank == 0:
         base = results[0]["tokens_per_s"]
+        deepspeed = {r["stage"]: r["tokens_per_s"] for r in results if r["engine"] == "deepspeed"}
         for r in results:
             r["tokens_per_s_ratio"] = r["tokens_per_s"] / base
+            if r["engine"] == "fsdp":
+                r["vs_deepspeed"] = r["tokens_per_s"] / deepspeed[r["stage"]]
         Path(out_path).write_text(json.dumps({"dp": DP, "stages": results, "torch": torch.__version__}))
     dist.barrier()
     gc.collect()
@@ -204,8 +232,9 @@ def main(argv=None):
     result = run_workers(worker, a, DP)
     if a.json:
         print(json.dumps({"dp": result["dp"], "stages": [
-            {k: s[k] for k in ("stage", "param_bytes", "grad_bytes", "optim_bytes",
-                               "predicted_bytes", "tokens_per_s_ratio")}
+            {k: s[k] for k in ("stage", "engine", "param_bytes", "grad_bytes", "optim_bytes",
+                               "predicted_bytes", "tokens_per_s_ratio", "vs_deepspeed")
+             if k in s}
             for s in result["stages"]]}, indent=2))
         return
     from rich.console import Console
@@ -216,15 +245,17 @@ def main(argv=None):
     table = Table(title=f"MiB held per rank at dp={DP}, Ψ = {n:,} parameters, fp32 on CPU: "
                         "measured (tensors the engine holds) vs the ZeRO formula")
     for col in ("stage", "params", "grads", "optim", "measured", "formula", "predicted",
-                "ratio", "tokens/s vs 0"):
+                "ratio", "tokens/s vs 0", "vs DeepSpeed"):
         table.add_column(col, justify="right")
     for s in result["stages"]:
         measured = s["param_bytes"] + s["grad_bytes"] + s["optim_bytes"]
-        table.add_row(str(s["stage"]), f"{s['param_bytes'] / mib:.2f}",
+        name = f"FSDP {s['stage']}" if s["engine"] == "fsdp" else str(s["stage"])
+        table.add_row(name, f"{s['param_bytes'] / mib:.2f}",
                       f"{s['grad_bytes'] / mib:.2f}", f"{s['optim_bytes'] / mib:.2f}",
                       f"{measured / mib:.2f}", s["predicted"]["formula"],
                       f"{s['predicted_bytes'] / mib:.2f}", f"{measured / s['predicted_bytes']:.3f}",
-                      f"{s['tokens_per_s_ratio']:.2f}")
+                      f"{s['tokens_per_s_ratio']:.2f}",
+                      f"{s['vs_deepspeed']:.2f}" if "vs_deepspeed" in s else "")
     Console(width=120).print(table)
 
 

@@ -113,7 +113,7 @@ def moe_traffic(model_cfg, tokens_per_rank: int, micro_batches: int, ep: int,
             "count_bytes": counts}
 
 
-def zero_memory(stage: int, psi: int, nd: int, dtype: str) -> dict:
+def zero_memory(stage: int, psi: int, nd: int, dtype: str, engine: str = "deepspeed") -> dict:
     """Bytes per rank of parameters, gradients and optimizer state for Ψ = `psi` parameters per
     model replica shard, Nd = `nd` dp ranks and compute dtype fp32, bf16 or fp16 (ZeRO paper,
     section 3):
@@ -124,7 +124,13 @@ def zero_memory(stage: int, psi: int, nd: int, dtype: str) -> dict:
       of optimizer state (fp32 master weights + two moments): with bf16/fp16 w = 2, the paper's
       4Ψ + 12Ψ/Nd, 2Ψ + 14Ψ/Nd, 16Ψ/Nd; in fp32 (CPU) w = 4 and DeepSpeed still keeps its own
       fp32 master copy, so 8Ψ + 12Ψ/Nd, 4Ψ + 16Ψ/Nd, 20Ψ/Nd.
+    - FSDP2 (`engine="fsdp"`, stages 2-3): fp32 shards of the weights and of their gradients (it
+      reduces in fp32 into the weights' dtype) and the two moments, 16Ψ/Nd in any dtype (the
+      shards are the master weights); stage 2 adds the gathered weights (w bytes each), held from
+      a block's forward to its backward: wΨ + 16Ψ/Nd at its peak.
     """
+    if engine == "fsdp" and stage >= 2:
+        return _fsdp_memory(stage, psi, nd, dtype)
     w, k = (4, 8) if stage == 0 else ((4 if dtype == "fp32" else 2), 12)
     shard = {"param": stage >= 3, "grad": stage >= 2, "optim": stage >= 1}
     per = {"param": w, "grad": w, "optim": k}
@@ -134,6 +140,15 @@ def zero_memory(stage: int, psi: int, nd: int, dtype: str) -> dict:
     parts = sum(per[kind] for kind in per if shard[kind])
     out["formula"] = " + ".join(x for x in (f"{whole}Ψ" if whole else "",
                                             f"{parts}Ψ/Nd" if parts else "") if x)
+    return out
+
+
+def _fsdp_memory(stage: int, psi: int, nd: int, dtype: str) -> dict:
+    gathered = (4 if dtype == "fp32" else 2) if stage == 2 else 0
+    out = {"param_bytes": (gathered + 4 / nd) * psi, "grad_bytes": 4 * psi / nd,
+           "optim_bytes": 8 * psi / nd}
+    out["total"] = sum(out.values())
+    out["formula"] = (f"{gathered}Ψ + " if gathered else "") + "16Ψ/Nd"
     return out
 
 

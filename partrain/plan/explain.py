@@ -19,8 +19,10 @@ EXPLAIN_KEYS = {"dp": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "zer
                 "activation_checkpointing": "activation_checkpointing",
                 "schedule": "pp_schedule", "pp_schedule": "pp_schedule",
                 "v": "pp_virtual_stages", "pp_virtual_stages": "pp_virtual_stages",
-                "offload": "offload_optimizer", "offload_optimizer": "offload_optimizer"}
+                "offload": "offload_optimizer", "offload_optimizer": "offload_optimizer",
+                "backend": "zero_backend", "zero_backend": "zero_backend"}
 EXPLAIN_CHOICES = {"activation_checkpointing": CHECKPOINTING,
+                   "zero_backend": ("deepspeed", "fsdp"),
                    "pp_schedule": ("1f1b", "interleaved_1f1b"),
                    "offload_optimizer": ("none", "cpu")}
 

@@ -64,7 +64,8 @@ def layout_of(cfg: DictConfig) -> Layout:
                   pp_virtual_stages=p.pp_virtual_stages if p.pp > 1 else 1,
                   micro_batch_size=t.micro_batch_size,
                   activation_checkpointing=t.activation_checkpointing,
-                  offload_optimizer=p.offload_optimizer, cp_method=p.cp_method)
+                  offload_optimizer=p.offload_optimizer, cp_method=p.cp_method,
+                  zero_backend=p.zero_backend if p.zero_stage else "deepspeed")
 
 
 def price(cfg: DictConfig, hw: Hardware) -> dict:

@@ -173,10 +173,11 @@ def model_state(cfg, dims, params: int, blocks: list[int], dtype: str) -> dict:
     if dims.ep > 1 and getattr(m, "moe", None):
         experts = (sum(is_moe_block(m, i) for i in blocks) * (m.moe.n_experts // dims.ep)
                    * expert_params(m))
-    dense = zero_memory(p.zero_stage, params - experts, dims.dp * dims.cp, dtype)
+    engine = getattr(p, "zero_backend", "deepspeed")
+    dense = zero_memory(p.zero_stage, params - experts, dims.dp * dims.cp, dtype, engine)
     if not experts:
         return dense
-    sliced = zero_memory(p.zero_stage, experts, dims.dp // dims.ep * dims.cp, dtype)
+    sliced = zero_memory(p.zero_stage, experts, dims.dp // dims.ep * dims.cp, dtype, engine)
     return {k: dense[k] + sliced[k]
             for k in ("param_bytes", "grad_bytes", "optim_bytes", "total")}
 

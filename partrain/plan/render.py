@@ -127,8 +127,12 @@ def _print_memory(plan: dict, console: Console) -> None:
     console.print(f"batch: global_batch_size {b['rule']}; seq_len {b['seq_len']}; "
                   f"{b['tokens_per_step']:,} tokens per step")
     mem = plan["memory"]
-    name = "DDP" if mem["zero_stage"] == 0 else f"ZeRO-{mem['zero_stage']}"
-    others = ", ".join(f"{'DDP' if s == 0 else f'ZeRO-{s}'} {_size(total)}"
+    fsdp = mem.get("engine") == "fsdp"
+
+    def name_of(s: int) -> str:
+        return "DDP" if s == 0 else f"FSDP stage {s}" if fsdp and s >= 2 else f"ZeRO-{s}"
+    name = name_of(mem["zero_stage"])
+    others = ", ".join(f"{name_of(s)} {_size(total)}"
                        for s, total in mem["total_by_stage"].items() if s != mem["zero_stage"])
     console.print(f"memory per rank ({name}, {mem['dtype']}, Ψ = {mem['params_per_rank']:,} "
                   f"parameters, Nd = {mem['dp']}): parameters {_size(mem['param_bytes'])} + "

@@ -66,6 +66,7 @@ class Candidate:
         L = self.layout
         return [f"parallel.dp={L.dp}", f"parallel.tp={L.tp}", f"parallel.pp={L.pp}",
                 f"parallel.cp={L.cp}", f"parallel.ep={L.ep}", f"parallel.zero_stage={L.zero_stage}",
+                f"parallel.zero_backend={L.zero_backend}",
                 f"parallel.sequence_parallel={str(L.sequence_parallel).lower()}",
                 f"parallel.pp_schedule={L.pp_schedule}",
                 f"parallel.pp_virtual_stages={L.pp_virtual_stages}", "parallel.pp_layers=null",
@@ -84,8 +85,9 @@ class Candidate:
             text += (f" interleaved v{L.pp_virtual_stages}" if L.pp_virtual_stages > 1
                      else " 1f1b")
         if L.zero_stage:
-            text += f", ZeRO-{L.zero_stage}" + (" + offload" if L.offload_optimizer != "none"
-                                                else "")
+            engine = "FSDP" if L.zero_backend == "fsdp" else "ZeRO-"
+            text += f", {engine}{L.zero_stage}" + (" + offload" if L.offload_optimizer != "none"
+                                                   else "")
         text += f", mb {L.micro_batch_size}"
         if L.activation_checkpointing != "none":
             text += f", {L.activation_checkpointing} ckpt"
@@ -153,13 +155,25 @@ def layouts(model_cfg, gpus: int, hw: Hardware, global_batch_size: int, seq_len:
                     schedules, eps, (0, 1, 2, 3), CHECKPOINTING):
                 if schedule == "interleaved_1f1b" and m % pp:
                     continue
-                if zero >= 2 and (pp > 1 or tp > 1) or zero == 3 and ep > 1:
-                    continue  # ZeRO-2/3 not with pp or sequence parallelism; ZeRO-3 not with ep
-                for offload in (("none", "cpu") if zero else ("none",)):
-                    yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero,
-                                 sequence_parallel=tp > 1, pp_schedule=schedule,
-                                 pp_virtual_stages=v, micro_batch_size=mb,
-                                 activation_checkpointing=ckpt, offload_optimizer=offload)
+                for backend in _zero_backends(zero, tp, pp, ep):
+                    for offload in (("none", "cpu") if zero else ("none",)):
+                        yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero,
+                                     sequence_parallel=tp > 1, pp_schedule=schedule,
+                                     pp_virtual_stages=v, micro_batch_size=mb,
+                                     activation_checkpointing=ckpt, offload_optimizer=offload,
+                                     zero_backend=backend)
+
+
+def _zero_backends(zero: int, tp: int, pp: int, ep: int) -> list[str]:
+    """The engines that can run ZeRO stage `zero` with these degrees: DeepSpeed's ZeRO-2/3 not
+    with pp or sequence parallelism, its ZeRO-3 not with ep; FSDP2 at stages 2 and 3, not yet
+    with pp or ep."""
+    engines = []
+    if not (zero >= 2 and (pp > 1 or tp > 1) or zero == 3 and ep > 1):
+        engines.append("deepspeed")
+    if zero >= 2 and pp == 1 and ep == 1:
+        engines.append("fsdp")
+    return engines
 
 
 def _memory(model, layout: Layout, global_batch_size: int, seq_len: int, stages_cache: dict,
@@ -175,7 +189,8 @@ def _memory(model, layout: Layout, global_batch_size: int, seq_len: int, stages_
     m = global_batch_size // (L.micro_batch_size * L.dp)
     view = SimpleNamespace(
         model=model, launcher=SimpleNamespace(device="cuda"),
-        parallel=SimpleNamespace(zero_stage=L.zero_stage, sequence_parallel=L.sequence_parallel,
+        parallel=SimpleNamespace(zero_stage=L.zero_stage, zero_backend=L.zero_backend,
+                                 sequence_parallel=L.sequence_parallel,
                                  cp_method=L.cp_method, pp_virtual_stages=L.pp_virtual_stages,
                                  pp_schedule=L.pp_schedule, offload_optimizer=L.offload_optimizer),
         train=SimpleNamespace(micro_batch_size=L.micro_batch_size, seq_len=seq_len,
@@ -281,8 +296,11 @@ def _why_not_enumerated(want: dict, model, gpus: int, hw: Hardware, gbs: int, se
                 + (f" with at least pp={pp} micro-batches each" if pp > 1 else "")
                 + f": it needs a multiple of {dp * max(1, pp)} sequences")
     zero = want.get("zero_stage", 0)
-    if zero >= 2 and (pp > 1 or tp > 1):
-        return f"ZeRO-{zero} does not go with pp > 1 or tp > 1 (sequence parallelism)"
+    if want.get("zero_backend") == "fsdp" and (zero < 2 or pp > 1 or want.get("ep", 1) > 1):
+        return "FSDP runs ZeRO stages 2 and 3, not yet with pp > 1 or ep > 1"
+    if zero >= 2 and (pp > 1 or tp > 1) and want.get("zero_backend") != "fsdp":
+        return (f"DeepSpeed's ZeRO-{zero} does not go with pp > 1 or tp > 1 (sequence "
+                "parallelism); FSDP (zero_backend=fsdp) goes with tp")
     if zero > 3:
         return f"zero={zero}: ZeRO stages are 0 to 3"
     if want.get("ep", 1) > 1 and not moe_enabled(model):

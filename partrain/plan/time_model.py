@@ -104,6 +104,7 @@ class Layout:
     activation_checkpointing: str = "none"
     offload_optimizer: str = "none"
     cp_method: str = "ring"
+    zero_backend: str = "deepspeed"  # deepspeed | fsdp (FSDP2: FSDP_IMPL's terms)
 
     @property
     def world_size(self) -> int:
@@ -133,9 +134,18 @@ class Implementation:
     selective_matmuls: float = 0.0  # share of the forward GEMMs "selective" recomputes
     send_bytes: int = 4  # bytes per element of a pipeline send (partrain: the fp32 residual)
     send_split_tp: bool = False  # each tp rank sends 1/tp of it (Megatron's scatter/gather)
+    # FSDP2's per-parameter shards are copied into one buffer before each all-gather and out of
+    # it after, and gradients into one before each reduce-scatter (its "copy-in/copy-out"; FSDP1
+    # and DeepSpeed gather into flat buffers in place): bytes through HBM per micro-batch.
+    fsdp_copies: bool = False
 
 
 PARTRAIN = Implementation()
+# partrain with parallel.zero_backend=fsdp: FSDP2 prefetches the next block's gather (its default
+# forward and backward prefetch), has no DeepSpeed hooks or flat-buffer copies, reduces gradients
+# in fp32 (MixedPrecisionPolicy(reduce_dtype=float32)) at every micro-batch.
+FSDP_IMPL = Implementation(zero3_prefetch=True, zero3_hook_s_per_module=0.0, deepspeed=False,
+                           grad_bytes=4, fsdp_copies=True)
 
 
 def virtual_stage_counts(n_layers: int, pp: int, max_chunks: int | None = None) -> list[int]:
@@ -172,6 +182,8 @@ def step_time(model_cfg, layout: Layout, global_batch_size: int, seq_len: int, h
               low_precision: bool = True, impl: Implementation = PARTRAIN) -> dict:
     """Seconds per optimizer step by part, tokens/s, MFU, and what limits the step most."""
     L = layout
+    if L.zero_backend == "fsdp" and impl is PARTRAIN:
+        impl = FSDP_IMPL
     act_bytes = 2 if low_precision else 4
     m = global_batch_size // (L.micro_batch_size * L.dp)  # micro-batches per step
     micro_tokens = L.micro_batch_size * seq_len // L.cp  # one rank's tokens of a micro-batch
@@ -337,21 +349,27 @@ def _data_parallel(model_cfg, L: Layout, m: int, compute_mb: float, hw: Hardware
     if L.zero_stage == 0:
         dp_s = max(_ring("all_reduce", params * grad_bytes, nd, bw)
                    - (backward if overlaps else 0.0), 0.0)
-    elif L.zero_stage in (1, 2):
+    elif L.zero_stage == 1 or L.zero_stage == 2 and L.zero_backend != "fsdp":
         reduce = _ring("reduce_scatter", params * grad_bytes, nd, bw)
         gather = _ring("all_gather", params * act_bytes, nd, bw)
         dp_s = (max(reduce - (backward if overlaps else 0.0), 0.0)
                 + max(gather - (forward if impl.param_gather_overlap else 0.0), 0.0))
     else:
-        # Every micro-batch gathers the weights for its forward and again for its backward and
-        # reduce-scatters its gradients; prefetching hides them behind its compute, all but the
-        # first block's gather.
-        comm = (2 * _ring("all_gather", params * act_bytes, nd, bw)
+        # Every micro-batch gathers the weights for its forward and (ZeRO-3) again for its
+        # backward, and reduce-scatters its gradients; prefetching hides them behind its compute,
+        # all but the first block's gather. FSDP2 at stage 2 is this with one gather: it keeps a
+        # block's weights from its forward to its backward.
+        gathers = 2 if L.zero_stage == 3 else 1
+        comm = (gathers * _ring("all_gather", params * act_bytes, nd, bw)
                 + _ring("reduce_scatter", params * grad_bytes, nd, bw))
         blocks = model_cfg.n_layers / L.pp
         exposed = max(comm - compute_mb, comm / (3 * blocks)) if impl.zero3_prefetch else comm
         hooks = impl.zero3_hook_s_per_module * (MODULES_PER_BLOCK * blocks + 3)
-        zero3_s = m * (exposed + hooks)
+        # Copy-in and copy-out of each gather (the rank's shard in, the whole weights out) and
+        # of each reduce-scatter (the whole gradients in, the shard out), read and written.
+        copies = (params * (gathers * act_bytes * (1 + 1 / nd) + grad_bytes * (1 + 1 / nd)) * 2
+                  / hw.hbm_bandwidth if impl.fsdp_copies else 0.0)
+        zero3_s = m * (exposed + hooks + copies)
     if L.zero_stage and impl.deepspeed:
         dp_s += params * DEEPSPEED_S_PER_PARAM[L.zero_stage]
     if L.zero_stage and L.offload_optimizer != "none":

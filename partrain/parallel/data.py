@@ -76,6 +76,10 @@ class DataParallelBackend(Protocol):
 
     def backward(self, loss: torch.Tensor) -> None: ...
 
+    def after_evaluation(self) -> None:
+        """After forward-only passes: free what they left gathered (FSDP keeps weights it would
+        free in backward), so that the parameters are the ones the optimizer steps again."""
+
     def step(self, tracer, loss_finite: bool) -> Update:
         """Reduce the accumulated gradients and clip; step the optimizer when `loss_finite` and
         the global gradient norm is finite; zero the gradients."""
@@ -126,6 +130,9 @@ class DDPBackend:
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
+
+    def after_evaluation(self) -> None:
+        pass
 
     def step(self, tracer, loss_finite: bool) -> Update:
         with tracer.span("gradients: dp average, clip", "comm"):

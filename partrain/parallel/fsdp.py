@@ -36,7 +36,13 @@ from typing import ContextManager
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import Shard
 
 from partrain.models.llama import TransformerBlock
@@ -100,6 +106,14 @@ class FSDPBackend:
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
+
+    def after_evaluation(self) -> None:
+        # A forward without backward leaves the units that keep their weights gathered until
+        # backward (the root; every block at stage 2) unsharded: their module attributes are then
+        # whole tensors, not the DTensor shards the optimizer steps and checkpoints save.
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
 
     def step(self, tracer, loss_finite: bool) -> Update:
         params = list(self.model.parameters())

@@ -211,6 +211,9 @@ class ZeroBackend:
     def no_sync(self, last: bool):
         return nullcontext()  # the engine reduces once, in step()
 
+    def after_evaluation(self) -> None:
+        pass  # DeepSpeed releases ZeRO-3's gathered weights after each module's forward
+
     def backward(self, loss) -> None:
         self.model.backward(loss, scale_wrt_gas=False)
 

@@ -113,4 +113,5 @@ def evaluate(backend: DataParallelBackend, splits, loss_fn, cfg, dims: ParallelD
         micro = micro_batches(splits.val, i, cfg, dims, coords, split="val")
         total += forward_backward(backend, micro, loss_fn, dims, device, autocast, train=False)
     backend.model.train()
+    backend.after_evaluation()
     return global_mean(total / t.eval_batches, dims, mesh)

@@ -120,6 +120,8 @@ def deepspeed_ops():
 def deepspeed_if_zero(request, layout) -> None:
     """The deepspeed_ops fixture, for a layout that runs ZeRO only: a DDP, tp or pp row of a table
     that also has ZeRO rows does not wait for (or, on a fresh machine, build) DeepSpeed's ops."""
+    if "parallel.zero_backend=fsdp" in layout:
+        return  # FSDP2 is torch's own: no DeepSpeed ops
     if any(arg.startswith("parallel.zero_stage=") and not arg.endswith("=0") for arg in layout):
         request.getfixturevalue("deepspeed_ops")
 

@@ -122,6 +122,11 @@ LAYOUTS = [
     pytest.param("tp2 + sp", ("parallel.dp=1", "parallel.tp=2", "parallel.sequence_parallel=true"), 0,
                  id="tp2",
                  marks=pytest.mark.slow),
+    # FSDP2 with tp + sp: the optimizer's DTensor shards stay as they were.
+    pytest.param("fsdp3 dp2 x tp2 + sp", ("parallel.dp=2", "parallel.tp=2",
+                                          "parallel.sequence_parallel=true", "parallel.zero_stage=3",
+                                          "parallel.zero_backend=fsdp"), 2,
+                 id="fsdp3-tp2", marks=pytest.mark.slow),
     # The loss lives on the last stage (rank 1).
     pytest.param("pp2", ("parallel.dp=1", "parallel.pp=2", "train.micro_batch_size=2"), 1,
                  id="pp2", marks=pytest.mark.slow),  # pp2 stays quick in the exit-4 table
@@ -165,6 +170,8 @@ EXIT_4 = [
     pytest.param(("parallel.dp=1", "parallel.pp=2", "train.micro_batch_size=2"), 1, id="pp2"),
     pytest.param(("parallel.dp=2", "parallel.zero_stage=3"), 0, id="zero3",
                  marks=pytest.mark.slow),
+    pytest.param(("parallel.dp=2", "parallel.zero_stage=2", "parallel.zero_backend=fsdp"), 1,
+                 id="fsdp2", marks=pytest.mark.slow),
     pytest.param(("moe-tiny", "parallel.dp=2", "parallel.ep=2", "parallel.tp=2"), 3,
                  id="moe-ep2-tp2", marks=pytest.mark.slow),
 ]

@@ -238,14 +238,11 @@ def _check_fsdp(cfg: DictConfig) -> None:
             "parallel.zero_stage=1 with parallel.zero_backend=fsdp: FSDP2 shards the weights "
             "themselves, so its least sharded form is stage 2 (weights kept gathered from forward "
             "to backward); use parallel.zero_stage=2, or zero_backend=deepspeed for stage 1")
-    for key, degree, why in (("pp", p.pp, "one FSDP unit per stage and one gradient reduction "
-                              "per step are not built yet"),
-                             ("ep", p.ep, "the experts' own sharding group is not built yet")):
-        if degree > 1:
-            raise ConfigError(
-                f"parallel.{key}={degree} with parallel.zero_backend=fsdp is not supported yet "
-                f"({why}); use zero_backend=deepspeed (ZeRO-1{' or 2' if key == 'ep' else ''}) "
-                f"with {key}, or parallel.{key}=1")
+    if p.ep > 1:
+        raise ConfigError(
+            f"parallel.ep={p.ep} with parallel.zero_backend=fsdp is not supported yet (the "
+            "experts' own sharding group is not built yet); use zero_backend=deepspeed (ZeRO-1 "
+            "or 2) with ep, or parallel.ep=1")
     for key in ("offload_optimizer", "offload_params"):
         if p[key] == "nvme":
             raise ConfigError(

@@ -32,6 +32,7 @@ adds one all-reduce of the local squared norms over the shards to the usual norm
 
 import math
 from contextlib import nullcontext
+from functools import partial
 from typing import ContextManager
 
 import torch
@@ -46,6 +47,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import Shard
 
 from partrain.models.llama import TransformerBlock
+from partrain.parallel.pipeline import PipelineModel
 from partrain.parallel.data import Update, first_nonfinite
 from partrain.parallel.grads import clip_grads, global_grad_norm
 from partrain.parallel.tensor import sync_sequence_parallel_grads
@@ -66,8 +68,9 @@ def shard_dim(param: nn.Parameter) -> int:
 
 def apply_fsdp(model: nn.Module, dp_mesh, saved_mesh, stage: int, param_dtype: torch.dtype | None,
                offload: bool) -> nn.Module:
-    """Shard `model` in place over `dp_mesh`, every block a unit, then the root. `saved_mesh`,
-    the (dp x cp, tp) mesh, is where a checkpoint records tp-split weights (None without tp)."""
+    """Shard `model` in place over `dp_mesh`, every block a unit, then the root (under pp, each
+    of this rank's chunks is a root). `saved_mesh`, the (dp x cp, tp) mesh, is where a
+    checkpoint records tp-split weights (None without tp)."""
     marks = {name: {k: v for k, v in vars(p).items() if k in MARKS}
              for name, p in model.named_parameters()}
     options = dict(
@@ -75,15 +78,50 @@ def apply_fsdp(model: nn.Module, dp_mesh, saved_mesh, stage: int, param_dtype: t
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
         offload_policy=CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy(),
         shard_placement_fn=lambda p: Shard(shard_dim(p)))
-    for block in [m for m in model.modules() if isinstance(m, TransformerBlock)]:
-        fully_shard(block, reshard_after_forward=stage == 3, **options)
-    # The root's weights (the head) are the first the backward needs: not freed after forward.
-    fully_shard(model, reshard_after_forward=False, **options)
+    pipeline = isinstance(model, PipelineModel)
+    roots = list(model.chunks) if pipeline else [model]
+    for root in roots:
+        for block in [m for m in root.modules() if isinstance(m, TransformerBlock)]:
+            # Under pp a stage's weights stay gathered for the whole schedule (below), as
+            # torchtitan does: not gathered again for every micro-batch.
+            fully_shard(block, reshard_after_forward=stage == 3 and not pipeline, **options)
+        # The root's weights (the head) are the first the backward needs: not freed after forward.
+        fully_shard(root, reshard_after_forward=False, **options)
     for name, param in model.named_parameters():
         vars(param).update(marks[name])
         if saved_mesh is not None and getattr(param, "tp_sharded", False):
             param.saved_mesh = saved_mesh
+    if pipeline:
+        # The executor runs a backward per micro-batch: gradients accumulate whole and the
+        # weights stay gathered until the schedule ends; then one reduce-scatter per step.
+        for root in roots:
+            _defer_gradient_sync(root)
+        model.finish_backward = partial(_sync_gradients, roots)
+        model.retie()  # the tied embedding's copy is now FSDP's parameter
     return model
+
+
+def _defer_gradient_sync(root: FSDPModule) -> None:
+    root.set_is_last_backward(False)
+    root.set_reshard_after_backward(False)
+    root.set_requires_gradient_sync(False)
+
+
+def _sync_gradients(roots: list[FSDPModule]) -> None:
+    """After a pipeline schedule's last backward: reduce-scatter the accumulated gradients of
+    every unit and free the gathered weights, as FSDP does itself at the end of a backward that
+    autograd drives whole (torch.distributed.pipelining's stage does the same), then defer again
+    for the next step."""
+    for root in roots:
+        root.set_is_last_backward(True)
+        root.set_reshard_after_backward(True)
+        root.set_requires_gradient_sync(True)
+        state = fully_shard.state(root)
+        for unit in state._state_ctx.all_states:
+            for group in unit._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
+        _defer_gradient_sync(root)
 
 
 class FSDPBackend:

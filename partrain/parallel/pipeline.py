@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from partrain.observe.trace import Tracer
+from partrain.parallel.dist import local
 from partrain.parallel.schedules import (
     COMPUTE_STEP,
     POST,
@@ -68,7 +69,15 @@ class PipelineModel(nn.Module):
         # run on their own stream while the CPU runs ahead, so they are posted in place.
         self.early = dist.get_backend(group) == "gloo"
         self._plans: dict[tuple[int, bool], list[Step]] = {}
+        # Called after the schedule's last backward (FSDP: its one gradient reduction a step).
+        self.finish_backward = None
 
+    def retie(self) -> None:
+        """Point at this rank's copy of the tied embedding again, after a wrapper (FSDP)
+        replaced the chunks' parameters."""
+        if self._tied:
+            first = self.chunks[0].tok_embeddings
+            self._tied = (first.weight if first is not None else self.chunks[-1].output.weight,)
     @property
     def tied(self) -> nn.Parameter | None:
         """This rank's copy of the tied embedding (first and last pp ranks), else None."""
@@ -78,7 +87,7 @@ class PipelineModel(nn.Module):
         """Sum the tied embedding's gradient over its two copies (first and last stage), after
         backward and before the gradient norm and the optimizer step; nothing elsewhere."""
         if self.tied is not None and self.tied.grad is not None:
-            dist.all_reduce(self.tied.grad, group=self.embedding_group)
+            dist.all_reduce(local(self.tied.grad), group=self.embedding_group)
 
     def _program(self, m: int, train: bool) -> list[Step]:
         if (m, train) not in self._plans:
@@ -171,6 +180,9 @@ class PipelineModel(nn.Module):
                 else:
                     out = outputs.pop(key)
                     torch.autograd.backward(out, grads.pop(key).to(out.dtype))
+        if train and self.finish_backward is not None:
+            with self.tracer.span("gradients: FSDP reduce-scatter", "comm"):
+                self.finish_backward()
         return total
 
 

@@ -113,7 +113,8 @@ def moe_traffic(model_cfg, tokens_per_rank: int, micro_batches: int, ep: int,
             "count_bytes": counts}
 
 
-def zero_memory(stage: int, psi: int, nd: int, dtype: str, engine: str = "deepspeed") -> dict:
+def zero_memory(stage: int, psi: int, nd: int, dtype: str, engine: str = "deepspeed",
+                pipeline: bool = False) -> dict:
     """Bytes per rank of parameters, gradients and optimizer state for Ψ = `psi` parameters per
     model replica shard, Nd = `nd` dp ranks and compute dtype fp32, bf16 or fp16 (ZeRO paper,
     section 3):
@@ -127,10 +128,12 @@ def zero_memory(stage: int, psi: int, nd: int, dtype: str, engine: str = "deepsp
     - FSDP2 (`engine="fsdp"`, stages 2-3): fp32 shards of the weights and of their gradients (it
       reduces in fp32 into the weights' dtype) and the two moments, 16Ψ/Nd in any dtype (the
       shards are the master weights); stage 2 adds the gathered weights (w bytes each), held from
-      a block's forward to its backward: wΨ + 16Ψ/Nd at its peak.
+      a block's forward to its backward: wΨ + 16Ψ/Nd at its peak. Under pp (`pipeline`) a stage
+      keeps its gathered weights and its fp32 gradients whole through the step (one
+      reduce-scatter a step): (w + 4)Ψ + 12Ψ/Nd, at either stage.
     """
     if engine == "fsdp" and stage >= 2:
-        return _fsdp_memory(stage, psi, nd, dtype)
+        return _fsdp_memory(stage, psi, nd, dtype, pipeline)
     w, k = (4, 8) if stage == 0 else ((4 if dtype == "fp32" else 2), 12)
     shard = {"param": stage >= 3, "grad": stage >= 2, "optim": stage >= 1}
     per = {"param": w, "grad": w, "optim": k}
@@ -143,12 +146,15 @@ def zero_memory(stage: int, psi: int, nd: int, dtype: str, engine: str = "deepsp
     return out
 
 
-def _fsdp_memory(stage: int, psi: int, nd: int, dtype: str) -> dict:
-    gathered = (4 if dtype == "fp32" else 2) if stage == 2 else 0
-    out = {"param_bytes": (gathered + 4 / nd) * psi, "grad_bytes": 4 * psi / nd,
-           "optim_bytes": 8 * psi / nd}
+def _fsdp_memory(stage: int, psi: int, nd: int, dtype: str, pipeline: bool) -> dict:
+    w = 4 if dtype == "fp32" else 2
+    gathered = w if stage == 2 or pipeline else 0
+    grads_whole = 4 if pipeline else 0
+    out = {"param_bytes": (gathered + 4 / nd) * psi,
+           "grad_bytes": (grads_whole or 4 / nd) * psi, "optim_bytes": 8 * psi / nd}
     out["total"] = sum(out.values())
-    out["formula"] = (f"{gathered}Ψ + " if gathered else "") + "16Ψ/Nd"
+    whole = gathered + grads_whole
+    out["formula"] = (f"{whole}Ψ + " if whole else "") + (f"{12 if pipeline else 16}Ψ/Nd")
     return out
 
 

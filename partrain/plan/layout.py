@@ -70,7 +70,8 @@ def build_plan(cfg: DictConfig, world: World, warnings: list[str]) -> dict:
                   "tie_embeddings": tied(cfg.model), "params_per_rank": params_per_rank,
                   "flops_per_token": flops_per_token(cfg.model, t.seq_len)},
         "experts": _experts(cfg, dims, stages, act_bytes=4 if dtype == "fp32" else 2),
-        "memory": _memory(p.zero_stage, params_per_rank, dims.dp, dtype, p.zero_backend),
+        "memory": _memory(p.zero_stage, params_per_rank, dims.dp, dtype, p.zero_backend,
+                          dims.pp > 1),
         "memory_per_stage": memory_per_stage(cfg, dims, stages, dtype),
         "tp_collectives": _tp_collectives(cfg, dims, stages, low_precision=dtype != "fp32"),
         "context": _context(cfg, dims, stages, act_bytes=4 if dtype == "fp32" else 2),
@@ -144,13 +145,13 @@ def stage_plan(cfg: DictConfig, dims: ParallelDims) -> list[dict]:
             for s, ids in enumerate(layers)]
 
 
-def _memory(stage: int, psi: int, dp: int, dtype: str, engine: str) -> dict:
+def _memory(stage: int, psi: int, dp: int, dtype: str, engine: str, pipeline: bool) -> dict:
     """Bytes per rank of parameters, gradients and optimizer state at the chosen zero_stage, for
     the busiest rank's Ψ parameters (activations and buffers not included); the other stages
     by the same engine for comparison (DeepSpeed's for 0-1 under FSDP)."""
-    per_stage = {s: zero_memory(s, psi, dp, dtype, engine)["total"] for s in range(4)}
+    per_stage = {s: zero_memory(s, psi, dp, dtype, engine, pipeline)["total"] for s in range(4)}
     return {"zero_stage": stage, "engine": engine if stage else "ddp", "params_per_rank": psi,
-            "dp": dp, "dtype": dtype, **zero_memory(stage, psi, dp, dtype, engine),
+            "dp": dp, "dtype": dtype, **zero_memory(stage, psi, dp, dtype, engine, pipeline),
             "total_by_stage": per_stage}
 
 

@@ -174,10 +174,12 @@ def model_state(cfg, dims, params: int, blocks: list[int], dtype: str) -> dict:
         experts = (sum(is_moe_block(m, i) for i in blocks) * (m.moe.n_experts // dims.ep)
                    * expert_params(m))
     engine = getattr(p, "zero_backend", "deepspeed")
-    dense = zero_memory(p.zero_stage, params - experts, dims.dp * dims.cp, dtype, engine)
+    dense = zero_memory(p.zero_stage, params - experts, dims.dp * dims.cp, dtype, engine,
+                        dims.pp > 1)
     if not experts:
         return dense
-    sliced = zero_memory(p.zero_stage, experts, dims.dp // dims.ep * dims.cp, dtype, engine)
+    sliced = zero_memory(p.zero_stage, experts, dims.dp // dims.ep * dims.cp, dtype, engine,
+                         dims.pp > 1)
     return {k: dense[k] + sliced[k]
             for k in ("param_bytes", "grad_bytes", "optim_bytes", "total")}
 

@@ -349,7 +349,8 @@ def _data_parallel(model_cfg, L: Layout, m: int, compute_mb: float, hw: Hardware
     if L.zero_stage == 0:
         dp_s = max(_ring("all_reduce", params * grad_bytes, nd, bw)
                    - (backward if overlaps else 0.0), 0.0)
-    elif L.zero_stage == 1 or L.zero_stage == 2 and L.zero_backend != "fsdp":
+    elif L.zero_stage == 1 or L.zero_stage == 2 and L.zero_backend != "fsdp" or L.pp > 1:
+        # (FSDP under pp gathers a stage's weights once a step and reduce-scatters once.)
         reduce = _ring("reduce_scatter", params * grad_bytes, nd, bw)
         gather = _ring("all_gather", params * act_bytes, nd, bw)
         dp_s = (max(reduce - (backward if overlaps else 0.0), 0.0)

@@ -52,6 +52,8 @@ RESUME_ON = {
                                       "train.micro_batch_size=4"),
     "fsdp3 dp2 x tp2 + sp": ("parallel.dp=1", "--nproc-per-node", "1", "train.micro_batch_size=16"),
     "fsdp2 dp2": ("parallel.dp=1", "parallel.tp=2", "train.micro_batch_size=8"),
+    "fsdp3 dp2 x pp2 interleaved v2, tied": ("parallel.dp=1", "--nproc-per-node", "1",
+                                             "train.micro_batch_size=16"),
 }
 # Parity labels also resumed on their own layout: bit-identical to the uninterrupted run (dp2 is
 # in test_checkpoint.py, dp4 in test_slurm.py; a pipeline's state is saved as dp's is).
@@ -192,26 +194,33 @@ def _check_with_resumes(cli, tmp_path, single_process, label, overrides):
 
 
 # FSDP2 (parallel.zero_backend=fsdp): its reduce-scatters and sharded AdamW reorder the same
-# sums as DDP's (measured gaps below 3e-7). Stage 2 and 3, alone and with tp + sp, cp,
-# activation checkpointing and CPU offload; its checkpoints resume on DeepSpeed ZeRO-3, one
-# process and tp2, and on its own layout bit for bit (RESUME_ON, EXACT).
-@pytest.mark.parametrize("label,overrides", [
-    ("fsdp2 dp2", ("parallel.dp=2", "parallel.zero_stage=2", "train.micro_batch_size=4")),
+# sums as DDP's (measured gaps below 3e-7). Stage 2 and 3, alone and with tp + sp, cp, pp
+# (interleaved, tied), activation checkpointing and CPU offload; its checkpoints resume on
+# DeepSpeed ZeRO-3, one process and tp2, and on its own layout bit for bit (RESUME_ON, EXACT).
+@pytest.mark.parametrize("label,overrides,model", [
+    ("fsdp2 dp2", ("parallel.dp=2", "parallel.zero_stage=2", "train.micro_batch_size=4"), ()),
     ("fsdp3 dp4, full checkpointing", ("parallel.dp=4", "parallel.zero_stage=3",
                                        "train.micro_batch_size=2",
-                                       "train.activation_checkpointing=full")),
+                                       "train.activation_checkpointing=full"), ()),
     ("fsdp3 dp2 x tp2 + sp", ("parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
-                              "parallel.zero_stage=3", "train.micro_batch_size=4")),
+                              "parallel.zero_stage=3", "train.micro_batch_size=4"), ()),
     ("fsdp3 dp2 x cp2", ("parallel.dp=2", "parallel.cp=2", "parallel.zero_stage=3",
-                         "train.micro_batch_size=8")),
+                         "train.micro_batch_size=8"), ()),
     ("fsdp3 dp2 + cpu offload", ("parallel.dp=2", "parallel.zero_stage=3",
-                                 "parallel.offload_params=cpu", "train.micro_batch_size=4")),
+                                 "parallel.offload_params=cpu", "train.micro_batch_size=4"), ()),
+    # Under pp: one reduce-scatter a step (tests/distributed/test_fsdp.py counts them), with a
+    # tied embedding whose two copies are FSDP's shards.
+    ("fsdp3 dp2 x pp2 interleaved v2, tied", ("parallel.dp=2", "parallel.pp=2",
+                                              "parallel.pp_schedule=interleaved_1f1b",
+                                              "parallel.pp_virtual_stages=2",
+                                              "train.micro_batch_size=2"),
+     ("model.tie_embeddings=true",)),
 ])
 @pytest.mark.slow
-def test_fsdp_parity(cli, tmp_path, single_process, deepspeed_ops, label, overrides):
+def test_fsdp_parity(cli, tmp_path, references, deepspeed_ops, label, overrides, model):
     # deepspeed_ops: one row resumes under DeepSpeed's ZeRO-3
-    _check_with_resumes(cli, tmp_path, single_process, label,
-                        ("parallel.zero_backend=fsdp", *overrides))
+    _check_with_resumes(cli, tmp_path, references(model), label,
+                        ("parallel.zero_backend=fsdp", *overrides, *model))
 
 
 # Context parallelism (parallel.cp): the sequence split over ranks, attention through the ring or

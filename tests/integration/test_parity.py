@@ -211,6 +211,7 @@ def _check_with_resumes(cli, tmp_path, single_process, label, overrides):
     # Under pp: one reduce-scatter a step (tests/distributed/test_fsdp.py counts them), with a
     # tied embedding whose two copies are FSDP's shards.
     ("fsdp3 dp2 x pp2 interleaved v2, tied", ("parallel.dp=2", "parallel.pp=2",
+                                              "parallel.zero_stage=3",
                                               "parallel.pp_schedule=interleaved_1f1b",
                                               "parallel.pp_virtual_stages=2",
                                               "train.micro_batch_size=2"),

@@ -158,7 +158,8 @@ def worker(rank, a, store_path, out_path):
         if fsdp:
             apply_fsdp(model, mesh["dp_cp"], None, stage, None, offload=False)
             optimizer = build_optimizer(model, cfg.optim)
-            backend = FSDPBackend(model, optimizer, dims, mesh, False, cfg.optim.grad_clip)
+            backend = FSDPBackend(model, optimizer, dims, mesh, False, cfg.optim.grad_clip,
+                                  mesh["dp_cp"])
         elif stage:
             model, optimizer = apply_zero(model, mesh, dims, deepspeed_config(cfg),
                                           param_groups(model, cfg.optim))

@@ -137,13 +137,13 @@ def as_saved(local: torch.Tensor, param: nn.Parameter, tp_mesh) -> torch.Tensor:
 
 def _fsdp_saved(shard: DTensor, tp_dim: int | None, saved_mesh) -> DTensor:
     """An FSDP shard as the checkpoint records it: as it is, or, where tp splits the weight too,
-    a DTensor over (dp x cp, tp) whose offsets place this rank's rectangle in the full tensor
+    a DTensor over FSDP's dims and tp whose offsets place this rank's rectangle in the full tensor
     (FSDP splits the other dimension: partrain.parallel.fsdp.shard_dim)."""
     if tp_dim is None or saved_mesh is None:
         return shard
     full = list(shard.shape)
-    full[tp_dim] *= saved_mesh.size(1)
-    return DTensor.from_local(shard.to_local(), saved_mesh, [shard.placements[-1], Shard(tp_dim)],
+    full[tp_dim] *= saved_mesh.shape[-1]
+    return DTensor.from_local(shard.to_local(), saved_mesh, [*shard.placements, Shard(tp_dim)],
                               run_check=False, shape=torch.Size(full),
                               stride=torch.empty(full, device="meta").stride())
 

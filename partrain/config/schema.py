@@ -109,6 +109,9 @@ class ParallelConfig:
     zero_backend: str = "deepspeed"
     """deepspeed | fsdp: the engine that shards at zero_stage >= 1 (DeepSpeed ZeRO, or PyTorch's
     FSDP2 at stage 2 or 3)."""
+    dp_replicate: int = 1
+    """HSDP (zero_backend=fsdp): dp splits into dp_replicate groups of dp / dp_replicate
+    consecutive dp ranks; FSDP shards inside a group (a node) and all-reduces across them."""
     pp_schedule: str = "1f1b"
     """gpipe | 1f1b | interleaved_1f1b."""
     pp_virtual_stages: int = 1

@@ -66,6 +66,7 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
     _check_pipeline(p, cfg.model)
     dp = resolve_dp(p, world)
     _check_world(p, dp, world)
+    _check_hsdp(p, dp)
     g, b, mb = resolve_batch(t, dp)
     _check_micro_batches(p, mb)
     _check_cp(cfg)
@@ -223,6 +224,22 @@ def _check_zero(cfg: DictConfig) -> None:
         raise ConfigError(
             "parallel.deepspeed sets raw DeepSpeed keys, but parallel.zero_stage=0 runs DDP, not "
             "DeepSpeed; set parallel.zero_stage to 1, 2 or 3")
+
+
+def _check_hsdp(p: DictConfig, dp: int) -> None:
+    """parallel.dp_replicate: HSDP's replicas of a sharded copy, FSDP's only."""
+    r = p.dp_replicate
+    if r < 1:
+        raise ConfigError(f"parallel.dp_replicate={r} must be at least 1")
+    if r > 1 and not (p.zero_stage >= 2 and p.zero_backend == "fsdp"):
+        raise ConfigError(
+            f"parallel.dp_replicate={r} is HSDP, FSDP's hybrid of sharding and replicas: it needs "
+            "parallel.zero_backend=fsdp and parallel.zero_stage=2 or 3 (got "
+            f"zero_backend={p.zero_backend}, zero_stage={p.zero_stage})")
+    if dp % r:
+        raise ConfigError(
+            f"parallel.dp_replicate={r} must divide parallel.dp={dp}: each replica shards over "
+            f"dp / dp_replicate ranks (try dp_replicate in {divisors(dp)})")
 
 
 def _check_fsdp(cfg: DictConfig) -> None:

@@ -68,9 +68,10 @@ def shard_dim(param: nn.Parameter) -> int:
 
 def apply_fsdp(model: nn.Module, dp_mesh, saved_mesh, stage: int, param_dtype: torch.dtype | None,
                offload: bool) -> nn.Module:
-    """Shard `model` in place over `dp_mesh`, every block a unit, then the root (under pp, each
-    of this rank's chunks is a root). `saved_mesh`, the (dp x cp, tp) mesh, is where a
-    checkpoint records tp-split weights (None without tp)."""
+    """Shard `model` in place over `dp_mesh` (dp x cp; HSDP: (dp_replicate, dp_shard x cp)),
+    every block a unit, then the root (under pp, each of this rank's chunks is a root).
+    `saved_mesh`, dp_mesh's dims and tp, is where a checkpoint records tp-split weights (None
+    without tp)."""
     marks = {name: {k: v for k, v in vars(p).items() if k in MARKS}
              for name, p in model.named_parameters()}
     options = dict(
@@ -129,11 +130,12 @@ class FSDPBackend:
     norm over every shard (dp x cp, tp, pp) and AdamW on the DTensor shards."""
 
     def __init__(self, model: nn.Module, optimizer, dims, mesh, sequence_parallel: bool,
-                 grad_clip: float):
+                 grad_clip: float, shard_mesh):
         self.model = self.module = model
         self.optimizer = optimizer
         self.max_norm = grad_clip if grad_clip > 0 else math.inf
-        self.shard_group = mesh["dp_cp"].get_group() if dims.dp_cp > 1 else None
+        # The local squared norms add over one shard group (HSDP's replicas hold the same).
+        self.shard_group = shard_mesh.get_group() if shard_mesh.size() > 1 else None
         self.tp_group = mesh["tp"].get_group() if dims.tp_enabled else None
         self.pp_group = mesh["pp"].get_group() if dims.pp_enabled else None
         self.sequence_parallel = sequence_parallel

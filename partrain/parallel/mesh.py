@@ -23,6 +23,7 @@ class ParallelDims:
     cp: int = 1  # context parallelism: each sequence split over cp ranks
     ep: int = 1  # expert parallelism: experts split over groups of ep consecutive dp ranks
     zero_backend: str = "deepspeed"  # what shards at zero_stage >= 1: deepspeed | fsdp
+    dp_replicate: int = 1  # HSDP: FSDP shards inside dp / dp_replicate consecutive dp ranks
 
     @property
     def zero_enabled(self) -> bool:
@@ -99,6 +100,20 @@ class ParallelDims:
 
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=DIM_NAMES)
         mesh["dp", "cp"]._flatten("dp_cp")
+        return mesh
+
+    def build_hsdp_mesh(self, device_type: str):
+        """The same ranks as (pp, dp_replicate, dp_shard, cp, tp), dp split into dp_replicate
+        groups of dp / dp_replicate consecutive dp ranks (inside a node when they fit): FSDP
+        shards over "dp_shard_cp" (dp_shard and cp flattened) and replicates over
+        "dp_replicate"."""
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
+
+        shape = (self.pp, self.dp_replicate, self.dp // self.dp_replicate, self.cp, self.tp)
+        mesh = DeviceMesh(device_type, torch.arange(self.world_size).view(shape),
+                          mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"))
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         return mesh
 
     def build_expert_mesh(self, device_type: str):

@@ -84,11 +84,12 @@ def parallelize(model: torch.nn.Module, cfg, dims: ParallelDims, mesh, expert_me
     if dims.fsdp_enabled:
         # FSDP2 replaces DDP: every block a unit over dp x cp, then the root; the optimizer
         # steps the DTensor shards it leaves.
-        apply_fsdp(model, mesh["dp_cp"], saved_mesh(mesh) if dims.tp_enabled else None,
-                   dims.zero_stage, fsdp_param_dtype(cfg, mesh.device_type),
+        fsdp_mesh, shard_mesh, saved = fsdp_meshes(dims, mesh)
+        apply_fsdp(model, fsdp_mesh, saved, dims.zero_stage,
+                   fsdp_param_dtype(cfg, mesh.device_type),
                    offload="cpu" in (p.offload_params, p.offload_optimizer))
         backend = FSDPBackend(model, build_optimizer(model), dims, mesh, sequence_parallel,
-                              cfg.optim.grad_clip)
+                              cfg.optim.grad_clip, shard_mesh)
     elif dims.deepspeed_enabled:
         # ZeRO replaces DDP and the optimizer: DeepSpeed shards over dp and builds AdamW from
         # the derived config (over the same parameter groups).
@@ -107,12 +108,18 @@ def parallelize(model: torch.nn.Module, cfg, dims: ParallelDims, mesh, expert_me
     return Parallelized(backend, moe_load_group, n_moe_blocks, sequence_parallel)
 
 
-def saved_mesh(mesh):
-    """The (dp x cp, tp) mesh a checkpoint records FSDP's shards of tp-split weights on."""
+def fsdp_meshes(dims: ParallelDims, mesh):
+    """(the mesh FSDP shards over, the mesh of one shard group, the mesh a checkpoint records
+    FSDP's shards of tp-split weights on: FSDP's dims and tp, or None without tp). FSDP: dp x cp;
+    HSDP (dp_replicate > 1): (dp_replicate, dp_shard x cp)."""
     with warnings.catch_warnings():
         # torch would have flattened meshes kept apart from the root; the slice is what it was.
         warnings.filterwarnings("ignore", message=".*flattened dim.*")
-        return mesh["dp_cp", "tp"]
+        if dims.dp_replicate == 1:
+            return mesh["dp_cp"], mesh["dp_cp"], mesh["dp_cp", "tp"] if dims.tp_enabled else None
+        hsdp = dims.build_hsdp_mesh(mesh.device_type)
+        return (hsdp["dp_replicate", "dp_shard_cp"], hsdp["dp_shard_cp"],
+                hsdp["dp_replicate", "dp_shard_cp", "tp"] if dims.tp_enabled else None)
 
 
 def fsdp_param_dtype(cfg, device_type: str) -> torch.dtype | None:

@@ -65,7 +65,8 @@ def layout_of(cfg: DictConfig) -> Layout:
                   micro_batch_size=t.micro_batch_size,
                   activation_checkpointing=t.activation_checkpointing,
                   offload_optimizer=p.offload_optimizer, cp_method=p.cp_method,
-                  zero_backend=p.zero_backend if p.zero_stage else "deepspeed")
+                  zero_backend=p.zero_backend if p.zero_stage else "deepspeed",
+                  dp_replicate=p.dp_replicate)
 
 
 def price(cfg: DictConfig, hw: Hardware) -> dict:

@@ -70,8 +70,9 @@ def build_plan(cfg: DictConfig, world: World, warnings: list[str]) -> dict:
                   "tie_embeddings": tied(cfg.model), "params_per_rank": params_per_rank,
                   "flops_per_token": flops_per_token(cfg.model, t.seq_len)},
         "experts": _experts(cfg, dims, stages, act_bytes=4 if dtype == "fp32" else 2),
-        "memory": _memory(p.zero_stage, params_per_rank, dims.dp, dtype, p.zero_backend,
-                          dims.pp > 1),
+        "hsdp": _hsdp(dims, p.dp_replicate) if p.dp_replicate > 1 else None,
+        "memory": _memory(p.zero_stage, params_per_rank, dims.dp // p.dp_replicate, dtype,
+                          p.zero_backend, dims.pp > 1),
         "memory_per_stage": memory_per_stage(cfg, dims, stages, dtype),
         "tp_collectives": _tp_collectives(cfg, dims, stages, low_precision=dtype != "fp32"),
         "context": _context(cfg, dims, stages, act_bytes=4 if dtype == "fp32" else 2),
@@ -116,6 +117,17 @@ def _checkpoint(cfg: DictConfig, params_per_rank: int, dp: int) -> dict:
     return {"bytes": total, "bytes_per_rank": round(12 * params_per_rank / dp),
             "every": c.every, "keep": c.keep, "save_last": c.save_last,
             "async_save": c.async_save, "disk_bytes": total * c.keep}
+
+
+def _hsdp(dims: ParallelDims, replicate: int) -> dict:
+    """HSDP's groups inside the first dp group (pp, cp and tp coordinates 0): FSDP shards inside
+    each run of dp / dp_replicate consecutive dp ranks (with their cp ranks) and all-reduces
+    across the runs."""
+    first = dims.groups("dp")[0]
+    shard = dims.dp // replicate
+    return {"dp_replicate": replicate, "dp_shard": shard,
+            "shard_groups": [first[i:i + shard] for i in range(0, dims.dp, shard)],
+            "replicate_groups": [first[i::shard] for i in range(shard)]}
 
 
 def _group_pattern(dims: ParallelDims, dim: str) -> dict:

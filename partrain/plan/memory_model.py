@@ -174,8 +174,10 @@ def model_state(cfg, dims, params: int, blocks: list[int], dtype: str) -> dict:
         experts = (sum(is_moe_block(m, i) for i in blocks) * (m.moe.n_experts // dims.ep)
                    * expert_params(m))
     engine = getattr(p, "zero_backend", "deepspeed")
-    dense = zero_memory(p.zero_stage, params - experts, dims.dp * dims.cp, dtype, engine,
-                        dims.pp > 1)
+    # HSDP: a replica's dp / dp_replicate ranks (and their cp ranks) share the shards.
+    replicate = getattr(p, "dp_replicate", 1) or 1
+    dense = zero_memory(p.zero_stage, params - experts, dims.dp * dims.cp // replicate, dtype,
+                        engine, dims.pp > 1)
     if not experts:
         return dense
     sliced = zero_memory(p.zero_stage, experts, dims.dp // dims.ep * dims.cp, dtype, engine,

@@ -52,6 +52,7 @@ def print_plan(plan: dict, console: Console) -> None:
     pipeline, the tp and cp traffic, then the warnings."""
     _print_world(plan, console)
     _print_ranks(plan, console)
+    _print_hsdp(plan, console)
     _print_memory(plan, console)
     if plan["pipeline"]:
         _print_pipeline(plan, console)
@@ -91,6 +92,23 @@ def _print_world(plan: dict, console: Console) -> None:
             + (" ..." if len(ex["ep_groups"]) > 4 else "")
             + f"; all-to-all {_size(a2a['bytes_sent'] + a2a['count_bytes'])} sent per step per "
             f"rank ({ex['tokens_routed_per_rank']:,} tokens routed, uniform routing)")
+
+
+def _print_hsdp(plan: dict, console: Console) -> None:
+    h = plan.get("hsdp")
+    if not h:
+        return
+    cp = plan["degrees"]["cp"]
+    console.print(
+        f"HSDP: dp {plan['degrees']['dp']} = dp_replicate {h['dp_replicate']} x dp_shard "
+        f"{h['dp_shard']}; FSDP shards inside "
+        + " ".join(_group_text(g, len(g)) for g in h["shard_groups"][:4])
+        + (" ..." if len(h["shard_groups"]) > 4 else "")
+        + (f" (with their cp ranks: {h['dp_shard'] * cp} per group)" if cp > 1 else "")
+        + " and all-reduces gradients across "
+        + " ".join(_group_text(g, len(g)) for g in h["replicate_groups"][:4])
+        + (" ..." if len(h["replicate_groups"]) > 4 else "")
+        + " (the dp groups of pp, cp and tp rank 0; the others alike)")
 
 
 def _print_ranks(plan: dict, console: Console) -> None:

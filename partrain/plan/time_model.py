@@ -105,6 +105,7 @@ class Layout:
     offload_optimizer: str = "none"
     cp_method: str = "ring"
     zero_backend: str = "deepspeed"  # deepspeed | fsdp (FSDP2: FSDP_IMPL's terms)
+    dp_replicate: int = 1  # HSDP: FSDP shards over dp x cp / dp_replicate, all-reduces across
 
     @property
     def world_size(self) -> int:
@@ -361,14 +362,22 @@ def _data_parallel(model_cfg, L: Layout, m: int, compute_mb: float, hw: Hardware
         # all but the first block's gather. FSDP2 at stage 2 is this with one gather: it keeps a
         # block's weights from its forward to its backward.
         gathers = 2 if L.zero_stage == 3 else 1
-        comm = (gathers * _ring("all_gather", params * act_bytes, nd, bw)
-                + _ring("reduce_scatter", params * grad_bytes, nd, bw))
+        # HSDP: the shards' group is a replica's dp_shard x cp ranks (consecutive: inside a node
+        # when they fit); each reduced shard is then all-reduced across the replicas, whose ranks
+        # on a node each drive a NIC.
+        shard = nd // L.dp_replicate
+        if L.dp_replicate > 1:
+            bw = group_bandwidth(hw, shard, L.tp)
+        comm = (gathers * _ring("all_gather", params * act_bytes, shard, bw)
+                + _ring("reduce_scatter", params * grad_bytes, shard, bw)
+                + _ring("all_reduce", params / shard * grad_bytes, L.dp_replicate,
+                        group_bandwidth(hw, L.dp_replicate, shard * L.tp)))
         blocks = model_cfg.n_layers / L.pp
         exposed = max(comm - compute_mb, comm / (3 * blocks)) if impl.zero3_prefetch else comm
         hooks = impl.zero3_hook_s_per_module * (MODULES_PER_BLOCK * blocks + 3)
         # Copy-in and copy-out of each gather (the rank's shard in, the whole weights out) and
         # of each reduce-scatter (the whole gradients in, the shard out), read and written.
-        copies = (params * (gathers * act_bytes * (1 + 1 / nd) + grad_bytes * (1 + 1 / nd)) * 2
+        copies = (params * (gathers * act_bytes + grad_bytes) * (1 + 1 / shard) * 2
                   / hw.hbm_bandwidth if impl.fsdp_copies else 0.0)
         zero3_s = m * (exposed + hooks + copies)
     if L.zero_stage and impl.deepspeed:
@@ -379,7 +388,7 @@ def _data_parallel(model_cfg, L: Layout, m: int, compute_mb: float, hw: Hardware
     # AdamW on the GPU: weights, gradients and two moments read and written (16 bytes each way
     # per parameter of the rank's shard), at the memory's bandwidth.
     optimizer_s = 0.0 if offload_s else \
-        params / (nd if L.zero_stage else 1) * 16 * 2 / hw.hbm_bandwidth
+        params / (nd // L.dp_replicate if L.zero_stage else 1) * 16 * 2 / hw.hbm_bandwidth
     return dp_s, zero3_s, offload_s, optimizer_s
 
 

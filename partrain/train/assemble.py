@@ -107,7 +107,7 @@ def build(cfg, run_dir: Path, device: torch.device) -> Run:
     p, t = cfg.parallel, cfg.train
     rank = dist.get_rank()
     dims = ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp, zero_stage=p.zero_stage, cp=p.cp, ep=p.ep,
-                        zero_backend=p.zero_backend)
+                        zero_backend=p.zero_backend, dp_replicate=p.dp_replicate)
     mesh = dims.build_mesh(device.type)
     expert_mesh = dims.build_expert_mesh(device.type) if dims.ep_enabled else None
     coords = dims.coords(rank)

@@ -178,6 +178,7 @@ def single_process_reference(single_process_run):
 LAYOUT_RESET = ("parallel.dp=1", "parallel.tp=1", "parallel.pp=1", "parallel.cp=1",
                 "parallel.cp_method=ring", "parallel.ep=1", "parallel.zero_stage=0",
                 "parallel.zero_backend=deepspeed", "parallel.offload_params=none",
+                "parallel.dp_replicate=1",
                 "parallel.sequence_parallel=false", "parallel.pp_schedule=1f1b",
                 "parallel.pp_virtual_stages=1")
 

@@ -54,6 +54,9 @@ RESUME_ON = {
     "fsdp2 dp2": ("parallel.dp=1", "parallel.tp=2", "train.micro_batch_size=8"),
     "fsdp3 dp2 x pp2 interleaved v2, tied": ("parallel.dp=1", "--nproc-per-node", "1",
                                              "train.micro_batch_size=16"),
+    # HSDP -> FSDP over all of dp x tp2
+    "hsdp 2 x 2": ("parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=3",
+                   "parallel.zero_backend=fsdp", "train.micro_batch_size=4"),
 }
 # Parity labels also resumed on their own layout: bit-identical to the uninterrupted run (dp2 is
 # in test_checkpoint.py, dp4 in test_slurm.py; a pipeline's state is saved as dp's is).
@@ -208,6 +211,9 @@ def _check_with_resumes(cli, tmp_path, single_process, label, overrides):
                          "train.micro_batch_size=8"), ()),
     ("fsdp3 dp2 + cpu offload", ("parallel.dp=2", "parallel.zero_stage=3",
                                  "parallel.offload_params=cpu", "train.micro_batch_size=4"), ()),
+    # HSDP 2 x 2: shards over dp ranks {0, 1} and {2, 3}, all-reduced across them.
+    ("hsdp 2 x 2", ("parallel.dp=4", "parallel.dp_replicate=2", "parallel.zero_stage=3",
+                    "train.micro_batch_size=2"), ()),
     # Under pp: one reduce-scatter a step (tests/distributed/test_fsdp.py counts them), with a
     # tied embedding whose two copies are FSDP's shards.
     ("fsdp3 dp2 x pp2 interleaved v2, tied", ("parallel.dp=2", "parallel.pp=2",

@@ -302,7 +302,9 @@ def _why_not_enumerated(want: dict, model, gpus: int, hw: Hardware, gbs: int, se
         return "under pp FSDP's stages 2 and 3 are one: the search tries zero=3"
     if zero >= 2 and (pp > 1 or tp > 1) and want.get("zero_backend") != "fsdp":
         return (f"DeepSpeed's ZeRO-{zero} does not go with pp > 1 or tp > 1 (sequence "
-                "parallelism); FSDP (zero_backend=fsdp) goes with tp")
+                "parallelism); FSDP (zero_backend=fsdp) goes with both"
+                + (", under pp at zero=3 (its stages 2 and 3 are one there)"
+                   if pp > 1 and zero == 2 else ""))
     if zero > 3:
         return f"zero={zero}: ZeRO stages are 0 to 3"
     if want.get("ep", 1) > 1 and not moe_enabled(model):

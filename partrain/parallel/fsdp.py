@@ -12,7 +12,13 @@ every transformer block is one FSDP unit, then the root (embedding, final norm, 
 - 1 (optimizer state only) is not an FSDP mode: FSDP2 shards parameters, so its least sharded
   form is stage 2. Validation refuses it and says so.
 
-Each micro-batch's gradients are reduce-scattered as its backward ends (in fp32:
+Under pp each of a rank's pipeline chunks is a root; the executor runs a backward per
+micro-batch, so a stage keeps its weights gathered and its gradients whole through the schedule
+and reduce-scatters once after it (`_sync_gradients`): stages 2 and 3 are one there. HSDP
+(`parallel.dp_replicate`) shards over a replica's ranks of a 2-D (dp_replicate, dp_shard x cp)
+mesh and all-reduces across replicas (FSDP2 does both from the mesh).
+
+Otherwise each micro-batch's gradients are reduce-scattered as its backward ends (in fp32:
 `MixedPrecisionPolicy(reduce_dtype=float32)`) and accumulate in the shards, so gradients are never
 held whole, as ZeRO-2/3 do. With `train.dtype=bf16` FSDP gathers bf16 copies for compute and keeps
 the fp32 shards as master weights (`param_dtype=bfloat16`); autocast is off then.
@@ -47,9 +53,9 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import Shard
 
 from partrain.models.llama import TransformerBlock
-from partrain.parallel.pipeline import PipelineModel
 from partrain.parallel.data import Update, first_nonfinite
 from partrain.parallel.grads import clip_grads, global_grad_norm
+from partrain.parallel.pipeline import PipelineModel
 from partrain.parallel.tensor import sync_sequence_parallel_grads
 
 # What partrain marks on a parameter (the checkpoint names, the norm's counting, the gradients'
@@ -77,7 +83,8 @@ def apply_fsdp(model: nn.Module, dp_mesh, saved_mesh, stage: int, param_dtype: t
     options = dict(
         mesh=dp_mesh,
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
-        offload_policy=CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy(),
+        offload_policy=(CPUOffloadPolicy(pin_memory=dp_mesh.device_type == "cuda") if offload
+                        else OffloadPolicy()),
         shard_placement_fn=lambda p: Shard(shard_dim(p)))
     pipeline = isinstance(model, PipelineModel)
     roots = list(model.chunks) if pipeline else [model]

@@ -18,6 +18,10 @@ under one name would be de-duplicated by DCP as if they were replicas, and the c
 load "fine" and be wrong. Replicated tensors (the same on every dp rank, or every tp rank for norm
 gains) are written once.
 
+Under FSDP2 (parallel.zero_backend=fsdp) the weights and moments already are DTensor shards over
+dp x cp and go in as they are; a tp-split weight, which FSDP splits along its other dimension, is
+re-described over FSDP's dims and tp so that its offsets place it in the full tensor.
+
 Loading builds the same keys for the layout being loaded into, and DCP reads from every saved
 shard the part each rank needs: that is resharding, for free. Under ZeRO the weights go into the
 model before DeepSpeed partitions it, and the optimizer state through DeepSpeed's own per-parameter

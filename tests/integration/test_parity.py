@@ -47,16 +47,13 @@ RESUME_ON = {
                                       # DeepSpeed ZeRO-3 -> FSDP2 x tp2
                                       ("parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=3",
                                        "parallel.zero_backend=fsdp", "train.micro_batch_size=4")],
-    # FSDP2 -> DeepSpeed ZeRO-3, -> one process, -> tp2 (DDP)
-    "fsdp3 dp4, full checkpointing": ("parallel.dp=2", "parallel.zero_stage=3",
-                                      "train.micro_batch_size=4"),
+    # FSDP2 -> DeepSpeed ZeRO-3, -> one process
+    "fsdp3 dp2 x cp2, full checkpointing": ("parallel.dp=2", "parallel.zero_stage=3",
+                                            "train.micro_batch_size=4"),
     "fsdp3 dp2 x tp2 + sp": ("parallel.dp=1", "--nproc-per-node", "1", "train.micro_batch_size=16"),
-    "fsdp2 dp2": ("parallel.dp=1", "parallel.tp=2", "train.micro_batch_size=8"),
     "fsdp3 dp2 x pp2 interleaved v2, tied": ("parallel.dp=1", "--nproc-per-node", "1",
                                              "train.micro_batch_size=16"),
-    # HSDP -> FSDP over all of dp x tp2
-    "hsdp 2 x 2": ("parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=3",
-                   "parallel.zero_backend=fsdp", "train.micro_batch_size=4"),
+    "hsdp 2 x 2": ("parallel.dp=1", "--nproc-per-node", "1", "train.micro_batch_size=16"),
 }
 # Parity labels also resumed on their own layout: bit-identical to the uninterrupted run (dp2 is
 # in test_checkpoint.py, dp4 in test_slurm.py; a pipeline's state is saved as dp's is).
@@ -197,20 +194,20 @@ def _check_with_resumes(cli, tmp_path, single_process, label, overrides):
 
 
 # FSDP2 (parallel.zero_backend=fsdp): its reduce-scatters and sharded AdamW reorder the same
-# sums as DDP's (measured gaps below 3e-7). Stage 2 and 3, alone and with tp + sp, cp, pp
-# (interleaved, tied), activation checkpointing and CPU offload; its checkpoints resume on
-# DeepSpeed ZeRO-3, one process and tp2, and on its own layout bit for bit (RESUME_ON, EXACT).
+# sums as DDP's (measured gaps below 3e-7). Stage 2 and 3 with tp + sp, cp, pp (interleaved,
+# tied), HSDP, activation checkpointing and CPU offload; its checkpoints resume on DeepSpeed
+# ZeRO-3 and one process, DeepSpeed's on FSDP x tp2, and its own bit for bit (RESUME_ON, EXACT).
+# Plain dp4 FSDP (the HSDP row's 4 ranks shard 2 ways) and stage 3 offload were run by hand.
 @pytest.mark.parametrize("label,overrides,model", [
-    ("fsdp2 dp2", ("parallel.dp=2", "parallel.zero_stage=2", "train.micro_batch_size=4"), ()),
-    ("fsdp3 dp4, full checkpointing", ("parallel.dp=4", "parallel.zero_stage=3",
-                                       "train.micro_batch_size=2",
-                                       "train.activation_checkpointing=full"), ()),
+    # Stage 2 with the host holding shards, gradients and the step (CPUOffloadPolicy).
+    ("fsdp2 dp2 + cpu offload", ("parallel.dp=2", "parallel.zero_stage=2",
+                                 "parallel.offload_optimizer=cpu", "train.micro_batch_size=4"), ()),
+    # A 4-way shard over dp x cp, with every block recomputed.
+    ("fsdp3 dp2 x cp2, full checkpointing", ("parallel.dp=2", "parallel.cp=2",
+                                             "parallel.zero_stage=3", "train.micro_batch_size=8",
+                                             "train.activation_checkpointing=full"), ()),
     ("fsdp3 dp2 x tp2 + sp", ("parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
                               "parallel.zero_stage=3", "train.micro_batch_size=4"), ()),
-    ("fsdp3 dp2 x cp2", ("parallel.dp=2", "parallel.cp=2", "parallel.zero_stage=3",
-                         "train.micro_batch_size=8"), ()),
-    ("fsdp3 dp2 + cpu offload", ("parallel.dp=2", "parallel.zero_stage=3",
-                                 "parallel.offload_params=cpu", "train.micro_batch_size=4"), ()),
     # HSDP 2 x 2: shards over dp ranks {0, 1} and {2, 3}, all-reduced across them.
     ("hsdp 2 x 2", ("parallel.dp=4", "parallel.dp_replicate=2", "parallel.zero_stage=3",
                     "train.micro_batch_size=2"), ()),

@@ -125,5 +125,6 @@ def _with_pp(rank: int, world: int) -> None:
     _check_grads(pipeline, _reference_grads(cfg, tokens), prefix_chunks=True)
 
 
+@pytest.mark.slow  # 4 processes; the quick pass keeps the two stage rows above
 def test_fsdp_under_pp_gathers_and_reduces_once_a_step():
     run_distributed(_with_pp, 4)

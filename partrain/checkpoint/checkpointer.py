@@ -26,13 +26,12 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.tensor import DTensor
 
 from partrain.checkpoint import store
 from partrain.checkpoint.state import failures, out_of_space
 from partrain.checkpoint.verify import problems
 from partrain.models.arith import count_params
-from partrain.parallel.dist import attempt
+from partrain.parallel.dist import attempt, local
 
 log = logging.getLogger("partrain")
 
@@ -290,8 +289,7 @@ class Checkpointer:
 def _first_nonfinite(state: dict) -> str | None:
     """The first key of `state` whose (local) tensor holds a NaN or an infinity."""
     for key, value in state.items():
-        if isinstance(value, DTensor):
-            value = value.to_local()
+        value = local(value)
         if (isinstance(value, torch.Tensor) and value.is_floating_point()
                 and not torch.isfinite(value).all()):
             return key

@@ -38,6 +38,8 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, Shard
 
+from partrain.parallel.dist import local
+
 WRAPPER_PREFIX = re.compile(r"^(?:module\.|chunks\.\d+\.)+")
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -155,13 +157,9 @@ def _fsdp_saved(shard: DTensor, tp_dim: int | None, saved_mesh) -> DTensor:
 def _as_param(value: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
     """Loaded optimizer state shaped like `param`: a DTensor like FSDP's parameter, or a copy."""
     if isinstance(param, DTensor):
-        return DTensor.from_local(_local(value).clone(), param.device_mesh, param.placements,
+        return DTensor.from_local(local(value).clone(), param.device_mesh, param.placements,
                                   run_check=False, shape=param.shape, stride=param.stride())
-    return _local(value).clone()
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local(value).clone()
 
 
 def _zero_stage(optimizer) -> int:
@@ -251,7 +249,7 @@ def load_weights(model: nn.Module, path, tp_mesh) -> None:
     with said(f"reading the weights of {path}"):
         dcp.load(state, checkpoint_id=path)
     for name, param in params.items():
-        param.copy_(_local(state[f"model.{name}"]))
+        param.copy_(local(state[f"model.{name}"]))
     for name, buf in buffers.items():
         buf.copy_(state[f"model.{name}"])
 
@@ -286,6 +284,6 @@ def load_optimizer(model: nn.Module, optimizer, path, tp_mesh, zero: bool) -> No
                              "exp_avg_sq": torch.zeros_like(flat)}
     _link_zero_state(optimizer)
     for name, param in params.items():
-        safe_set_full_fp32_param(param, _local(state[f"model.{name}"]))
+        safe_set_full_fp32_param(param, local(state[f"model.{name}"]))
         for key in MOMENTS:
-            safe_set_full_optimizer_state(param, _local(state[f"optim.{name}.{key}"]), key)
+            safe_set_full_optimizer_state(param, local(state[f"optim.{name}.{key}"]), key)

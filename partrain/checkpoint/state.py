@@ -130,7 +130,8 @@ def as_saved(local: torch.Tensor, param: nn.Parameter, tp_mesh) -> torch.Tensor:
     expert-parallel slice (dim 0 of stacked experts over its ep mesh)."""
     dim = getattr(param, "tp_shard_dim", None)
     if isinstance(local, DTensor):  # FSDP's shard over dp x cp, and a tp split besides
-        return _fsdp_saved(local, dim, getattr(param, "saved_mesh", None))
+        return _fsdp_saved(local, dim, getattr(param, "saved_mesh", None),
+                           experts=getattr(param, "ep_sharded", False))
     if getattr(param, "ep_sharded", False):
         dim, tp_mesh = 0, param.ep_mesh
     if dim is None or tp_mesh is None or tp_mesh.size() == 1:
@@ -141,17 +142,23 @@ def as_saved(local: torch.Tensor, param: nn.Parameter, tp_mesh) -> torch.Tensor:
                               shape=torch.Size(full), stride=torch.empty(full, device="meta").stride())
 
 
-def _fsdp_saved(shard: DTensor, tp_dim: int | None, saved_mesh) -> DTensor:
+def _fsdp_saved(shard: DTensor, tp_dim: int | None, saved_mesh, experts: bool = False) -> DTensor:
     """An FSDP shard as the checkpoint records it: as it is, or, where tp splits the weight too,
     a DTensor over FSDP's dims and tp whose offsets place this rank's rectangle in the full tensor
-    (FSDP splits the other dimension: partrain.parallel.fsdp.shard_dim)."""
-    if tp_dim is None or saved_mesh is None:
+    (FSDP splits the other dimension: partrain.parallel.fsdp.shard_dim). An expert slice
+    (`experts`), which FSDP shards over the ranks holding the same experts, is recorded over
+    (ep, those ranks): its experts split over ep first, then FSDP's split of a slice."""
+    if saved_mesh is None or (tp_dim is None and not experts):
         return shard
     full = list(shard.shape)
-    full[tp_dim] *= saved_mesh.shape[-1]
-    return DTensor.from_local(shard.to_local(), saved_mesh, [*shard.placements, Shard(tp_dim)],
-                              run_check=False, shape=torch.Size(full),
-                              stride=torch.empty(full, device="meta").stride())
+    if experts:
+        full[0] *= saved_mesh.shape[0]
+        placements = [Shard(0), *shard.placements]
+    else:
+        full[tp_dim] *= saved_mesh.shape[-1]
+        placements = [*shard.placements, Shard(tp_dim)]
+    return DTensor.from_local(shard.to_local(), saved_mesh, placements, run_check=False,
+                              shape=torch.Size(full), stride=torch.empty(full, device="meta").stride())
 
 
 def _as_param(value: torch.Tensor, param: nn.Parameter) -> torch.Tensor:

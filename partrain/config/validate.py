@@ -255,11 +255,11 @@ def _check_fsdp(cfg: DictConfig) -> None:
             "parallel.zero_stage=1 with parallel.zero_backend=fsdp: FSDP2 shards the weights "
             "themselves, so its least sharded form is stage 2 (weights kept gathered from forward "
             "to backward); use parallel.zero_stage=2, or zero_backend=deepspeed for stage 1")
-    if p.ep > 1:
+    if p.ep > 1 and p.dp_replicate > 1:
         raise ConfigError(
-            f"parallel.ep={p.ep} with parallel.zero_backend=fsdp is not supported yet (the "
-            "experts' own sharding group is not built yet); use zero_backend=deepspeed (ZeRO-1 "
-            "or 2) with ep, or parallel.ep=1")
+            f"parallel.ep={p.ep} with parallel.dp_replicate={p.dp_replicate}: HSDP with expert "
+            "parallelism is not built yet (the experts' shards would need replicas of their "
+            "own); use parallel.dp_replicate=1 (FSDP over every dp rank) with ep")
     for key in ("offload_optimizer", "offload_params"):
         if p[key] == "nvme":
             raise ConfigError(

@@ -25,6 +25,10 @@ the fp32 shards as master weights (`param_dtype=bfloat16`); autocast is off then
 `parallel.offload_params=cpu` or `offload_optimizer=cpu` keep the shards, their gradients and the
 optimizer step on the host (`CPUOffloadPolicy`: FSDP2 offloads them together).
 
+Under ep a MoE's experts (this ep rank's slice) are a unit of their own inside their block's,
+sharded over the ranks holding the same experts (edp x cp, `ExpertSharding`), their gradients
+summed there and divided by dp x cp; a checkpoint records each piece over (ep, edp x cp).
+
 Tensor parallelism already splits some weights (partrain's TP keeps local slices, marked
 `tp_shard_dim`): FSDP then shards the other dimension of a matrix, so that a rank's piece stays
 one rectangle of the full weight, which a checkpoint records as a DTensor over (dp x cp, tp) with
@@ -38,6 +42,7 @@ adds one all-reduce of the local squared norms over the shards to the usual norm
 
 import math
 from contextlib import nullcontext
+from dataclasses import dataclass
 from functools import partial
 from typing import ContextManager
 
@@ -53,6 +58,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import Shard
 
 from partrain.models.llama import TransformerBlock
+from partrain.models.moe import MoE
 from partrain.parallel.data import Update, first_nonfinite
 from partrain.parallel.grads import clip_grads, global_grad_norm
 from partrain.parallel.pipeline import PipelineModel
@@ -60,7 +66,8 @@ from partrain.parallel.tensor import sync_sequence_parallel_grads
 
 # What partrain marks on a parameter (the checkpoint names, the norm's counting, the gradients'
 # extra reductions); FSDP replaces each parameter by a DTensor one, and these go along.
-MARKS = ("tp_sharded", "tp_shard_dim", "tied_to", "sequence_parallel_partial")
+MARKS = ("tp_sharded", "tp_shard_dim", "tied_to", "sequence_parallel_partial", "ep_sharded",
+         "ep_mesh")
 
 
 def shard_dim(param: nn.Parameter) -> int:
@@ -72,12 +79,24 @@ def shard_dim(param: nn.Parameter) -> int:
     return 0
 
 
+@dataclass
+class ExpertSharding:
+    """Under ep: where a MoE's expert slices are sharded. `mesh`: the ranks holding the same
+    experts (edp x cp); `saved_mesh`: (ep, edp x cp), where a checkpoint records each piece;
+    `divide`: what their summed gradients are divided by (dp x cp, the ranks whose mean loss
+    the step minimises)."""
+    mesh: object
+    saved_mesh: object
+    divide: int
+
+
 def apply_fsdp(model: nn.Module, dp_mesh, saved_mesh, stage: int, param_dtype: torch.dtype | None,
-               offload: bool) -> nn.Module:
+               offload: bool, experts: ExpertSharding | None = None) -> nn.Module:
     """Shard `model` in place over `dp_mesh` (dp x cp; HSDP: (dp_replicate, dp_shard x cp)),
     every block a unit, then the root (under pp, each of this rank's chunks is a root).
     `saved_mesh`, dp_mesh's dims and tp, is where a checkpoint records tp-split weights (None
-    without tp)."""
+    without tp). Under ep (`experts`) each MoE's experts are a unit of their own inside their
+    block's, over the expert-data ranks."""
     marks = {name: {k: v for k, v in vars(p).items() if k in MARKS}
              for name, p in model.named_parameters()}
     options = dict(
@@ -88,16 +107,21 @@ def apply_fsdp(model: nn.Module, dp_mesh, saved_mesh, stage: int, param_dtype: t
         shard_placement_fn=lambda p: Shard(shard_dim(p)))
     pipeline = isinstance(model, PipelineModel)
     roots = list(model.chunks) if pipeline else [model]
+    reshard = stage == 3 and not pipeline
     for root in roots:
         for block in [m for m in root.modules() if isinstance(m, TransformerBlock)]:
+            if experts is not None and isinstance(block.feed_forward, MoE):
+                _shard_experts(block.feed_forward.experts, experts, reshard, options)
             # Under pp a stage's weights stay gathered for the whole schedule (below), as
             # torchtitan does: not gathered again for every micro-batch.
-            fully_shard(block, reshard_after_forward=stage == 3 and not pipeline, **options)
+            fully_shard(block, reshard_after_forward=reshard, **options)
         # The root's weights (the head) are the first the backward needs: not freed after forward.
         fully_shard(root, reshard_after_forward=False, **options)
     for name, param in model.named_parameters():
         vars(param).update(marks[name])
-        if saved_mesh is not None and getattr(param, "tp_sharded", False):
+        if getattr(param, "ep_sharded", False):
+            param.saved_mesh = experts.saved_mesh
+        elif saved_mesh is not None and getattr(param, "tp_sharded", False):
             param.saved_mesh = saved_mesh
     if pipeline:
         # The executor runs a backward per micro-batch: gradients accumulate whole and the
@@ -107,6 +131,21 @@ def apply_fsdp(model: nn.Module, dp_mesh, saved_mesh, stage: int, param_dtype: t
         model.finish_backward = partial(_sync_gradients, roots)
         model.retie()  # the tied embedding's copy is now FSDP's parameter
     return model
+
+
+def _shard_experts(experts: nn.Module, sharding: ExpertSharding, reshard: bool,
+                   options: dict) -> None:
+    """An ep rank's expert slices, one FSDP unit over the ranks that hold the same experts.
+    Each rank's expert gradients hold the gradients of its ep group's tokens (the all-to-all's
+    backward brought them): summed over the unit's ranks and divided by dp x cp, not averaged
+    over the unit's ranks alone (partrain.parallel.expert.average_expert_gradients does the same
+    sum under DDP). Over several ranks the sum is a plain SUM then a division (gloo has no
+    PREMUL_SUM); alone, FSDP copies the gradient divided, and forcing the SUM there would divide
+    it twice (torch 2.13)."""
+    fully_shard(experts, reshard_after_forward=reshard, **{**options, "mesh": sharding.mesh})
+    experts.set_gradient_divide_factor(float(sharding.divide))
+    if sharding.mesh.size() > 1:
+        experts.set_force_sum_reduction_for_comms(True)
 
 
 def _defer_gradient_sync(root: FSDPModule) -> None:

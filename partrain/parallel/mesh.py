@@ -127,3 +127,18 @@ class ParallelDims:
                           mesh_dim_names=("pp", "edp", "ep", "cp", "tp"))
         mesh["edp", "cp"]._flatten("edp_cp")
         return mesh
+
+    def build_expert_shard_mesh(self, device_type: str):
+        """The expert mesh's ranks as (pp, ep, edp, cp, tp): FSDP shards an ep rank's experts
+        over "edp_cp" (edp and cp flattened: the ranks holding the same experts), and a
+        checkpoint records each rank's piece over ("ep", "edp_cp"), ep the outer split of the
+        experts and edp_cp the inner one."""
+        import torch
+        from torch.distributed.device_mesh import DeviceMesh
+
+        ranks = torch.arange(self.world_size).view(self.pp, self.dp // self.ep, self.ep,
+                                                   self.cp, self.tp)
+        mesh = DeviceMesh(device_type, ranks.transpose(1, 2).contiguous(),
+                          mesh_dim_names=("pp", "ep", "edp", "cp", "tp"))
+        mesh["edp", "cp"]._flatten("edp_cp")
+        return mesh

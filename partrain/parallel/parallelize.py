@@ -26,7 +26,7 @@ from partrain.models.moe import MoE
 from partrain.parallel.context import apply_context_parallel
 from partrain.parallel.data import DataParallelBackend, DDPBackend, apply_data_parallel
 from partrain.parallel.expert import apply_expert_parallel, moe_modules
-from partrain.parallel.fsdp import FSDPBackend, apply_fsdp
+from partrain.parallel.fsdp import ExpertSharding, FSDPBackend, apply_fsdp
 from partrain.parallel.mesh import ParallelDims
 from partrain.parallel.pipeline import apply_pipeline_parallel
 from partrain.parallel.tensor import apply_tensor_parallel
@@ -87,7 +87,8 @@ def parallelize(model: torch.nn.Module, cfg, dims: ParallelDims, mesh, expert_me
         fsdp_mesh, shard_mesh, saved = fsdp_meshes(dims, mesh)
         apply_fsdp(model, fsdp_mesh, saved, dims.zero_stage,
                    fsdp_param_dtype(cfg, mesh.device_type),
-                   offload="cpu" in (p.offload_params, p.offload_optimizer))
+                   offload="cpu" in (p.offload_params, p.offload_optimizer),
+                   experts=expert_sharding(dims, mesh.device_type) if dims.ep_enabled else None)
         backend = FSDPBackend(model, build_optimizer(model), dims, mesh, sequence_parallel,
                               cfg.optim.grad_clip, shard_mesh)
     elif dims.deepspeed_enabled:
@@ -120,6 +121,15 @@ def fsdp_meshes(dims: ParallelDims, mesh):
         hsdp = dims.build_hsdp_mesh(mesh.device_type)
         return (hsdp["dp_replicate", "dp_shard_cp"], hsdp["dp_shard_cp"],
                 hsdp["dp_replicate", "dp_shard_cp", "tp"] if dims.tp_enabled else None)
+
+
+def expert_sharding(dims: ParallelDims, device_type: str) -> ExpertSharding:
+    """Under ep: an ep rank's experts sharded over the ranks holding the same ones (edp x cp),
+    their gradients summed there and divided by dp x cp."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*flattened dim.*")
+        mesh = dims.build_expert_shard_mesh(device_type)
+        return ExpertSharding(mesh["edp_cp"], mesh["ep", "edp_cp"], dims.dp_cp)
 
 
 def fsdp_param_dtype(cfg, device_type: str) -> torch.dtype | None:

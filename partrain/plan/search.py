@@ -166,12 +166,12 @@ def layouts(model_cfg, gpus: int, hw: Hardware, global_batch_size: int, seq_len:
 
 def _zero_backends(zero: int, tp: int, pp: int, ep: int) -> list[str]:
     """The engines that can run ZeRO stage `zero` with these degrees: DeepSpeed's ZeRO-2/3 not
-    with pp or sequence parallelism, its ZeRO-3 not with ep; FSDP2 at stages 2 and 3, not yet
-    with ep (under pp one stage is enough: it gathers once a step either way)."""
+    with pp or sequence parallelism, its ZeRO-3 not with ep; FSDP2 at stages 2 and 3, with
+    every degree (under pp one stage is enough: it gathers once a step either way)."""
     engines = []
     if not (zero >= 2 and (pp > 1 or tp > 1) or zero == 3 and ep > 1):
         engines.append("deepspeed")
-    if zero == 3 and ep == 1 or zero == 2 and ep == 1 and pp == 1:
+    if zero == 3 or zero == 2 and pp == 1:
         engines.append("fsdp")
     return engines
 
@@ -296,8 +296,8 @@ def _why_not_enumerated(want: dict, model, gpus: int, hw: Hardware, gbs: int, se
                 + (f" with at least pp={pp} micro-batches each" if pp > 1 else "")
                 + f": it needs a multiple of {dp * max(1, pp)} sequences")
     zero = want.get("zero_stage", 0)
-    if want.get("zero_backend") == "fsdp" and (zero < 2 or want.get("ep", 1) > 1):
-        return "FSDP runs ZeRO stages 2 and 3, not yet with ep > 1"
+    if want.get("zero_backend") == "fsdp" and zero < 2:
+        return "FSDP runs ZeRO stages 2 and 3"
     if want.get("zero_backend") == "fsdp" and zero == 2 and pp > 1:
         return "under pp FSDP's stages 2 and 3 are one: the search tries zero=3"
     if zero >= 2 and (pp > 1 or tp > 1) and want.get("zero_backend") != "fsdp":

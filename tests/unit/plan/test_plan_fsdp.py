@@ -80,3 +80,19 @@ def test_hsdp_adds_the_replicas_all_reduce_and_shards_over_fewer_ranks():
     # The optimizer steps a shard of 1/8 instead of 1/16: twice the time.
     assert hsdp["optimizer_s"] == pytest.approx(2 * full["optimizer_s"])
     assert hsdp["zero3_gather_s"] != full["zero3_gather_s"]
+
+
+def test_search_prices_fsdp_with_ep(run_main):
+    # FSDP2 shards each ep rank's experts over the ranks holding the same ones: the search
+    # enumerates it (stage 3 also under pp, where DeepSpeed's ZeRO-3 refuses ep).
+    result = run_main("plan", "--search", "--json", "model=tiny-moe", "--gpus", "8",
+                      "--explain", "ep=2 zero=3 backend=fsdp pp=2")
+    assert result.code == 0, result.stderr
+    ex = json.loads(result.stdout)["explain"]
+    assert ex["verdict"] == "ranked", ex
+    layout = ex["best_variant"]["layout"]
+    assert (layout["ep"], layout["zero_stage"], layout["zero_backend"], layout["pp"]) == \
+        (2, 3, "fsdp", 2)
+    deepspeed = run_main("plan", "--search", "--json", "model=tiny-moe", "--gpus", "8",
+                         "--explain", "ep=2 zero=3 backend=deepspeed")
+    assert json.loads(deepspeed.stdout)["explain"]["verdict"] == "not enumerated"

@@ -1,4 +1,4 @@
-"""The `partrain` command: launch, slurm, plan, show, export, sample, data prepare.
+"""The `partrain` command: launch, slurm, plan, show, export, sample, runs, data prepare.
 
 Each command is its Typer signature and a call: `launch` and `slurm` hand their flags to
 partrain.launch.start; `plan` and `show` get the resolved config from partrain.launch.preflight,
@@ -55,6 +55,40 @@ def _whole(flag: str, minimum: int = 1):
     return parse
 
 
+def _nproc(flag: str, words: bool = True):
+    """--nproc-per-node: a whole number, or (launch) torchrun's gpu, cpu, auto, counted on the
+    node that starts the ranks."""
+    whole = _whole(flag)
+
+    def parse(value: str):
+        from partrain.launch.torchrun import NPROC_WORDS, read_nproc
+
+        if isinstance(value, str) and value.strip().lower() in NPROC_WORDS:
+            if not words:
+                raise typer.BadParameter(
+                    f"{flag} {value} counts the devices of the machine it runs on, and `partrain "
+                    "slurm` runs on the login node: give --gpus-per-node G (the ranks per node "
+                    "follow it) or a number")
+            return read_nproc(value)
+        if words and isinstance(value, str) and not value.strip().lstrip("+-").isdigit():
+            raise typer.BadParameter(f"{flag}={value!r} is not a whole number or one of "
+                                     f"{', '.join(NPROC_WORDS)}")
+        return whole(value)
+    return parse
+
+
+def _nnodes(value: str) -> int:
+    """--nnodes N, or torchrun's MIN:MAX when MIN = MAX."""
+    from partrain.launch.torchrun import read_nnodes
+
+    if isinstance(value, int) or ":" not in value:
+        return _whole("--nnodes")(value)
+    try:
+        return read_nnodes(value)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
 def _number(flag: str):
     """A parser for a flag that takes a number, echoing what was given."""
     def parse(value: str) -> float:
@@ -70,16 +104,39 @@ def _number(flag: str):
 def launch(
     args: Optional[List[str]] = typer.Argument(None, help=ARGS_HELP, show_default=False),
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Default: runs/<name>-<time>"),
-    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", metavar="N",
-                                                 parser=_whole("--nproc-per-node")),
-    nnodes: Optional[int] = typer.Option(None, "--nnodes", metavar="N", parser=_whole("--nnodes")),
-    node_rank: Optional[int] = typer.Option(None, "--node-rank", metavar="R",
+    nproc_per_node: Optional[str] = typer.Option(
+        None, "--nproc-per-node", "--nproc_per_node", metavar="N|gpu|cpu|auto",
+        parser=_nproc("--nproc-per-node"),
+        help="Ranks on this node; gpu: the visible GPUs (none: exit 2), cpu: the usable cores, "
+        "auto: the GPUs the workers use, else the cores (as torchrun counts them)"),
+    nnodes: Optional[int] = typer.Option(None, "--nnodes", metavar="N", parser=_nnodes,
+                                         help="Nodes in the job (torchrun's MIN:MAX with MIN = "
+                                         "MAX too)"),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", "--node_rank", metavar="R",
                                             parser=_whole("--node-rank", 0),
                                             help="0 on the node that hosts the rendezvous; "
                                             "default 0 (SLURM: SLURM_NODEID)"),
-    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", help="HOST:PORT of node 0"),
-    local_addr: Optional[str] = typer.Option(None, "--local-addr", help="This node's address for "
-                                             "the others; default: the route to the endpoint"),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", "--rdzv_endpoint",
+                                                help="HOST:PORT of node 0"),
+    master_addr: Optional[str] = typer.Option(
+        None, "--master-addr", "--master_addr", metavar="HOST",
+        help="torchrun's spelling: --master-addr HOST --master-port PORT is --rdzv-endpoint "
+        "HOST:PORT (default 127.0.0.1, 29500)"),
+    master_port: Optional[int] = typer.Option(None, "--master-port", "--master_port",
+                                              metavar="PORT", parser=_whole("--master-port"),
+                                              help="See --master-addr"),
+    standalone: bool = typer.Option(False, "--standalone", help="One node on a free local port "
+                                    "(partrain's default for one node; torchrun's spelling)"),
+    rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", "--rdzv_id", metavar="ID",
+                                          help="The job's id at the rendezvous, the same on every "
+                                          "node; default: the run's name (SLURM: the job id)"),
+    rdzv_backend: Optional[str] = typer.Option(None, "--rdzv-backend", "--rdzv_backend",
+                                               metavar="c10d",
+                                               help="Accepted for torchrun's command lines: "
+                                               "partrain always runs c10d (static is read as it)"),
+    local_addr: Optional[str] = typer.Option(None, "--local-addr", "--local_addr",
+                                             help="This node's address for the others; default: "
+                                             "the route to the endpoint"),
     ifname: Optional[str] = typer.Option(None, "--ifname", help="Network interface for gloo/NCCL; "
                                          "default: the one that routes to the endpoint"),
     resume: Optional[Path] = typer.Option(
@@ -87,34 +144,41 @@ def launch(
         "checkpoint; OVERRIDEs may change the layout (parallel.*, launcher.*, micro-batches) and "
         "raise train.max_steps"),
     max_restarts: Optional[int] = typer.Option(
-        None, "--max-restarts", metavar="N", parser=_whole("--max-restarts", 0),
+        None, "--max-restarts", "--max_restarts", metavar="N", parser=_whole("--max-restarts", 0),
         help="Restart every node's workers up to N times after a rank fails, from the newest "
         "checkpoint (launcher.max_restarts)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate and show the plan; start nothing"),
 ) -> None:
     """Compose, validate, write the run dir and train on this node's ranks (or continue the run
-    a run dir holds, from its newest checkpoint)."""
+    a run dir holds, from its newest checkpoint). torchrun's launcher flags work as they are
+    (--nproc_per_node, --node_rank, --rdzv_endpoint, --master_addr, --standalone, ...)."""
     from partrain.launch.preflight import LAUNCH, Request
     from partrain.launch.start import start
+    from partrain.launch.torchrun import read_rendezvous
 
     if max_restarts is not None:  # the flag wins over the key, as --nnodes does
         args = [*(args or []), f"launcher.max_restarts={max_restarts}"]
 
-    request = Request(args, LAUNCH, nnodes=nnodes, nproc_per_node=nproc_per_node, run_dir=run_dir,
-                      resume=resume, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
-                      local_addr=local_addr, ifname=ifname)
+    meet = read_rendezvous(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
+                           master_addr=master_addr, master_port=master_port,
+                           standalone=standalone, rdzv_id=rdzv_id, rdzv_backend=rdzv_backend)
+    request = Request(args, LAUNCH, nnodes=meet.nnodes, nproc_per_node=nproc_per_node,
+                      run_dir=run_dir, resume=resume, node_rank=meet.node_rank,
+                      rdzv_endpoint=meet.endpoint, rdzv_from=meet.endpoint_from,
+                      rdzv_id=meet.run_id, local_addr=local_addr, ifname=ifname)
     raise typer.Exit(start(request, dry_run, out, err, _warn))
 
 
 @app.command()
 def slurm(
     args: Optional[List[str]] = typer.Argument(None, help=ARGS_HELP, show_default=False),
-    nodes: int = typer.Option(..., "--nodes", metavar="N", parser=_whole("--nodes"),
-                              help="Nodes to ask for"),
+    nodes: int = typer.Option(..., "--nodes", "--nnodes", metavar="N", parser=_whole("--nodes"),
+                              help="Nodes to ask for (--nnodes: torchrun's spelling)"),
     gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", metavar="G",
                                                 parser=_whole("--gpus-per-node")),
     nproc_per_node: Optional[int] = typer.Option(
-        None, "--nproc-per-node", metavar="N", parser=_whole("--nproc-per-node"),
+        None, "--nproc-per-node", "--nproc_per_node", metavar="N",
+        parser=_nproc("--nproc-per-node", words=False),
         help="Ranks per node; default: --gpus-per-node, else launcher.nproc_per_node, else the "
         "degrees' product over the nodes"),
     partition: Optional[str] = typer.Option(None, "--partition"),
@@ -136,7 +200,7 @@ def slurm(
         "(repeatable)"),
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Default: runs/<name>-<time>"),
     max_restarts: Optional[int] = typer.Option(
-        None, "--max-restarts", metavar="N", parser=_whole("--max-restarts", 0),
+        None, "--max-restarts", "--max_restarts", metavar="N", parser=_whole("--max-restarts", 0),
         help="In-job restarts after a rank fails (launcher.max_restarts, frozen in the run dir)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="Write the run dir and print the script "
                                  "(`> job.sh` gives a runnable script); submit nothing"),
@@ -211,6 +275,15 @@ def plan(
     if tokens_per_step is not None:
         args.append(_tokens_override(args, tokens_per_step))
     ready = preflight(Request(args, PLAN, world_size=world_size))
+    if ready.cfg.model.get("target"):  # a user's own model: what partrain knows of it
+        from partrain.plan.user import build_user_plan, print_user_plan
+
+        result = build_user_plan(ready.cfg, ready.world, ready.warnings)
+        if as_json:
+            sys.stdout.write(json.dumps(result, indent=2) + "\n")
+        else:
+            print_user_plan(result, out)
+        return
     result = build_plan(ready.cfg, ready.world, ready.warnings)
     if hw is not None or ready.cfg.launcher.device == "cuda":
         on_hardware(result, ready.cfg, ready.world, hw or load_hardware(DEFAULT_HARDWARE),
@@ -340,8 +413,8 @@ def export(
     source: Path = typer.Argument(..., metavar="RUN_DIR_OR_CHECKPOINT", help=SOURCE_HELP,
                                   show_default=False),
     out_dir: Path = typer.Option(..., "--out", help="New directory for the export"),
-    fmt: str = typer.Option("hf", "--format", help="hf: a transformers LlamaForCausalLM "
-                            "directory (config.json, safetensors)"),
+    fmt: str = typer.Option("hf", "--format", help="hf: a transformers directory (config.json, "
+                            "safetensors) of a Llama, Mistral, Qwen2 or Qwen3"),
     dtype: str = typer.Option("fp32", "--dtype", help="fp32 or bf16"),
     max_shard_mb: int = typer.Option(5000, "--max-shard-mb", metavar="MB",
                                      parser=_whole("--max-shard-mb"),
@@ -411,6 +484,37 @@ def sample(
     emit("\n")
 
 
+@app.command()
+def runs(
+    root: Path = typer.Option(Path("runs"), "--root", metavar="DIR",
+                              help="The folder of run dirs (or one run dir)"),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per run dir, in a list"),
+) -> None:
+    """List the run dirs under ./runs: state (running, done, failed, preempted, ...), last step
+    and loss, newest checkpoint. Reads only; what it cannot read is `unknown`."""
+    from partrain.config.paths import what_is
+    from partrain.launch.runs import list_runs, render
+
+    found = what_is(root)
+    if found == "does not exist" and root == Path("runs"):  # nothing launched here yet
+        if as_json:
+            sys.stdout.write("[]\n")
+        else:
+            out.print("no run dirs: ./runs does not exist (partrain launch writes run dirs "
+                      "there; --root DIR reads another folder)")
+        return
+    if found != "is a directory":
+        raise ConfigError(f"--root {root} {found}; give the folder that holds run dirs")
+    listed = list_runs(root)
+    if as_json:
+        sys.stdout.write(json.dumps([run.as_json() for run in listed], indent=2) + "\n")
+    elif not listed:
+        out.print(f"no run dirs under {root}")
+    else:
+        for line in render(listed):
+            out.print(line)
+
+
 @data_app.command("prepare")
 def data_prepare(
     inputs: List[Path] = typer.Argument(..., metavar="INPUTS...",
@@ -445,6 +549,53 @@ def data_prepare(
         out.print(line)
 
 
+# Other launchers' flags, by what they mean: their nearest partrain flag by spelling can mean
+# the opposite (--master-addr is node 0's address; --local-addr is this node's). The first flag
+# the command has is suggested; a name with underscores is looked up with dashes.
+FLAG_SYNONYMS = {
+    "num-gpus": ("--gpus-per-node", "--nproc-per-node", "--gpus"),  # DeepSpeed
+    "gpus": ("--gpus-per-node", "--nproc-per-node"),
+    "num-processes": ("--nproc-per-node", "--gpus"),  # Accelerate
+    "nproc": ("--nproc-per-node",), "nprocs": ("--nproc-per-node",),
+    "num-nodes": ("--nodes", "--nnodes"), "num-machines": ("--nodes", "--nnodes"),
+    "nodes": ("--nnodes",),
+    "machine-rank": ("--node-rank",), "node-id": ("--node-rank",),
+    "master-addr": ("--rdzv-endpoint",), "master-port": ("--rdzv-endpoint",),
+    "main-process-ip": ("--rdzv-endpoint",), "main-process-port": ("--rdzv-endpoint",),
+    "master": ("--rdzv-endpoint",),
+    "output-dir": ("--run-dir", "--out"), "output": ("--run-dir", "--out"),
+    "out-dir": ("--run-dir", "--out"), "save-dir": ("--run-dir", "--out"),
+    "logdir": ("--run-dir",), "log-dir": ("--run-dir",),
+    "resume-from": ("--resume",), "resume-from-checkpoint": ("--resume",),
+    "max-retries": ("--max-restarts",), "restarts": ("--max-restarts",),
+}
+# torchrun's flags for where the nodes meet, which `partrain slurm` takes from the job instead.
+SLURM_SETS = ("master-addr", "master-port", "rdzv-endpoint", "node-rank", "standalone",
+              "local-addr", "rdzv-id", "rdzv-backend")
+# Hydra's own command-line flags: partrain takes the config as its first argument instead.
+CONFIG_FLAGS = ("config", "config-name", "config-path", "config-dir", "config-file", "cfg")
+
+
+def _meant(e, ctx) -> str:
+    """A usage error's message; for an unknown flag, the flag it most likely means."""
+    # Typer carries its own copy of click: its NoSuchOption is known by what it holds.
+    if not hasattr(e, "option_name") or not hasattr(e, "possibilities") or ctx is None:
+        return e.format_message()
+    name = e.option_name.split("=", 1)[0].lstrip("-").lower().replace("_", "-")
+    flags = {opt for param in ctx.command.params
+             for opt in (*getattr(param, "opts", ()), *getattr(param, "secondary_opts", ()))}
+    if name in CONFIG_FLAGS:
+        return (f"{e.message} (the config is the first argument, not a flag: "
+                f"{ctx.command_path} CONFIG [OVERRIDE...], CONFIG a recipe name or a YAML path)")
+    meant = next((flag for flag in FLAG_SYNONYMS.get(name, ()) if flag in flags), None)
+    if meant is not None:
+        return f"{e.message} (did you mean {meant}?)"
+    if ctx.command.name == "slurm" and name in SLURM_SETS:
+        return (f"{e.message} (partrain slurm sets where the nodes meet itself: node ranks from "
+                "SLURM, the rendezvous on the job's first node)")
+    return e.format_message()
+
+
 def _error(message: str) -> None:
     err.print(Text.assemble(("error:", "bold red"), " ", message))
 
@@ -461,7 +612,7 @@ def main() -> None:
             raise
         ctx = getattr(e, "ctx", None)
         hint = f" (see: {ctx.command_path} --help)" if ctx is not None else ""
-        _error(e.format_message() + hint)
+        _error(_meant(e, ctx) + hint)
         code = getattr(e, "exit_code", 2)
     except typer.Abort:
         _error("aborted")

@@ -2,7 +2,8 @@
 
 `check_out` refuses an --out that is not a new or empty directory before any work; `staged_dir`
 gives a temporary directory beside it that is renamed into place only when everything in it is
-written, and removed (with any parent directories it made) on any failure or Ctrl-C.
+written, and removed (with any parent directories it made) on any failure or Ctrl-C. What it
+holds gets the modes the umask gives, whatever the writers chose (a team shares the output).
 """
 
 import os
@@ -32,6 +33,17 @@ def check_out(out: Path) -> None:
             break
 
 
+def follow_umask(root: Path) -> None:
+    """Give what is under `root` the modes a new file or directory gets from the umask: writers
+    such as safetensors create private (0600) files, which the rest of a team on a shared
+    cluster could not read."""
+    mask = os.umask(0)
+    os.umask(mask)
+    for path in root.rglob("*"):
+        if not path.is_symlink():
+            path.chmod((0o777 if path.is_dir() else 0o666) & ~mask)
+
+
 class Stage:
     """The directory being written and what is being done in it, for the message of a failure."""
 
@@ -57,6 +69,8 @@ def staged_dir(out: Path, errors: tuple = (OSError,)):
         stage.path.mkdir()
         tmp_made = True
         yield stage
+        stage.step = "setting the files' modes from the umask"
+        follow_umask(stage.path)
         stage.step = "renaming the temporary directory into place"
         stage.path.rename(target)  # atomic, and replaces an empty `out` directory
     except BaseException as e:

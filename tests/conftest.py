@@ -23,6 +23,36 @@ def pytest_configure(config):
         "benchmarks, real SLURM daemons and network namespaces")
 
 
+# Tests that the quick pass leaves to the full suite (which runs them all): each takes 6-20 s of
+# the quick pass's 6 minutes, and what it checks has a cheaper neighbour there (one launch, one
+# parity run, one resume, one failing rank, one skipped step stay quick). Measured on 2 cores:
+# the quick pass ran 8:06 with them, and these are about 130 s of it.
+FULL_SUITE_ONLY = (
+    "tests/integration/test_restart.py::test_a_restarted_run_ends_as_the_uninterrupted_one[dp2]",
+    "tests/integration/test_checkpoint.py::test_preemption_signal_saves_exits_3_and_resumes",
+    "tests/integration/test_divergence.py::"
+    "test_a_diverging_run_stops_with_exit_4_and_keeps_its_good_checkpoints",
+    "tests/integration/test_divergence.py::test_a_checkpoint_holding_a_nan_is_not_trained_from",
+    "tests/integration/test_divergence.py::test_skipped_steps_in_a_row_stop_every_rank_with_exit_4",
+    "tests/integration/test_failure.py::test_a_full_disk_fails_loudly_and_loses_nothing",
+    "tests/integration/test_hang.py::test_a_sleeping_rank_is_named_and_the_others_wait_for_it",
+    "tests/integration/test_launch.py::"
+    "test_degrees_on_the_command_line_set_the_processes[degrees1-2]",
+    "tests/distributed/test_mesh.py::test_mesh_groups_match_parallel_dims",
+    "tests/distributed/test_checkpoint.py::test_state_has_the_single_process_names[tp2]",
+    "tests/unit/models/test_recompute.py::test_compiled_blocks_train_the_same_model[quickstart-none]",
+    "tests/unit/models/test_recompute.py::test_compiled_blocks_train_the_same_model[moe-tiny-none]",
+    "tests/unit/plan/test_search.py::test_guide_many_nodes_fast_network",
+    "tests/unit/plan/test_search.py::test_guide_many_nodes_slow_network",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(FULL_SUITE_ONLY):
+            item.add_marker(pytest.mark.slow)
+
+
 def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(args, capture_output=True, text=True, timeout=60)
 

@@ -252,6 +252,10 @@ class Checkpointer:
         if kept is not None and kept.meta.get("bytes"):
             return int(kept.meta["bytes"])
         model = OmegaConf.create(self.config_yaml).get("model")
+        if model and model.get("target"):  # a user's model: its size is what it builds
+            from partrain.models.family import probe
+
+            return BYTES_PER_PARAM * probe(model).params
         return BYTES_PER_PARAM * count_params(model) if model else 0
 
     def _commit(self, step: int, reason: str, started: float, blocked_s: float) -> None:

@@ -18,6 +18,14 @@ def checkpoint_model(checkpoint, device: str = "cpu"):
     from partrain.models.llama import Transformer
 
     cfg = OmegaConf.create(saved_config(checkpoint))
+    if cfg.model.get("target"):
+        from partrain.errors import ConfigError
+
+        raise ConfigError(
+            f"{checkpoint.path} holds your own model (model.target={cfg.model.target}): sample "
+            "and export build the built-in family; load its DCP checkpoint in your code "
+            "(torch.distributed.checkpoint, keys model.<parameter name>) or resume it with "
+            "partrain launch --resume")
     with torch.device("meta"):
         model = Transformer(cfg.model)
     model.to_empty(device=device)

@@ -2,13 +2,20 @@
 launcher before anything starts.
 
 A resume continues the same training: the model, the data, the seed, the global batch, the
-sequence length, the dtype and the optimizer (AdamW) must be those the checkpoint was saved with.
+sequence length, the dtype and the optimizer (optim.name: its state is that optimizer's) must be
+those the checkpoint was saved with.
 The layout may change (parallel.*, launcher.*, the node count, the micro-batch split at the same
 global batch, activation checkpointing, compile), as may how the run logs, evaluates and saves,
 train.max_steps (the learning-rate schedule is then the one of a run planned for the new
-max_steps: warmup is unchanged, the cosine stretches) and the optimizer's schedule and
-hyperparameters (a lower optim.lr after a loss spike). `check_resumable` returns what changed,
-which the launcher prints.
+max_steps: warmup is unchanged, the decay stretches or, under wsd, moves to the new end) and the
+optimizer's schedule and hyperparameters (a lower optim.lr after a loss spike; optim.schedule=wsd
+from a cosine run's checkpoint).
+
+Another optimizer is refused rather than started with fresh state: the moments (or SGD's
+momentum) are half of what a resume continues, and dropping them quietly makes a "resume" that is
+not one. Megatron-LM (--no-load-optim) and torchtitan (checkpoint.exclude_from_loading) make
+dropping them something the user asks for; here that is `model.init_from`: the weights, a fresh
+optimizer of any kind. `check_resumable` returns what changed, which the launcher prints.
 """
 
 from pathlib import Path
@@ -21,15 +28,17 @@ from partrain.errors import ConfigError
 
 # Keys (or key prefixes ending in '.') a resume may change: the layout, how the run logs,
 # evaluates and saves, and the optimizer's schedule and hyperparameters (after a loss spike,
-# Megatron-LM's --override-opt_param-scheduler: the state, AdamW's moments, keeps its shapes and
-# meaning). The model, the data, the seed, the batch, the dtype and the optimizer itself stay.
+# Megatron-LM's --override-opt_param-scheduler: the state, Adam's moments or SGD's momentum, keeps
+# its shapes and meaning). The model, the data, the seed, the batch, the dtype and the optimizer
+# itself (optim.name) stay.
 RESUMABLE = ("name", "parallel.", "launcher.", "checkpoint.", "train.micro_batch_size",
              "train.micro_batches", "train.max_steps", "train.eval_every", "train.eval_batches",
              "train.log_every", "train.max_skipped_steps", "train.trace", "train.tensorboard", "train.wandb",
              "train.wandb_project", "train.activation_checkpointing", "train.compile",
              "train.measure_memory", "model.init_from", "optim.lr", "optim.warmup_steps",
              "optim.min_lr_ratio", "optim.grad_clip", "optim.weight_decay", "optim.beta1",
-             "optim.beta2", "optim.eps")
+             "optim.beta2", "optim.eps", "optim.schedule", "optim.decay_ratio", "optim.momentum",
+             "optim.nesterov")
 # Model keys that do not change the weights' shapes (init_from may point anywhere).
 NOT_SHAPE = ("model.name", "model.init_from", "model.init_std")
 

@@ -2,10 +2,15 @@
 
 Keys (all tensors, so that DCP plans, de-duplicates and reshards them):
 
-    model.<name>              the fp32 weights (under ZeRO the master copy DeepSpeed keeps)
-    optim.<name>.exp_avg      AdamW's first moment, sharded like the weight
-    optim.<name>.exp_avg_sq   AdamW's second moment
-    optim.<name>.step         AdamW's step count for that parameter (a scalar)
+    model.<name>                  the fp32 weights (under ZeRO the master copy DeepSpeed keeps)
+    optim.<name>.exp_avg          AdamW's (or Adam's) first moment, sharded like the weight
+    optim.<name>.exp_avg_sq       its second moment
+    optim.<name>.step             its step count for that parameter (a scalar)
+    optim.<name>.momentum_buffer  SGD's instead: its momentum buffer (zeros with momentum 0)
+
+The optimizer's state names are torch's (`optimizer.state[param]`), which DeepSpeed keeps too, so
+one key name reaches both. A checkpoint's optimizer is its config's optim.name; a resume may not
+change it (partrain.checkpoint.resume), so the keys a run loads are the ones its checkpoint holds.
 
 <name> is the parameter's name in the model `build_model` makes (`layers.7.attention.wq.weight`):
 the wrappers' prefixes (`module.` of DDP and DeepSpeed, `chunks.N.` of the pipeline) are dropped,
@@ -42,6 +47,7 @@ from partrain.parallel.dist import local
 
 WRAPPER_PREFIX = re.compile(r"^(?:module\.|chunks\.\d+\.)+")
 MOMENTS = ("exp_avg", "exp_avg_sq")
+MOMENTUM = ("momentum_buffer",)
 
 
 @contextmanager
@@ -169,6 +175,22 @@ def _as_param(value: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
     return local(value).clone()
 
 
+def _inner(optimizer):
+    """The torch optimizer itself: DeepSpeed's ZeRO wraps it (`.optimizer`)."""
+    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer.optimizer
+
+
+def state_keys(optimizer) -> tuple[str, ...]:
+    """The optimizer's per-parameter tensors a checkpoint holds, by torch's names: SGD's
+    momentum buffer, or Adam's two moments (AdamW, Adam, DeepSpeed's CPU Adam)."""
+    return MOMENTUM if isinstance(_inner(optimizer), torch.optim.SGD) else MOMENTS
+
+
+def _counts_steps(optimizer) -> bool:
+    """Whether the optimizer keeps a step count (Adam's bias correction; SGD has none)."""
+    return not isinstance(_inner(optimizer), torch.optim.SGD)
+
+
 def _zero_stage(optimizer) -> int:
     return 3 if hasattr(optimizer, "fp32_partitioned_groups_flat") else 2
 
@@ -178,6 +200,12 @@ def _zero_flat_partitions(optimizer) -> list[torch.Tensor]:
     if hasattr(optimizer, "fp32_partitioned_groups_flat"):
         return list(optimizer.fp32_partitioned_groups_flat)
     return list(optimizer.single_partition_of_fp32_groups)
+
+
+def _zero_has_state(optimizer) -> bool:
+    """Whether the inner optimizer has made its state (at its first step)."""
+    inner = optimizer.optimizer
+    return any(inner.state.get(flat) for flat in _zero_flat_partitions(optimizer))
 
 
 def _zero_step(optimizer) -> float:
@@ -201,31 +229,36 @@ def _link_zero_state(optimizer) -> None:
 def build_state(model: nn.Module, optimizer, tp_mesh, zero: bool) -> dict[str, torch.Tensor]:
     """The checkpoint's state on this rank (collective under ZeRO: every dp rank calls it)."""
     state = {}
+    keys, steps = state_keys(optimizer), _counts_steps(optimizer)
     if zero:
         from deepspeed.utils import (
             safe_get_full_fp32_param,
             safe_get_full_optimizer_state,
         )
 
-        step = _zero_step(optimizer)
-        if step:
+        step, made = _zero_step(optimizer), _zero_has_state(optimizer)
+        if made:
             _link_zero_state(optimizer)
     for name, param in named_parameters(model).items():
         if zero:
             weight = safe_get_full_fp32_param(param).reshape(_local_shape(param))
             moments = {key: (safe_get_full_optimizer_state(param, key).reshape(_local_shape(param))
-                             if step else torch.zeros(_local_shape(param)))
-                       for key in MOMENTS}
+                             if made else torch.zeros(_local_shape(param)))
+                       for key in keys}
             param_step = step
         else:
             weight = param.detach()
             opt = optimizer.state.get(param, {})
-            moments = {key: opt[key] if key in opt else torch.zeros_like(weight) for key in MOMENTS}
+            # SGD with momentum 0 keeps no buffer: zeros, which a momentum > 0 resume reads as
+            # torch's fresh buffer (its first step then takes the gradient as it is).
+            moments = {key: opt[key] if opt.get(key) is not None else torch.zeros_like(weight)
+                       for key in keys}
             param_step = float(opt.get("step", 0))
         state[f"model.{name}"] = as_saved(weight, param, tp_mesh)
         for key, value in moments.items():
             state[f"optim.{name}.{key}"] = as_saved(value, param, tp_mesh)
-        state[f"optim.{name}.step"] = torch.tensor(param_step, dtype=torch.float64)
+        if steps:
+            state[f"optim.{name}.step"] = torch.tensor(param_step, dtype=torch.float64)
     for name, buf in checkpointed_buffers(model).items():
         state[f"model.{name}"] = buf.detach().clone()
     return state
@@ -267,30 +300,33 @@ def load_optimizer(model: nn.Module, optimizer, path, tp_mesh, zero: bool) -> No
     DeepSpeed's engine) is built. Collective: every rank calls it."""
     params = named_parameters(model)
     shapes = {n: (p, _local_shape(p)) for n, p in params.items()}
-    keys = (["weight"] if zero else []) + [*MOMENTS, "step"]
+    moments, steps = state_keys(optimizer), _counts_steps(optimizer)
+    keys = (["weight"] if zero else []) + [*moments] + (["step"] if steps else [])
     state = _template(shapes, tp_mesh, keys)
     with said(f"reading the optimizer state of {path}"):
         dcp.load(state, checkpoint_id=path)
     if not zero:
         for name, param in params.items():
             optimizer.state[param] = {
-                "step": torch.tensor(float(state[f"optim.{name}.step"]), dtype=torch.float32),
-                **{key: _as_param(state[f"optim.{name}.{key}"], param) for key in MOMENTS}}
+                **({"step": torch.tensor(float(state[f"optim.{name}.step"]), dtype=torch.float32)}
+                   if steps else {}),
+                **{key: _as_param(state[f"optim.{name}.{key}"], param) for key in moments}}
         return
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-    # DeepSpeed's inner AdamW creates its state at the first step; make it now, then write each
-    # parameter's fragment of it through DeepSpeed's helpers.
-    step = max((float(state[f"optim.{name}.step"]) for name in params), default=0.0)
+    # DeepSpeed's inner optimizer creates its state at the first step; make it now, then write
+    # each parameter's fragment of it through DeepSpeed's helpers.
+    step = max((float(state[f"optim.{name}.step"]) for name in params), default=0.0) \
+        if steps else 0.0
     inner = optimizer.optimizer
     for flat in _zero_flat_partitions(optimizer):
         value = (torch.tensor(step, dtype=torch.float32)
                  if isinstance(inner, torch.optim.Optimizer) and type(inner).__module__.startswith("torch")
                  else int(step))
-        inner.state[flat] = {"step": value, "exp_avg": torch.zeros_like(flat),
-                             "exp_avg_sq": torch.zeros_like(flat)}
+        inner.state[flat] = {**({"step": value} if steps else {}),
+                             **{key: torch.zeros_like(flat) for key in moments}}
     _link_zero_state(optimizer)
     for name, param in params.items():
         safe_set_full_fp32_param(param, local(state[f"model.{name}"]))
-        for key in MOMENTS:
+        for key in moments:
             safe_set_full_optimizer_state(param, local(state[f"optim.{name}.{key}"]), key)

@@ -59,7 +59,12 @@ def shape_problems(metadata, model_cfg) -> list[str]:
              for key, info in metadata.state_dict_metadata.items()
              if key.startswith("model.") and hasattr(info, "size")}
     with torch.device("meta"):
-        model = Transformer(model_cfg)
+        if model_cfg.get("target"):  # a user's model: its builder says its shapes
+            from partrain.models.family import load_builder
+
+            model = load_builder(model_cfg.target)(model_cfg)
+        else:
+            model = Transformer(model_cfg)
     wanted = {name: tuple(p.shape) for name, p in model.named_parameters()}
     wanted.update({name: tuple(b.shape) for name, b in model.named_buffers()
                    if name.endswith("expert_bias")})

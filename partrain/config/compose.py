@@ -21,9 +21,11 @@ from partrain.config.keys import (
     check_overrides,
     check_tree,
 )
+from partrain.config.ds_file import apply_deepspeed_file
 from partrain.config.paths import configs_dir, recipes_dir
 from partrain.config.schema import register
 from partrain.errors import ConfigError
+from partrain.config.hf_families import apply_hf_keys, is_hf
 
 DEFAULT_RECIPE = "quickstart"
 MAX_CONFIG_BYTES = 1 << 20  # a config is a page of YAML; anything larger is the wrong file
@@ -205,10 +207,23 @@ def _failing_key(cfg: DictConfig) -> str:
     return ""
 
 
+def _check_deepspeed_override(overrides: list[str]) -> None:
+    """`parallel.deepspeed=ds_config.json` is what a DeepSpeed user types first: that section
+    holds raw keys, a file goes to parallel.deepspeed_config."""
+    for text in overrides:
+        key, _, value = text.lstrip("+").partition("=")
+        if key == "parallel.deepspeed" and value.strip("'\"").endswith((".json", ".yaml")):
+            raise ConfigError(
+                f"parallel.deepspeed={value} holds raw DeepSpeed keys ({{...}} or "
+                f"parallel.deepspeed.KEY=VALUE); to read a DeepSpeed JSON file use "
+                f"parallel.deepspeed_config={value}")
+
+
 def compose_config(config: str | None, overrides: list[str]) -> DictConfig:
     """The resolved, typed config for a recipe or YAML file plus Hydra-grammar overrides."""
     path = find_recipe(config)
     _check_recipe_file(path)
+    _check_deepspeed_override(overrides)
     overrides = check_overrides(overrides)
     register()
     # A user's file is composed from a private copy under a neutral name: Hydra finds a primary
@@ -232,4 +247,17 @@ def compose_config(config: str | None, overrides: list[str]) -> DictConfig:
     resolved = OmegaConf.to_container(cfg)
     check_tree(resolved, "in the composed config")
     check_no_interpolation(resolved, "in the composed config")
+    # A user's DeepSpeed JSON sets partrain's keys and raw DeepSpeed keys, once, here.
+    apply_deepspeed_file(cfg, overrides)
+    if is_hf(cfg.model.init_from):  # the model's shape is config.json's
+        apply_hf_keys(cfg, _model_keys_given(overrides))
     return cfg
+
+
+def _model_keys_given(overrides: list[str]) -> set[str]:
+    """The model.* keys (without "model.") that the overrides set."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    keys = (parser.parse_override(text).key_or_group for text in overrides)
+    return {key.removeprefix("model.") for key in keys if key.startswith("model.")}

@@ -5,8 +5,8 @@ starts, and partrain.parallel.zero hands the same dict to `deepspeed.initialize`
 `deepspeed_config(cfg)` derives the whole JSON in one place; `parallel.deepspeed` adds raw keys on
 top, and one that contradicts a derived key (or is one partrain owns) is a config error.
 Choices that keep layout parity: gradient accumulation is partrain's
-(`managed_gradient_accumulation` off), the learning rate follows partrain's warmup + cosine, and
-weight decay skips norm gains (two parameter groups).
+(`managed_gradient_accumulation` off), the learning rate follows partrain's schedule
+(optim.schedule), and weight decay skips norm gains (two parameter groups).
 """
 
 from partrain.config.resolve import compute_dtype
@@ -19,6 +19,28 @@ def _offload(device: str, path, on_cuda: bool) -> dict:
     if device == "nvme":
         section["nvme_path"] = str(path)
     return section
+
+
+def _optimizer(o, offload: str, on_cuda: bool) -> dict:
+    """The optimizer section: the torch optimizer partrain builds without ZeRO, optim.name's.
+
+    adamw and adam are DeepSpeed's "AdamW" and "Adam" with adam_w_mode false (its "Adam" alone
+    is AdamW): torch's AdamW or Adam unless the optimizer runs on the CPU (ZeRO-Offload's
+    DeepSpeedCPUAdam, in the same mode), on CUDA their fused kernel, the one partrain uses
+    without ZeRO (DeepSpeed's own FusedAdam would need nvcc for a JIT build). sgd is a type
+    DeepSpeed takes from torch.optim by name (torch.optim.SGD, on the host too under offload),
+    which ZeRO runs as an "untested optimizer" once allowed to: its state, the momentum buffer,
+    is sharded and checkpointed like Adam's moments."""
+    if o.name == "sgd":
+        return {"optimizer": {"type": "SGD", "params": {
+                    "lr": o.lr, "momentum": o.momentum, "nesterov": o.nesterov,
+                    "weight_decay": o.weight_decay}},
+                "zero_allow_untested_optimizer": True}
+    torch_adam = offload == "none"
+    return {"optimizer": {"type": "Adam" if o.name == "adam" else "AdamW", "params": {
+        "lr": o.lr, "betas": [o.beta1, o.beta2], "eps": o.eps, "weight_decay": o.weight_decay,
+        **({"adam_w_mode": False} if o.name == "adam" else {}),
+        "torch_adam": torch_adam, **({"fused": True} if on_cuda and torch_adam else {})}}}
 
 
 def derived_config(cfg, on_cuda: bool = False) -> dict:
@@ -53,13 +75,7 @@ def derived_config(cfg, on_cuda: bool = False) -> dict:
         "fp16": {"enabled": dtype == "fp16", "loss_scale": 0, "initial_scale_power": 16,
                  "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
         "gradient_clipping": o.grad_clip,
-        "optimizer": {"type": "AdamW", "params": {
-            "lr": o.lr, "betas": [o.beta1, o.beta2], "eps": o.eps, "weight_decay": o.weight_decay,
-            # torch's AdamW unless the optimizer runs on the CPU (ZeRO-Offload's
-            # DeepSpeedCPUAdam): on CUDA its fused kernel, the one partrain uses without ZeRO
-            # (DeepSpeed's own FusedAdam would need nvcc for a JIT build).
-            "torch_adam": p.offload_optimizer == "none",
-            **({"fused": True} if on_cuda and p.offload_optimizer == "none" else {})}},
+        **_optimizer(o, p.offload_optimizer, on_cuda),
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
@@ -88,8 +104,8 @@ def _merge(base: dict, extra: dict) -> dict:
 
 # Raw keys that would break what partrain does around the engine, with the reason.
 FORBIDDEN = {
-    "scheduler": "the learning rate follows optim.lr / warmup_steps / min_lr_ratio (partrain's "
-                 "warmup + cosine, the same for every layout)",
+    "scheduler": "the learning rate follows optim.lr / schedule / warmup_steps / min_lr_ratio "
+                 "(partrain's schedule, the same for every layout)",
     "managed_gradient_accumulation": "partrain accumulates gradients over train.micro_batches "
                                      "itself and steps the engine once per optimizer step",
 }
@@ -112,6 +128,10 @@ SOURCES = {
     "optimizer.params.betas": "optim.beta1 / optim.beta2",
     "optimizer.params.eps": "optim.eps",
     "optimizer.params.weight_decay": "optim.weight_decay",
+    "optimizer.params.adam_w_mode": "optim.name",
+    "optimizer.params.momentum": "optim.momentum",
+    "optimizer.params.nesterov": "optim.nesterov",
+    "zero_allow_untested_optimizer": "optim.name",
 }
 
 

@@ -2,7 +2,7 @@
 
 Hydra lets `+key=value` add any key (it opens the config for it), and its own messages for a
 misspelt key advise exactly that. partrain's config is closed: every key is declared in the
-schema, and only `parallel.deepspeed` takes free keys. So overrides, a user's YAML and the composed
+schema, and only `parallel.deepspeed` and `model.args` take free keys. So overrides, a user's YAML and the composed
 result are all checked here against the schema, and a wrong key is named with a suggestion.
 
 The key table (`key_table`, `render_markdown`) is read from the schema's field docstrings, so
@@ -25,7 +25,8 @@ from partrain.config.paths import configs_dir
 from partrain.config.schema import Config
 from partrain.errors import ConfigError
 
-OPEN_KEYS = ("parallel.deepspeed",)  # raw DeepSpeed keys: free by design
+# Raw DeepSpeed keys and a user model's own keys: free by design.
+OPEN_KEYS = ("parallel.deepspeed", "model.args")
 
 
 def _fields(cls, prefix: str = ""):
@@ -85,9 +86,84 @@ def _is_open(key: str) -> bool:
     return any(key == k or key.startswith(k + ".") for k in OPEN_KEYS)
 
 
+# Other tools' names for partrain's keys (Megatron-LM, DeepSpeed, Hugging Face, nanoGPT,
+# torchtitan), by their last part: the nearest key by spelling can mean something else
+# (`parallel.zero` is next to `parallel.ep`, `tensor_parallel` to `sequence_parallel`). Looked up
+# before the spelling, in any section; a key the schema does not have is never suggested.
+SYNONYMS = {
+    "zero": "parallel.zero_stage", "zero_optimization": "parallel.zero_stage",
+    "stage": "parallel.zero_stage",
+    "tensor_parallel": "parallel.tp", "tensor_parallel_size": "parallel.tp",
+    "tensor_model_parallel_size": "parallel.tp", "tp_size": "parallel.tp",
+    "tp_degree": "parallel.tp",
+    "pipeline_parallel": "parallel.pp", "pipeline_parallel_size": "parallel.pp",
+    "pipeline_model_parallel_size": "parallel.pp", "pp_size": "parallel.pp",
+    "pp_degree": "parallel.pp",
+    "data_parallel": "parallel.dp", "data_parallel_size": "parallel.dp", "dp_size": "parallel.dp",
+    "dp_degree": "parallel.dp", "data_parallel_shard_degree": "parallel.dp",
+    "data_parallel_replicate_degree": "parallel.dp_replicate",
+    "context_parallel": "parallel.cp", "context_parallel_size": "parallel.cp",
+    "context_parallel_degree": "parallel.cp", "cp_size": "parallel.cp",
+    "expert_parallel": "parallel.ep", "expert_model_parallel_size": "parallel.ep",
+    "expert_parallel_degree": "parallel.ep", "ep_size": "parallel.ep",
+    "grad_accum": "train.micro_batches", "grad_accum_steps": "train.micro_batches",
+    "gradient_accumulation_steps": "train.micro_batches",
+    "gradient_accumulation": "train.micro_batches",
+    "accumulate_grad_batches": "train.micro_batches",
+    "train_batch_size": "train.global_batch_size", "batch_size": "train.global_batch_size",
+    "global_batch": "train.global_batch_size",
+    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
+    "per_device_train_batch_size": "train.micro_batch_size",
+    "micro_batch": "train.micro_batch_size",
+    "lr": "optim.lr", "learning_rate": "optim.lr", "max_lr": "optim.lr",
+    "warmup": "optim.warmup_steps", "warmup_iters": "optim.warmup_steps",
+    "lr_warmup_steps": "optim.warmup_steps",
+    "grad_clip": "optim.grad_clip", "gradient_clipping": "optim.grad_clip",
+    "max_grad_norm": "optim.grad_clip", "clip_grad": "optim.grad_clip",
+    "max_norm": "optim.grad_clip",
+    "weight_decay": "optim.weight_decay", "optimizer": "optim.name",
+    "lr_scheduler": "optim.schedule", "scheduler": "optim.schedule",
+    "lr_schedule": "optim.schedule",
+    "max_iters": "train.max_steps", "train_iters": "train.max_steps", "steps": "train.max_steps",
+    "total_steps": "train.max_steps", "training_steps": "train.max_steps",
+    "seq_length": "train.seq_len", "block_size": "train.seq_len", "seq_len": "train.seq_len",
+    "context_length": "train.seq_len", "max_seq_length": "train.seq_len",
+    "seed": "train.seed", "precision": "train.dtype", "mixed_precision": "train.dtype",
+    "dtype": "train.dtype",
+    "gradient_checkpointing": "train.activation_checkpointing",
+    "activation_checkpoint": "train.activation_checkpointing",
+    "recompute": "train.activation_checkpointing",
+    "recompute_granularity": "train.activation_checkpointing",
+    "eval_interval": "train.eval_every", "eval_steps": "train.eval_every",
+    "eval_iters": "train.eval_batches", "log_interval": "train.log_every",
+    "logging_steps": "train.log_every",
+    "save_interval": "checkpoint.every", "save_steps": "checkpoint.every",
+    "save_every": "checkpoint.every", "checkpoint_every": "checkpoint.every",
+    "interval": "checkpoint.every", "save_total_limit": "checkpoint.keep",
+    "keep_latest_k": "checkpoint.keep",
+    "num_layers": "model.n_layers", "n_layer": "model.n_layers",
+    "num_hidden_layers": "model.n_layers",
+    "hidden_size": "model.dim", "d_model": "model.dim", "n_embd": "model.dim",
+    "num_attention_heads": "model.n_heads", "n_head": "model.n_heads",
+    "num_key_value_heads": "model.n_kv_heads", "num_query_groups": "model.n_kv_heads",
+    "intermediate_size": "model.ffn_dim", "ffn_hidden_size": "model.ffn_dim",
+    "vocab": "model.vocab_size", "padded_vocab_size": "model.vocab_size",
+    "rms_norm_eps": "model.norm_eps", "layernorm_epsilon": "model.norm_eps",
+    "tie_word_embeddings": "model.tie_embeddings",
+    "num_experts": "model.moe.n_experts", "num_local_experts": "model.moe.n_experts",
+    "num_experts_per_tok": "model.moe.top_k", "moe_router_topk": "model.moe.top_k",
+    "nproc": "launcher.nproc_per_node", "num_gpus": "launcher.nproc_per_node",
+    "num_nodes": "launcher.nnodes", "nodes": "launcher.nnodes",
+}
+
+
 def suggest(key: str, candidates) -> str:
-    """' (did you mean X?)' for the nearest candidate, or '' when none is near."""
+    """' (did you mean X?)' for the key it means (SYNONYMS), else the nearest candidate by
+    spelling, or '' when none is near."""
     candidates = list(candidates)
+    meant = SYNONYMS.get(key.rsplit(".", 1)[-1].lower().replace("-", "_"))
+    if meant in candidates and meant != key:
+        return f" (did you mean {meant}?)"
     best = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
     if not best:  # a right key in the wrong section, or no section: match the last part alone
         leaf = key.rsplit(".", 1)[-1]
@@ -101,7 +177,7 @@ def _unknown_key(key: str, where: str) -> ConfigError:
         f"unknown config key {key} {where}"
         f"{suggest(key, SCHEMA_KEYS if '.' in key else [*SCHEMA_KEYS, *groups()])}; "
         f"partrain's keys are declared in partrain/config/schema.py, and only "
-        f"{', '.join(OPEN_KEYS)} takes keys of your own")
+        f"{' and '.join(OPEN_KEYS)} take keys of your own")
 
 
 def check_overrides(overrides: list[str]) -> list[str]:

@@ -45,7 +45,14 @@ class MoEConfig:
 @dataclass
 class ModelConfig:
     name: str = "tiny"
-    """Label shown in plans and logs."""
+    """Label shown in plans and logs (it picks nothing: model.family and model.target do)."""
+    family: str = "llama"
+    """The registered model family partrain builds (partrain.models.family.FAMILIES)."""
+    target: Optional[str] = None
+    """Your own nn.Module instead: 'package.module:function', called with the model section
+    (model.args, vocab_size, max_seq_len); the shape keys below then do not apply."""
+    args: Dict[str, Any] = field(default_factory=dict)
+    """Your model's own keys (model.target), passed to its builder as model.args."""
     n_layers: int = 4
     """Transformer blocks."""
     n_heads: int = 4
@@ -81,6 +88,16 @@ class ModelConfig:
     """Std of the normal weight initialisation."""
     tie_embeddings: bool = False
     """The output head's weight is the embedding's (one (vocab_size, dim) matrix)."""
+    qkv_bias: bool = False
+    """A bias on the q, k and v projections (Qwen2/2.5); none on the output projection."""
+    qk_norm: bool = False
+    """RMSNorm of each head's query and key before the rotary embedding (Qwen3)."""
+    sliding_window: Optional[int] = None
+    """Mistral's attention window (tokens), kept for the export; partrain attends to every earlier
+    position, so it must be >= model.max_seq_len (null = none)."""
+    hf_model_type: Optional[str] = None
+    """The Hugging Face family an export writes: llama | mistral | qwen2 | qwen3; null = qwen3
+    with qk_norm, qwen2 with qkv_bias, else llama. Set by init_from=hf:DIR."""
     init_from: Optional[str] = None
     """Checkpoint dir (or a run dir: its newest), or hf:DIR, whose weights start this run; fresh
     optimizer."""
@@ -128,6 +145,10 @@ class ParallelConfig:
     """Directory for offload to nvme."""
     deepspeed: Dict[str, Any] = field(default_factory=dict)
     """Raw DeepSpeed keys merged over the derived config; contradictions are refused."""
+    deepspeed_config: Optional[str] = None
+    """A DeepSpeed JSON file (ds_config.json), read once at compose: what it says of the ZeRO
+    stage, offload, batch, precision, clipping and optimizer sets those keys ("auto" = partrain's
+    value), the rest goes on as raw keys; every conflict reported at once."""
 
 
 @dataclass
@@ -145,21 +166,34 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     name: str = "adamw"
-    """The only optimizer for now."""
+    """adamw | adam | sgd: torch.optim.AdamW, Adam (weight decay added to the gradient, not
+    decoupled) or SGD with momentum (under ZeRO, DeepSpeed builds the same torch optimizer)."""
     lr: float = 3e-3
     """Peak learning rate, reached at the end of warmup."""
+    schedule: str = "cosine"
+    """cosine | linear | constant | wsd: after the linear warmup, cosine or linear decay to
+    lr * min_lr_ratio at max_steps, constant at lr, or warmup-stable-decay (lr, then 1-sqrt decay
+    to lr * min_lr_ratio over the last decay_ratio of max_steps)."""
     min_lr_ratio: float = 0.1
-    """Cosine decays to lr * min_lr_ratio at max_steps."""
+    """The decay (cosine, linear, wsd) ends at lr * min_lr_ratio at max_steps."""
     warmup_steps: int = 20
     """Linear warmup from lr / warmup_steps (optimizer steps)."""
+    decay_ratio: float = 0.1
+    """wsd only: the fraction of train.max_steps, at the end, over which the learning rate decays
+    (in (0, 1]; the decay may not reach into the warmup)."""
     weight_decay: float = 0.1
-    """AdamW decoupled weight decay (matrices only)."""
+    """Weight decay of matrices and embeddings (never norm gains): decoupled for adamw; for adam
+    and sgd torch's L2 term, weight_decay * weight added to the gradient."""
     beta1: float = 0.9
-    """AdamW's decay rate of the first moment (the gradient's running mean)."""
+    """Adam(W)'s decay rate of the first moment (the gradient's running mean)."""
     beta2: float = 0.95
-    """AdamW's decay rate of the second moment (the squared gradient's running mean)."""
+    """Adam(W)'s decay rate of the second moment (the squared gradient's running mean)."""
     eps: float = 1e-8
-    """AdamW's epsilon, added to the second moment's square root."""
+    """Adam(W)'s epsilon, added to the second moment's square root."""
+    momentum: float = 0.9
+    """sgd only: the momentum factor in [0, 1) (0: plain SGD, no momentum buffer)."""
+    nesterov: bool = False
+    """sgd only: Nesterov momentum (needs momentum > 0)."""
     grad_clip: float = 1.0
     """Max global gradient norm; 0 disables clipping."""
 
@@ -265,7 +299,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     """Where the tokens come from."""
     optim: OptimConfig = field(default_factory=OptimConfig)
-    """AdamW with linear warmup, cosine decay and gradient clipping."""
+    """The optimizer (AdamW, Adam, SGD), its learning-rate schedule and gradient clipping."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """The batch, the steps, precision, and what a run records."""
     launcher: LauncherConfig = field(default_factory=LauncherConfig)

@@ -25,6 +25,7 @@ from partrain.config.resolve import (
 from partrain.config.validate_moe import check_moe
 from partrain.errors import ConfigError
 from partrain.models.arith import RECOMPUTE_MODES, ffn_dim
+from partrain.models.family import check_user_model
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 CP_METHODS = ("ring", "all_to_all")
@@ -33,9 +34,14 @@ ZERO_BACKENDS = ("deepspeed", "fsdp")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 DEVICES = ("auto", "cpu", "cuda")
 DATA_SOURCES = ("stdlib", "tokens")
-OPTIMIZERS = ("adamw",)
+OPTIMIZERS = ("adamw", "adam", "sgd")
+# Architectures a model.name may name that the built-in family is not (the label picks nothing).
+OTHER_ARCHITECTURES = ("gpt2", "gpt-2", "gptj", "gpt-j", "gpt_neox", "gpt-neox", "bert", "t5",
+                       "falcon", "bloom", "opt", "phi", "gemma", "mamba", "olmo", "deepseek")
+LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
 WANDB_MODES = ("off", "offline", "online")
 ROPE_TYPES = ("default", "llama3")
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Bounds on what can exist, so that validation and `plan` cost the same for any input (the world
 # size's, MAX_WORLD_SIZE, is resolve's): a node holds at most a few dozen GPUs.
 MAX_NPROC_PER_NODE = 1024
@@ -61,21 +67,26 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
     _check_name(cfg.name)
     _check_each_key(cfg)
     _check_zero(cfg)
-    _check_model_shape(cfg.model)
-    _check_tp(p, cfg.model)
-    _check_pipeline(p, cfg.model)
+    # A user's own model (model.target) declares what it can do; the shape rules are Llama's.
+    user = check_user_model(cfg)
+    if user is None:
+        _check_model_shape(cfg.model)
+        _check_model_family(cfg)
+        _check_tp(p, cfg.model)
+    _check_pipeline(p, cfg.model if user is None else OmegaConf.create({"n_layers": user.blocks}))
     dp = resolve_dp(p, world)
     _check_world(p, dp, world)
     _check_hsdp(p, dp)
     g, b, mb = resolve_batch(t, dp)
     _check_micro_batches(p, mb)
-    _check_cp(cfg)
-    check_moe(cfg, dp)
+    if user is None:
+        _check_cp(cfg)
+        check_moe(cfg, dp)
     _check_seq_len(cfg)
     # Single-key rules that have always come last: moving them up would change which error a
     # config with two faults reports.
     _check_data(cfg.data)
-    _check_optim(cfg.optim)
+    _check_optim(cfg.optim, t.max_steps)
     _check_launcher(cfg.launcher)
 
     with open_dict(cfg):
@@ -175,6 +186,7 @@ def _check_each_key(cfg: DictConfig) -> None:
     _choice("launcher.device", cfg.launcher.device, DEVICES)
     _choice("data.source", cfg.data.source, DATA_SOURCES)
     _choice("optim.name", cfg.optim.name, OPTIMIZERS)
+    _choice("optim.schedule", cfg.optim.schedule, LR_SCHEDULES)
     _choice("train.wandb", cfg.train.wandb, WANDB_MODES)
     _choice("model.rope_type", cfg.model.rope_type, ROPE_TYPES)
     m = cfg.model
@@ -220,6 +232,11 @@ def _check_zero(cfg: DictConfig) -> None:
         raise ConfigError(
             "train.dtype=fp16 needs loss scaling, which partrain does through DeepSpeed: use "
             "parallel.zero_stage >= 1, or train.dtype=bf16")
+    if stage == 0 and p.get("deepspeed_config"):
+        raise ConfigError(
+            f"parallel.deepspeed_config={p.deepspeed_config} is a DeepSpeed config, but "
+            "parallel.zero_stage=0 runs DDP, not DeepSpeed; set zero_optimization.stage in the "
+            "file (or parallel.zero_stage) to 1, 2 or 3")
     if stage == 0 and p.get("deepspeed"):
         raise ConfigError(
             "parallel.deepspeed sets raw DeepSpeed keys, but parallel.zero_stage=0 runs DDP, not "
@@ -273,6 +290,11 @@ def _check_fsdp(cfg: DictConfig) -> None:
         raise ConfigError(
             "train.dtype=fp16 with parallel.zero_backend=fsdp: partrain's loss scaling is "
             "DeepSpeed's; use train.dtype=bf16, or zero_backend=deepspeed")
+    if p.get("deepspeed_config"):
+        raise ConfigError(
+            f"parallel.deepspeed_config={p.deepspeed_config} is a DeepSpeed config, but "
+            "parallel.zero_backend=fsdp does not run DeepSpeed; drop it, or set "
+            "parallel.zero_backend=deepspeed")
     if p.get("deepspeed"):
         raise ConfigError(
             "parallel.deepspeed sets raw DeepSpeed keys, but parallel.zero_backend=fsdp does not "
@@ -289,6 +311,39 @@ def _check_model_shape(m: DictConfig) -> None:
     if (m.dim // m.n_heads) % 2:
         raise ConfigError(
             f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even (rotary embeddings)")
+
+
+def _check_model_family(cfg: DictConfig) -> None:
+    """What a Hugging Face family needs: its q/k/v bias and q/k norm keys, and a sliding window
+    that never cuts (partrain's attention sees every earlier position: a window is honoured
+    only where no sequence is longer than it)."""
+    m, p = cfg.model, cfg.parallel
+    if m.hf_model_type is not None:
+        _choice("model.hf_model_type", m.hf_model_type, HF_MODEL_TYPES)
+        want = {"qwen2": (True, False), "qwen3": (False, True)}.get(m.hf_model_type,
+                                                                     (False, False))
+        if (m.qkv_bias, m.qk_norm) != want:
+            raise ConfigError(
+                f"model.hf_model_type={m.hf_model_type} has model.qkv_bias={shown(want[0])} and "
+                f"model.qk_norm={shown(want[1])}, not {shown(m.qkv_bias)} and {shown(m.qk_norm)}")
+    if m.sliding_window is not None:
+        if m.sliding_window < 1:
+            raise ConfigError(f"model.sliding_window={m.sliding_window} must be at least 1 "
+                              "(or null: no window)")
+        for key, value in (("train.seq_len", cfg.train.seq_len),
+                           ("model.max_seq_len", m.max_seq_len)):
+            if value > m.sliding_window:
+                raise ConfigError(
+                    f"model.sliding_window={m.sliding_window} < {key}={value}: partrain attends "
+                    "to every earlier position, which is the sliding window's result only where "
+                    f"no sequence is longer than the window; set {key} <= {m.sliding_window}"
+                    + (" (sample generates up to model.max_seq_len)"
+                       if key == "model.max_seq_len" else ""))
+    if m.qkv_bias and p.tp > 1 and p.zero_backend == "fsdp" and p.zero_stage > 0:
+        raise ConfigError(
+            f"model.qkv_bias=true with parallel.tp={p.tp} and parallel.zero_backend=fsdp: FSDP2 "
+            "cannot split the tp-split q/k/v biases (1-D) again; use parallel.zero_backend="
+            "deepspeed, or parallel.tp=1")
 
 
 def _check_tp(p: DictConfig, m: DictConfig) -> None:
@@ -416,11 +471,27 @@ def _check_data(d: DictConfig) -> None:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be between 0 and 1")
 
 
-def _check_optim(o: DictConfig) -> None:
+def _check_optim(o: DictConfig, max_steps: int) -> None:
     if not o.lr > 0:
         raise ConfigError(f"optim.lr={o.lr} must be positive")
     if not o.grad_clip >= 0:
         raise ConfigError(f"optim.grad_clip={o.grad_clip} must be >= 0 (0 disables it)")
+    if not 0.0 <= o.momentum < 1.0:
+        raise ConfigError(f"optim.momentum={o.momentum} must be in [0, 1) (0: plain SGD)")
+    if o.nesterov and not (o.name == "sgd" and o.momentum > 0):
+        raise ConfigError(f"optim.nesterov=true needs optim.name=sgd with optim.momentum > 0 "
+                          f"(got optim.name={o.name}, optim.momentum={o.momentum})")
+    if not 0.0 < o.decay_ratio <= 1.0:
+        raise ConfigError(f"optim.decay_ratio={o.decay_ratio} must be in (0, 1] (the fraction of "
+                          "train.max_steps the wsd schedule decays over; optim.schedule=constant "
+                          "has no decay)")
+    decay = o.decay_ratio * max_steps
+    if o.schedule == "wsd" and o.warmup_steps + decay > max_steps:
+        raise ConfigError(
+            f"optim.schedule=wsd decays over the last optim.decay_ratio({o.decay_ratio}) * "
+            f"train.max_steps({max_steps}) = {decay:g} steps, which reach into the "
+            f"optim.warmup_steps={o.warmup_steps}: warmup + decay must be at most max_steps "
+            "(lower optim.warmup_steps or optim.decay_ratio, or raise train.max_steps)")
 
 
 MAX_RESTARTS = 1000
@@ -464,6 +535,11 @@ def _warnings(cfg: DictConfig, world: World) -> list[str]:
     if p.zero_stage > 0 and p.dp == 1:
         warnings.append(f"parallel.zero_stage={p.zero_stage} with dp=1 shards over one rank: "
                         "nothing is saved")
+    if cfg.model.target is None and cfg.model.name in OTHER_ARCHITECTURES:
+        warnings.append(
+            f"model.name={cfg.model.name} is a label only: the model trained is "
+            f"model.family={cfg.model.family}; to train your own {cfg.model.name} give its "
+            "builder as model.target=package.module:function (docs/models.md)")
     if p.sequence_parallel and p.tp == 1:
         warnings.append("parallel.sequence_parallel=true has no effect with parallel.tp=1")
     if cfg.launcher.device != "cpu" and p.tp > world.nproc_per_node:

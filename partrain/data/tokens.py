@@ -15,6 +15,7 @@ later on a rank with an IndexError in the embedding.
 
 import json
 import math
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -233,11 +234,67 @@ def load_tokens(data_cfg) -> TokenSplits:
                        f"{path} ({meta['tokenizer']}, {meta['train_tokens']:,} train tokens)")
 
 
+# What `partrain data prepare` reads (prepare.py: JSON Lines, Parquet, anything else as text):
+# a data.path with one of these, or a directory of them, is text still to be tokenized.
+RAW_SUFFIXES = {".jsonl": "a JSON Lines file", ".ndjson": "a JSON Lines file",
+                ".json": "a JSON file", ".parquet": "a Parquet file", ".txt": "a text file",
+                ".text": "a text file", ".md": "a text file", ".csv": "a text file"}
+RAW_LOOKED_AT = 1000  # entries of a directory looked at for raw files, so any directory is quick
+
+
+def _prepare_hint(path: Path, what: str) -> str:
+    """Raw text at data.path: the command that makes a token dir of it, on one line."""
+    import shlex
+
+    out = path.with_name(f"{path.stem if path.suffix else path.name}-tokens")
+    command = f"partrain data prepare {shlex.quote(str(path))} --out {shlex.quote(str(out))}"
+    json_note = (" (a .json file is read as text; one JSON object per line is a .jsonl file)"
+                 if path.suffix.lower() == ".json" else "")
+    return (f"data.path={path} is {what}, not a token dir; tokenize it first: `{command}` "
+            f"(add --tokenizer PATH for a tokenizer.json; default: a token per byte){json_note}, "
+            f"then data=tokens data.path={shlex.quote(str(out))}")
+
+
+def _raw_files_in(path: Path) -> bool:
+    """Whether a directory without meta.json holds text for `data prepare` (looked at briefly)."""
+    import itertools
+
+    try:
+        with os.scandir(path) as entries:
+            return any(Path(entry.name).suffix.lower() in RAW_SUFFIXES
+                       for entry in itertools.islice(entries, RAW_LOOKED_AT))
+    except OSError:
+        return False
+
+
+def _check_raw(path: Path) -> None:
+    """data.path names text still to be tokenized, or a file inside a token dir: refused with
+    what to give instead."""
+    found = what_is(path)
+    if found == "is a regular file":
+        if path.name in ("meta.json", "train.bin", "val.bin") and \
+                (path.parent / "meta.json").is_file():
+            raise ConfigError(f"data.path={path} is a file of a token dir; give the directory: "
+                              f"data=tokens data.path={path.parent}")
+        raise ConfigError(_prepare_hint(path, RAW_SUFFIXES.get(path.suffix.lower(), "a file")))
+    if found == "is a directory" and what_is(path / "meta.json") == "does not exist" \
+            and _raw_files_in(path):
+        raise ConfigError(_prepare_hint(path, "a directory of text files"))
+
+
 def check_data(cfg) -> str:
     """Everything about the data that can be wrong, found before any process starts."""
+    if cfg.data.source != "tokens" and cfg.data.path:
+        _check_raw(Path(cfg.data.path))
+        raise ConfigError(
+            f"data.path={cfg.data.path} is set, but data.source={cfg.data.source} does not read "
+            "it (it trains on the Python standard library's source); for your own data add "
+            "data=tokens, with data.path a token dir made by `partrain data prepare FILES... "
+            "--out DIR`")
     if cfg.data.source == "tokens":
         if not cfg.data.path:
             raise ConfigError("data.source=tokens needs data.path=DIR (made by `partrain data prepare`)")
+        _check_raw(Path(cfg.data.path))
         found = what_is(Path(cfg.data.path))
         if found != "is a directory":
             raise ConfigError(f"data.path={cfg.data.path} is not a directory: it {found}")

@@ -1,10 +1,12 @@
-"""Hugging Face interop: a partrain checkpoint as a transformers `LlamaForCausalLM` directory, and
-such a directory as the weights a run starts from (`model.init_from=hf:DIR`).
+"""Hugging Face interop: a partrain checkpoint as a transformers directory (Llama, Mistral, Qwen2
+or Qwen3: hf_families.py says which keys make which), and such a directory as the weights a run
+starts from (`model.init_from=hf:DIR`).
 
 partrain's decoder is Llama's, with one difference that the mapping undoes: rotary embeddings
 rotate consecutive pairs (2i, 2i+1) of each head here (Meta's layout), and pairs
 (i, i + head_dim/2) in transformers (`rotate_half`): the rows of wq and wk are permuted per head,
-as transformers' own Llama conversion script does. Everything else is a renaming. Tied embeddings
+as transformers' own Llama conversion script does, and so are the q/k biases (Qwen2) and the
+entries of the per-head q/k norm gains (Qwen3). Everything else is a renaming. Tied embeddings
 are `model.tie_embeddings` here and `tie_word_embeddings` there: a tied model has no
 `lm_head.weight` (the export writes none, the import needs none and reads the embedding, once,
 into both the embedding and the head).
@@ -16,7 +18,8 @@ custom code, and the run's tokenizer files (tokenizer.json, tokenizer_config.jso
 trained on a `data prepare --tokenizer` dir, loadable by `AutoTokenizer`.
 
 Importing reads config.json (the model's shape must be the config's: a mismatch is refused
-naming both, with the overrides to use) and, on each rank, only the slices of the safetensors
+naming both, with the overrides to use; a tensor in the files that the model would not use is
+refused, naming it, never dropped) and, on each rank, only the slices of the safetensors
 tensors that the rank holds (safetensors maps the files and slices lazily). Every weight must be
 a finite number (finite.py): the launcher reads each tensor once and refuses a nan or inf naming
 the file and the tensor, before any process starts; an export refuses one in the checkpoint.
@@ -32,6 +35,15 @@ import torch
 from partrain.data.tokenizer import TextTokenizer, copy_files, run_tokenizer_dir
 from partrain.errors import ConfigError
 from partrain.interop.finite import chunks, non_finite
+from partrain.config.hf_families import (  # hf_dir, is_hf: imported from here too
+    HF_PREFIX,
+    hf_config,
+    hf_dir,
+    is_hf,
+    model_keys,
+    read_hf_config,
+    refuse_disagreements,
+)
 from partrain.interop.sample import check_vocab
 from partrain.models.arith import moe_enabled
 from partrain.staging import check_out, staged_dir
@@ -44,14 +56,24 @@ IN_BLOCK = {"attention_norm.weight": "input_layernorm.weight",
             "attention.wk.weight": "self_attn.k_proj.weight",
             "attention.wv.weight": "self_attn.v_proj.weight",
             "attention.wo.weight": "self_attn.o_proj.weight",
+            "attention.wq.bias": "self_attn.q_proj.bias",
+            "attention.wk.bias": "self_attn.k_proj.bias",
+            "attention.wv.bias": "self_attn.v_proj.bias",
+            "attention.q_norm.weight": "self_attn.q_norm.weight",
+            "attention.k_norm.weight": "self_attn.k_norm.weight",
             "ffn_norm.weight": "post_attention_layernorm.weight",
             "feed_forward.w1.weight": "mlp.gate_proj.weight",
             "feed_forward.w3.weight": "mlp.up_proj.weight",
             "feed_forward.w2.weight": "mlp.down_proj.weight"}
 BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-CONFIG_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+# What rotate_half's layout reorders: q and k rows (weights and biases), per head, and the
+# entries of the q/k norm gains (one head's width).
+ROTATED = ("attention.wq.weight", "attention.wk.weight", "attention.wq.bias", "attention.wk.bias",
+           "attention.q_norm.weight", "attention.k_norm.weight")
+# Buffers older transformers saved beside the weights (computed from config.json): not weights.
+NOT_WEIGHTS = re.compile(r".*\.rotary_emb\.inv_freq")
 
 
 def hf_name(name: str) -> str:
@@ -65,84 +87,33 @@ def hf_name(name: str) -> str:
 
 
 def to_rotate_half(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rows of wq or wk from interleaved rotary pairs to rotate_half's halves, per head: within a
-    head, row 2i + j moves to j * head_dim/2 + i."""
-    rows, cols = weight.shape
+    """Rows of wq or wk (or entries of a bias or head norm gain) from interleaved rotary pairs to
+    rotate_half's halves, per head: within a head, row 2i + j moves to j * head_dim/2 + i."""
+    rows, cols = weight.shape[0], weight[0].numel()
     head_dim = rows // n_heads
-    return weight.view(n_heads, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+    return weight.reshape(n_heads, head_dim // 2, 2, cols).transpose(1, 2).reshape(weight.shape)
 
 
 def from_rotate_half(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     """The inverse of to_rotate_half (a Hugging Face checkpoint's wq or wk, for partrain)."""
-    rows, cols = weight.shape
+    rows, cols = weight.shape[0], weight[0].numel()
     head_dim = rows // n_heads
-    return weight.view(n_heads, 2, head_dim // 2, cols).transpose(1, 2).reshape(rows, cols)
-
-
-def rope_parameters(model_cfg) -> dict:
-    """The rotary embedding as transformers describes it (`rope_parameters`, since 5.0)."""
-    from partrain.models.layers import rope_scaling
-
-    scaling = rope_scaling(model_cfg)
-    return {"rope_type": "llama3" if scaling else "default",
-            "rope_theta": float(model_cfg.rope_theta),
-            **({key: float(v) if key != "original_max_position_embeddings" else int(v)
-                for key, v in scaling.items()} if scaling else {})}
-
-
-def hf_config(model_cfg, dtype: str) -> dict:
-    """config.json of the LlamaForCausalLM that computes what partrain's model computes. The
-    rotary base is written both ways transformers has read it (rope_theta before 5.0,
-    rope_parameters since)."""
-    from partrain.models.arith import ffn_dim, tied
-
-    m = model_cfg
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": m.vocab_size,
-        "hidden_size": m.dim,
-        "intermediate_size": ffn_dim(m),
-        "num_hidden_layers": m.n_layers,
-        "num_attention_heads": m.n_heads,
-        "num_key_value_heads": m.n_kv_heads,
-        "head_dim": m.dim // m.n_heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": m.max_seq_len,
-        "rms_norm_eps": float(m.norm_eps),
-        "rope_theta": float(m.rope_theta),
-        "rope_parameters": rope_parameters(m),
-        # transformers before 5.0 reads Llama-3's scaling here.
-        "rope_scaling": rope_parameters(m) if m.rope_type == "llama3" else None,
-        "tie_word_embeddings": tied(m),
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "initializer_range": float(m.init_std),
-        # The byte-level corpora have no special tokens.
-        "bos_token_id": None,
-        "eos_token_id": None,
-        "pad_token_id": None,
-        "use_cache": True,
-        "dtype": CONFIG_DTYPE[dtype],
-    }
+    return weight.reshape(n_heads, 2, head_dim // 2, cols).transpose(1, 2).reshape(weight.shape)
 
 
 def hf_state_dict(model, model_cfg, dtype: str,
                   where: str = "the model") -> dict[str, torch.Tensor]:
-    """The model's weights under LlamaForCausalLM's names, q/k rows permuted, in `dtype`; each
-    one finite, as saved and as written (`where`: what the refusal names)."""
-    state = {}
+    """The model's weights under transformers' names, q/k rows permuted, in `dtype`; each one
+    finite, as saved and as written (`where`: what the refusal names)."""
+    state, head_dim = {}, model_cfg.dim // model_cfg.n_heads
     for name, param in model.named_parameters():
         weight = param.detach()
         problem = non_finite(weight)
         if problem:
             raise ConfigError(f"{where}: weight {name} holds {problem}; partrain exports finite "
                               "weights only (export a checkpoint from before the run diverged)")
-        if name.endswith("attention.wq.weight"):
-            weight = to_rotate_half(weight, model_cfg.n_heads)
-        elif name.endswith("attention.wk.weight"):
-            weight = to_rotate_half(weight, model_cfg.n_kv_heads)
+        if name.endswith(ROTATED):
+            weight = to_rotate_half(weight, weight.shape[0] // head_dim)
         weight = weight.to(DTYPES[dtype]).contiguous()
         problem = non_finite(weight)
         if problem:
@@ -168,8 +139,9 @@ def write_safetensors(state: dict[str, torch.Tensor], out: Path, max_shard_mb: i
 
 
 def export_hf(checkpoint, out: Path, dtype: str = "fp32", max_shard_mb: int = 5000) -> dict:
-    """Write the checkpoint as a Hugging Face Llama directory at `out` (new or empty). Nothing is
-    left at `out` if it fails: it is written under a temporary name and renamed at the end."""
+    """Write the checkpoint as a Hugging Face directory of its family at `out` (new or empty).
+    Nothing is left at `out` if it fails: it is written under a temporary name and renamed at
+    the end."""
     from safetensors import SafetensorError
 
     from partrain.checkpoint.offline import checkpoint_model
@@ -181,7 +153,9 @@ def export_hf(checkpoint, out: Path, dtype: str = "fp32", max_shard_mb: int = 50
     if moe_enabled(cfg.model):
         raise ConfigError(
             f"{checkpoint.path} is a mixture of experts (model.moe.n_experts="
-            f"{cfg.model.moe.n_experts}); --format hf writes Llama models, which have no experts")
+            f"{cfg.model.moe.n_experts}); --format hf writes Llama, Mistral and Qwen models, "
+            "which have no experts")
+    config = hf_config(cfg.model, dtype)  # refuses keys no family has, before any work
     tokenizer = run_tokenizer_dir(checkpoint.path.parent.parent, cfg.data)
     eot_id = None
     if tokenizer is not None:
@@ -194,7 +168,7 @@ def export_hf(checkpoint, out: Path, dtype: str = "fp32", max_shard_mb: int = 50
     with staged_dir(out, errors=(OSError, SafetensorError)) as stage:
         stage.step = "writing the safetensors files"
         files = write_safetensors(state, stage.path, max_shard_mb)
-        config, generation = hf_config(cfg.model, dtype), {"do_sample": True}
+        generation = {"do_sample": True}
         if tokenizer is not None:  # generate() stops at the end-of-text token the data used
             config["eos_token_id"] = generation["eos_token_id"] = eot_id
             stage.step = "copying the tokenizer files"
@@ -206,94 +180,10 @@ def export_hf(checkpoint, out: Path, dtype: str = "fp32", max_shard_mb: int = 50
             "bytes": sum(t.numel() * t.element_size() for t in state.values())}
 
 
-HF_PREFIX = "hf:"
-HF_CONFIG_MAX_BYTES = 1 << 20
-
-
-def is_hf(init_from) -> bool:
-    return isinstance(init_from, str) and init_from.startswith(HF_PREFIX)
-
-
-def hf_dir(init_from: str) -> Path:
-    return Path(init_from[len(HF_PREFIX):])
-
-
-def read_hf_config(path: Path) -> dict:
-    """config.json of a Hugging Face model directory (ConfigError naming model.init_from)."""
-    where = f"model.init_from={HF_PREFIX}{path}"
-    config = path / "config.json"
-    if not path.is_dir():
-        raise ConfigError(f"{where}: {path} is not a directory (a Hugging Face model directory "
-                          "with config.json and safetensors weights)")
-    if not config.is_file():
-        raise ConfigError(f"{where}: {config} does not exist")
-    if config.stat().st_size > HF_CONFIG_MAX_BYTES:
-        raise ConfigError(f"{where}: {config} is over 1 MiB; not a model config")
-    try:
-        data = json.loads(config.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{where}: {config} is not readable JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where}: {config} holds {type(data).__name__}, not an object")
-    return data
-
-
-def _whole(hf: dict, key: str, where: str, default=None) -> int:
-    value = hf.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{where}: {key}={value!r} must be a whole number >= 1")
-    return value
-
-
-def _real(table: dict, key: str, where: str, default=None) -> float:
-    value = table.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value <= 0:
-        raise ConfigError(f"{where}: {key}={value!r} must be a finite number > 0")
-    return float(value)
-
-
-def model_keys(hf: dict, where: str) -> dict:
-    """partrain's model keys for a transformers Llama config (refusing what partrain lacks)."""
-    if hf.get("model_type") != "llama":
-        raise ConfigError(f"{where}: model_type={hf.get('model_type')!r}; partrain imports Llama "
-                          "models (model_type 'llama')")
-    for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
-        if hf.get(key, want) != want:
-            raise ConfigError(f"{where}: {key}={hf[key]!r}; partrain's Llama has {key}={want!r}")
-    tie = hf.get("tie_word_embeddings", False)  # LlamaConfig's default
-    if not isinstance(tie, bool):
-        raise ConfigError(f"{where}: tie_word_embeddings={tie!r} must be true or false")
-    dim, heads = _whole(hf, "hidden_size", where), _whole(hf, "num_attention_heads", where)
-    if hf.get("head_dim") not in (None, dim // heads):
-        raise ConfigError(f"{where}: head_dim={hf['head_dim']!r} is not hidden_size / "
-                          f"num_attention_heads = {dim // heads}; partrain's heads split the "
-                          "hidden size")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if not isinstance(rope, dict):
-        raise ConfigError(f"{where}: rope_parameters={rope!r} must be an object")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise ConfigError(f"{where}: rope_type={rope_type!r}; partrain has default and llama3")
-    keys = {"n_layers": _whole(hf, "num_hidden_layers", where), "n_heads": heads,
-            "n_kv_heads": _whole(hf, "num_key_value_heads", where, heads), "dim": dim,
-            "ffn_dim": _whole(hf, "intermediate_size", where),
-            "vocab_size": _whole(hf, "vocab_size", where),
-            "norm_eps": _real(hf, "rms_norm_eps", where, 1e-6),
-            "rope_theta": _real(rope, "rope_theta", where, hf.get("rope_theta", 10000.0)),
-            "rope_type": rope_type, "tie_embeddings": tie}
-    if rope_type == "llama3":
-        keys.update(rope_factor=_real(rope, "factor", where),
-                    rope_low_freq_factor=_real(rope, "low_freq_factor", where),
-                    rope_high_freq_factor=_real(rope, "high_freq_factor", where),
-                    rope_original_max_seq_len=_whole(rope, "original_max_position_embeddings",
-                                                     where))
-    return keys
-
-
 def check_hf_init(model_cfg) -> Path:
-    """model.init_from=hf:DIR: a Llama of this config's shape whose safetensors hold every
-    weight at its full shape; the DIR. Each rank then reads without further checks."""
+    """model.init_from=hf:DIR: a model of this config's shape whose safetensors hold every
+    weight at its full shape, and nothing else; the DIR. Each rank then reads without further
+    checks."""
     from partrain.models.arith import ffn_dim, tied
     from partrain.models.llama import Transformer
 
@@ -301,17 +191,20 @@ def check_hf_init(model_cfg) -> Path:
     where = f"model.init_from={model_cfg.init_from}"
     wanted = model_keys(read_hf_config(path), f"{where} (config.json)")
     derived = {"ffn_dim": ffn_dim(model_cfg), "tie_embeddings": tied(model_cfg)}
+    wanted.pop("hf_model_type")  # what an export writes, not the weights' shape
     mine = {key: derived[key] if key in derived else model_cfg[key] for key in wanted}
-    wrong = [key for key in wanted if not _same(mine[key], wanted[key])]
-    if wrong:
-        raise ConfigError(
-            f"{where}: " + ", ".join(f"model.{k}={_shown(mine[k])} but config.json says "
-                                     f"{_shown(wanted[k])}" for k in wrong)
-            + "; the weights have config.json's shape: add "
-            + " ".join(f"model.{k}={_shown(wanted[k])}" for k in wrong))
+    refuse_disagreements(where, mine, wanted, "; the weights have config.json's shape: add {keys}")
     with torch.device("meta"):
         shapes = {hf_name(n): list(p.shape) for n, p in Transformer(model_cfg).named_parameters()}
-    _check_tensors(path, weight_files(path, where), shapes, where)
+    files = weight_files(path, where)
+    unused = sorted(n for n in files if n not in shapes and not NOT_WEIGHTS.fullmatch(n))
+    if unused:
+        raise ConfigError(
+            f"{where}: {path}'s safetensors hold {len(unused)} tensor(s) that partrain's model "
+            f"would not use: {', '.join(unused[:6])}{' ...' if len(unused) > 6 else ''}; "
+            "partrain refuses them rather than drop them (is config.json's model_type the "
+            "model's? partrain reads llama, mistral, qwen2 and qwen3)")
+    _check_tensors(path, files, shapes, where)
     return path
 
 
@@ -355,17 +248,6 @@ def _check_finite(part, name: str, file: Path, where: str) -> None:
                               "from finite weights only (no nan or inf)")
 
 
-def _shown(value) -> str:
-    """A value as an override writes it (booleans as true/false)."""
-    return str(value).lower() if isinstance(value, bool) else str(value)
-
-
-def _same(mine, theirs) -> bool:
-    if isinstance(mine, float) or isinstance(theirs, float):
-        return abs(float(mine) - float(theirs)) <= 1e-12 * max(abs(float(theirs)), 1.0)
-    return mine == theirs
-
-
 def weight_files(path: Path, where: str) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it (model.safetensors, or the index's)."""
     index = path / "model.safetensors.index.json"
@@ -395,7 +277,7 @@ def weight_files(path: Path, where: str) -> dict[str, Path]:
 
 @torch.no_grad()
 def load_hf_weights(model, path: Path, model_cfg, tp_mesh) -> None:
-    """Fill this rank's parameters (its tp shard of its pp stage) from a Hugging Face Llama
+    """Fill this rank's parameters (its tp shard of its pp stage) from a Hugging Face
     directory that check_hf_init accepted, reading only their slices. Not collective."""
     from contextlib import ExitStack
 
@@ -424,6 +306,6 @@ def load_hf_weights(model, path: Path, model_cfg, tp_mesh) -> None:
             if problem:  # check_hf_init read them finite: the file changed since
                 raise ConfigError(f"model.init_from={HF_PREFIX}{path}: tensor {key} in {file} "
                                   f"holds {problem}; a run starts from finite weights only")
-            if name.endswith(("attention.wq.weight", "attention.wk.weight")):
+            if name.endswith(ROTATED):
                 weight = from_rotate_half(weight, weight.shape[0] // head_dim)
             param.copy_(weight)

@@ -8,7 +8,8 @@ the last step passes):
  2. Where this node is (cluster.detect_place): refuses torchrun and a double launch under srun,
     and reads SLURM's node count, node rank, head node and GPUs (launch).
  3. The config: --resume's run dir's config with its overrides, a run dir's frozen config.yaml
-    as it is, or a recipe composed with overrides; this node's CUDA devices counted (launch);
+    as it is, or a recipe composed with overrides; this node's CUDA devices counted (launch),
+    and its GPUs or cores for torchrun's --nproc-per-node gpu|cpu|auto (launch/torchrun.py);
     the world resolved (plan's --world-size split into nodes x ranks per node) and every rule of
     the config validated (every command).
  3b. The layout fits this node's GPUs (check_memory): on CUDA, each pipeline stage's peak by
@@ -52,9 +53,10 @@ from partrain.config.resolve import MAX_WORLD_SIZE, World, resolve_world
 from partrain.config.validate import check_startable, resolve_and_validate
 from partrain.data.tokens import check_data
 from partrain.errors import ConfigError
-from partrain.launch.cluster import NodePlace, detect_place
+from partrain.launch.cluster import NodePlace, detect_place, usable_cores
 from partrain.launch.netif import NodeNetwork, check_local_addr, pick_network
 from partrain.launch.rundir import check_run_dir, default_run_dir
+from partrain.launch.torchrun import count_nproc
 from partrain.observe.curves import check_curves
 
 # CONFIG is the first argument unless it has an override's shape (`key=`, `+key=`, `~key`).
@@ -88,12 +90,14 @@ class Request:
     args: list[str] | None
     checks: Checks
     nnodes: int | None = None
-    nproc_per_node: int | None = None
+    nproc_per_node: int | str | None = None  # or gpu, cpu, auto (torchrun's words), counted here
     world_size: int | None = None  # `plan --world-size`: split into nodes x ranks per node
     run_dir: Path | None = None
     resume: Path | None = None
     node_rank: int | None = None
     rdzv_endpoint: str | None = None
+    rdzv_from: str = "--rdzv-endpoint"  # the flag that named it, for messages
+    rdzv_id: str | None = None  # the job's id at the rendezvous; default: the run's name
     local_addr: str | None = None
     ifname: str | None = None
 
@@ -106,6 +110,7 @@ class ThisNode:
     rank: int
     rdzv_endpoint: str | None  # None: one node on 127.0.0.1
     network: NodeNetwork | None  # the address and interface the other nodes reach
+    rdzv_id: str | None = None  # --rdzv-id; None: the SLURM job's, else the run's name
 
 
 @dataclass
@@ -130,7 +135,8 @@ def preflight(request: Request) -> Ready:
             request.run_dir.absolute() != resume.absolute():
         raise ConfigError(f"--run-dir {request.run_dir} and --resume {resume} name two run dirs; "
                           "--resume continues in its own")
-    place = detect_place(request.nproc_per_node) if checks.on_this_node else None
+    place = detect_place(request.nproc_per_node if isinstance(request.nproc_per_node, int)
+                         else None) if checks.on_this_node else None
     cfg, world, warnings = resolve(request, place)
     if checks.on_this_node and runs_on_cuda(cfg):
         check_memory(cfg, world, warnings)
@@ -192,9 +198,16 @@ def resolve(request: Request, place: NodePlace | None) -> tuple[DictConfig, Worl
     cuda_devices = 0
     if request.checks.on_this_node:
         cuda_devices = visible_gpus(cfg, place.gpus_on_node)
+    nproc_from = None
+    if isinstance(nproc_per_node, str):  # torchrun's gpu, cpu, auto: this node's devices
+        nproc_per_node, nproc_from = count_nproc(
+            nproc_per_node, cuda_count(place.gpus_on_node if place else None), usable_cores(),
+            cuda_devices > 0)
     world = resolve_world(cfg, nnodes, nproc_per_node, cuda_devices)
     if request.world_size is not None:
         world = dataclasses.replace(world, nproc_from=f"--world-size={request.world_size}")
+    if nproc_from is not None:
+        world = dataclasses.replace(world, nproc_from=nproc_from)
     warnings = resolve_and_validate(cfg, world)
     return cfg, world, warnings
 
@@ -213,16 +226,20 @@ def split_world(cfg: DictConfig, world_size: int) -> tuple[int, int]:
     return nnodes, world_size // nnodes
 
 
+def cuda_count(gpus_on_node: int | None) -> int:
+    """The CUDA devices torch sees here, no more than the scheduler's share of the node."""
+    import torch
+
+    count = torch.cuda.device_count()
+    return min(count, gpus_on_node) if gpus_on_node and count else count
+
+
 def visible_gpus(cfg: DictConfig, gpus_on_node: int | None) -> int:
     """The CUDA devices this node's workers may use (the scheduler's share of the node, if it
     says); 0 for launcher.device=cpu, without importing torch."""
     if cfg.launcher.device == "cpu":
         return 0
-    import torch
-
-    cuda_devices = torch.cuda.device_count()
-    if gpus_on_node and cuda_devices:
-        cuda_devices = min(cuda_devices, gpus_on_node)
+    cuda_devices = cuda_count(gpus_on_node)
     if cfg.launcher.device == "cuda" and cuda_devices == 0:
         raise ConfigError("launcher.device=cuda but no CUDA device is visible; "
                           "use launcher.device=cpu")
@@ -272,7 +289,7 @@ def this_node(request: Request, place: NodePlace, world: World, warnings: list[s
     if not 0 <= rank < world.nnodes:
         raise ConfigError(f"{rank_source}={rank} must be in 0..{world.nnodes - 1} "
                           f"for {world.nnodes} node(s)")
-    endpoint, endpoint_from = request.rdzv_endpoint, "--rdzv-endpoint"
+    endpoint, endpoint_from = request.rdzv_endpoint, request.rdzv_from
     if world.nnodes > 1 and not endpoint:
         endpoint, endpoint_from = (place.rdzv_endpoint,
                                    "the SLURM job's first node (SLURM_JOB_NODELIST)")
@@ -286,7 +303,7 @@ def this_node(request: Request, place: NodePlace, world: World, warnings: list[s
     if network is None and (local_addr or ifname):
         warnings.append("--local-addr / --ifname only matter for a multi-node job "
                         "(--rdzv-endpoint); this run stays on 127.0.0.1")
-    return ThisNode(place, rank, endpoint, network)
+    return ThisNode(place, rank, endpoint, network, request.rdzv_id)
 
 
 def _run_dir(request: Request, cfg: DictConfig, place: NodePlace | None) -> Path:

@@ -8,6 +8,7 @@ a user reads on stdout, the workers' failures and the progress of a submission o
 """
 
 import os
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +23,7 @@ from partrain.launch.netif import set_ifname_variables
 from partrain.launch.preemption import FORWARDER
 from partrain.launch.preflight import Ready, Request, preflight, runs_on_cuda
 from partrain.launch.rundir import write_run_dir
+from partrain.launch.runs import ENDED, STATE_FILE, write_state
 from partrain.launch.slurm import (
     SlurmJob,
     partrain_command,
@@ -63,15 +65,57 @@ def start(request: Request, dry_run: bool, out: Console, err: Console,
         return 0
     before = _config_before(run_dir, checkpoint)
     write_run_dir(cfg, run_dir, resuming=request.resume is not None)
+    records = ready.node.rank == 0  # node 0's launcher says the run's state (`partrain runs`)
+    if records:
+        _record(run_dir, "running", None, warn)
     print_start(ready, resuming_from, out)
     code = launch_workers(run_dir, launch_spec(ready), console_print=err.print)
+    if records:
+        _record(run_dir, ENDED.get(code, "failed"), code, warn)
     if code == 0:
         out.print(f"done: metrics in {run_dir / 'metrics.jsonl'}")
+        if records:
+            for line in next_steps(run_dir, cfg):
+                out.print(line)
     elif before is not None and store.newest(run_dir / store.CHECKPOINTS) == checkpoint:
         # A resume that failed before it saved anything leaves the run dir as it found it: its
         # config.yaml is the one its checkpoints were trained with, not this try's overrides.
         (run_dir / CONFIG).write_text(before)
     return code
+
+
+def _record(run_dir: Path, state: str, code: int | None, warn: Callable[[str], None]) -> None:
+    """logs/state.json; a run dir that refuses it loses only what `partrain runs` shows."""
+    try:
+        write_state(run_dir, state, code)
+    except OSError as e:
+        warn(f"{run_dir / STATE_FILE} cannot be written ({e.strerror or e}); `partrain runs` "
+             "will not show this run's state")
+
+
+def next_steps(run_dir: Path, cfg) -> list[str]:
+    """What a finished run can do next, as commands with its run dir: sample, export (not a
+    mixture of experts, which --format hf refuses), train on. None without a committed
+    checkpoint (checkpoint.save_last=false and no schedule)."""
+    from partrain.models.arith import moe_enabled
+
+    checkpoint = store.newest(run_dir / store.CHECKPOINTS)
+    if checkpoint is None:
+        return []
+    run = shlex.quote(str(run_dir))
+    prompt = "'def main('" if cfg.data.source == "stdlib" else "'Once upon a time'"
+    lines = []
+    if cfg.model.get("target"):  # a user's model: sample and export know the built-in family
+        return [f"next: partrain launch --resume {run} train.max_steps="
+                f"{2 * cfg.train.max_steps}   # train on"]
+    lines.append(f"next: partrain sample {run} --prompt {prompt}   # text from step "
+                 f"{checkpoint.step}")
+    if not moe_enabled(cfg.model):
+        lines.append(f"next: partrain export {run} --out {shlex.quote(f'hf/{run_dir.name}')}   "
+                     "# a Hugging Face directory")
+    lines.append(f"next: partrain launch --resume {run} train.max_steps="
+                 f"{2 * cfg.train.max_steps}   # train on")
+    return lines
 
 
 def _config_before(run_dir: Path, checkpoint) -> str | None:
@@ -148,7 +192,8 @@ def launch_spec(ready: Ready):
     threads = None if runs_on_cuda(cfg) else max(1, usable_cores() // world.nproc_per_node)
     return ElasticLaunch(
         nnodes=world.nnodes, nproc_per_node=world.nproc_per_node, node_rank=node.rank,
-        rdzv_endpoint=node.rdzv_endpoint, run_id=f"slurm-{job_id}" if job_id else cfg.name,
+        rdzv_endpoint=node.rdzv_endpoint,
+        run_id=node.rdzv_id or (f"slurm-{job_id}" if job_id else cfg.name),
         rdzv_timeout_s=cfg.launcher.rdzv_timeout_s,
         local_addr=node.network and node.network.addr, cpu_threads=threads,
         max_steps=cfg.train.max_steps, max_restarts=cfg.launcher.max_restarts,

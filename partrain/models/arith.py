@@ -31,15 +31,22 @@ def mlp_params(cfg, layer: int, ep: int = 1, active: bool = False) -> int:
 
 
 def _attention_params(cfg) -> int:
+    """q/k/v/o matrices and the q/k/v biases (model.qkv_bias): split by tp."""
     head_dim = cfg.dim // cfg.n_heads
-    return cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
+    bias = head_dim * (cfg.n_heads + 2 * cfg.n_kv_heads) if getattr(cfg, "qkv_bias", False) else 0
+    return cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + bias
+
+
+def _head_norm_params(cfg) -> int:
+    """The per-head q and k norm gains (model.qk_norm): replicated over tp."""
+    return 2 * (cfg.dim // cfg.n_heads) if getattr(cfg, "qk_norm", False) else 0
 
 
 def count_params(cfg, active: bool = False) -> int:
     """Parameters of the full model from its shape alone (used by `plan` for models never built);
     `active`: those one token uses (a MoE's top_k experts, not all of them)."""
-    blocks = sum(_attention_params(cfg) + mlp_params(cfg, i, active=active) + 2 * cfg.dim
-                 for i in range(cfg.n_layers))
+    blocks = sum(_attention_params(cfg) + _head_norm_params(cfg)
+                 + mlp_params(cfg, i, active=active) + 2 * cfg.dim for i in range(cfg.n_layers))
     return blocks + vocab_matrices(cfg) * cfg.vocab_size * cfg.dim + cfg.dim
 
 
@@ -64,7 +71,8 @@ def count_params_per_rank(cfg, tp: int = 1, blocks=None, first: bool = True,
     vocab = (first or last) if tied(cfg) else first + last
     split = sum(_attention_params(cfg) + (0 if is_moe_block(cfg, i) else mlp_params(cfg, i))
                 for i in ids) + vocab * cfg.vocab_size * cfg.dim
-    replicated = sum(2 * cfg.dim + (mlp_params(cfg, i, ep) if is_moe_block(cfg, i) else 0)
+    replicated = sum(2 * cfg.dim + _head_norm_params(cfg)
+                     + (mlp_params(cfg, i, ep) if is_moe_block(cfg, i) else 0)
                      for i in ids)
     return split // tp + replicated + (cfg.dim if last else 0)
 

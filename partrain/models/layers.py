@@ -12,6 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return normed.type_as(x) * weight
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -19,8 +24,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_scaling(cfg) -> dict | None:
@@ -85,13 +89,31 @@ class Attention(nn.Module):
         # Head counts are the ones this module computes; tensor parallelism lowers them per rank.
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
         self.head_dim = cfg.dim // cfg.n_heads
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        bias = bool(getattr(cfg, "qkv_bias", False))  # Qwen2's q/k/v biases; never on wo
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        # Qwen3's q/k norms: one RMSNorm gain of head_dim shared by every head, applied to each
+        # head's query and key before the rotary embedding.
+        self.q_norm = self.k_norm = None
+        if getattr(cfg, "qk_norm", False):
+            self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps)
         # Context parallelism (parallel/context.py) sets a ContextAttention here: x is then this
         # rank's tokens of each sequence, at the global positions it names.
         self.context = None
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values (batch, seq, heads, head_dim) of x, q and k normed per head
+        where model.qk_norm asks (before the rotation, as Qwen3)."""
+        bsz, seq, _ = x.shape
+        q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim)
+        k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x (batch, seq, dim); cos/sin the full rotary tables, cut here to x's positions (under
@@ -101,9 +123,7 @@ class Attention(nn.Module):
             cos, sin = cos[:seq], sin[:seq]
         else:
             cos, sin = cos[self.context.positions], sin[self.context.positions]
-        q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim)
-        k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        q, k, v = self._qkv(x)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.context is None:
@@ -121,9 +141,7 @@ class Attention(nn.Module):
         bsz, seq, _ = x.shape
         start, end = cache.length, cache.length + seq
         cos, sin = cos[start:end], sin[start:end]
-        q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim)
-        k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        q, k, v = self._qkv(x)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache.k[layer, :bsz, :, start:end] = k.transpose(1, 2)
         cache.v[layer, :bsz, :, start:end] = v.transpose(1, 2)

@@ -106,6 +106,10 @@ class Transformer(nn.Module):
                 f"{block}.attention.wo": "rowwise",
                 f"{block}.ffn_norm": "norm",
             })
+            if self.layers[i].attention.q_norm is not None:
+                # Heads split whole over tp: each rank norms its own heads with the same gains.
+                plan[f"{block}.attention.q_norm"] = "head_norm"
+                plan[f"{block}.attention.k_norm"] = "head_norm"
             if isinstance(self.layers[i].feed_forward, MoE):
                 # Experts are replicated within tp (expert parallelism splits them over dp).
                 plan[f"{block}.feed_forward"] = "replicated"
@@ -178,6 +182,8 @@ def init_weights(model: Transformer, std: float, seed: int) -> None:
     for name, param in model.named_parameters():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
+        elif name.endswith(".bias"):  # q/k/v biases start at zero and draw nothing
+            param.zero_()
         else:
             scale = residual_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else std
             param.copy_(torch.randn(param.shape, generator=gen) * scale)

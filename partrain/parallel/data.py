@@ -107,7 +107,8 @@ def apply_data_parallel(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
 
 class DDPBackend:
     """zero_stage=0: DDP's bucketed all-reduce during backward (or, under pp, one flat average
-    after the schedule), then partrain's clipping over every model-parallel group and AdamW."""
+    after the schedule), then partrain's clipping over every model-parallel group and the
+    optimizer's step."""
 
     def __init__(self, model: nn.Module, optimizer, dims, mesh, expert_mesh,
                  sequence_parallel: bool, grad_clip: float):

@@ -57,7 +57,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import Shard
 
-from partrain.models.llama import TransformerBlock
+from partrain.models.family import blocks
 from partrain.models.moe import MoE
 from partrain.parallel.data import Update, first_nonfinite
 from partrain.parallel.grads import clip_grads, global_grad_norm
@@ -109,8 +109,8 @@ def apply_fsdp(model: nn.Module, dp_mesh, saved_mesh, stage: int, param_dtype: t
     roots = list(model.chunks) if pipeline else [model]
     reshard = stage == 3 and not pipeline
     for root in roots:
-        for block in [m for m in root.modules() if isinstance(m, TransformerBlock)]:
-            if experts is not None and isinstance(block.feed_forward, MoE):
+        for block in blocks(root):
+            if experts is not None and isinstance(getattr(block, "feed_forward", None), MoE):
                 _shard_experts(block.feed_forward.experts, experts, reshard, options)
             # Under pp a stage's weights stay gathered for the whole schedule (below), as
             # torchtitan does: not gathered again for every micro-batch.
@@ -173,7 +173,7 @@ def _sync_gradients(roots: list[FSDPModule]) -> None:
 
 class FSDPBackend:
     """zero_backend=fsdp: FSDP2's reduce-scatter at each micro-batch's backward, then the global
-    norm over every shard (dp x cp, tp, pp) and AdamW on the DTensor shards."""
+    norm over every shard (dp x cp, tp, pp) and the optimizer's step on the DTensor shards."""
 
     def __init__(self, model: nn.Module, optimizer, dims, mesh, sequence_parallel: bool,
                  grad_clip: float, shard_mesh):

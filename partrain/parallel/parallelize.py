@@ -21,6 +21,7 @@ import torch
 from partrain.config.deepspeed import deepspeed_config
 from partrain.config.resolve import compute_dtype
 from partrain.models.arith import moe_blocks
+from partrain.models.family import blocks, is_user_model, recompute_full
 from partrain.models.llama import TransformerBlock
 from partrain.models.moe import MoE
 from partrain.parallel.context import apply_context_parallel
@@ -72,8 +73,10 @@ def parallelize(model: torch.nn.Module, cfg, dims: ParallelDims, mesh, expert_me
         # What flows between stages: the residual stream of one micro-batch (this cp rank's
         # tokens of it, and a sequence shard of those under sequence parallelism).
         seq = t.seq_len // dims.cp // (dims.tp if sequence_parallel else 1)
-        model = apply_pipeline_parallel(model, mesh["pp"], p,
-                                        (t.micro_batch_size, seq, cfg.model.dim), tracer)
+        # (A user's model says its hidden size as `dim`: partrain.models.family.)
+        dim = model.dim if is_user_model(cfg.model) else cfg.model.dim
+        model = apply_pipeline_parallel(model, mesh["pp"], p, (t.micro_batch_size, seq, dim),
+                                        tracer)
     if t.compile:
         # The blocks as tp, cp, ep and pp left them; DDP and ZeRO then wrap the compiled blocks.
         compile_blocks(model)
@@ -92,8 +95,8 @@ def parallelize(model: torch.nn.Module, cfg, dims: ParallelDims, mesh, expert_me
         backend = FSDPBackend(model, build_optimizer(model), dims, mesh, sequence_parallel,
                               cfg.optim.grad_clip, shard_mesh)
     elif dims.deepspeed_enabled:
-        # ZeRO replaces DDP and the optimizer: DeepSpeed shards over dp and builds AdamW from
-        # the derived config (over the same parameter groups).
+        # ZeRO replaces DDP and the optimizer: DeepSpeed shards over dp and builds optim.name's
+        # torch optimizer from the derived config (over the same parameter groups).
         ds_config = deepspeed_config(cfg, on_cuda=mesh.device_type == "cuda")
         engine, optimizer = apply_zero(model, mesh, dims, ds_config, param_groups(model),
                                        expert_mesh)
@@ -163,10 +166,14 @@ def setup_moe(layers, n_moe_blocks: int, dims: ParallelDims, mesh, sequence_para
 
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     """Set every transformer block of `model` to checkpoint in `mode` (models.arith.RECOMPUTE_MODES;
-    the mechanism is partrain.models.recompute)."""
-    for module in model.modules():
-        if isinstance(module, TransformerBlock):
-            module.recompute = mode
+    the mechanism is partrain.models.recompute). A user model's blocks (its `layers`) are
+    recomputed whole under mode "full" (validation refuses "selective" for them)."""
+    for block in blocks(model):
+        if isinstance(block, TransformerBlock):
+            block.recompute = mode
+        elif mode == "full":
+            recompute_full(block)
+            block.recompute = mode
     return model
 
 
@@ -179,13 +186,13 @@ def compile_blocks(model: torch.nn.Module) -> int:
     """train.compile: torch.compile every transformer block of `model` in place (the modules stay
     the same objects, so wrappers that hold them see the compiled forward). A block's
     checkpointing is part of its compiled forward. Returns the number of blocks compiled."""
-    blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
-    for block in blocks:
-        if isinstance(block.feed_forward, MoE) and block.recompute != "none":
+    found = blocks(model)
+    for block in found:
+        if isinstance(getattr(block, "feed_forward", None), MoE) and block.recompute != "none":
             # Dynamo cannot trace the router's data-dependent dispatch inside a checkpoint: it
             # would run the whole block eagerly, its recomputation unmarked (the router would
             # count tokens twice). Such a block compiles its attention only.
             block.attention.compile()
         else:
             block.compile()
-    return len(blocks)
+    return len(found)

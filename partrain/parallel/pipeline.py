@@ -198,7 +198,8 @@ def apply_pipeline_parallel(model: nn.Module, pp_mesh, cfg, activation_shape,
     chunks = [model.pipeline_chunk(layers[c * pp + rank], first=c * pp + rank == 0,
                                    last=c * pp + rank == last) for c in range(v)]
     tied, embedding_group = None, None
-    if model.output.weight is model.tok_embeddings.weight and pp > 1:
+    head, embedding = getattr(model, "output", None), getattr(model, "tok_embeddings", None)
+    if head is not None and embedding is not None and head.weight is embedding.weight and pp > 1:
         tied, embedding_group = _tied_copy(chunks, pp_mesh)
     return PipelineModel(chunks, pp_mesh.get_group(), cfg.pp_schedule, activation_shape, tracer,
                          tied, embedding_group)

@@ -18,6 +18,10 @@ reduce-scatter, the same bytes in twice as many collectives, and activations out
 take 1/tp of the memory. Norm weights then see only their shard's tokens, so their gradients are
 summed over tp once per step (`sync_sequence_parallel_grads`).
 
+A column-parallel linear's bias (Qwen2's q/k/v) is split with its rows. A per-head norm inside
+the attention (Qwen3's q/k norm) is replicated, but each rank norms only its own heads, so its
+gradient is summed over tp in the backward (`HeadNorm`).
+
 Parameters that are sharded carry `tp_sharded = True`; gradient-norm clipping sums their squares
 over tp and counts the replicated ones once.
 
@@ -36,11 +40,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
+from partrain.models.layers import rms_norm
 from partrain.parallel.dist import local
 
 # Module treatments a model's plan can ask for.
 STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head", "region", "attention", "norm",
-          "replicated")
+          "head_norm", "replicated")
 
 # ---------------------------------------------------------------------------------------------
 # Collective accounting: payload bytes of every tp collective (the full, unsharded tensor), used
@@ -238,19 +243,22 @@ class ColumnParallelLinear(nn.Module):
     [r·out/tp, (r+1)·out/tp). The input enters the tp region here unless `input_in_region` (a
     parent already did it once for several linears that read the same input, like q/k/v).
     `gather_output` all-gathers the full output; otherwise it stays sharded for a row-parallel
-    layer or the vocabulary-parallel loss."""
+    layer or the vocabulary-parallel loss. A bias (Qwen2's q/k/v) is split with the rows it adds
+    to."""
 
-    def __init__(self, weight: torch.Tensor, group, *, gather_output: bool = False,
-                 sequence_parallel: bool = False, input_in_region: bool = False):
+    def __init__(self, weight: torch.Tensor, group, *, bias: torch.Tensor | None = None,
+                 gather_output: bool = False, sequence_parallel: bool = False,
+                 input_in_region: bool = False):
         super().__init__()
         self.group, self.gather_output = group, gather_output
         self.sequence_parallel, self.input_in_region = sequence_parallel, input_in_region
         self.weight = _shard(weight, 0, group)
+        self.bias = _shard(bias, 0, group) if bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_in_region:
             x = _enter_region(x, self.group, self.sequence_parallel)
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight, self.bias)
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
 
@@ -336,6 +344,21 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     return per_token.mean()
 
 
+class HeadNorm(nn.Module):
+    """A per-head RMSNorm (Qwen3's q/k norm) inside the attention's tp region. Its gain is
+    replicated, but each rank applies it to its own heads only, so each rank's gradient is a
+    part of the whole: the gain enters through copy_to_tp_region (forward identity, backward
+    all-reduce over tp), and every rank then holds the full gradient. The Parameter is the
+    norm's own, under the same name."""
+
+    def __init__(self, norm: nn.Module, group):
+        super().__init__()
+        self.group, self.eps, self.weight = group, norm.eps, norm.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, copy_to_tp_region(self.weight, self.group), self.eps)
+
+
 # ---------------------------------------------------------------------------------------------
 # Applying a plan to a built model.
 
@@ -376,8 +399,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg) -> nn.Module:
                 for param in module.parameters():
                     param.sequence_parallel_partial = True
             continue
+        if style == "head_norm":
+            setattr(model.get_submodule(parent_name), child, HeadNorm(module, group))
+            continue
         if style == "colwise":
-            new = ColumnParallelLinear(module.weight, group, sequence_parallel=sp,
+            new = ColumnParallelLinear(module.weight, group, bias=module.bias, sequence_parallel=sp,
                                        input_in_region=parent_name in regions)
         elif style == "vocab_head":
             new = ColumnParallelLinear(module.weight, group, sequence_parallel=sp)
@@ -385,7 +411,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg) -> nn.Module:
             new = RowParallelLinear(module.weight, group, sequence_parallel=sp)
         else:
             new = VocabParallelEmbedding(module.weight, group, sequence_parallel=sp)
-        if getattr(module, "bias", None) is not None:
+        if style != "colwise" and getattr(module, "bias", None) is not None:
             raise ValueError(f"{name}: tensor parallelism here supports bias-free layers only")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
     for name, owner in shared.items():

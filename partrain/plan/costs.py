@@ -29,6 +29,9 @@ def tp_collectives(model_cfg, micro_tokens: int, tp: int, sequence_parallel: boo
                 ("attention/MLP inputs (bwd)", "all_reduce", 2 * L, act, 4),
                 ("output head input (bwd)", "all_reduce", 1, act, 4)]
     rows.append(("loss: max, target logit, sum exp (fwd)", "all_reduce", 3, micro_tokens, 4))
+    if getattr(model_cfg, "qk_norm", False):  # each rank's part of the shared per-head gains
+        rows.append(("q/k norm gains (bwd)", "all_reduce", 2 * L,
+                     model_cfg.dim // model_cfg.n_heads, 4))
     return [_row(w, op, n, e, n * e * b, tp) for w, op, n, e, b in rows]
 
 
@@ -113,28 +116,38 @@ def moe_traffic(model_cfg, tokens_per_rank: int, micro_batches: int, ep: int,
             "count_bytes": counts}
 
 
+def optimizer_state_bytes(optim_cfg) -> int:
+    """Bytes per parameter of the optimizer's own fp32 state, beside any master copy: AdamW's and
+    Adam's two moments (8), SGD's momentum buffer (4; none at momentum 0). No optim section (the
+    layout search's view): AdamW's."""
+    if optim_cfg is None or optim_cfg.name != "sgd":
+        return 8
+    return 4 if optim_cfg.momentum > 0 else 0
+
+
 def zero_memory(stage: int, psi: int, nd: int, dtype: str, engine: str = "deepspeed",
-                pipeline: bool = False) -> dict:
+                pipeline: bool = False, moments: int = 8) -> dict:
     """Bytes per rank of parameters, gradients and optimizer state for Ψ = `psi` parameters per
     model replica shard, Nd = `nd` dp ranks and compute dtype fp32, bf16 or fp16 (ZeRO paper,
-    section 3):
+    section 3), with `moments` bytes per parameter of the optimizer's own state
+    (`optimizer_state_bytes`: AdamW's and Adam's M = 8, the figures below; SGD's 4 or 0):
 
-    - stage 0 (partrain's DDP): fp32 weights and gradients, AdamW's two fp32 moments: 4+4+8 = 16Ψ
-      (autocast computes in bf16 but keeps fp32 weights, so there is no master copy).
-    - stages 1-3 (DeepSpeed): w bytes of weights and of gradients per parameter and K = 12 bytes
-      of optimizer state (fp32 master weights + two moments): with bf16/fp16 w = 2, the paper's
-      4Ψ + 12Ψ/Nd, 2Ψ + 14Ψ/Nd, 16Ψ/Nd; in fp32 (CPU) w = 4 and DeepSpeed still keeps its own
-      fp32 master copy, so 8Ψ + 12Ψ/Nd, 4Ψ + 16Ψ/Nd, 20Ψ/Nd.
+    - stage 0 (partrain's DDP): fp32 weights and gradients and the fp32 state: 4+4+M, AdamW's
+      16Ψ (autocast computes in bf16 but keeps fp32 weights, so there is no master copy).
+    - stages 1-3 (DeepSpeed): w bytes of weights and of gradients per parameter and K = 4 + M
+      bytes of optimizer state (fp32 master weights + the state; AdamW's K = 12): with bf16/fp16
+      w = 2, the paper's 4Ψ + 12Ψ/Nd, 2Ψ + 14Ψ/Nd, 16Ψ/Nd; in fp32 (CPU) w = 4 and DeepSpeed
+      still keeps its own fp32 master copy, so 8Ψ + 12Ψ/Nd, 4Ψ + 16Ψ/Nd, 20Ψ/Nd.
     - FSDP2 (`engine="fsdp"`, stages 2-3): fp32 shards of the weights and of their gradients (it
-      reduces in fp32 into the weights' dtype) and the two moments, 16Ψ/Nd in any dtype (the
-      shards are the master weights); stage 2 adds the gathered weights (w bytes each), held from
-      a block's forward to its backward: wΨ + 16Ψ/Nd at its peak. Under pp (`pipeline`) a stage
-      keeps its gathered weights and its fp32 gradients whole through the step (one
-      reduce-scatter a step): (w + 4)Ψ + 12Ψ/Nd, at either stage.
+      reduces in fp32 into the weights' dtype) and the state, (8 + M)Ψ/Nd, AdamW's 16Ψ/Nd, in
+      any dtype (the shards are the master weights); stage 2 adds the gathered weights (w bytes
+      each), held from a block's forward to its backward: wΨ + 16Ψ/Nd at its peak. Under pp
+      (`pipeline`) a stage keeps its gathered weights and its fp32 gradients whole through the
+      step (one reduce-scatter a step): (w + 4)Ψ + (4 + M)Ψ/Nd, at either stage.
     """
     if engine == "fsdp" and stage >= 2:
-        return _fsdp_memory(stage, psi, nd, dtype, pipeline)
-    w, k = (4, 8) if stage == 0 else ((4 if dtype == "fp32" else 2), 12)
+        return _fsdp_memory(stage, psi, nd, dtype, pipeline, moments)
+    w, k = (4, moments) if stage == 0 else ((4 if dtype == "fp32" else 2), 4 + moments)
     shard = {"param": stage >= 3, "grad": stage >= 2, "optim": stage >= 1}
     per = {"param": w, "grad": w, "optim": k}
     out = {f"{kind}_bytes": per[kind] * psi / (nd if shard[kind] else 1) for kind in per}
@@ -146,15 +159,15 @@ def zero_memory(stage: int, psi: int, nd: int, dtype: str, engine: str = "deepsp
     return out
 
 
-def _fsdp_memory(stage: int, psi: int, nd: int, dtype: str, pipeline: bool) -> dict:
+def _fsdp_memory(stage: int, psi: int, nd: int, dtype: str, pipeline: bool, moments: int) -> dict:
     w = 4 if dtype == "fp32" else 2
     gathered = w if stage == 2 or pipeline else 0
     grads_whole = 4 if pipeline else 0
     out = {"param_bytes": (gathered + 4 / nd) * psi,
-           "grad_bytes": (grads_whole or 4 / nd) * psi, "optim_bytes": 8 * psi / nd}
+           "grad_bytes": (grads_whole or 4 / nd) * psi, "optim_bytes": moments * psi / nd}
     out["total"] = sum(out.values())
     whole = gathered + grads_whole
-    out["formula"] = (f"{whole}Ψ + " if whole else "") + (f"{12 if pipeline else 16}Ψ/Nd")
+    out["formula"] = (f"{whole}Ψ + " if whole else "") + f"{(4 if pipeline else 8) + moments}Ψ/Nd"
     return out
 
 

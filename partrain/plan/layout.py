@@ -31,6 +31,7 @@ from partrain.plan.costs import (
     moe_traffic,
     tp_collectives,
     tp_step_collectives,
+    optimizer_state_bytes,
     true_size,
     zero_memory,
 )
@@ -72,7 +73,7 @@ def build_plan(cfg: DictConfig, world: World, warnings: list[str]) -> dict:
         "experts": _experts(cfg, dims, stages, act_bytes=4 if dtype == "fp32" else 2),
         "hsdp": _hsdp(dims, p.dp_replicate) if p.dp_replicate > 1 else None,
         "memory": _memory(p.zero_stage, params_per_rank, dims.dp // p.dp_replicate, dtype,
-                          p.zero_backend, dims.pp > 1),
+                          p.zero_backend, dims.pp > 1, optimizer_state_bytes(cfg.optim)),
         "memory_per_stage": memory_per_stage(cfg, dims, stages, dtype),
         "tp_collectives": _tp_collectives(cfg, dims, stages, low_precision=dtype != "fp32"),
         "context": _context(cfg, dims, stages, act_bytes=4 if dtype == "fp32" else 2),
@@ -157,13 +158,16 @@ def stage_plan(cfg: DictConfig, dims: ParallelDims) -> list[dict]:
             for s, ids in enumerate(layers)]
 
 
-def _memory(stage: int, psi: int, dp: int, dtype: str, engine: str, pipeline: bool) -> dict:
+def _memory(stage: int, psi: int, dp: int, dtype: str, engine: str, pipeline: bool,
+            moments: int) -> dict:
     """Bytes per rank of parameters, gradients and optimizer state at the chosen zero_stage, for
     the busiest rank's Ψ parameters (activations and buffers not included); the other stages
     by the same engine for comparison (DeepSpeed's for 0-1 under FSDP)."""
-    per_stage = {s: zero_memory(s, psi, dp, dtype, engine, pipeline)["total"] for s in range(4)}
+    per_stage = {s: zero_memory(s, psi, dp, dtype, engine, pipeline, moments)["total"]
+                 for s in range(4)}
     return {"zero_stage": stage, "engine": engine if stage else "ddp", "params_per_rank": psi,
-            "dp": dp, "dtype": dtype, **zero_memory(stage, psi, dp, dtype, engine, pipeline),
+            "dp": dp, "dtype": dtype,
+            **zero_memory(stage, psi, dp, dtype, engine, pipeline, moments),
             "total_by_stage": per_stage}
 
 

@@ -4,9 +4,9 @@ part. Pure arithmetic (no torch), so it answers for any model and world size in 
 Counted as partrain's code really holds them (checked against tensor accounting of real runs by
 `scripts/bench_memory.py`):
 
-- model state: weights, gradients and AdamW's state at the ZeRO stage (`zero_memory`); under
-  expert parallelism ZeRO shards the expert slices over their own dp/ep x cp ranks
-  (`model_state`).
+- model state: weights, gradients and the optimizer's state (optim.name's) at the ZeRO stage
+  (`zero_memory`); under expert parallelism ZeRO shards the expert slices over their own
+  dp/ep x cp ranks (`model_state`).
 - activations: what autograd keeps per token of a block for its backward (`block_elements`),
   times this rank's tokens per micro-batch (micro_batch x seq_len / cp), its blocks, and the
   micro-batches in flight on its pipeline stage at once (the schedule's simulated peak: GPipe all
@@ -34,7 +34,7 @@ USABLE_FRACTION = 0.9
 MODEL_ERROR = 0.10
 
 from partrain.models.arith import expert_ffn_dim, expert_params, ffn_dim, is_moe_block
-from partrain.plan.costs import zero_memory
+from partrain.plan.costs import optimizer_state_bytes, zero_memory
 
 
 @dataclass(frozen=True)
@@ -174,14 +174,15 @@ def model_state(cfg, dims, params: int, blocks: list[int], dtype: str) -> dict:
         experts = (sum(is_moe_block(m, i) for i in blocks) * (m.moe.n_experts // dims.ep)
                    * expert_params(m))
     engine = getattr(p, "zero_backend", "deepspeed")
+    moments = optimizer_state_bytes(getattr(cfg, "optim", None))
     # HSDP: a replica's dp / dp_replicate ranks (and their cp ranks) share the shards.
     replicate = getattr(p, "dp_replicate", 1) or 1
     dense = zero_memory(p.zero_stage, params - experts, dims.dp * dims.cp // replicate, dtype,
-                        engine, dims.pp > 1)
+                        engine, dims.pp > 1, moments)
     if not experts:
         return dense
     sliced = zero_memory(p.zero_stage, experts, dims.dp // dims.ep * dims.cp, dtype, engine,
-                         dims.pp > 1)
+                         dims.pp > 1, moments)
     return {k: dense[k] + sliced[k]
             for k in ("param_bytes", "grad_bytes", "optim_bytes", "total")}
 
@@ -198,8 +199,8 @@ def memory_per_stage(cfg, dims, stages: list[dict], dtype: str, simulate: bool =
     tokens = t.micro_batch_size * t.seq_len // dims.cp
     v = p.pp_virtual_stages if dims.pp > 1 else 1
     in_flight, buffers = _schedule_peaks(cfg, dims, v, simulate)
-    # ZeRO-Offload keeps AdamW's state (and its fp32 master weights) in host memory: off the
-    # GPU's count. On a CPU run the host is the device, so it stays.
+    # ZeRO-Offload keeps the optimizer's state (and its fp32 master weights) in host memory: off
+    # the GPU's count. On a CPU run the host is the device, so it stays.
     on_host = (p.zero_stage >= 1 and p.offload_optimizer != "none"
                and cfg.launcher.device != "cpu")
     out = []

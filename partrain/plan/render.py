@@ -160,7 +160,7 @@ def _print_memory(plan: dict, console: Console) -> None:
     for st in plan["memory_per_stage"]:
         state = st["param_bytes"] + st["grad_bytes"] + st["optim_bytes"]
         parts = [f"model state {_size(state)}"
-                 + (" (AdamW's state on the host: ZeRO-Offload)" if st["optim_on_host"] else ""),
+                 + (" (optimizer state on the host: ZeRO-Offload)" if st["optim_on_host"] else ""),
                  f"activations {_size(st['activation_bytes'])} ({st['in_flight']} micro-batch"
                  f"{'es' if st['in_flight'] != 1 else ''} in flight)"]
         parts += [f"{label} {_size(st[key])}" for key, label in (

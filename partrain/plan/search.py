@@ -343,6 +343,13 @@ def check_config(cfg) -> None:
 
     from omegaconf import open_dict
 
+    if cfg.model.get("target"):
+        from partrain.errors import ConfigError
+        from partrain.plan.user import NOT_MODELED
+
+        raise ConfigError(f"plan --search prices layouts by the model's shape arithmetic, and "
+                          f"model.target={cfg.model.target} is your own model: {NOT_MODELED}; "
+                          "`partrain plan` without --search shows its parameters and model state")
     # validate.py has no public name for its layout-free rules; they run here on a copy of the
     # config whose parallel and micro-batch keys (which the search sets) are the plainest.
     from partrain.config.validate import (

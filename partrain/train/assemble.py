@@ -25,7 +25,7 @@ from partrain.config.resolve import compute_dtype
 from partrain.data.tokens import TokenSplits, load_tokens
 from partrain.interop.hf import hf_dir, is_hf, load_hf_weights
 from partrain.models.arith import flops_per_token
-from partrain.models.llama import build_model
+from partrain.models.family import build_family_model, is_user_model, user_flops_per_token
 from partrain.observe.curves import Curves
 from partrain.observe.metrics import MetricsLog, ProgressDisplay, peak_flops
 from partrain.observe.trace import Tracer
@@ -116,8 +116,10 @@ def build(cfg, run_dir: Path, device: torch.device) -> Run:
 
     # The full model from the seed, identical for every layout; parallelize takes it apart.
     tracer = Tracer(t.trace)
-    model = build_model(cfg.model, t.seed).to(device)
+    model = build_family_model(cfg.model, t.seed).to(device)
     n_params = sum(q.numel() for q in model.parameters())
+    flops = (user_flops_per_token(model, t.seq_len, n_params) if is_user_model(cfg.model)
+             else flops_per_token(cfg.model, t.seq_len))
     tp_mesh = mesh["tp"] if dims.tp_enabled else None
     built = parallelize(model, cfg, dims, mesh, expert_mesh, tracer,
                         load_weights=partial(load_start_weights, start=start,
@@ -156,7 +158,7 @@ def build(cfg, run_dir: Path, device: torch.device) -> Run:
               display=display, after_step=after_step,
               guard=DivergenceGuard(backend.model, t.max_skipped_steps, coords["pp"], device),
               tokens_per_step=tokens_per_step,
-              flops_per_step=flops_per_token(cfg.model, t.seq_len) * tokens_per_step,
+              flops_per_step=flops * tokens_per_step,
               peak_flops=(peak_flops(torch.cuda.get_device_name(device))
                           if device.type == "cuda" else None))
     _announce(run, n_params, built.sequence_parallel)

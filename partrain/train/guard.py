@@ -46,7 +46,7 @@ def _first_nonfinite_local(model, optimizer) -> str | None:
         if mine.is_floating_point() and not torch.isfinite(mine).all():
             return f"model.{name}"
     names = {id(p): name for name, p in params.items()}
-    inner = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed's ZeRO wraps AdamW
+    inner = getattr(optimizer, "optimizer", optimizer)  # DeepSpeed's ZeRO wraps the optimizer
     for param, state in inner.state.items():
         for key, value in state.items():
             value = local(value) if torch.is_tensor(value) else value

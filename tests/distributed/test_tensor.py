@@ -118,10 +118,23 @@ MODEL = dict(name="t", n_layers=2, n_heads=4, n_kv_heads=4, dim=32, ffn_dim=64, 
              vocab_size=64, max_seq_len=16, rope_theta=10000.0, norm_eps=1e-5, init_std=0.05)
 
 
-def _model_body(rank, tp, sp, kv_heads, tied=False):
+def _built(cfg):
+    """The model of the seed, its q/k/v biases and q/k norm gains (if any) drawn away from their
+    zeros and ones, so that a wrong slice or a missing gradient sum shows."""
+    from partrain.models.llama import build_model
+
+    model = build_model(cfg, seed=1)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith((".bias", "q_norm.weight", "k_norm.weight")):
+                param.add_(torch.randn(param.shape, generator=gen) * 0.5)
+    return model
+
+
+def _model_body(rank, tp, sp, kv_heads, tied=False, keys=None):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from partrain.models.llama import build_model
     from partrain.parallel.grads import clip_grad_norm
     from partrain.parallel.tensor import (
         apply_tensor_parallel,
@@ -131,8 +144,9 @@ def _model_body(rank, tp, sp, kv_heads, tied=False):
     )
     from partrain.plan.costs import tp_collectives, tp_step_collectives
 
-    cfg = OmegaConf.create({**MODEL, "n_kv_heads": kv_heads, "tie_embeddings": tied})
-    dense = build_model(cfg, seed=1)
+    cfg = OmegaConf.create({**MODEL, "n_kv_heads": kv_heads, "tie_embeddings": tied,
+                            **(keys or {})})
+    dense = _built(cfg)
     tokens = torch.randint(0, cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(2))
     target = tokens.roll(-1, dims=1)
     want = F.cross_entropy(dense(tokens).flatten(0, 1), target.flatten())
@@ -141,7 +155,7 @@ def _model_body(rank, tp, sp, kv_heads, tied=False):
 
     mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
     group = mesh.get_group()
-    model = apply_tensor_parallel(build_model(cfg, seed=1), mesh,
+    model = apply_tensor_parallel(_built(cfg), mesh,
                                   OmegaConf.create({"sequence_parallel": sp}))
     with count_collectives() as counted:
         loss = vocab_parallel_cross_entropy(model(tokens), target, group)
@@ -171,6 +185,8 @@ def _model_body(rank, tp, sp, kv_heads, tied=False):
     assert {op: dict(v) for op, v in counted.items()} == expected
     # ... and the arithmetic is Megatron's: per layer 2 forward + 2 backward region crossings.
     L, T, d = cfg.n_layers, tokens.numel(), cfg.dim
+    if keys:  # the q/k norm gains' gradient sums come on top (counted above)
+        return
     if sp:
         assert expected["all_gather"] == {"calls": 4 * L + 2, "bytes": (4 * L + 2) * T * d * 4}
         assert expected["reduce_scatter"] == expected["all_gather"]
@@ -179,10 +195,14 @@ def _model_body(rank, tp, sp, kv_heads, tied=False):
         assert expected["all_reduce"]["bytes"] == ((4 * L + 2) * T * d + 3 * T + 1) * 4
 
 
-@pytest.mark.parametrize("tp,sp,kv_heads,tied", [(2, False, 2, False),
-                                                  pytest.param(4, False, 4, False,
-                                                               marks=pytest.mark.slow),
-                                                  (2, True, 2, False), (2, False, 2, True)],
-                         ids=["tp2-gqa", "tp4", "tp2-sequence-parallel", "tp2-tied"])
-def test_model_matches_dense(tp, sp, kv_heads, tied):
-    run_distributed(_model_body, tp, sp, kv_heads, tied)
+QWEN = {"qkv_bias": True, "qk_norm": True}
+
+
+@pytest.mark.parametrize("tp,sp,kv_heads,tied,keys", [
+    (2, False, 2, False, None), pytest.param(4, False, 4, False, None, marks=pytest.mark.slow),
+    (2, True, 2, False, None), (2, False, 2, True, None), (2, True, 2, False, QWEN)],
+    ids=["tp2-gqa", "tp4", "tp2-sequence-parallel", "tp2-tied", "tp2-sp-qkv-bias-qk-norm"])
+def test_model_matches_dense(tp, sp, kv_heads, tied, keys):
+    """keys=QWEN: the q/k/v biases split with their rows, the per-head q/k norm gains replicated
+    with their gradients summed over tp (each rank norms only its own heads)."""
+    run_distributed(_model_body, tp, sp, kv_heads, tied, keys)

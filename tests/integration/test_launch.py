@@ -36,6 +36,17 @@ def test_quickstart_trains_and_writes_the_run_dir(cli, tmp_path):
     assert "run summary" in res.stdout and "Traceback" not in res.stderr
     assert_no_abort(run_dir, res.stdout, res.stderr)
     assert processes_mentioning(str(run_dir)) == []
+    # What to do next, with this run dir filled in; and `partrain runs` reads it as done.
+    said = [line for line in res.stdout.splitlines() if line.startswith("next: ")]
+    assert [line.split("#")[0].split()[1:3] for line in said] == [
+        ["partrain", "sample"], ["partrain", "export"], ["partrain", "launch"]], res.stdout
+    assert all(str(run_dir) in line for line in said), said
+    assert f"--resume {run_dir} train.max_steps=80" in said[2]
+    listed = cli.run("runs", "--root", str(tmp_path), "--json")
+    assert listed.returncode == 0, listed.stderr
+    run, = json.loads(listed.stdout)
+    assert (run["state"], run["step"], run["max_steps"], run["checkpoint"]) == ("done", 40, 40, 40)
+    assert run["loss"] == steps[-1]["loss"]
 
 
 @pytest.mark.parametrize("degrees, ranks", [

@@ -9,6 +9,7 @@ also resumed on their own layout (EXACT), which must be bit-identical."""
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,9 @@ from tests.integration.conftest import (
     read_metrics,
     resume_layout,
 )
+
+
+HF_ZERO2 = Path(__file__).parents[1] / "data" / "ds_config_zero2.json"
 
 
 def _run(cli, tmp_path, name, *overrides):
@@ -171,13 +175,20 @@ def test_pipeline_parallel_parity(cli, tmp_path, single_process, label, override
                          "train.micro_batch_size=4", "--nproc-per-node", "4")),
     ("zero1 dp2 x pp2", ("parallel.dp=2", "parallel.pp=2", "parallel.zero_stage=1",
                          "train.micro_batch_size=4", "--nproc-per-node", "4")),
-    ("zero2 dp2 + cpu optimizer offload", ("parallel.dp=2", "parallel.zero_stage=2",
-                                           "parallel.offload_optimizer=cpu",
-                                           "train.micro_batch_size=4")),
+    # Stage 2 with the optimizer offloaded, as a DeepSpeed user's HF-style ds_config.json says
+    # it ("auto" values, partrain's keys from the file, DeepSpeed's own ones raw).
+    ("zero2 dp2 + cpu optimizer offload, from a ds_config.json",
+     ("parallel.dp=2", f"parallel.deepspeed_config={HF_ZERO2}", "train.micro_batch_size=4")),
 ])
 @pytest.mark.slow
 def test_zero_parity(cli, tmp_path, single_process, deepspeed_ops, label, overrides):
     _check_with_resumes(cli, tmp_path, single_process, label, overrides)
+    if "ds_config" in label:  # the run ran what the file says, and records it
+        import yaml
+
+        frozen = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["parallel"]
+        assert (frozen["zero_stage"], frozen["offload_optimizer"]) == (2, "cpu"), frozen
+        assert frozen["deepspeed"]["zero_optimization"]["reduce_scatter"] is True, frozen
 
 
 def _check_with_resumes(cli, tmp_path, single_process, label, overrides):

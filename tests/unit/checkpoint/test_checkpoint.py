@@ -293,6 +293,8 @@ def _refusal(checkpoint, *overrides: str) -> str:
     ("train.dtype=fp32", "train.dtype", "fp32", "auto"),
     ("data.val_fraction=0.1", "data.val_fraction", "0.1", "0.05"),
     ("data.stdlib_max_bytes=1000000", "data.stdlib_max_bytes", "1000000", "8000000"),
+    # The checkpoint holds AdamW's moments: another optimizer is a new run (model.init_from).
+    ("optim.name=sgd", "optim.name", "sgd", "adamw"),
 ])
 def test_resume_refuses_a_change_of_the_math(saved, override, key, new, old):
     message = _refusal(saved, override)
@@ -326,6 +328,7 @@ def test_a_key_the_checkpoint_lacks_is_its_default(tmp_path):
     ("name=resumed",),
     ("optim.lr=0.001", "optim.warmup_steps=5", "optim.weight_decay=0.0", "optim.grad_clip=0.5"),
     ("optim.min_lr_ratio=0.0", "optim.beta2=0.99", "optim.eps=1e-6"),
+    ("optim.schedule=wsd", "optim.decay_ratio=0.2", "optim.momentum=0.5"),
     ("train.activation_checkpointing=selective", "train.compile=true"),
 ])
 def test_resume_allows_the_layout_the_bookkeeping_and_the_schedule(saved, overrides):

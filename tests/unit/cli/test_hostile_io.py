@@ -113,7 +113,7 @@ ROWS_DATA = [
         "train.seq_len", "10 tokens", "fewer"),
     row("tokens: data.path is a file",
         lambda c: ["launch", "--dry-run", "data=tokens", "data.path=" + c.file("afile")],
-        "data.path=", "afile", "not a directory"),
+        "data.path=", "afile", "not a token dir", "partrain data prepare"),
     row("tokens: no data.path", ["launch", "--dry-run", "data=tokens"],
         "data.source=tokens", "data.path"),
     row("data.stdlib_max_bytes=0", ["launch", "--dry-run", "data.stdlib_max_bytes=0"],

@@ -317,7 +317,7 @@ ROWS_WHAT_IS_THERE = [
         "data.path=", "tl", "not a directory", "symlink loop"),
     row("tokens: data.path is a regular file",
         lambda c: ["launch", "--dry-run", "data=tokens", "data.path=" + c.file("afile")],
-        "data.path=", "afile", "not a directory", "is a regular file"),
+        "data.path=", "afile", "is a file, not a token dir", "partrain data prepare"),
     row("tokens: meta.json is a symlink loop", _token_dir_with("meta.json", "meta.json"),
         "data.path=", "meta.json", "symlink loop", absent=("no meta.json",)),
     row("tokens: val.bin is a dangling link", _token_dir_with("val.bin", "gone.bin"),

@@ -26,6 +26,7 @@ SHAPES = {
     "ffn-given": ["ffn_dim=200", "n_layers=2"],
     "ffn-derived-odd": ["dim=96", "n_heads=3", "n_kv_heads=1", "multiple_of=64", "n_layers=1"],
     "small-vocab": ["vocab_size=64", "dim=64", "n_heads=2", "n_kv_heads=2", "n_layers=3"],
+    "qkv-bias-qk-norm": ["qkv_bias=true", "qk_norm=true", "n_layers=2"],
 }
 
 
@@ -34,6 +35,21 @@ def test_param_count_matches_built_model(overrides):
     cfg = model_cfg(*overrides)
     model = build_model(cfg, seed=0)
     assert sum(p.numel() for p in model.parameters()) == count_params(cfg)
+
+
+def test_params_per_rank_split_the_biases_and_keep_the_head_norms():
+    """Under tp the q/k/v biases split with their linears; the q/k norm gains stay whole."""
+    from partrain.models.arith import count_params_per_rank
+
+    cfg = model_cfg("qkv_bias=true", "qk_norm=true", "n_layers=2")
+    model = build_model(cfg, seed=0)
+    split = {f"{module}.{kind}" for module, style in model.tensor_parallel_plan().items()
+             if style in ("colwise", "rowwise", "vocab_embedding", "vocab_head")
+             for kind in ("weight", "bias")}
+    assert "layers.0.attention.wq.bias" in split
+    want = sum(p.numel() // 2 if name in split else p.numel()
+               for name, p in model.named_parameters())
+    assert count_params_per_rank(cfg, tp=2) == want
 
 
 def test_tiny_is_the_quickstarts_0_8m_parameters():
@@ -216,7 +232,7 @@ def test_flops_per_token_is_about_6n_for_a_big_model():
 
 # The learning-rate schedule (partrain/train/optim.py).
 
-OPTIM = SimpleNamespace(lr=1.0e-3, warmup_steps=10, min_lr_ratio=0.1)
+OPTIM = SimpleNamespace(lr=1.0e-3, warmup_steps=10, min_lr_ratio=0.1, schedule="cosine")
 
 
 def test_lr_warmup_is_linear():

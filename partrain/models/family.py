@@ -1,0 +1,227 @@
+"""Model families: what partrain trains, by name (`model.family`), or a user's own `nn.Module`
+(`model.target=mypkg.module:build`, its keys under `model.args`).
+
+A family is a builder plus what partrain may ask of the model it builds. The built-in `llama`
+family (the Llama/Mistral/Qwen decoder and its mixtures of experts) is registered here like any
+other. A user's builder is `build(model_cfg) -> nn.Module`: `model_cfg` is the `model` section
+(`model_cfg.args` the user's keys, `vocab_size` and `max_seq_len` partrain's); partrain seeds
+torch's generator with `train.seed` before calling it, so that every layout starts from the same
+weights. The module's contract, the one the built-in model keeps:
+
+- `forward(tokens: LongTensor[batch, seq]) -> logits[batch, seq, vocab]` (under tp: this rank's
+  vocabulary shard, when the plan splits the head with "vocab_head");
+- optional `tensor_parallel_plan() -> {module name: style}` (partrain.parallel.tensor.STYLES:
+  colwise, rowwise, vocab, vocab_head, norm, replicated, region, attention, head_norm) for
+  `parallel.tp`;
+- optional `layers` (an `nn.ModuleDict` of blocks, keyed "0", "1", ...) and
+  `pipeline_chunk(layer_ids, first, last) -> nn.Module` (the given blocks; the embedding if first,
+  else it takes hidden states; the head if last, else it returns hidden states) for `parallel.pp`;
+  the hidden size that flows between stages is the model's `dim` attribute; the blocks are
+  also FSDP's units, what `train.activation_checkpointing=full` recomputes and
+  what `train.compile` compiles;
+- optional `flops_per_token(seq_len) -> float` (training FLOPs, for MFU); else 6 x parameters.
+
+What a model does not declare still trains with DDP, DeepSpeed ZeRO, FSDP2, checkpoints, resume
+and metrics; tp and pp without a plan or a split are refused before anything starts, naming
+what is missing (`check_user_model`).
+"""
+
+import importlib
+import os
+import re
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+from partrain.errors import ConfigError
+
+# torch is imported where a model is built: validation and `plan` import this module too.
+
+TARGET = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    build: Callable  # (model_cfg, seed) -> the full model in fp32 on the CPU
+    about: str
+
+
+def _build_llama(model_cfg, seed: int):
+    from partrain.models.llama import build_model
+
+    return build_model(model_cfg, seed)
+
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family("llama", _build_llama, "Llama 2/3, Mistral, Qwen2/3 decoders and their "
+                                          "mixtures of experts (model.moe)"),
+}
+
+
+def register_family(family: Family) -> None:
+    """Add a family under its name (a plugin's import registers it; model.family picks it)."""
+    FAMILIES[family.name] = family
+
+
+def is_user_model(model_cfg) -> bool:
+    return bool(model_cfg.get("target"))
+
+
+def load_builder(target: str) -> Callable:
+    """The callable `module:name` names, or a ConfigError saying why it cannot be used."""
+    if not TARGET.match(target or ""):
+        raise ConfigError(f"model.target={target} must be 'package.module:function' (a builder "
+                          "importable from the workers' Python path)")
+    module_name, _, attr = target.partition(":")
+    # As `python -m` and torchrun's script do: the user's own modules import from where they run.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 - the user's import: any error is theirs to see
+        raise ConfigError(f"model.target={target}: importing {module_name} failed: "
+                          f"{type(e).__name__}: {e}") from None
+    builder = getattr(module, attr, None)
+    if not callable(builder):
+        raise ConfigError(f"model.target={target}: {module_name} has no callable {attr!r}")
+    return builder
+
+
+def build_family_model(model_cfg, seed: int):
+    """The full model of `model_cfg` in fp32 on the CPU, its weights fixed by `seed`."""
+    import torch
+    from torch import nn
+
+    if not is_user_model(model_cfg):
+        return FAMILIES[model_cfg.get("family", "llama")].build(model_cfg, seed)
+    builder = load_builder(model_cfg.target)
+    torch.manual_seed(seed)
+    model = builder(model_cfg)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model.target={model_cfg.target} returned a {type(model).__name__}, "
+                        "not an nn.Module")
+    return model.float()
+
+
+@dataclass(frozen=True)
+class UserModel:
+    """What a user's model declares, learned by building it on the meta device (no memory)."""
+    params: int
+    tensor_parallel_plan: bool
+    pipeline_split: bool
+    blocks: int
+    flops_per_token: bool
+
+
+def probe(model_cfg) -> UserModel:
+    """Build the user's model on the meta device and read what it declares."""
+    import torch
+    from torch import nn
+
+    builder = load_builder(model_cfg.target)
+    try:
+        with torch.device("meta"):
+            model = builder(model_cfg)
+    except Exception as e:  # noqa: BLE001 - the user's builder: its error is theirs to see
+        raise ConfigError(f"model.target={model_cfg.target}: the builder failed with "
+                          f"model.args={dict(model_cfg.get('args') or {})}: "
+                          f"{type(e).__name__}: {e}") from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model.target={model_cfg.target} returned a {type(model).__name__}, "
+                          "not an nn.Module")
+    layers = getattr(model, "layers", None)
+    return UserModel(
+        params=sum(p.numel() for p in model.parameters()),
+        tensor_parallel_plan=callable(getattr(model, "tensor_parallel_plan", None)),
+        pipeline_split=isinstance(layers, nn.ModuleDict)
+        and callable(getattr(model, "pipeline_chunk", None))
+        and isinstance(getattr(model, "dim", None), int),
+        blocks=len(layers) if isinstance(layers, (nn.ModuleDict, nn.ModuleList)) else 0,
+        flops_per_token=callable(getattr(model, "flops_per_token", None)))
+
+
+def check_user_model(cfg) -> UserModel | None:
+    """A user's model against the layout, before anything starts: tp needs its plan, pp its split
+    (and enough blocks), and what only the built-in family has is refused with the reason."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if not is_user_model(m):
+        if m.get("args"):
+            raise ConfigError(f"model.args={dict(m.args)} are a user model's keys, but "
+                              "model.target is unset: set model.target=package.module:function")
+        if m.get("family", "llama") not in FAMILIES:
+            raise ConfigError(f"model.family={m.family} is not a registered family (known: "
+                              f"{', '.join(sorted(FAMILIES))}); for your own nn.Module set "
+                              "model.target=package.module:function")
+        return None
+    found = probe(m)
+    needs = []
+    if p.tp > 1 and not found.tensor_parallel_plan:
+        needs.append(f"parallel.tp={p.tp} needs the model's tensor_parallel_plan() "
+                     "(module name -> style)")
+    if p.pp > 1 and not found.pipeline_split:
+        needs.append(f"parallel.pp={p.pp} needs the model's `layers` (an nn.ModuleDict of "
+                     "blocks), pipeline_chunk(layer_ids, first, last) and `dim` (the hidden "
+                     "size between stages)")
+    elif p.pp > 1 and found.blocks < p.pp * p.pp_virtual_stages:
+        needs.append(f"parallel.pp={p.pp} x pp_virtual_stages={p.pp_virtual_stages} needs as "
+                     f"many blocks; the model has {found.blocks}")
+    for key, value, why in (
+            ("parallel.cp", p.cp > 1, "context parallelism rewrites the built-in attention"),
+            ("parallel.ep", p.ep > 1, "expert parallelism splits the built-in MoE"),
+            ("model.moe.n_experts", m.moe.n_experts > 0, "model.moe configures the built-in MoE"),
+            ("model.init_from=hf:", str(m.get("init_from") or "").startswith("hf:"),
+             "Hugging Face import maps onto the built-in family"),
+            ("train.activation_checkpointing=selective",
+             t.activation_checkpointing == "selective",
+             "selective recomputation knows the built-in blocks; use full")):
+        if value:
+            needs.append(f"{key} is not for a user model: {why}")
+    if t.activation_checkpointing == "full" and not found.blocks:
+        needs.append("train.activation_checkpointing=full recomputes the model's blocks: give it "
+                     "`layers` (an nn.ModuleDict or nn.ModuleList of blocks)")
+    if needs:
+        raise ConfigError(f"model.target={m.target}: " + "; ".join(needs))
+    return found
+
+
+def user_flops_per_token(model, seq_len: int, params: int) -> float:
+    """Training FLOPs per token of a user's model: its own count, else 6 x parameters (the
+    matrix multiplies of forward and backward, attention's score FLOPs left out)."""
+    count = getattr(model, "flops_per_token", None)
+    return float(count(seq_len)) if callable(count) else 6.0 * params
+
+
+def blocks(model) -> list:
+    """The model's blocks: the built-in TransformerBlocks, or a user model's `layers` (under pp,
+    this rank's chunks' layers)."""
+    from torch import nn
+
+    from partrain.models.llama import TransformerBlock
+
+    found = [m for m in model.modules() if isinstance(m, TransformerBlock)]
+    if found:
+        return found
+    roots = list(model.chunks) if isinstance(getattr(model, "chunks", None), nn.ModuleList) \
+        else [model]
+    out = []
+    for root in roots:
+        layers = getattr(root, "layers", None)
+        if isinstance(layers, nn.ModuleDict):
+            out.extend(layers.values())
+        elif isinstance(layers, nn.ModuleList):
+            out.extend(layers)
+    return out
+
+
+def recompute_full(block) -> None:
+    """A user block recomputed in backward (train.activation_checkpointing=full): its forward
+    runs under torch.utils.checkpoint (non-reentrant), its parameters keep their names."""
+    from torch.utils.checkpoint import checkpoint
+
+    inner = block.forward
+
+    def forward(*args, **kwargs):
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    block.forward = forward

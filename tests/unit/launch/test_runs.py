@@ -1,0 +1,164 @@
+"""`partrain runs` (launch/runs.py): each run dir's state, last step and loss, read from what it
+holds, on run dirs made by hand: done, failed, running, killed, preempted, prepared, garbage.
+It reads only, and what it cannot make sense of is `unknown`, never an error. And what a launch
+records for it (logs/state.json) and prints after a run (start.py)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from partrain.launch.runs import read_run
+
+
+def _run_dir(root, name, *, max_steps=10, steps=(), state=None, pid=None, host=None,
+             checkpoint=None, reason="final", error=False):
+    run = root / name
+    (run / "logs").mkdir(parents=True)
+    (run / "config.yaml").write_text(f"name: {name}\ntrain:\n  max_steps: {max_steps}\n")
+    if steps:
+        lines = [json.dumps({"step": s, "loss": 5.0 - s / 10, "grad_norm": 1.0}) for s in steps]
+        lines.insert(1, json.dumps({"step": steps[0], "val_loss": 9.0}))
+        (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    if state is not None:
+        record = {"state": state, "pid": pid or os.getpid(), "host": host or socket.gethostname()}
+        (run / "logs" / "state.json").write_text(json.dumps(record))
+    if checkpoint is not None:
+        ckpt = run / "checkpoints" / f"step-{checkpoint:08d}"
+        ckpt.mkdir(parents=True)
+        (ckpt / ".metadata").write_bytes(b"")
+        (ckpt / "meta.json").write_text(json.dumps({"step": checkpoint, "reason": reason}))
+    if error:
+        (run / "logs" / "error-rank-1.json").write_text("{}")
+    return run
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.fixture
+def runs_root(tmp_path):
+    root = tmp_path / "runs"
+    _run_dir(root, "done", steps=range(1, 11), state="done", checkpoint=10)
+    _run_dir(root, "failed", steps=range(1, 4), state="failed", error=True)
+    _run_dir(root, "running", steps=range(1, 6), state="running")
+    _run_dir(root, "killed", steps=range(1, 3), state="running", pid=_dead_pid())
+    _run_dir(root, "elsewhere", state="running", pid=_dead_pid(), host="another-node-0")
+    garbage = root / "garbage"
+    garbage.mkdir()
+    (garbage / "config.yaml").write_bytes(b"\xff\x00: [")
+    (garbage / "metrics.jsonl").write_bytes(b"\x00\xffnot json\n{\"step\": \"x\", \"loss\": 1}\n")
+    (garbage / "logs").mkdir()
+    (garbage / "logs" / "state.json").write_text('["not", "an", "object"]')
+    os.mkfifo(garbage / "checkpoints")  # a pipe would block a reader that opens it
+    (root / "foreign").mkdir()
+    (root / "foreign" / "notes.txt").write_text("not a run")
+    (root / "a-file.txt").write_text("not a directory: not listed")
+    return root
+
+
+EXPECTED = {"done": ("done", 10, 4.0, 10), "failed": ("failed", 3, 4.7, None),
+            "running": ("running", 5, 4.5, None), "killed": ("killed", 2, 4.8, None),
+            "elsewhere": ("running", None, None, None), "garbage": ("unknown", None, None, None),
+            "foreign": ("unknown", None, None, None)}
+
+
+def test_each_state_as_json(run_main, runs_root):
+    result = run_main("runs", "--root", str(runs_root), "--json")
+    assert result.code == 0, result.stderr
+    listed = {os.path.basename(run["path"]): run for run in json.loads(result.stdout)}
+    assert {name: (run["state"], run["step"], run["loss"] and round(run["loss"], 6),
+                   run["checkpoint"]) for name, run in listed.items()} == EXPECTED
+    assert listed["done"]["max_steps"] == 10 and listed["garbage"]["max_steps"] is None
+    assert listed["elsewhere"]["host"] == "another-node-0"
+
+
+def test_the_table(run_main, runs_root, monkeypatch):
+    monkeypatch.chdir(runs_root.parent)
+    result = run_main("runs")  # ./runs by default
+    assert result.code == 0, result.stderr
+    header, *rows = result.stdout.splitlines()
+    assert header.split() == ["STATE", "STEP", "LOSS", "CKPT", "RUN", "DIR"]
+    by_dir = {row.split()[-1]: row.split()[:-1] for row in rows}
+    assert by_dir["runs/done"] == ["done", "10/10", "4.0000", "10"]
+    assert by_dir["runs/failed"] == ["failed", "3/10", "4.7000", "-"]
+    assert by_dir["runs/garbage"] == ["unknown", "-", "-", "-"]
+    assert len(rows) == len(EXPECTED)
+
+
+@pytest.mark.parametrize("made, state", [
+    (dict(steps=range(1, 11), checkpoint=10), "done"),
+    (dict(steps=range(1, 5), error=True), "failed"),
+    (dict(steps=range(1, 5), checkpoint=4, reason="preemption"), "preempted"),
+    (dict(), "prepared"),  # `partrain slurm` wrote it; nothing trained yet
+    (dict(steps=range(1, 5)), "unknown"),
+])
+def test_a_run_dir_without_a_state_file_is_read_from_what_it_holds(tmp_path, made, state):
+    assert read_run(_run_dir(tmp_path, "old", **made)).state == state
+
+
+def test_one_run_dir_as_root_is_itself(run_main, runs_root):
+    result = run_main("runs", "--root", str(runs_root / "done"), "--json")
+    assert [run["state"] for run in json.loads(result.stdout)] == ["done"]
+
+
+def test_no_runs_and_a_missing_root(run_main, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = run_main("runs")
+    assert result.code == 0 and "./runs does not exist" in result.stdout
+    assert run_main("runs", "--json").stdout == "[]\n"
+    result = run_main("runs", "--root", "elsewhere")
+    assert result.code == 2 and "--root elsewhere does not exist" in result.stderr
+
+
+def test_it_writes_nothing(run_main, runs_root):
+    before = sorted((p, p.stat().st_mtime_ns) for p in runs_root.rglob("*")
+                    if not p.is_fifo())
+    run_main("runs", "--root", str(runs_root))
+    assert sorted((p, p.stat().st_mtime_ns) for p in runs_root.rglob("*")
+                  if not p.is_fifo()) == before
+
+
+@pytest.mark.parametrize("code, state", [(0, "done"), (1, "failed"), (3, "preempted"),
+                                         (4, "diverged"), (130, "interrupted")])
+def test_launch_records_the_state_its_workers_ended_in(run_main, tmp_path, monkeypatch, code,
+                                                       state):
+    """The launcher says `running` before its workers start, and how they ended after."""
+    import partrain.launch.local as local
+
+    seen = []
+
+    def workers(run_dir, spec, console_print):
+        seen.append(json.loads((run_dir / "logs" / "state.json").read_text())["state"])
+        return code
+
+    monkeypatch.setattr(local, "launch_workers", workers)
+    monkeypatch.chdir(tmp_path)
+    result = run_main("launch", "launcher.device=cpu", "parallel.dp=1", "--run-dir", "run")
+    assert result.code == code and seen == ["running"]
+    record = json.loads((tmp_path / "run" / "logs" / "state.json").read_text())
+    assert (record["state"], record["exit_code"]) == (state, code)
+    assert read_run(tmp_path / "run").state == state
+    assert "next:" not in result.stdout  # no checkpoint was saved: nothing to sample or resume
+
+
+def test_next_steps_name_the_run_dir(tmp_path):
+    from partrain.launch.start import next_steps
+    from tests.unit.helpers import compose, quick
+
+    run = _run_dir(tmp_path, "my run", checkpoint=10)
+    lines = next_steps(run, quick("train.max_steps=10"))
+    quoted = f"'{run}'"
+    assert [line.split("   #")[0] for line in lines] == [
+        f"next: partrain sample {quoted} --prompt 'def main('",
+        f"next: partrain export {quoted} --out 'hf/my run'",
+        f"next: partrain launch --resume {quoted} train.max_steps=20"]
+    moe = next_steps(run, compose("model=tiny-moe", "train.max_steps=10"))
+    assert not any("export" in line for line in moe)  # --format hf refuses a mixture of experts
+    assert next_steps(_run_dir(tmp_path, "none"), quick()) == []

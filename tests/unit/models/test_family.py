@@ -1,0 +1,90 @@
+"""Your own model (model.target): what partrain learns of it before anything starts, what it
+refuses without the model's plan or split, and `plan`'s view of it. The CLI runs of the example
+(examples/gpt2) are in tests/integration/test_user_model.py."""
+
+import json
+
+import pytest
+
+from partrain.errors import ConfigError
+from partrain.models.family import build_family_model, probe
+from tests.unit.helpers import compose, resolved
+
+GPT2 = "model.target=examples.gpt2.model:build"
+PLAIN = "model.target=tests.unit.models.user_models:plain"
+
+
+def test_the_example_declares_its_plan_and_split_and_counts_its_parameters():
+    cfg = compose(GPT2, "model.args.dim=32", "model.args.n_layers=2")
+    found = probe(cfg.model)
+    built = build_family_model(cfg.model, seed=0)
+    assert found.params == sum(p.numel() for p in built.parameters())
+    assert (found.tensor_parallel_plan, found.pipeline_split, found.blocks) == (True, True, 2)
+    # The seed fixes the weights: the same builder twice gives the same model.
+    again = build_family_model(cfg.model, seed=0)
+    assert all((a == b).all() for a, b in zip(built.parameters(), again.parameters()))
+
+
+@pytest.mark.parametrize("overrides, fragments", [
+    (("parallel.tp=2", "parallel.dp=1"), ["parallel.tp=2 needs the model's tensor_parallel_plan()"]),
+    (("parallel.pp=2", "parallel.dp=1"), ["parallel.pp=2 needs the model's `layers`",
+                                          "pipeline_chunk(layer_ids, first, last)"]),
+    (("train.activation_checkpointing=full",), ["recomputes the model's blocks"]),
+    (("parallel.cp=2", "parallel.dp=1"), ["parallel.cp is not for a user model"]),
+    (("model.moe.n_experts=4",), ["model.moe.n_experts is not for a user model"]),
+])
+def test_what_a_plain_model_cannot_do_is_named(overrides, fragments):
+    with pytest.raises(ConfigError) as info:
+        resolved(PLAIN, *overrides, "launcher.device=cpu")
+    for fragment in fragments:
+        assert fragment in str(info.value), str(info.value)
+    assert str(info.value).startswith("model.target=tests.unit.models.user_models:plain")
+
+
+def test_a_plain_model_runs_every_data_parallel_backend():
+    for overrides in ((), ("parallel.zero_stage=2",),
+                      ("parallel.zero_stage=3", "parallel.zero_backend=fsdp")):
+        cfg, _, _ = resolved(PLAIN, "launcher.device=cpu", *overrides)
+        assert cfg.model.target.endswith(":plain")
+
+
+@pytest.mark.parametrize("target, fragment", [
+    ("nodots", "must be 'package.module:function'"),
+    ("no_such_module_xyz:build", "importing no_such_module_xyz failed: ModuleNotFoundError"),
+    ("tests.unit.models.user_models:missing", "has no callable 'missing'"),
+    ("tests.unit.models.user_models:broken", "the builder failed with model.args={}: "
+                                             "ValueError: dim must be even"),
+    ("tests.unit.models.user_models:not_a_module", "returned a int, not an nn.Module"),
+])
+def test_a_target_that_cannot_build_is_one_clear_message(run_main, target, fragment):
+    res = run_main("show", f"model.target={target}")
+    assert res.code == 2 and fragment in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_user_keys_need_a_target_and_a_family_must_be_known(run_main):
+    res = run_main("show", "model.args.dim=8")
+    assert res.code == 2 and "model.args={'dim': 8} are a user model's keys" in res.stderr
+    res = run_main("show", "model.family=gpt2")
+    assert res.code == 2 and "model.family=gpt2 is not a registered family (known: llama)" \
+        in res.stderr, res.stderr
+
+
+def test_a_name_is_a_label_and_the_launcher_says_so():
+    _, _, warnings = resolved("model.name=gpt2", "launcher.device=cpu")
+    assert any("model.name=gpt2 is a label only: the model trained is model.family=llama"
+               in w for w in warnings), warnings
+
+
+def test_plan_shows_a_user_models_parameters_and_state(run_main):
+    res = run_main("plan", "--json", GPT2, "model.args.dim=32", "model.args.n_layers=2",
+                   "parallel.tp=2", "parallel.dp=1", "parallel.zero_stage=0")
+    assert res.code == 0, res.stderr
+    plan = json.loads(res.stdout)
+    m = plan["model"]
+    assert m["params_per_rank"] == m["params"] // 2
+    # DDP in fp32: 16 bytes per parameter of the rank's share.
+    assert plan["memory"]["total"] == 16 * m["params_per_rank"]
+    assert "not modeled" in plan["not_modeled"]
+    res = run_main("plan", "--search", "--gpus", "8", GPT2)
+    assert res.code == 2 and "is your own model" in res.stderr, res.stderr

@@ -81,22 +81,24 @@ def derived_config(cfg, on_cuda: bool = False) -> dict:
     }
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict:
+def flatten_keys(tree: dict, prefix: str = "") -> dict:
+    """{dotted path: value} of a nested mapping's leaves."""
     flat = {}
     for key, value in tree.items():
         path = f"{prefix}{key}"
         if isinstance(value, dict):
-            flat.update(_flatten(value, path + "."))
+            flat.update(flatten_keys(value, path + "."))
         else:
             flat[path] = value
     return flat
 
 
-def _merge(base: dict, extra: dict) -> dict:
+def merge_keys(base: dict, extra: dict) -> dict:
+    """`base` with `extra`'s keys over it, section by section."""
     merged = dict(base)
     for key, value in extra.items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
+            merged[key] = merge_keys(merged[key], value)
         else:
             merged[key] = value
     return merged
@@ -146,8 +148,8 @@ def deepspeed_config(cfg, on_cuda: bool = False) -> dict:
     for key, why in FORBIDDEN.items():
         if key in raw:
             raise ConfigError(f"parallel.deepspeed.{key} is not allowed: {why}")
-    fixed = {k: v for k, v in _flatten(derived).items() if k in SOURCES}
-    for key, value in _flatten(raw).items():
+    fixed = {k: v for k, v in flatten_keys(derived).items() if k in SOURCES}
+    for key, value in flatten_keys(raw).items():
         if key in fixed and fixed[key] != value:
             raise ConfigError(
                 f"parallel.deepspeed.{key}={value!r} contradicts the derived {key}={fixed[key]!r} "
@@ -158,7 +160,7 @@ def deepspeed_config(cfg, on_cuda: bool = False) -> dict:
                 raise ConfigError(
                     f"parallel.deepspeed.{key} clashes with the derived {other} (from "
                     f"{SOURCES[other]}); set {SOURCES[other]} instead")
-    merged = _merge(derived, raw)
+    merged = merge_keys(derived, raw)
     if cfg.parallel.ep > 1 and not merged["zero_optimization"]["contiguous_gradients"]:
         raise ConfigError(
             "parallel.deepspeed.zero_optimization.contiguous_gradients=false cannot be used with "

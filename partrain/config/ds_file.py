@@ -20,6 +20,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from partrain.config.deepspeed import flatten_keys, merge_keys
 from partrain.errors import ConfigError
 
 AUTO = "auto"
@@ -85,16 +86,6 @@ def read_deepspeed_json(path: Path) -> dict:
         raise ConfigError(f"{shown} holds a JSON {type(data).__name__}; a DeepSpeed config is an "
                           "object ({...})")
     return data
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
 
 
 def _nest(flat: dict) -> dict:
@@ -223,7 +214,7 @@ def apply_deepspeed_file(cfg: DictConfig, overrides: list[str]) -> None:
     if not path:
         return
     data = read_deepspeed_json(Path(path))
-    flat = _flatten(data)
+    flat = flatten_keys(data)
     found, problems = _partrain_values(data, flat, cfg.parallel.cp)
     given = given_keys(overrides)
     for key, (value, where) in list(found.items()):
@@ -238,7 +229,7 @@ def apply_deepspeed_file(cfg: DictConfig, overrides: list[str]) -> None:
                             "the command line: drop one, or make them agree")
     # "auto" tuning keys take the values the config without the file derives.
     stage = found.get("parallel.zero_stage", (cfg.parallel.zero_stage, None))[0]
-    raw, unfilled = _raw_keys(flat, _flatten(_derivable(cfg, stage)))
+    raw, unfilled = _raw_keys(flat, flatten_keys(_derivable(cfg, stage)))
     problems += unfilled
     if problems:
         listed = "\n".join(f"  - {p}" for p in problems)
@@ -250,7 +241,7 @@ def apply_deepspeed_file(cfg: DictConfig, overrides: list[str]) -> None:
             OmegaConf.update(cfg, key, value, merge=False)
         _settle_batch(cfg.train, {k for k in found if k.startswith("train.")}, given)
         inline = OmegaConf.to_container(cfg.parallel.deepspeed) if cfg.parallel.deepspeed else {}
-        cfg.parallel.deepspeed = _merge(_nest(raw), inline)
+        cfg.parallel.deepspeed = merge_keys(_nest(raw), inline)
 
 
 BATCH = ("global_batch_size", "micro_batch_size", "micro_batches")
@@ -283,13 +274,3 @@ def _derivable(cfg: DictConfig, stage: int) -> dict:
                 "gradient_accumulation_steps"):
         derived.pop(key)
     return derived
-
-
-def _merge(base: dict, extra: dict) -> dict:
-    merged = dict(base)
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged

@@ -18,7 +18,8 @@ weights. The module's contract, the one the built-in model keeps:
   else it takes hidden states; the head if last, else it returns hidden states) for `parallel.pp`;
   the hidden size that flows between stages is the model's `dim` attribute; the blocks are
   also FSDP's units, what `train.activation_checkpointing=full` recomputes and
-  what `train.compile` compiles;
+  what `train.compile` compiles (a model without blocks is one unit, recomputed and compiled
+  whole);
 - optional `flops_per_token(seq_len) -> float` (training FLOPs, for MFU); else 6 x parameters.
 
 What a model does not declare still trains with DDP, DeepSpeed ZeRO, FSDP2, checkpoints, resume
@@ -177,9 +178,6 @@ def check_user_model(cfg) -> UserModel | None:
              "selective recomputation knows the built-in blocks; use full")):
         if value:
             needs.append(f"{key} is not for a user model: {why}")
-    if t.activation_checkpointing == "full" and not found.blocks:
-        needs.append("train.activation_checkpointing=full recomputes the model's blocks: give it "
-                     "`layers` (an nn.ModuleDict or nn.ModuleList of blocks)")
     if needs:
         raise ConfigError(f"model.target={m.target}: " + "; ".join(needs))
     return found

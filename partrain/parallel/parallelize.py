@@ -168,12 +168,17 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> torch.n
     """Set every transformer block of `model` to checkpoint in `mode` (models.arith.RECOMPUTE_MODES;
     the mechanism is partrain.models.recompute). A user model's blocks (its `layers`) are
     recomputed whole under mode "full" (validation refuses "selective" for them)."""
-    for block in blocks(model):
+    found = blocks(model)
+    for block in found:
         if isinstance(block, TransformerBlock):
             block.recompute = mode
         elif mode == "full":
             recompute_full(block)
             block.recompute = mode
+    if mode == "full" and not found:
+        # A user's model without blocks: its whole forward is recomputed in backward.
+        recompute_full(model)
+        model.recompute = mode
     return model
 
 
@@ -187,6 +192,9 @@ def compile_blocks(model: torch.nn.Module) -> int:
     the same objects, so wrappers that hold them see the compiled forward). A block's
     checkpointing is part of its compiled forward. Returns the number of blocks compiled."""
     found = blocks(model)
+    if not found:  # a user's model without blocks: compiled whole
+        model.compile()
+        return 1
     for block in found:
         if isinstance(getattr(block, "feed_forward", None), MoE) and block.recompute != "none":
             # Dynamo cannot trace the router's data-dependent dispatch inside a checkpoint: it

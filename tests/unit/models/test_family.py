@@ -29,7 +29,8 @@ def test_the_example_declares_its_plan_and_split_and_counts_its_parameters():
     (("parallel.tp=2", "parallel.dp=1"), ["parallel.tp=2 needs the model's tensor_parallel_plan()"]),
     (("parallel.pp=2", "parallel.dp=1"), ["parallel.pp=2 needs the model's `layers`",
                                           "pipeline_chunk(layer_ids, first, last)"]),
-    (("train.activation_checkpointing=full",), ["recomputes the model's blocks"]),
+    (("train.activation_checkpointing=selective",), ["selective recomputation knows the "
+                                                      "built-in blocks; use full"]),
     (("parallel.cp=2", "parallel.dp=1"), ["parallel.cp is not for a user model"]),
     (("model.moe.n_experts=4",), ["model.moe.n_experts is not for a user model"]),
 ])
@@ -88,3 +89,33 @@ def test_plan_shows_a_user_models_parameters_and_state(run_main):
     assert "not modeled" in plan["not_modeled"]
     res = run_main("plan", "--search", "--gpus", "8", GPT2)
     assert res.code == 2 and "is your own model" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("target", ["tests.unit.models.user_models:plain",
+                                    "examples.gpt2.model:build"])
+def test_full_recomputation_of_a_user_model_keeps_its_gradients(target):
+    """Blocks (the example's `layers`) or, for a model without any, its whole forward run again
+    in backward: the same loss and gradients, the parameters' names unchanged."""
+    import torch
+    import torch.nn.functional as F
+
+    from partrain.parallel.parallelize import apply_activation_checkpointing, checkpointed_blocks
+
+    cfg = compose(f"model.target={target}", "model.args.dim=32", "model.args.n_layers=2")
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def grads(model):
+        loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain_loss, plain = grads(build_family_model(cfg.model, seed=0))
+    model = build_family_model(cfg.model, seed=0)
+    names = [n for n, _ in model.named_parameters()]
+    apply_activation_checkpointing(model, "full")
+    assert checkpointed_blocks(model) >= 1
+    assert [n for n, _ in model.named_parameters()] == names
+    loss, recomputed = grads(model)
+    assert loss == plain_loss
+    for name, grad in plain.items():
+        torch.testing.assert_close(recomputed[name], grad, rtol=0, atol=0)

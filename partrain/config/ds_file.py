@@ -60,8 +60,6 @@ FROM_FILE = {
     "scheduler.params.total_num_steps": ("train.max_steps", int),
     "scheduler.params.cos_min_ratio": ("optim.min_lr_ratio", float),
 }
-# What partrain does where it has no key to choose otherwise.
-IMPLIED = {"optim.schedule": "cosine", "optim.name": "adamw"}
 
 
 def read_deepspeed_json(path: Path) -> dict:
@@ -217,14 +215,8 @@ def apply_deepspeed_file(cfg: DictConfig, overrides: list[str]) -> None:
     flat = flatten_keys(data)
     found, problems = _partrain_values(data, flat, cfg.parallel.cp)
     given = given_keys(overrides)
-    for key, (value, where) in list(found.items()):
-        if OmegaConf.select(cfg, key, default=KeyError) is KeyError:
-            del found[key]
-            if IMPLIED.get(key) != value:
-                problems.append(f"{where}={value!r}: partrain has no {key} to take it (it runs "
-                                f"{IMPLIED.get(key, 'without it')})")
-            continue
-        elif key in given and not _same(OmegaConf.select(cfg, key), value):
+    for key, (value, where) in found.items():
+        if key in given and not _same(OmegaConf.select(cfg, key), value):
             problems.append(f"{where}={value!r} in the file contradicts {key}={given[key]} on "
                             "the command line: drop one, or make them agree")
     # "auto" tuning keys take the values the config without the file derives.

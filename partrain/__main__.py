@@ -1,6 +1,6 @@
 """`python -m partrain` is the same as the `partrain` command."""
 
-from partrain.cli import main
+from partrain.cli import console
 
 if __name__ == "__main__":
-    main()
+    console()

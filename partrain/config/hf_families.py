@@ -8,10 +8,12 @@ launcher reads these while composing the config).
     qwen2        a bias on q/k/v (never on o)            model.qkv_bias=true
     qwen3        RMSNorm of each head's q and k          model.qk_norm=true
 
-What partrain cannot compute is refused naming the field: a head_dim other than hidden_size /
-num_attention_heads, a bias on the output projection or the MLP (Llama's attention_bias,
-Qwen3's attention_bias), layers with sliding-window attention (Qwen's use_sliding_window), other
-activations and rope types.
+Every family's head_dim is read into model.head_dim (written out on export): real Qwen3 sizes
+set their own (Qwen3-0.6B: hidden_size 1024, 16 heads of 128).
+
+What partrain cannot compute is refused naming the field: a bias on the output projection or
+the MLP (Llama's attention_bias, Qwen3's attention_bias), layers with sliding-window attention
+(Qwen's use_sliding_window), other activations and rope types.
 
 `model.init_from=hf:DIR` alone is enough: `apply_hf_keys` sets the model keys from config.json
 when the config is composed; a key also given on the command line must agree (a shorter
@@ -103,10 +105,8 @@ def model_keys(hf: dict, where: str) -> dict:
     if not isinstance(tie, bool):
         raise ConfigError(f"{where}: tie_word_embeddings={tie!r} must be true or false")
     dim, heads = _whole(hf, "hidden_size", where), _whole(hf, "num_attention_heads", where)
-    if hf.get("head_dim") not in (None, dim // heads):
-        raise ConfigError(f"{where}: head_dim={hf['head_dim']!r} is not hidden_size / "
-                          f"num_attention_heads = {dim // heads}; partrain's heads split the "
-                          "hidden size")
+    # transformers' default when config.json has none (or null): hidden_size / heads
+    head_dim = _whole(hf, "head_dim", where) if hf.get("head_dim") is not None else dim // heads
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if not isinstance(rope, dict):
         raise ConfigError(f"{where}: rope_parameters={rope!r} must be an object")
@@ -122,6 +122,7 @@ def model_keys(hf: dict, where: str) -> dict:
         _refuse_sliding_layers(hf, family, where)
     keys = {"n_layers": _whole(hf, "num_hidden_layers", where), "n_heads": heads,
             "n_kv_heads": _whole(hf, "num_key_value_heads", where, heads), "dim": dim,
+            "head_dim": head_dim,
             "ffn_dim": _whole(hf, "intermediate_size", where),
             "vocab_size": _whole(hf, "vocab_size", where),
             "norm_eps": _real(hf, "rms_norm_eps", where, 1e-6),
@@ -216,7 +217,7 @@ def hf_config(model_cfg, dtype: str) -> dict:
     """config.json of the transformers model of the family (export_family) that computes what
     partrain's model computes. The rotary base is written both ways transformers has read it
     (rope_theta before 5.0, rope_parameters since)."""
-    from partrain.models.arith import ffn_dim, tied
+    from partrain.models.arith import ffn_dim, head_dim, tied
 
     m, family = model_cfg, export_family(model_cfg)
     config = {
@@ -228,7 +229,7 @@ def hf_config(model_cfg, dtype: str) -> dict:
         "num_hidden_layers": m.n_layers,
         "num_attention_heads": m.n_heads,
         "num_key_value_heads": m.n_kv_heads,
-        "head_dim": m.dim // m.n_heads,
+        "head_dim": head_dim(m),
         "hidden_act": "silu",
         "max_position_embeddings": m.max_seq_len,
         "rms_norm_eps": float(m.norm_eps),

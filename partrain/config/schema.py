@@ -61,6 +61,8 @@ class ModelConfig:
     """Key/value heads (grouped-query attention); must divide n_heads."""
     dim: int = 128
     """Hidden size (elements per token)."""
+    head_dim: Optional[int] = None
+    """Elements per attention head; null = dim / n_heads (Qwen3 sets its own)."""
     ffn_dim: Optional[int] = None
     """SwiGLU inner size; null = 8/3 * dim rounded up to multiple_of."""
     multiple_of: int = 32

@@ -24,7 +24,7 @@ from partrain.config.resolve import (
 )
 from partrain.config.validate_moe import check_moe
 from partrain.errors import ConfigError
-from partrain.models.arith import RECOMPUTE_MODES, ffn_dim
+from partrain.models.arith import RECOMPUTE_MODES, ffn_dim, head_dim
 from partrain.models.family import check_user_model
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -160,6 +160,7 @@ def _check_each_key(cfg: DictConfig) -> None:
     _positive(cfg, ["parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep",
                     "parallel.pp_virtual_stages",
                     "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.dim",
+                    "model.head_dim",
                     "model.vocab_size", "model.max_seq_len", "train.seq_len", "train.max_steps",
                     "train.global_batch_size", "train.micro_batch_size", "train.micro_batches",
                     "train.log_every", "train.eval_batches", "train.max_skipped_steps",
@@ -303,14 +304,18 @@ def _check_fsdp(cfg: DictConfig) -> None:
 
 def _check_model_shape(m: DictConfig) -> None:
     """The attention heads fit the hidden size: kv heads group the query heads, and each head's
-    width is even for the rotary embeddings."""
+    width (model.head_dim, or dim / n_heads) is even for the rotary embeddings, which turn pairs
+    of a head's elements."""
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads}")
-    if m.dim % m.n_heads:
-        raise ConfigError(f"model.n_heads={m.n_heads} must divide model.dim={m.dim}")
-    if (m.dim // m.n_heads) % 2:
-        raise ConfigError(
-            f"model.dim / model.n_heads = {m.dim // m.n_heads} must be even (rotary embeddings)")
+    # With model.head_dim the heads have their own width (q/k/v project dim to heads x head_dim).
+    if m.head_dim is None and m.dim % m.n_heads:
+        raise ConfigError(f"model.n_heads={m.n_heads} must divide model.dim={m.dim} (or set "
+                          "model.head_dim)")
+    width = head_dim(m)
+    if width % 2:
+        key = "model.head_dim=" if m.head_dim is not None else "model.dim / model.n_heads = "
+        raise ConfigError(f"{key}{width} must be even (rotary embeddings)")
 
 
 def _check_model_family(cfg: DictConfig) -> None:

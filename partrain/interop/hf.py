@@ -45,7 +45,7 @@ from partrain.config.hf_families import (  # hf_dir, is_hf: imported from here t
     refuse_disagreements,
 )
 from partrain.interop.sample import check_vocab
-from partrain.models.arith import moe_enabled
+from partrain.models.arith import head_dim, moe_enabled
 from partrain.staging import check_out, staged_dir
 
 TOP_LEVEL = {"tok_embeddings.weight": "model.embed_tokens.weight",
@@ -90,22 +90,22 @@ def to_rotate_half(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Rows of wq or wk (or entries of a bias or head norm gain) from interleaved rotary pairs to
     rotate_half's halves, per head: within a head, row 2i + j moves to j * head_dim/2 + i."""
     rows, cols = weight.shape[0], weight[0].numel()
-    head_dim = rows // n_heads
-    return weight.reshape(n_heads, head_dim // 2, 2, cols).transpose(1, 2).reshape(weight.shape)
+    width = rows // n_heads
+    return weight.reshape(n_heads, width // 2, 2, cols).transpose(1, 2).reshape(weight.shape)
 
 
 def from_rotate_half(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     """The inverse of to_rotate_half (a Hugging Face checkpoint's wq or wk, for partrain)."""
     rows, cols = weight.shape[0], weight[0].numel()
-    head_dim = rows // n_heads
-    return weight.reshape(n_heads, 2, head_dim // 2, cols).transpose(1, 2).reshape(weight.shape)
+    width = rows // n_heads
+    return weight.reshape(n_heads, 2, width // 2, cols).transpose(1, 2).reshape(weight.shape)
 
 
 def hf_state_dict(model, model_cfg, dtype: str,
                   where: str = "the model") -> dict[str, torch.Tensor]:
     """The model's weights under transformers' names, q/k rows permuted, in `dtype`; each one
     finite, as saved and as written (`where`: what the refusal names)."""
-    state, head_dim = {}, model_cfg.dim // model_cfg.n_heads
+    state, width = {}, head_dim(model_cfg)
     for name, param in model.named_parameters():
         weight = param.detach()
         problem = non_finite(weight)
@@ -113,7 +113,7 @@ def hf_state_dict(model, model_cfg, dtype: str,
             raise ConfigError(f"{where}: weight {name} holds {problem}; partrain exports finite "
                               "weights only (export a checkpoint from before the run diverged)")
         if name.endswith(ROTATED):
-            weight = to_rotate_half(weight, weight.shape[0] // head_dim)
+            weight = to_rotate_half(weight, weight.shape[0] // width)
         weight = weight.to(DTYPES[dtype]).contiguous()
         problem = non_finite(weight)
         if problem:
@@ -190,7 +190,8 @@ def check_hf_init(model_cfg) -> Path:
     path = hf_dir(model_cfg.init_from)
     where = f"model.init_from={model_cfg.init_from}"
     wanted = model_keys(read_hf_config(path), f"{where} (config.json)")
-    derived = {"ffn_dim": ffn_dim(model_cfg), "tie_embeddings": tied(model_cfg)}
+    derived = {"ffn_dim": ffn_dim(model_cfg), "head_dim": head_dim(model_cfg),
+               "tie_embeddings": tied(model_cfg)}
     wanted.pop("hf_model_type")  # what an export writes, not the weights' shape
     mine = {key: derived[key] if key in derived else model_cfg[key] for key in wanted}
     refuse_disagreements(where, mine, wanted, "; the weights have config.json's shape: add {keys}")
@@ -287,7 +288,7 @@ def load_hf_weights(model, path: Path, model_cfg, tp_mesh) -> None:
 
     files = weight_files(path, f"model.init_from={HF_PREFIX}{path}")
     tp_rank = tp_mesh.get_local_rank() if tp_mesh is not None and tp_mesh.size() > 1 else 0
-    head_dim = model_cfg.dim // model_cfg.n_heads
+    width = head_dim(model_cfg)
     with ExitStack() as stack:
         opened = {}
         for name, param in named_parameters(model).items():
@@ -307,5 +308,5 @@ def load_hf_weights(model, path: Path, model_cfg, tp_mesh) -> None:
                 raise ConfigError(f"model.init_from={HF_PREFIX}{path}: tensor {key} in {file} "
                                   f"holds {problem}; a run starts from finite weights only")
             if name.endswith(ROTATED):
-                weight = from_rotate_half(weight, weight.shape[0] // head_dim)
+                weight = from_rotate_half(weight, weight.shape[0] // width)
             param.copy_(weight)

@@ -6,6 +6,12 @@ process starts, and by the models themselves."""
 import math
 
 
+def head_dim(cfg) -> int:
+    """Elements per attention head: model.head_dim, or dim / n_heads when null (or absent, as in
+    a config written before the key)."""
+    return getattr(cfg, "head_dim", None) or cfg.dim // cfg.n_heads
+
+
 def ffn_dim(cfg) -> int:
     """SwiGLU inner size: given, or 8/3 * dim rounded up to a multiple of `multiple_of`."""
     if cfg.ffn_dim:
@@ -32,14 +38,14 @@ def mlp_params(cfg, layer: int, ep: int = 1, active: bool = False) -> int:
 
 def _attention_params(cfg) -> int:
     """q/k/v/o matrices and the q/k/v biases (model.qkv_bias): split by tp."""
-    head_dim = cfg.dim // cfg.n_heads
-    bias = head_dim * (cfg.n_heads + 2 * cfg.n_kv_heads) if getattr(cfg, "qkv_bias", False) else 0
-    return cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + bias
+    width = head_dim(cfg)
+    bias = width * (cfg.n_heads + 2 * cfg.n_kv_heads) if getattr(cfg, "qkv_bias", False) else 0
+    return cfg.dim * width * (2 * cfg.n_heads + 2 * cfg.n_kv_heads) + bias
 
 
 def _head_norm_params(cfg) -> int:
     """The per-head q and k norm gains (model.qk_norm): replicated over tp."""
-    return 2 * (cfg.dim // cfg.n_heads) if getattr(cfg, "qk_norm", False) else 0
+    return 2 * head_dim(cfg) if getattr(cfg, "qk_norm", False) else 0
 
 
 def count_params(cfg, active: bool = False) -> int:
@@ -82,11 +88,12 @@ def flops_per_token(cfg, seq_len: int) -> float:
     A tied head still multiplies: its matrix counts (once) even though the lookup does not. A MoE
     counts the experts a token uses (top_k and the shared ones) and the router.
 
-    Attention scores and the weighted sum cost 2 * 2 * seq * dim multiply-adds per layer and token
-    forward; with backward (x3) and the causal half that is 6 * L * seq * dim.
+    Attention scores and the weighted sum cost 2 * 2 * seq * n_heads * head_dim multiply-adds per
+    layer and token forward (dim, unless model.head_dim sets its own); with backward (x3) and the
+    causal half that is 6 * L * seq * n_heads * head_dim.
     """
     dense = count_params(cfg, active=True) - (vocab_matrices(cfg) - 1) * cfg.vocab_size * cfg.dim
-    return 6 * dense + 6 * cfg.n_layers * seq_len * cfg.dim
+    return 6 * dense + 6 * cfg.n_layers * seq_len * cfg.n_heads * head_dim(cfg)
 
 
 BALANCE = ("aux_loss", "bias", "none")

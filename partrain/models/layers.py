@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from partrain.models.arith import head_dim
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
@@ -88,7 +90,7 @@ class Attention(nn.Module):
         super().__init__()
         # Head counts are the ones this module computes; tensor parallelism lowers them per rank.
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
-        self.head_dim = cfg.dim // cfg.n_heads
+        self.head_dim = head_dim(cfg)  # dim / n_heads unless model.head_dim sets it (Qwen3)
         bias = bool(getattr(cfg, "qkv_bias", False))  # Qwen2's q/k/v biases; never on wo
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=bias)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=bias)

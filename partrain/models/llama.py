@@ -21,7 +21,7 @@ import math
 import torch
 from torch import nn
 
-from partrain.models.arith import ffn_dim, is_moe_block, tied
+from partrain.models.arith import ffn_dim, head_dim, is_moe_block, tied
 from partrain.models.layers import (
     Attention,
     FeedForward,
@@ -83,7 +83,7 @@ class Transformer(nn.Module):
         """The rotary tables (buffers, not weights: never saved; a model built empty on the
         meta device computes them again here)."""
         cfg = self.cfg
-        cos, sin = rope_tables(cfg.dim // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta,
+        cos, sin = rope_tables(head_dim(cfg), cfg.max_seq_len, cfg.rope_theta,
                                rope_scaling(cfg))
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 

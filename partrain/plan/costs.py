@@ -3,6 +3,8 @@ and ep send per micro-batch, the activations a block keeps, ZeRO's bytes per ran
 checkpoint's size. The runtime modules in partrain.parallel do what these formulas count; the
 scripts in scripts/ measure both and compare."""
 
+from partrain.models.arith import head_dim
+
 
 def tp_collectives(model_cfg, micro_tokens: int, tp: int, sequence_parallel: bool,
                    low_precision: bool = False) -> list[dict]:
@@ -30,8 +32,7 @@ def tp_collectives(model_cfg, micro_tokens: int, tp: int, sequence_parallel: boo
                 ("output head input (bwd)", "all_reduce", 1, act, 4)]
     rows.append(("loss: max, target logit, sum exp (fwd)", "all_reduce", 3, micro_tokens, 4))
     if getattr(model_cfg, "qk_norm", False):  # each rank's part of the shared per-head gains
-        rows.append(("q/k norm gains (bwd)", "all_reduce", 2 * L,
-                     model_cfg.dim // model_cfg.n_heads, 4))
+        rows.append(("q/k norm gains (bwd)", "all_reduce", 2 * L, head_dim(model_cfg), 4))
     return [_row(w, op, n, e, n * e * b, tp) for w, op, n, e, b in rows]
 
 
@@ -67,10 +68,10 @@ def cp_traffic(model_cfg, micro_batch: int, seq_len: int, cp: int, tp: int, meth
     exchanged once, a rank keeping 1/cp of it and sending the rest."""
     if cp == 1:
         return []
-    head_dim = model_cfg.dim // model_cfg.n_heads
+    width = head_dim(model_cfg)
     tokens = micro_batch * seq_len // cp
-    q = tokens * model_cfg.n_heads // tp * head_dim
-    kv = 2 * tokens * model_cfg.n_kv_heads // tp * head_dim
+    q = tokens * model_cfg.n_heads // tp * width
+    kv = 2 * tokens * model_cfg.n_kv_heads // tp * width
     if method == "ring":
         rows = [("key/value blocks (fwd)", "send/recv", layers * (cp - 1), kv * act_bytes),
                 ("key/value blocks (bwd)", "send/recv", layers * (cp - 1), kv * act_bytes),
@@ -94,9 +95,9 @@ def activation_bytes(model_cfg, micro_batch: int, seq_len: int, cp: int, tp: int
     the ring. Linear in seq_len / cp: that is what cp buys."""
     from partrain.models.arith import ffn_dim
 
-    head_dim = model_cfg.dim // model_cfg.n_heads
-    q = model_cfg.n_heads // tp * head_dim
-    kv = model_cfg.n_kv_heads // tp * head_dim
+    width = head_dim(model_cfg)
+    q = model_cfg.n_heads // tp * width
+    kv = model_cfg.n_kv_heads // tp * width
     per_token = (5 * model_cfg.dim + 2 * (q + 2 * kv) + 2 * q + 4 * ffn_dim(model_cfg) // tp)
     return micro_batch * (seq_len // cp) * layers * per_token * act_bytes
 

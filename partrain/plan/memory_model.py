@@ -33,7 +33,7 @@ USABLE_FRACTION = 0.9
 # cannot make it fit.
 MODEL_ERROR = 0.10
 
-from partrain.models.arith import expert_ffn_dim, expert_params, ffn_dim, is_moe_block
+from partrain.models.arith import expert_ffn_dim, expert_params, ffn_dim, head_dim, is_moe_block
 from partrain.plan.costs import optimizer_state_bytes, zero_memory
 
 
@@ -50,9 +50,9 @@ class Shape:
 
 
 def shape(model_cfg, tp: int, sequence_parallel: bool, ring: bool = False) -> Shape:
-    head_dim = model_cfg.dim // model_cfg.n_heads
-    return Shape(model_cfg.dim, model_cfg.n_heads // tp * head_dim,
-                 model_cfg.n_kv_heads // tp * head_dim, model_cfg.n_heads // tp,
+    width = head_dim(model_cfg)
+    return Shape(model_cfg.dim, model_cfg.n_heads // tp * width,
+                 model_cfg.n_kv_heads // tp * width, model_cfg.n_heads // tp,
                  ffn_dim(model_cfg) // tp, tp if sequence_parallel else 1, ring)
 
 

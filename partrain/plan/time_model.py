@@ -55,7 +55,7 @@ A100 and H100 and GEMM_HALF_DIM.
 import math
 from dataclasses import dataclass
 
-from partrain.models.arith import count_params, ffn_dim, flops_per_token, moe_blocks
+from partrain.models.arith import count_params, ffn_dim, flops_per_token, head_dim, moe_blocks
 from partrain.parallel.schedules import bubble_theory
 from partrain.plan.costs import cp_traffic, moe_traffic, tp_collectives
 from partrain.plan.hardware import Hardware
@@ -230,8 +230,7 @@ def elementwise_bytes(model_cfg, tp: int, sequence_parallel: bool) -> float:
     backward reads and writes about twice the forward's): the two norms and residual adds
     (10 x dim, replicated over tp unless sequence parallel), rotary on q and k, SwiGLU's gate
     (3 x ffn), each element 2 bytes."""
-    head_dim = model_cfg.dim // model_cfg.n_heads
-    q, kv = model_cfg.n_heads * head_dim, model_cfg.n_kv_heads * head_dim
+    q, kv = model_cfg.n_heads * head_dim(model_cfg), model_cfg.n_kv_heads * head_dim(model_cfg)
     residual = 10 * model_cfg.dim / (tp if sequence_parallel else 1)
     sharded = (2 * (q + kv) + 3 * ffn_dim(model_cfg)) / tp
     return 3 * 2 * (residual + sharded)
@@ -243,7 +242,8 @@ def _compute_per_micro_batch(model_cfg, L: Layout, seq_len: int, micro_tokens: i
     of work, and the blocks' GEMM efficiency."""
     vocab, dim = model_cfg.vocab_size, model_cfg.dim
     head_flops = 6 * vocab * dim
-    attention_flops = 6 * model_cfg.n_layers * seq_len * dim  # causal, forward and backward
+    # causal, forward and backward, over the heads' width (dim unless model.head_dim is set)
+    attention_flops = 6 * model_cfg.n_layers * seq_len * model_cfg.n_heads * head_dim(model_cfg)
     block_flops = flops_per_token(model_cfg, seq_len) - head_flops - attention_flops
     # Recomputation repeats forwards (a third of forward + backward).
     matmul_again = {"none": 0.0, "selective": impl.selective_matmuls / 3,

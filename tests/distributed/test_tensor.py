@@ -195,14 +195,17 @@ def _model_body(rank, tp, sp, kv_heads, tied=False, keys=None):
         assert expected["all_reduce"]["bytes"] == ((4 * L + 2) * T * d + 3 * T + 1) * 4
 
 
-QWEN = {"qkv_bias": True, "qk_norm": True}
+# Qwen3-like: heads of their own width (4 x 12 = 48, not dim 32), as real Qwen3 sizes have.
+QWEN = {"qkv_bias": True, "qk_norm": True, "head_dim": 12}
 
 
 @pytest.mark.parametrize("tp,sp,kv_heads,tied,keys", [
     (2, False, 2, False, None), pytest.param(4, False, 4, False, None, marks=pytest.mark.slow),
     (2, True, 2, False, None), (2, False, 2, True, None), (2, True, 2, False, QWEN)],
-    ids=["tp2-gqa", "tp4", "tp2-sequence-parallel", "tp2-tied", "tp2-sp-qkv-bias-qk-norm"])
+    ids=["tp2-gqa", "tp4", "tp2-sequence-parallel", "tp2-tied",
+         "tp2-sp-qkv-bias-qk-norm-head-dim"])
 def test_model_matches_dense(tp, sp, kv_heads, tied, keys):
     """keys=QWEN: the q/k/v biases split with their rows, the per-head q/k norm gains replicated
-    with their gradients summed over tp (each rank norms only its own heads)."""
+    with their gradients summed over tp (each rank norms only its own heads), and heads of
+    model.head_dim split whole (wo's input is heads x head_dim, not dim)."""
     run_distributed(_model_body, tp, sp, kv_heads, tied, keys)

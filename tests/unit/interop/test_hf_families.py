@@ -23,9 +23,11 @@ from partrain.errors import ConfigError
 TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
             rms_norm_eps=1e-5, tie_word_embeddings=False, rope_theta=50000.0)
+# Qwen3's heads have a width of their own, as in its real sizes (Qwen3-0.6B: 16 x 128 over
+# hidden size 1024): here 4 x 48 over 128, read into model.head_dim.
 FAMILIES = {"mistral": {"head_dim": 32, "sliding_window": None},
             "qwen2": {},
-            "qwen3": {"head_dim": 32}}
+            "qwen3": {"head_dim": 48}}
 # What each family sets among partrain's keys.
 KEYS = {"mistral": (False, False), "qwen2": (True, False), "qwen3": (False, True)}
 
@@ -84,6 +86,8 @@ def test_family_imports_exports_and_samples_as_transformers(run_main, tmp_path, 
         (2, 128, 4, 2, 352, 256)
     assert (m.rope_theta, m.norm_eps, m.hf_model_type) == (50000.0, 1e-5, family)
     assert (m.qkv_bias, m.qk_norm) == KEYS[family]
+    assert m.head_dim == FAMILIES[family].get("head_dim", 32)
+    assert model.layers["0"].attention.wq.weight.shape == (4 * m.head_dim, 128)
     x = _batch()
     with torch.no_grad():
         want = hf(x).logits
@@ -102,7 +106,7 @@ def test_family_imports_exports_and_samples_as_transformers(run_main, tmp_path, 
     assert set(modes.values()) == {0o640} and "model.safetensors" in modes, modes
     assert (tmp_path / "out").stat().st_mode & 0o777 == 0o750
     config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["model_type"] == family
+    assert (config["model_type"], config["head_dim"]) == (family, m.head_dim)
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
     assert type(again).__name__ == type(hf).__name__
     with torch.no_grad():
@@ -137,8 +141,17 @@ def test_a_qwen2_relabelled_as_llama_is_refused_naming_its_biases(tmp_path):
     assert "model.layers.0.self_attn.k_proj.bias" in message and "never" not in message
 
 
+def test_head_dim_is_read_and_defaults_to_the_hidden_size_split():
+    from partrain.config.hf_families import model_keys
+
+    qwen3 = {**TINY, "model_type": "qwen3"}
+    assert model_keys({**qwen3, "head_dim": 128}, "config.json")["head_dim"] == 128
+    assert model_keys(qwen3, "config.json")["head_dim"] == 32  # transformers' default
+    assert model_keys({**qwen3, "head_dim": None}, "config.json")["head_dim"] == 32
+
+
 @pytest.mark.parametrize("family, changes, fragments", [
-    ("qwen3", {"head_dim": 64}, ["head_dim=64", "hidden_size / num_attention_heads = 32"]),
+    ("qwen3", {"head_dim": 0}, ["head_dim=0 must be a whole number >= 1"]),
     ("qwen3", {"attention_bias": True}, ["attention_bias=True", "qwen3 has attention_bias=False"]),
     ("qwen2", {"use_sliding_window": True, "layer_types": ["sliding_attention"] * 2},
      ["use_sliding_window=True", "no sliding-window layers"]),
@@ -164,12 +177,15 @@ def mistral_window(tmp_path_factory):
 
 def test_keys_given_must_agree_with_config_json(run_main, mistral_window):
     init = f"model.init_from=hf:{mistral_window}"
-    res = run_main("show", init, "model.n_layers=3", "model.qkv_bias=true", "train.seq_len=64")
+    res = run_main("show", init, "model.n_layers=3", "model.qkv_bias=true", "model.head_dim=64",
+                   "train.seq_len=64")
     assert res.code == 2, res.stderr
     assert "model.n_layers=3 but config.json says 2" in res.stderr
     assert "model.qkv_bias=true but config.json says false" in res.stderr
+    assert "model.head_dim=64 but config.json says 32" in res.stderr
     # Agreeing keys, and a shorter context than the window, are the user's to give.
-    res = run_main("show", init, "model.n_layers=2", "model.max_seq_len=32", "train.seq_len=32")
+    res = run_main("show", init, "model.n_layers=2", "model.head_dim=32", "model.max_seq_len=32",
+                   "train.seq_len=32")
     assert res.code == 0, res.stderr
     assert "max_seq_len: 32" in res.stdout and "sliding_window: 64" in res.stdout
     res = run_main("show", init, "model.max_seq_len=128", "train.seq_len=64")

@@ -27,6 +27,8 @@ SHAPES = {
     "ffn-derived-odd": ["dim=96", "n_heads=3", "n_kv_heads=1", "multiple_of=64", "n_layers=1"],
     "small-vocab": ["vocab_size=64", "dim=64", "n_heads=2", "n_kv_heads=2", "n_layers=3"],
     "qkv-bias-qk-norm": ["qkv_bias=true", "qk_norm=true", "n_layers=2"],
+    # Qwen3's heads of their own width: 4 x 48 = 192 query rows from dim 128.
+    "own-head-dim": ["head_dim=48", "qkv_bias=true", "qk_norm=true", "n_layers=2"],
 }
 
 
@@ -63,6 +65,14 @@ def test_tiny_is_the_quickstarts_0_8m_parameters():
 ])
 def test_param_count_of_published_shapes(model, params):
     assert count_params(compose(f"model={model}").model) == params
+
+
+def test_param_count_of_qwen3_0_6b():
+    """Qwen3-0.6B's config.json: 16 heads of 128 over hidden size 1024, tied; 596,049,920
+    parameters in its safetensors."""
+    cfg = model_cfg("n_layers=28", "dim=1024", "n_heads=16", "n_kv_heads=8", "head_dim=128",
+                    "ffn_dim=3072", "vocab_size=151936", "tie_embeddings=true", "qk_norm=true")
+    assert count_params(cfg) == 596_049_920
 
 
 @pytest.mark.parametrize("dim, multiple_of, expected", [
@@ -153,8 +163,10 @@ def test_loss_at_init_is_near_uniform(tiny):
     assert abs(loss.item() - math.log(256)) < 0.05
 
 
-def test_backward_reaches_every_parameter():
-    model = build_model(model_cfg("n_layers=2"), seed=0)
+@pytest.mark.parametrize("overrides", [[], ["head_dim=48", "qk_norm=true"]],
+                         ids=["tiny", "own-head-dim"])
+def test_backward_reaches_every_parameter(overrides):
+    model = build_model(model_cfg("n_layers=2", *overrides), seed=0)
     tokens = torch.randint(0, 256, (2, 9))
     logits = model(tokens[:, :-1])
     F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
@@ -178,13 +190,18 @@ def reference_attention(attn, x, cos, sin):
     return attn.wo(out.reshape(bsz, seq, -1))
 
 
-@pytest.mark.parametrize("n_heads, n_kv_heads", [(4, 4), (4, 2), (4, 1), (8, 2)])
-def test_attention_matches_reference(n_heads, n_kv_heads):
-    cfg = model_cfg(f"n_heads={n_heads}", f"n_kv_heads={n_kv_heads}", "n_layers=1")
+@pytest.mark.parametrize("n_heads, n_kv_heads, head_dim", [
+    (4, 4, None), (4, 2, None), (4, 1, None), (8, 2, None), (4, 2, 48)])
+def test_attention_matches_reference(n_heads, n_kv_heads, head_dim):
+    cfg = model_cfg(f"n_heads={n_heads}", f"n_kv_heads={n_kv_heads}", "n_layers=1",
+                    f"head_dim={'null' if head_dim is None else head_dim}")
     model = build_model(cfg, seed=0)
     attn = model.layers["0"].attention
     assert isinstance(attn, Attention)
-    assert attn.wk.weight.shape == (n_kv_heads * 128 // n_heads, 128)
+    width = head_dim or 128 // n_heads
+    assert attn.wk.weight.shape == (n_kv_heads * width, 128)
+    assert attn.wo.weight.shape == (128, n_heads * width)
+    assert model.rope_cos.shape[-1] == width // 2
     x = torch.randn(2, 10, 128, generator=torch.Generator().manual_seed(0))
     cos, sin = model.rope_cos[:10], model.rope_sin[:10]
     with torch.no_grad():
@@ -221,6 +238,13 @@ def test_flops_per_token():
     assert f128 == 6 * dense + 6 * cfg.n_layers * 128 * cfg.dim
     assert f256 - f128 == 6 * cfg.n_layers * 128 * cfg.dim  # linear in seq_len
     assert f128 > 6 * dense and dense < n
+
+
+def test_flops_per_token_counts_attention_over_the_heads_width():
+    """With model.head_dim the scores and weighted sum run over n_heads x head_dim, not dim."""
+    cfg = model_cfg("head_dim=48")
+    dense = count_params(cfg) - cfg.vocab_size * cfg.dim
+    assert flops_per_token(cfg, 128) == 6 * dense + 6 * cfg.n_layers * 128 * 4 * 48
 
 
 def test_flops_per_token_is_about_6n_for_a_big_model():

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from partrain.checkpoint import store
 from partrain.checkpoint.state import failures, out_of_space
 from partrain.checkpoint.verify import problems
-from partrain.models.arith import count_params
+from partrain.models.family import count_params
 from partrain.parallel.dist import attempt, local
 
 log = logging.getLogger("partrain")
@@ -252,10 +252,7 @@ class Checkpointer:
         if kept is not None and kept.meta.get("bytes"):
             return int(kept.meta["bytes"])
         model = OmegaConf.create(self.config_yaml).get("model")
-        if model and model.get("target"):  # a user's model: its size is what it builds
-            from partrain.models.family import probe
-
-            return BYTES_PER_PARAM * probe(model).params
+        # The family's count from the config, else (a user's model) what it builds on meta.
         return BYTES_PER_PARAM * count_params(model) if model else 0
 
     def _commit(self, step: int, reason: str, started: float, blocked_s: float) -> None:

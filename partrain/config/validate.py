@@ -26,6 +26,7 @@ from partrain.config.validate_moe import check_moe
 from partrain.errors import ConfigError
 from partrain.models.arith import RECOMPUTE_MODES, ffn_dim, head_dim
 from partrain.models.family import check_user_model
+from partrain.models.llama_hf import MODEL_TYPES as HF_MODEL_TYPES
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 CP_METHODS = ("ring", "all_to_all")
@@ -41,7 +42,6 @@ OTHER_ARCHITECTURES = ("gpt2", "gpt-2", "gptj", "gpt-j", "gpt_neox", "gpt-neox",
 LR_SCHEDULES = ("cosine", "linear", "constant", "wsd")
 WANDB_MODES = ("off", "offline", "online")
 ROPE_TYPES = ("default", "llama3")
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Bounds on what can exist, so that validation and `plan` cost the same for any input (the world
 # size's, MAX_WORLD_SIZE, is resolve's): a node holds at most a few dozen GPUs.
 MAX_NPROC_PER_NODE = 1024

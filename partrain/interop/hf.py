@@ -1,15 +1,12 @@
-"""Hugging Face interop: a partrain checkpoint as a transformers directory (Llama, Mistral, Qwen2
-or Qwen3: hf_families.py says which keys make which), and such a directory as the weights a run
-starts from (`model.init_from=hf:DIR`).
-
-partrain's decoder is Llama's, with one difference that the mapping undoes: rotary embeddings
-rotate consecutive pairs (2i, 2i+1) of each head here (Meta's layout), and pairs
-(i, i + head_dim/2) in transformers (`rotate_half`): the rows of wq and wk are permuted per head,
-as transformers' own Llama conversion script does, and so are the q/k biases (Qwen2) and the
-entries of the per-head q/k norm gains (Qwen3). Everything else is a renaming. Tied embeddings
-are `model.tie_embeddings` here and `tie_word_embeddings` there: a tied model has no
-`lm_head.weight` (the export writes none, the import needs none and reads the embedding, once,
-into both the embedding and the head).
+"""Hugging Face interop: a partrain checkpoint as a transformers directory, and such a directory
+as the weights a run starts from (`model.init_from=hf:DIR`), for a family that declares a
+Hugging Face adapter (partrain.models.family.HfAdapter: its config.json model_types and keys,
+the name map and the per-weight conversion). The built-in family's (Llama, Mistral, Qwen2,
+Qwen3) is partrain.models.llama_hf: a renaming, and the q/k rows permuted per head from
+interleaved rotary pairs to transformers' `rotate_half`. A family without one is refused, naming
+it. Tied embeddings are `model.tie_embeddings` here and `tie_word_embeddings` there: a tied model
+has no `lm_head.weight` (the export writes none, the import needs none and reads the embedding,
+once, into both the embedding and the head).
 
 The export is one directory, written under a temporary name and renamed when complete:
 config.json, generation_config.json and safetensors weights (sharded with
@@ -37,89 +34,44 @@ from partrain.errors import ConfigError
 from partrain.interop.finite import chunks, non_finite
 from partrain.config.hf_families import (  # hf_dir, is_hf: imported from here too
     HF_PREFIX,
-    hf_config,
     hf_dir,
     is_hf,
-    model_keys,
     read_hf_config,
     refuse_disagreements,
 )
 from partrain.interop.sample import check_vocab
-from partrain.models.arith import head_dim, moe_enabled
+from partrain.models.arith import moe_enabled
+from partrain.models.family import hf_adapter, is_user_model
+from partrain.models.llama_hf import (  # the built-in family's, importable from here as before
+    from_rotate_half,
+    hf_name,
+    to_rotate_half,
+)
 from partrain.staging import check_out, staged_dir
 
-TOP_LEVEL = {"tok_embeddings.weight": "model.embed_tokens.weight",
-             "norm.weight": "model.norm.weight",
-             "output.weight": "lm_head.weight"}
-IN_BLOCK = {"attention_norm.weight": "input_layernorm.weight",
-            "attention.wq.weight": "self_attn.q_proj.weight",
-            "attention.wk.weight": "self_attn.k_proj.weight",
-            "attention.wv.weight": "self_attn.v_proj.weight",
-            "attention.wo.weight": "self_attn.o_proj.weight",
-            "attention.wq.bias": "self_attn.q_proj.bias",
-            "attention.wk.bias": "self_attn.k_proj.bias",
-            "attention.wv.bias": "self_attn.v_proj.bias",
-            "attention.q_norm.weight": "self_attn.q_norm.weight",
-            "attention.k_norm.weight": "self_attn.k_norm.weight",
-            "ffn_norm.weight": "post_attention_layernorm.weight",
-            "feed_forward.w1.weight": "mlp.gate_proj.weight",
-            "feed_forward.w3.weight": "mlp.up_proj.weight",
-            "feed_forward.w2.weight": "mlp.down_proj.weight"}
-BLOCK = re.compile(r"layers\.(\d+)\.(.+)")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
-# What rotate_half's layout reorders: q and k rows (weights and biases), per head, and the
-# entries of the q/k norm gains (one head's width).
-ROTATED = ("attention.wq.weight", "attention.wk.weight", "attention.wq.bias", "attention.wk.bias",
-           "attention.q_norm.weight", "attention.k_norm.weight")
 # Buffers older transformers saved beside the weights (computed from config.json): not weights.
 NOT_WEIGHTS = re.compile(r".*\.rotary_emb\.inv_freq")
-
-
-def hf_name(name: str) -> str:
-    """A parameter's name in the single-process model -> its name in LlamaForCausalLM."""
-    if name in TOP_LEVEL:
-        return TOP_LEVEL[name]
-    match = BLOCK.fullmatch(name)
-    if not match or match.group(2) not in IN_BLOCK:
-        raise ValueError(f"no Hugging Face name for {name!r}")
-    return f"model.layers.{match.group(1)}.{IN_BLOCK[match.group(2)]}"
-
-
-def to_rotate_half(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Rows of wq or wk (or entries of a bias or head norm gain) from interleaved rotary pairs to
-    rotate_half's halves, per head: within a head, row 2i + j moves to j * head_dim/2 + i."""
-    rows, cols = weight.shape[0], weight[0].numel()
-    width = rows // n_heads
-    return weight.reshape(n_heads, width // 2, 2, cols).transpose(1, 2).reshape(weight.shape)
-
-
-def from_rotate_half(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """The inverse of to_rotate_half (a Hugging Face checkpoint's wq or wk, for partrain)."""
-    rows, cols = weight.shape[0], weight[0].numel()
-    width = rows // n_heads
-    return weight.reshape(n_heads, 2, width // 2, cols).transpose(1, 2).reshape(weight.shape)
 
 
 def hf_state_dict(model, model_cfg, dtype: str,
                   where: str = "the model") -> dict[str, torch.Tensor]:
     """The model's weights under transformers' names, q/k rows permuted, in `dtype`; each one
     finite, as saved and as written (`where`: what the refusal names)."""
-    state, width = {}, head_dim(model_cfg)
+    state, adapter = {}, hf_adapter(model_cfg, f"{where} as Hugging Face weights")
     for name, param in model.named_parameters():
         weight = param.detach()
         problem = non_finite(weight)
         if problem:
             raise ConfigError(f"{where}: weight {name} holds {problem}; partrain exports finite "
                               "weights only (export a checkpoint from before the run diverged)")
-        if name.endswith(ROTATED):
-            weight = to_rotate_half(weight, weight.shape[0] // width)
-        weight = weight.to(DTYPES[dtype]).contiguous()
+        weight = adapter.to_hf(name, weight, model_cfg).to(DTYPES[dtype]).contiguous()
         problem = non_finite(weight)
         if problem:
             raise ConfigError(f"--dtype {dtype}: weight {name} of {where} would hold {problem}; "
                               f"its values are beyond {dtype}'s range: export with --dtype fp32")
-        state[hf_name(name)] = weight
+        state[adapter.name(name)] = weight
     return state
 
 
@@ -142,20 +94,26 @@ def export_hf(checkpoint, out: Path, dtype: str = "fp32", max_shard_mb: int = 50
     """Write the checkpoint as a Hugging Face directory of its family at `out` (new or empty).
     Nothing is left at `out` if it fails: it is written under a temporary name and renamed at
     the end."""
+    from omegaconf import OmegaConf
     from safetensors import SafetensorError
 
     from partrain.checkpoint.offline import checkpoint_model
+    from partrain.checkpoint.resume import saved_config
 
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}")
     check_out(out)
+    saved = OmegaConf.create(saved_config(checkpoint)).model
+    if not is_user_model(saved):  # checkpoint_model says what to do with a user's own model
+        hf_adapter(saved, f"--format hf of {checkpoint.path}")  # before the model is built
     model, cfg = checkpoint_model(checkpoint)
+    adapter = hf_adapter(cfg.model, f"--format hf of {checkpoint.path}")
     if moe_enabled(cfg.model):
         raise ConfigError(
             f"{checkpoint.path} is a mixture of experts (model.moe.n_experts="
             f"{cfg.model.moe.n_experts}); --format hf writes Llama, Mistral and Qwen models, "
             "which have no experts")
-    config = hf_config(cfg.model, dtype)  # refuses keys no family has, before any work
+    config = adapter.config(cfg.model, dtype)  # refuses keys no family has, before any work
     tokenizer = run_tokenizer_dir(checkpoint.path.parent.parent, cfg.data)
     eot_id = None
     if tokenizer is not None:
@@ -184,19 +142,21 @@ def check_hf_init(model_cfg) -> Path:
     """model.init_from=hf:DIR: a model of this config's shape whose safetensors hold every
     weight at its full shape, and nothing else; the DIR. Each rank then reads without further
     checks."""
-    from partrain.models.arith import ffn_dim, tied
-    from partrain.models.llama import Transformer
+    from partrain.models.arith import ffn_dim, head_dim, tied
+    from partrain.models.family import build_family_model
 
     path = hf_dir(model_cfg.init_from)
     where = f"model.init_from={model_cfg.init_from}"
-    wanted = model_keys(read_hf_config(path), f"{where} (config.json)")
+    adapter = hf_adapter(model_cfg, where)
+    wanted = adapter.keys(read_hf_config(path), f"{where} (config.json)")
     derived = {"ffn_dim": ffn_dim(model_cfg), "head_dim": head_dim(model_cfg),
                "tie_embeddings": tied(model_cfg)}
-    wanted.pop("hf_model_type")  # what an export writes, not the weights' shape
+    wanted.pop("hf_model_type", None)  # what an export writes, not the weights' shape
     mine = {key: derived[key] if key in derived else model_cfg[key] for key in wanted}
     refuse_disagreements(where, mine, wanted, "; the weights have config.json's shape: add {keys}")
     with torch.device("meta"):
-        shapes = {hf_name(n): list(p.shape) for n, p in Transformer(model_cfg).named_parameters()}
+        model = build_family_model(model_cfg, seed=0)
+        shapes = {adapter.name(n): list(p.shape) for n, p in model.named_parameters()}
     files = weight_files(path, where)
     unused = sorted(n for n in files if n not in shapes and not NOT_WEIGHTS.fullmatch(n))
     if unused:
@@ -204,7 +164,8 @@ def check_hf_init(model_cfg) -> Path:
             f"{where}: {path}'s safetensors hold {len(unused)} tensor(s) that partrain's model "
             f"would not use: {', '.join(unused[:6])}{' ...' if len(unused) > 6 else ''}; "
             "partrain refuses them rather than drop them (is config.json's model_type the "
-            "model's? partrain reads llama, mistral, qwen2 and qwen3)")
+            f"model's? model.family={model_cfg.family} reads "
+            f"{', '.join(adapter.model_types)})")
     _check_tensors(path, files, shapes, where)
     return path
 
@@ -286,13 +247,14 @@ def load_hf_weights(model, path: Path, model_cfg, tp_mesh) -> None:
 
     from partrain.checkpoint.state import named_parameters
 
-    files = weight_files(path, f"model.init_from={HF_PREFIX}{path}")
+    where = f"model.init_from={HF_PREFIX}{path}"
+    adapter = hf_adapter(model_cfg, where)
+    files = weight_files(path, where)
     tp_rank = tp_mesh.get_local_rank() if tp_mesh is not None and tp_mesh.size() > 1 else 0
-    width = head_dim(model_cfg)
     with ExitStack() as stack:
         opened = {}
         for name, param in named_parameters(model).items():
-            key = hf_name(name)
+            key = adapter.name(name)
             file = files[key]
             if file not in opened:
                 opened[file] = stack.enter_context(safe_open(file, framework="pt"))
@@ -307,6 +269,4 @@ def load_hf_weights(model, path: Path, model_cfg, tp_mesh) -> None:
             if problem:  # check_hf_init read them finite: the file changed since
                 raise ConfigError(f"model.init_from={HF_PREFIX}{path}: tensor {key} in {file} "
                                   f"holds {problem}; a run starts from finite weights only")
-            if name.endswith(ROTATED):
-                weight = from_rotate_half(weight, weight.shape[0] // width)
-            param.copy_(weight)
+            param.copy_(adapter.from_hf(name, weight, model_cfg))

@@ -25,6 +25,25 @@ weights. The module's contract, the one the built-in model keeps:
 What a model does not declare still trains with DDP, DeepSpeed ZeRO, FSDP2, checkpoints, resume
 and metrics; tp and pp without a plan or a split are refused before anything starts, naming
 what is missing (`check_user_model`).
+
+A registered family (`Family`, added with `register_family`) declares, besides its builder, what
+partrain asks of a family from its config alone, without building it; None (or False) where it
+has none:
+
+- `count_params(model_cfg, active=False) -> int`: its parameters (`active`: those one token
+  uses). `plan` and the checkpoint's disk estimate read it; without it, the model is built on
+  the meta device and counted, as a user's model is;
+- `flops_per_token(model_cfg, seq_len) -> float`: training FLOPs per token, for MFU and `plan`;
+  without it, the model's own `flops_per_token(seq_len)`, else 6 x parameters, as a user's;
+- `hf`: its Hugging Face adapter (`HfAdapter`: the config.json model_types it reads, its keys
+  from config.json and back, the name map partrain <-> transformers and the per-weight
+  conversion both ways), for `model.init_from=hf:DIR` and `export --format hf`; without it, both
+  are refused naming the family;
+- `moe`: whether model.moe and parallel.ep configure it; without it, they are refused.
+
+The built-in `llama` declares them all: its counts are partrain.models.arith's (whose shape
+arithmetic is also what lets `plan` model each stage's memory, collectives and step time: a
+family counted otherwise is planned as a user's model is), its adapter partrain.models.llama_hf.
 """
 
 import importlib
@@ -32,9 +51,11 @@ import os
 import re
 import sys
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
 from partrain.errors import ConfigError
+from partrain.models import arith, llama_hf
 
 # torch is imported where a model is built: validation and `plan` import this module too.
 
@@ -42,10 +63,25 @@ TARGET = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
 @dataclass(frozen=True)
+class HfAdapter:
+    """A family's weights as a transformers model's (the module docstring)."""
+    model_types: tuple[str, ...]  # the config.json model_types an import reads
+    keys: Callable  # (config.json as a dict, where) -> {model key: value}, refusing what it lacks
+    config: Callable  # (model_cfg, dtype "fp32" | "bf16") -> the config.json an export writes
+    name: Callable  # partrain parameter name (single-process model) -> transformers tensor name
+    to_hf: Callable  # (name, weight, model_cfg) -> the weight as transformers holds it
+    from_hf: Callable  # (name, weight, model_cfg) -> the weight as partrain's model holds it
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     build: Callable  # (model_cfg, seed) -> the full model in fp32 on the CPU
     about: str
+    count_params: Callable | None = None  # (model_cfg, active=False) -> parameters
+    flops_per_token: Callable | None = None  # (model_cfg, seq_len) -> training FLOPs per token
+    hf: HfAdapter | None = None  # model.init_from=hf:DIR and export --format hf
+    moe: bool = False  # model.moe and parallel.ep configure it
 
 
 def _build_llama(model_cfg, seed: int):
@@ -54,9 +90,15 @@ def _build_llama(model_cfg, seed: int):
     return build_model(model_cfg, seed)
 
 
+LLAMA_HF = HfAdapter(model_types=llama_hf.MODEL_TYPES, keys=llama_hf.model_keys,
+                     config=llama_hf.hf_config, name=llama_hf.hf_name, to_hf=llama_hf.to_hf,
+                     from_hf=llama_hf.from_hf)
+
 FAMILIES: dict[str, Family] = {
     "llama": Family("llama", _build_llama, "Llama 2/3, Mistral, Qwen2/3 decoders and their "
-                                          "mixtures of experts (model.moe)"),
+                                          "mixtures of experts (model.moe)",
+                    count_params=arith.count_params, flops_per_token=arith.flops_per_token,
+                    hf=LLAMA_HF, moe=True),
 }
 
 
@@ -67,6 +109,50 @@ def register_family(family: Family) -> None:
 
 def is_user_model(model_cfg) -> bool:
     return bool(model_cfg.get("target"))
+
+
+def family_of(model_cfg) -> Family | None:
+    """The registered family `model_cfg` builds; None for a user's model (model.target)."""
+    if is_user_model(model_cfg):
+        return None
+    name = model_cfg.get("family", "llama")
+    if name not in FAMILIES:
+        raise ConfigError(f"model.family={name} is not a registered family (known: "
+                          f"{', '.join(sorted(FAMILIES))}); for your own nn.Module set "
+                          "model.target=package.module:function")
+    return FAMILIES[name]
+
+
+def shape_modeled(model_cfg) -> bool:
+    """Whether the planner's per-stage models (memory, activations, collectives, step time,
+    --search) apply: they are partrain.models.arith's shape arithmetic, so only to a family that
+    counts with it. Any other model is planned from its parameter count (partrain.plan.user)."""
+    family = family_of(model_cfg)
+    return family is not None and family.count_params is arith.count_params
+
+
+def count_params(model_cfg, active: bool = False) -> int:
+    """The model's parameters: its family's count from the config, else (a user's model, or a
+    family without one) those of the model built on the meta device, all of them (a built model
+    does not say which a token uses)."""
+    family = family_of(model_cfg)
+    if family is not None and family.count_params is not None:
+        return family.count_params(model_cfg, active=active)
+    return probe(model_cfg).params
+
+
+def hf_adapter(model_cfg, where: str) -> HfAdapter:
+    """The family's Hugging Face adapter, or one ConfigError naming the family and what it lacks
+    (`where`: the key or command that needs it)."""
+    family = family_of(model_cfg)
+    if family is None:
+        raise ConfigError(f"{where}: model.target={model_cfg.target} is your own model; "
+                          "Hugging Face import and export map a registered family's weights")
+    if family.hf is None:
+        raise ConfigError(f"{where}: model.family={family.name} declares no Hugging Face adapter "
+                          "(Family.hf: the config.json model_types it reads and its name map), "
+                          "so partrain cannot map its weights to or from transformers")
+    return family.hf
 
 
 def load_builder(target: str) -> Callable:
@@ -94,8 +180,9 @@ def build_family_model(model_cfg, seed: int):
     import torch
     from torch import nn
 
-    if not is_user_model(model_cfg):
-        return FAMILIES[model_cfg.get("family", "llama")].build(model_cfg, seed)
+    family = family_of(model_cfg)
+    if family is not None:
+        return family.build(model_cfg, seed)
     builder = load_builder(model_cfg.target)
     torch.manual_seed(seed)
     model = builder(model_cfg)
@@ -116,21 +203,27 @@ class UserModel:
 
 
 def probe(model_cfg) -> UserModel:
-    """Build the user's model on the meta device and read what it declares."""
+    """Build the user's model (or a registered family's) on the meta device and read what it
+    declares."""
     import torch
     from torch import nn
 
-    builder = load_builder(model_cfg.target)
+    family = family_of(model_cfg)
+    if family is None:
+        what = f"model.target={model_cfg.target}"
+        builder = load_builder(model_cfg.target)
+        args = f" with model.args={dict(model_cfg.get('args') or {})}"
+    else:
+        what, args = f"model.family={family.name}", ""
+        builder = partial(family.build, seed=0)  # the seed is moot: meta tensors hold no values
     try:
         with torch.device("meta"):
             model = builder(model_cfg)
     except Exception as e:  # noqa: BLE001 - the user's builder: its error is theirs to see
-        raise ConfigError(f"model.target={model_cfg.target}: the builder failed with "
-                          f"model.args={dict(model_cfg.get('args') or {})}: "
+        raise ConfigError(f"{what}: the builder failed{args}: "
                           f"{type(e).__name__}: {e}") from None
     if not isinstance(model, nn.Module):
-        raise ConfigError(f"model.target={model_cfg.target} returned a {type(model).__name__}, "
-                          "not an nn.Module")
+        raise ConfigError(f"{what} returned a {type(model).__name__}, not an nn.Module")
     layers = getattr(model, "layers", None)
     return UserModel(
         params=sum(p.numel() for p in model.parameters()),
@@ -150,10 +243,7 @@ def check_user_model(cfg) -> UserModel | None:
         if m.get("args"):
             raise ConfigError(f"model.args={dict(m.args)} are a user model's keys, but "
                               "model.target is unset: set model.target=package.module:function")
-        if m.get("family", "llama") not in FAMILIES:
-            raise ConfigError(f"model.family={m.family} is not a registered family (known: "
-                              f"{', '.join(sorted(FAMILIES))}); for your own nn.Module set "
-                              "model.target=package.module:function")
+        check_family(cfg)
         return None
     found = probe(m)
     needs = []
@@ -181,6 +271,31 @@ def check_user_model(cfg) -> UserModel | None:
     if needs:
         raise ConfigError(f"model.target={m.target}: " + "; ".join(needs))
     return found
+
+
+def check_family(cfg) -> None:
+    """What a registered family does not declare, refused before anything starts: model.moe and
+    parallel.ep without `moe`, model.init_from=hf: without `hf`."""
+    m, p = cfg.model, cfg.parallel
+    family = family_of(m)
+    if str(m.get("init_from") or "").startswith("hf:"):
+        hf_adapter(m, f"model.init_from={m.init_from}")
+    if not family.moe:
+        for key, value, used in (("parallel.ep", p.ep, p.ep > 1),
+                                 ("model.moe.n_experts", m.moe.n_experts, m.moe.n_experts > 0)):
+            if used:
+                raise ConfigError(f"{key}={value}: model.family={family.name} declares no "
+                                  "mixture of experts (Family.moe), which model.moe and "
+                                  "parallel.ep configure; leave them unset")
+
+
+def model_flops_per_token(model_cfg, model, seq_len: int, params: int) -> float:
+    """Training FLOPs per token, for MFU: the family's count from the config, else what a user's
+    model gives (user_flops_per_token)."""
+    family = family_of(model_cfg)
+    if family is not None and family.flops_per_token is not None:
+        return float(family.flops_per_token(model_cfg, seq_len))
+    return user_flops_per_token(model, seq_len, params)
 
 
 def user_flops_per_token(model, seq_len: int, params: int) -> float:

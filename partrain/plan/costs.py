@@ -185,3 +185,12 @@ def true_size(model_cfg, tp: int = 1) -> int:
     tensors = vocab_matrices(model_cfg) + 9 * model_cfg.n_layers + 1 + per_moe * len(moe)
     bias = 4 * model_cfg.moe.n_experts * len(moe) if moe else 0
     return 12 * count_params(model_cfg) + 8 * tensors + bias
+
+
+def human_bytes(n: float) -> str:
+    """A byte count as people read it: 1,536 -> 1.5 KiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return ""

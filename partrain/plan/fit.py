@@ -227,7 +227,10 @@ def target(hw: Hardware, world: World) -> Hardware:
 
 def on_hardware(plan: dict, cfg: DictConfig, world: World, hw: Hardware, source: str) -> None:
     """`plan` on a GPU target: the fit of every stage (its warnings with the plan's) and the
-    step's price, on `hw` laid out as the plan's world (its ranks per node are the node)."""
+    step's price, on `hw` laid out as the plan's world (its ranks per node are the node). A plan
+    without the built-in shape arithmetic (plan.user) has neither: it says so already."""
+    if "not_modeled" in plan:
+        return
     hw = target(hw, world)
     fit = check_fit(cfg, world, hw.memory_bytes, hw.name, hw)
     plan["fit"] = {**fit, "hardware_source": source}

@@ -9,14 +9,13 @@ from omegaconf import DictConfig, OmegaConf
 
 from partrain.config.resolve import World, compute_dtype
 from partrain.models.arith import (
-    count_params,
     count_params_per_rank,
     expert_params,
-    flops_per_token,
     moe_blocks,
     moe_enabled,
     tied,
 )
+from partrain.models.family import family_of, shape_modeled
 from partrain.parallel.mesh import DIM_NAMES, ParallelDims
 from partrain.parallel.schedules import (
     SIMULATED_MAX_ACTIONS,
@@ -46,8 +45,14 @@ SHOWN_AT_EACH_END = 8
 
 
 def build_plan(cfg: DictConfig, world: World, warnings: list[str]) -> dict:
-    """The plan as plain data (what --json prints); cfg must be resolved and validated."""
+    """The plan as plain data (what --json prints); cfg must be resolved and validated. A family
+    without the built-in shape arithmetic gets plan.user's plan, as a user's model does."""
+    if not shape_modeled(cfg.model):
+        from partrain.plan.user import build_user_plan
+
+        return build_user_plan(cfg, world, warnings)
     p, t = cfg.parallel, cfg.train
+    family = family_of(cfg.model)
     dims = ParallelDims(pp=p.pp, dp=p.dp, tp=p.tp, cp=p.cp, ep=p.ep)
     stages = stage_plan(cfg, dims)
     params_per_rank = max(s["params_per_rank"] for s in stages)
@@ -66,10 +71,10 @@ def build_plan(cfg: DictConfig, world: World, warnings: list[str]) -> dict:
         "groups": {dim: dims.groups(dim) for dim in DIM_NAMES} if full else None,
         "group_pattern": {dim: _group_pattern(dims, dim) for dim in DIM_NAMES},
         "batch": _batch(t, dims.dp),
-        "model": {"name": cfg.model.name, "params": count_params(cfg.model),
-                  "active_params": count_params(cfg.model, active=True),
+        "model": {"name": cfg.model.name, "params": family.count_params(cfg.model),
+                  "active_params": family.count_params(cfg.model, active=True),
                   "tie_embeddings": tied(cfg.model), "params_per_rank": params_per_rank,
-                  "flops_per_token": flops_per_token(cfg.model, t.seq_len)},
+                  "flops_per_token": family.flops_per_token(cfg.model, t.seq_len)},
         "experts": _experts(cfg, dims, stages, act_bytes=4 if dtype == "fp32" else 2),
         "hsdp": _hsdp(dims, p.dp_replicate) if p.dp_replicate > 1 else None,
         "memory": _memory(p.zero_stage, params_per_rank, dims.dp // p.dp_replicate, dtype,

@@ -4,6 +4,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from partrain.plan.costs import human_bytes as _size
 from partrain.plan.layout import TIMELINE_MAX_RANKS
 
 _F_STYLES = ("white on blue", "white on dark_cyan", "white on magenta")
@@ -32,14 +33,6 @@ def _timeline_rows(timeline: list[list[dict]]) -> list[str]:
     return rows
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
-        n /= 1024
-    return ""
-
-
 TABLE_END_ROWS = 8  # a ranks table longer than twice this shows its ends
 
 
@@ -50,6 +43,11 @@ def _group_text(first_members: list[int], size: int) -> str:
 def print_plan(plan: dict, console: Console) -> None:
     """The plan, section by section: world and model, ranks and groups, batch and memory, the
     pipeline, the tp and cp traffic, then the warnings."""
+    if "not_modeled" in plan:  # a model without the built-in shape arithmetic (plan.user)
+        from partrain.plan.user import print_user_plan
+
+        print_user_plan(plan, console)
+        return
     _print_world(plan, console)
     _print_ranks(plan, console)
     _print_hsdp(plan, console)

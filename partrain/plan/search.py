@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from partrain.config.resolve import compute_dtype
 from partrain.config.validate import MAX_PIPELINE_CHUNKS
 from partrain.models.arith import ffn_dim, moe_enabled
+from partrain.models.family import shape_modeled
 from partrain.parallel.mesh import ParallelDims
 from partrain.plan.explain import (
     assumptions_text,
@@ -343,12 +344,14 @@ def check_config(cfg) -> None:
 
     from omegaconf import open_dict
 
-    if cfg.model.get("target"):
+    if not shape_modeled(cfg.model):
         from partrain.errors import ConfigError
         from partrain.plan.user import NOT_MODELED
 
+        which = (f"model.target={cfg.model.target} is your own model" if cfg.model.get("target")
+                 else f"model.family={cfg.model.family} counts its parameters without it")
         raise ConfigError(f"plan --search prices layouts by the model's shape arithmetic, and "
-                          f"model.target={cfg.model.target} is your own model: {NOT_MODELED}; "
+                          f"{which}: {NOT_MODELED}; "
                           "`partrain plan` without --search shows its parameters and model state")
     # validate.py has no public name for its layout-free rules; they run here on a copy of the
     # config whose parallel and micro-batch keys (which the search sets) are the plainest.

@@ -24,8 +24,7 @@ from partrain.checkpoint.state import load_optimizer, load_weights
 from partrain.config.resolve import compute_dtype
 from partrain.data.tokens import TokenSplits, load_tokens
 from partrain.interop.hf import hf_dir, is_hf, load_hf_weights
-from partrain.models.arith import flops_per_token
-from partrain.models.family import build_family_model, is_user_model, user_flops_per_token
+from partrain.models.family import build_family_model, model_flops_per_token
 from partrain.observe.curves import Curves
 from partrain.observe.metrics import MetricsLog, ProgressDisplay, peak_flops
 from partrain.observe.trace import Tracer
@@ -118,8 +117,7 @@ def build(cfg, run_dir: Path, device: torch.device) -> Run:
     tracer = Tracer(t.trace)
     model = build_family_model(cfg.model, t.seed).to(device)
     n_params = sum(q.numel() for q in model.parameters())
-    flops = (user_flops_per_token(model, t.seq_len, n_params) if is_user_model(cfg.model)
-             else flops_per_token(cfg.model, t.seq_len))
+    flops = model_flops_per_token(cfg.model, model, t.seq_len, n_params)
     tp_mesh = mesh["tp"] if dims.tp_enabled else None
     built = parallelize(model, cfg, dims, mesh, expert_mesh, tracer,
                         load_weights=partial(load_start_weights, start=start,

@@ -119,3 +119,142 @@ def test_full_recomputation_of_a_user_model_keeps_its_gradients(target):
     assert loss == plain_loss
     for name, grad in plain.items():
         torch.testing.assert_close(recomputed[name], grad, rtol=0, atol=0)
+
+
+# A registered family beyond the built-in one: what it declares is what partrain asks of it, and
+# what it does not is refused by name (partrain.models.family's docstring).
+TOY_PARAMS, TOY_ACTIVE, TOY_FLOPS = 123_456, 23_456, 7.5e6
+
+
+def _toy(model_cfg, seed: int):
+    import torch
+
+    from tests.unit.models.user_models import Plain
+
+    torch.manual_seed(seed)
+    return Plain(model_cfg.vocab_size, 16)
+
+
+@pytest.fixture
+def toy():
+    """Register the family "toy" for one test (counts from its config), then remove it."""
+    from partrain.models.family import FAMILIES, Family, register_family
+
+    register_family(Family("toy", _toy, "a test's family",
+                           count_params=lambda cfg, active=False: TOY_ACTIVE if active
+                           else TOY_PARAMS,
+                           flops_per_token=lambda cfg, seq_len: TOY_FLOPS))
+    try:
+        yield "model.family=toy"
+    finally:
+        del FAMILIES["toy"]
+
+
+@pytest.fixture
+def bare_toy():
+    """A family that declares nothing but its builder."""
+    from partrain.models.family import FAMILIES, Family, register_family
+
+    register_family(Family("toy", _toy, "a test's family"))
+    try:
+        yield "model.family=toy"
+    finally:
+        del FAMILIES["toy"]
+
+
+def test_the_built_in_family_declares_every_entry():
+    from partrain.models import arith, llama_hf
+    from partrain.models.family import FAMILIES, shape_modeled
+
+    llama = FAMILIES["llama"]
+    assert llama.count_params is arith.count_params
+    assert llama.flops_per_token is arith.flops_per_token
+    assert llama.moe and llama.hf.model_types == ("llama", "mistral", "qwen2", "qwen3")
+    assert llama.hf.name("layers.1.attention.wq.weight") == llama_hf.hf_name(
+        "layers.1.attention.wq.weight") == "model.layers.1.self_attn.q_proj.weight"
+    assert shape_modeled(compose().model)
+
+
+def test_the_planner_counts_with_the_familys_functions(run_main, toy):
+    res = run_main("plan", "--json", toy, "parallel.tp=2", "parallel.dp=1",
+                   "parallel.zero_stage=0")
+    assert res.code == 0, res.stderr
+    plan = json.loads(res.stdout)
+    m = plan["model"]
+    assert (m["family"], m["params"], m["flops_per_token"]) == ("toy", TOY_PARAMS, TOY_FLOPS)
+    assert m["params_per_rank"] == TOY_PARAMS // 2
+    assert plan["memory"]["total"] == 16 * m["params_per_rank"]  # DDP in fp32
+    assert "not modeled" in plan["not_modeled"]  # its shape is not the built-in arithmetic's
+    res = run_main("plan", toy, "launcher.device=cuda")  # printed; no fit without the shape
+    assert res.code == 0 and "model.family=toy (123,456 parameters" in res.stdout, res.stderr
+    assert "0.01 GFLOP per token" in res.stdout, res.stdout
+    res = run_main("plan", "--search", "--gpus", "8", toy)
+    assert res.code == 2 and "model.family=toy counts its parameters without it" in res.stderr
+
+
+def test_a_family_without_counts_is_counted_on_meta_like_a_users_model(run_main, bare_toy):
+    from partrain.models.family import count_params, model_flops_per_token
+
+    cfg = compose(bare_toy)
+    built = _toy(cfg.model, 0)
+    n = sum(p.numel() for p in built.parameters())
+    assert count_params(cfg.model) == n
+    assert model_flops_per_token(cfg.model, built, 64, n) == 6.0 * n
+    res = run_main("plan", "--json", bare_toy)
+    assert res.code == 0, res.stderr
+    m = json.loads(res.stdout)["model"]
+    assert (m["params"], m["flops_per_token"], m["flops_per_token_declared"]) == (n, None, False)
+
+
+def test_mfu_counts_with_the_familys_flops(toy):
+    from partrain.models.family import model_flops_per_token
+
+    cfg = compose(toy)
+    assert model_flops_per_token(cfg.model, _toy(cfg.model, 0), 64, 10) == TOY_FLOPS
+
+
+HF_REFUSAL = "model.family=toy declares no Hugging Face adapter (Family.hf"
+
+
+def test_hf_import_without_an_adapter_is_refused_naming_the_family(run_main, toy, tmp_path):
+    with pytest.raises(ConfigError) as info:
+        compose(toy, f"model.init_from=hf:{tmp_path}")
+    assert str(info.value).startswith(f"model.init_from=hf:{tmp_path}: {HF_REFUSAL}"), info.value
+    res = run_main("show", toy, f"model.init_from=hf:{tmp_path}")
+    assert res.code == 2 and HF_REFUSAL in res.stderr and "Traceback" not in res.stderr
+
+
+def test_hf_export_without_an_adapter_is_refused_naming_the_family(toy, tmp_path):
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from omegaconf import OmegaConf
+
+    from partrain.checkpoint import store
+    from partrain.checkpoint.state import build_state
+    from partrain.interop.hf import export_hf
+
+    cfg = compose(toy)
+    model = _toy(cfg.model, 0)
+    root = tmp_path / "run" / store.CHECKPOINTS
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.save(build_state(model, torch.optim.AdamW(model.parameters()), None, zero=False),
+                 checkpoint_id=store.tmp_dir(root, 1))
+    store.commit(root, 1, {"reason": "test"}, OmegaConf.to_yaml(cfg))
+    with pytest.raises(ConfigError) as info:
+        export_hf(store.newest(root), tmp_path / "out")
+    assert HF_REFUSAL in str(info.value) and "--format hf" in str(info.value), info.value
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (("model.moe.n_experts=4",), "model.moe.n_experts=4"),
+    (("parallel.ep=2", "parallel.dp=2"), "parallel.ep=2"),
+])
+def test_experts_without_moe_are_refused_naming_the_family(bare_toy, overrides, key):
+    with pytest.raises(ConfigError) as info:
+        resolved(bare_toy, *overrides, "launcher.device=cpu", nproc=2)
+    assert str(info.value).startswith(f"{key}: model.family=toy declares no mixture of experts"), \
+        info.value

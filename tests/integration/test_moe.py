@@ -70,22 +70,13 @@ def _assert_router_parity(steps, reference, label):
                 assert got[key] == pytest.approx(ref[key], rel=1e-4), (label, got["step"], key)
 
 
+# The shapes dp4 x ep4 and dp2 x ep2 at one sequence per micro-batch (the hang of issue 27: a
+# rank's experts get no row), ep2 x tp2 + sp with full checkpointing, and ep2 x pp2 run below,
+# with every token routed to half of the experts (test_a_rank_whose_experts_get_no_token_keeps_step),
+# held to the same parity and router parity; ep2 x pp2 with capacity in the checkpoint test.
 @pytest.mark.parametrize("label,overrides,variant", [
-    # ep4: the ep2 x pp2 checkpoint is resumed at dp4 x ep4, held to parity (steps 6-10).
     ("dp4 x ep2", ("parallel.dp=4", "parallel.ep=2", "train.micro_batch_size=4"), ()),
-    # ep = dp = 4 with one sequence per micro-batch: a rank's experts can get no row at all (the
-    # hang of issue 27: that rank skipped the backward all-to-all; test_expert.py forces it).
-    ("dp4 x ep4, micro-batch 1", ("parallel.dp=4", "parallel.ep=4", "train.micro_batch_size=1"),
-     ()),
-    ("dp2 x ep2, micro-batch 1", ("parallel.dp=2", "parallel.ep=2", "train.micro_batch_size=1"),
-     ()),
-    # Activation checkpointing rides on two rows: the router counts each token once although
-    # the blocks run twice, and the recomputed all-to-alls, tp and cp collectives match up.
-    ("ep2 x tp2 + sequence parallel, full checkpointing",
-     ("parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true",
-      "train.micro_batch_size=8", "train.activation_checkpointing=full"), ()),
-    ("ep2 x pp2", ("parallel.dp=2", "parallel.ep=2", "parallel.pp=2",
-                   "train.micro_batch_size=4"), ()),
+    # Selective checkpointing: the router counts each token once although attention runs twice.
     ("ep2 x cp2, selective checkpointing", ("parallel.dp=2", "parallel.ep=2", "parallel.cp=2",
                                             "train.micro_batch_size=8",
                                             "train.activation_checkpointing=selective"), ()),
@@ -213,11 +204,14 @@ def starved(tmp_path_factory):
 
 
 @pytest.mark.parametrize("label, overrides", [
-    ("dp4 x ep4", ("parallel.dp=4", "parallel.ep=4", "train.micro_batch_size=4")),
-    ("dp2 x ep2", ("parallel.dp=2", "parallel.ep=2", "train.micro_batch_size=4")),
-    ("dp2 x ep2 x tp2 + sequence parallel", ("parallel.dp=2", "parallel.ep=2", "parallel.tp=2",
-                                             "parallel.sequence_parallel=true",
-                                             "train.micro_batch_size=8")),
+    # ep = dp = 4 with one sequence per micro-batch: the layout where issue 27's hang went unseen.
+    ("dp4 x ep4, micro-batch 1", ("parallel.dp=4", "parallel.ep=4", "train.micro_batch_size=1")),
+    ("dp2 x ep2, micro-batch 1", ("parallel.dp=2", "parallel.ep=2", "train.micro_batch_size=1")),
+    # Full checkpointing: the recomputed all-to-alls and tp collectives match up, and the router
+    # counts each token once although the blocks run twice.
+    ("dp2 x ep2 x tp2 + sequence parallel, full checkpointing",
+     ("parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+      "train.micro_batch_size=8", "train.activation_checkpointing=full")),
     ("dp2 x ep2 x pp2", ("parallel.dp=2", "parallel.ep=2", "parallel.pp=2",
                          "train.micro_batch_size=4")),
     ("zero1 dp2 x ep2", ("parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=1",

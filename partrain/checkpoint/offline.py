@@ -15,17 +15,19 @@ def checkpoint_model(checkpoint, device: str = "cpu"):
     import warnings
 
     from partrain.checkpoint.resume import saved_config
+    from partrain.models.family import builds_offline
     from partrain.models.llama import Transformer
 
     cfg = OmegaConf.create(saved_config(checkpoint))
-    if cfg.model.get("target"):
+    if not builds_offline(cfg.model):
         from partrain.errors import ConfigError
 
+        whose = (f"your own model (model.target={cfg.model.target})" if cfg.model.get("target")
+                 else f"a model of the family {cfg.model.family}")
         raise ConfigError(
-            f"{checkpoint.path} holds your own model (model.target={cfg.model.target}): sample "
-            "and export build the built-in family; load its DCP checkpoint in your code "
-            "(torch.distributed.checkpoint, keys model.<parameter name>) or resume it with "
-            "partrain launch --resume")
+            f"{checkpoint.path} holds {whose}: sample and export build the built-in llama "
+            "family; load its DCP checkpoint in your code (torch.distributed.checkpoint, keys "
+            "model.<parameter name>) or resume it with partrain launch --resume")
     with torch.device("meta"):
         model = Transformer(cfg.model)
     model.to_empty(device=device)

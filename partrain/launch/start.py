@@ -97,6 +97,7 @@ def next_steps(run_dir: Path, cfg) -> list[str]:
     """What a finished run can do next, as commands with its run dir: sample, export (not a
     mixture of experts, which --format hf refuses), train on. None without a committed
     checkpoint (checkpoint.save_last=false and no schedule)."""
+    from partrain.models.family import builds_offline
     from partrain.models.arith import moe_enabled
 
     checkpoint = store.newest(run_dir / store.CHECKPOINTS)
@@ -105,7 +106,7 @@ def next_steps(run_dir: Path, cfg) -> list[str]:
     run = shlex.quote(str(run_dir))
     prompt = "'def main('" if cfg.data.source == "stdlib" else "'Once upon a time'"
     lines = []
-    if cfg.model.get("target"):  # a user's model: sample and export know the built-in family
+    if not builds_offline(cfg.model):  # sample and export know the built-in family only
         return [f"next: partrain launch --resume {run} train.max_steps="
                 f"{2 * cfg.train.max_steps}   # train on"]
     lines.append(f"next: partrain sample {run} --prompt {prompt}   # text from step "

@@ -141,6 +141,13 @@ def count_params(model_cfg, active: bool = False) -> int:
     return probe(model_cfg).params
 
 
+def builds_offline(model_cfg) -> bool:
+    """Whether sample and export can build this checkpoint's model: the built-in llama family
+    (its KV cache, tied weights and rotary tables are what they use), not a user's model or
+    another registered family."""
+    return not model_cfg.get("target") and model_cfg.get("family", "llama") == "llama"
+
+
 def hf_adapter(model_cfg, where: str) -> HfAdapter:
     """The family's Hugging Face adapter, or one ConfigError naming the family and what it lacks
     (`where`: the key or command that needs it)."""

@@ -258,3 +258,21 @@ def test_experts_without_moe_are_refused_naming_the_family(bare_toy, overrides, 
         resolved(bare_toy, *overrides, "launcher.device=cpu", nproc=2)
     assert str(info.value).startswith(f"{key}: model.family=toy declares no mixture of experts"), \
         info.value
+
+
+def test_sample_and_export_build_the_llama_family_only(toy, tmp_path):
+    """Another family's checkpoint is not built as a Llama by sample or export: refused, and
+    the end of its run suggests only training on."""
+    from omegaconf import OmegaConf
+
+    from partrain.launch.start import next_steps
+    from partrain.models.family import builds_offline
+    from tests.unit.launch.test_runs import _run_dir
+
+    assert builds_offline(compose().model)
+    assert not builds_offline(compose(toy).model)
+    assert not builds_offline(OmegaConf.create({"target": "pkg.mod:build", "family": "llama"}))
+    run = _run_dir(tmp_path, "toy run", checkpoint=10)
+    lines = next_steps(run, compose(toy, "train.max_steps=10"))
+    assert [line.split("   #")[0] for line in lines] == [
+        f"next: partrain launch --resume '{run}' train.max_steps=20"]

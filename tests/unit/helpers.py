@@ -81,3 +81,22 @@ def finish(proc: subprocess.Popen, timeout: float = 60) -> CliResult:
 def one_line(text: str) -> str:
     """Rich wraps stdout at the terminal width; compare messages with whitespace collapsed."""
     return " ".join(text.split())
+
+
+def save_checkpoint(model, cfg, run_dir, step: int = 1) -> None:
+    """Commit `model` (with a fresh AdamW's state) as run_dir's checkpoint of `step`, saved by
+    DCP on one process as a run saves it, with `cfg` as its config."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from partrain.checkpoint import store
+    from partrain.checkpoint.state import build_state
+
+    root = run_dir / store.CHECKPOINTS
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.save(build_state(model, torch.optim.AdamW(model.parameters()), None, zero=False),
+                 checkpoint_id=store.tmp_dir(root, step))
+    store.commit(root, step, {"reason": "test"}, OmegaConf.to_yaml(cfg))

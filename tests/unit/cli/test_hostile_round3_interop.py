@@ -15,7 +15,6 @@ import functools
 import json
 import shutil
 import tempfile
-import warnings
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ from tests.unit.cli.hostile import (
     row,
     tree,
 )
+from tests.unit.helpers import save_checkpoint
 
 
 # ------------------------------------------------------------------------------------------------
@@ -108,8 +108,6 @@ def _saved_run(run_dir: Path, *, vocab_size: int = 256, poke=None, data: dict | 
     layers.1.feed_forward.w2 set at [3, 5] to `poke` if given; `data`: data.* of its config."""
     from omegaconf import OmegaConf
 
-    from partrain.checkpoint import store
-    from partrain.checkpoint.state import build_state
     from partrain.config.schema import Config
     from partrain.models.llama import build_model
 
@@ -121,14 +119,7 @@ def _saved_run(run_dir: Path, *, vocab_size: int = 256, poke=None, data: dict | 
     if poke is not None:
         with torch.no_grad():
             model.layers["1"].feed_forward.w2.weight[3, 5] = poke
-    import torch.distributed.checkpoint as dcp
-
-    root = run_dir / store.CHECKPOINTS
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.save(build_state(model, torch.optim.AdamW(model.parameters()), None, zero=False),
-                 checkpoint_id=store.tmp_dir(root, 5))
-    store.commit(root, 5, {"reason": "test"}, OmegaConf.to_yaml(cfg))
+    save_checkpoint(model, cfg, run_dir, step=5)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     return run_dir
 

@@ -16,7 +16,7 @@ from partrain.config.schema import Config
 from partrain.data.tokenizer import BYTE_VOCAB as BYTES
 from partrain.interop.hf import from_rotate_half, hf_name, to_rotate_half
 from partrain.models.llama import build_model
-from tests.unit.helpers import one_line
+from tests.unit.helpers import one_line, save_checkpoint
 
 STEP = 7
 
@@ -292,12 +292,7 @@ def test_export_of_a_llama3_model_round_trips(run_main, tmp_path):
     load_hf_weights(model, tmp_path / "hf", model_cfg, None)
     cfg = OmegaConf.structured(Config)
     cfg.model = model_cfg
-    root = tmp_path / "run" / store.CHECKPOINTS
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.save(build_state(model, torch.optim.AdamW(model.parameters()), None, zero=False),
-                 checkpoint_id=store.tmp_dir(root, 1))
-    store.commit(root, 1, {"reason": "test"}, OmegaConf.to_yaml(cfg))
+    save_checkpoint(model, cfg, tmp_path / "run")
     assert run_main("export", str(tmp_path / "run"), "--out", str(tmp_path / "out")).code == 0
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["rope_parameters"] == LLAMA3

@@ -7,17 +7,13 @@ checkpoint relabelled as another family, and what partrain cannot compute."""
 
 import json
 import os
-import warnings
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from omegaconf import OmegaConf
 
-from partrain.checkpoint import store
-from partrain.checkpoint.state import build_state
 from partrain.config.compose import compose_config
 from partrain.errors import ConfigError
+from tests.unit.helpers import save_checkpoint
 
 # partrain's tiny shape with 2 layers (4 heads of 32, 2 kv heads), as transformers' config.
 TINY = dict(vocab_size=256, hidden_size=128, intermediate_size=352, num_hidden_layers=2,
@@ -66,15 +62,6 @@ def _batch(seq=64):
     return torch.randint(0, 256, (2, seq), generator=torch.Generator().manual_seed(11))
 
 
-def _save_checkpoint(model, cfg, run_dir):
-    root = run_dir / store.CHECKPOINTS
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.save(build_state(model, torch.optim.AdamW(model.parameters()), None, zero=False),
-                 checkpoint_id=store.tmp_dir(root, 1))
-    store.commit(root, 1, {"reason": "test"}, OmegaConf.to_yaml(cfg))
-
-
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_imports_exports_and_samples_as_transformers(run_main, tmp_path, family):
     from transformers import AutoModelForCausalLM
@@ -95,7 +82,7 @@ def test_family_imports_exports_and_samples_as_transformers(run_main, tmp_path, 
     print(f"{family} import: max abs logit difference {gap:.2e}")
     assert gap <= 1e-5
 
-    _save_checkpoint(model, cfg, tmp_path / "run")
+    save_checkpoint(model, cfg, tmp_path / "run")
     old = os.umask(0o027)  # group-readable, not world-readable
     try:
         res = run_main("export", str(tmp_path / "run"), "--out", str(tmp_path / "out"))

@@ -8,7 +8,7 @@ import pytest
 
 from partrain.errors import ConfigError
 from partrain.models.family import build_family_model, probe
-from tests.unit.helpers import compose, resolved
+from tests.unit.helpers import compose, resolved, save_checkpoint
 
 GPT2 = "model.target=examples.gpt2.model:build"
 PLAIN = "model.target=tests.unit.models.user_models:plain"
@@ -225,26 +225,16 @@ def test_hf_import_without_an_adapter_is_refused_naming_the_family(run_main, toy
 
 
 def test_hf_export_without_an_adapter_is_refused_naming_the_family(toy, tmp_path):
-    import warnings
 
-    import torch
-    import torch.distributed.checkpoint as dcp
-    from omegaconf import OmegaConf
 
     from partrain.checkpoint import store
-    from partrain.checkpoint.state import build_state
     from partrain.interop.hf import export_hf
 
     cfg = compose(toy)
     model = _toy(cfg.model, 0)
-    root = tmp_path / "run" / store.CHECKPOINTS
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.save(build_state(model, torch.optim.AdamW(model.parameters()), None, zero=False),
-                 checkpoint_id=store.tmp_dir(root, 1))
-    store.commit(root, 1, {"reason": "test"}, OmegaConf.to_yaml(cfg))
+    save_checkpoint(model, cfg, tmp_path / "run")
     with pytest.raises(ConfigError) as info:
-        export_hf(store.newest(root), tmp_path / "out")
+        export_hf(store.newest(tmp_path / "run" / store.CHECKPOINTS), tmp_path / "out")
     assert HF_REFUSAL in str(info.value) and "--format hf" in str(info.value), info.value
     assert not (tmp_path / "out").exists()
 

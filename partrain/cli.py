@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.text import Text
 
+from partrain.data.format import SHARD_MB
 from partrain.errors import ConfigError
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False,
@@ -520,14 +521,17 @@ def runs(
 @data_app.command("prepare")
 def data_prepare(
     inputs: List[Path] = typer.Argument(..., metavar="INPUTS...",
-                                        help="Text, JSON Lines (.jsonl) and Parquet files, or "
+                                        help="Text, JSON Lines (.jsonl), Parquet and Arrow files, "
+                                        "Hugging Face datasets saved with save_to_disk, or "
                                         "directories of them (recursively), in the given order"),
-    out_dir: Path = typer.Option(..., "--out", help="New directory for train.bin, val.bin, meta.json"),
+    out_dir: Path = typer.Option(..., "--out", help="New directory for the token dir: shard files "
+                                 "train-00000.bin, ..., val-00000.bin, ..., their document indexes "
+                                 "train.idx.npy and val.idx.npy, meta.json"),
     tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", metavar="PATH",
                                              help="A tokenizer.json (tokenizers library) or a "
                                              "directory holding one; default: a token per byte"),
     field: str = typer.Option("text", "--field", help="The field of each JSON Lines record or "
-                              "Parquet row that holds the document"),
+                              "Parquet or Arrow row that holds the document"),
     eot: Optional[str] = typer.Option(None, "--eot", metavar="TOKEN",
                                       help="The token after each document (default: the "
                                       "tokenizer's eos_token, or <|endoftext|> and kin)"),
@@ -535,9 +539,17 @@ def data_prepare(
                                           parser=_whole("--workers"),
                                           help="Tokenizer processes (default: one per core; at "
                                           "most 4 per core)"),
-    val_fraction: float = typer.Option(0.05, "--val-fraction", metavar="F",
-                                       parser=_number("--val-fraction"),
-                                       help="Share of the tokens held out for validation, in (0, 1)"),
+    val_fraction: Optional[float] = typer.Option(None, "--val-fraction", metavar="F",
+                                                 parser=_number("--val-fraction"),
+                                                 help="Share of the tokens held out for "
+                                                 "validation, in (0, 1) (default 0.05; not with "
+                                                 "--val)"),
+    val_inputs: Optional[List[Path]] = typer.Option(None, "--val", metavar="INPUT",
+                                                    help="Make the val split of this input (a "
+                                                    "file or directory, as INPUTS; repeat --val "
+                                                    "for more) instead of a fraction of INPUTS"),
+    shard_mb: int = typer.Option(SHARD_MB, "--shard-mb", metavar="MB", parser=_whole("--shard-mb"),
+                                 help="MiB of token ids per shard file at most"),
 ) -> None:
     """Tokenize text into a token dir for data=tokens data.path=DIR."""
     import time
@@ -546,7 +558,8 @@ def data_prepare(
 
     workers = workers or default_workers()
     start = time.perf_counter()
-    meta = prepare_token_dir(inputs, out_dir, val_fraction, tokenizer, field, eot, workers, err)
+    meta = prepare_token_dir(inputs, out_dir, val_fraction, tokenizer, field, eot, workers, err,
+                             val_inputs=list(val_inputs or []) or None, shard_bytes=shard_mb << 20)
     for line in summary(meta, out_dir, time.perf_counter() - start, workers):
         out.print(line)
 

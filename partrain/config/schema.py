@@ -154,11 +154,33 @@ class ParallelConfig:
 
 
 @dataclass
+class BlendSource:
+    path: Optional[str] = None
+    """A token dir (made by `partrain data prepare`)."""
+    weight: float = 1.0
+    """Its share of the training samples, relative to the other sources' weights."""
+
+
+@dataclass
 class DataConfig:
     source: str = "stdlib"
-    """stdlib = Python's own source as bytes; tokens = a prepared token dir."""
+    """stdlib = Python's own source as bytes; tokens = a prepared token dir (data.path, or the
+    dirs of data.blend)."""
     path: Optional[str] = None
-    """Token dir (train.bin, val.bin, meta.json) when source=tokens."""
+    """Token dir (`partrain data prepare`: meta.json, train-/val- shards, document indexes) when
+    source=tokens."""
+    sampling: str = "random"
+    """random | epochs: the training sequences of each step. random = global_batch_size windows
+    of seq_len + 1 tokens at random offsets drawn anew each step (with replacement; the default,
+    so that every run, reference number and checkpoint made before this key trains on the same
+    batches); epochs = the train split cut into (tokens - 1) // seq_len sequences, each seen once
+    per epoch in an order shuffled per epoch (Megatron-LM's)."""
+    blend: Optional[List[BlendSource]] = None
+    """Several token dirs mixed by weight, a list of {path: DIR, weight: W} (sets data.source
+    to tokens; data.path stays null): sample g of the run comes from the source furthest behind
+    its share weight * (g + 1) (Megatron-LM's blend), each source in its own data.sampling order;
+    validation draws the sources' val splits with the same weights. All must share one
+    tokenizer. null = no blend."""
     val_fraction: float = 0.05
     """Share of the stdlib corpus held out for validation."""
     stdlib_max_bytes: int = 8_000_000

@@ -35,6 +35,7 @@ ZERO_BACKENDS = ("deepspeed", "fsdp")
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 DEVICES = ("auto", "cpu", "cuda")
 DATA_SOURCES = ("stdlib", "tokens")
+DATA_SAMPLING = ("random", "epochs")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 # Architectures a model.name may name that the built-in family is not (the label picks nothing).
 OTHER_ARCHITECTURES = ("gpt2", "gpt-2", "gptj", "gpt-j", "gpt_neox", "gpt-neox", "bert", "t5",
@@ -92,6 +93,8 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
     with open_dict(cfg):
         p.dp = dp
         t.global_batch_size, t.micro_batch_size, t.micro_batches = g, b, mb
+        if cfg.data.blend is not None:  # a blend reads token dirs, whatever data= chose
+            cfg.data.source = "tokens"
         cfg.launcher.nnodes, cfg.launcher.nproc_per_node = world.nnodes, world.nproc_per_node
     if p.zero_stage > 0 and p.zero_backend == "deepspeed":
         from partrain.config.deepspeed import deepspeed_config
@@ -474,6 +477,29 @@ def _check_seq_len(cfg: DictConfig) -> None:
 def _check_data(d: DictConfig) -> None:
     if not 0.0 < d.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be between 0 and 1")
+    _choice("data.sampling", d.sampling, DATA_SAMPLING)
+    if d.blend is None:
+        return
+    # The dirs themselves (they exist, are token dirs, share a tokenizer) are checked with the
+    # data, before a start (partrain/data/sampler.py check_sources); `plan` needs none.
+    if len(d.blend) == 0:
+        raise ConfigError("data.blend=[] names no source; give at least one {path: DIR, weight: "
+                          "W}, or leave data.blend null for data.path alone")
+    if d.path:
+        raise ConfigError(f"data.path={d.path} and data.blend both name the training data; give "
+                          "one: the blend's dirs (add this dir to it), or data.path alone")
+    for i, entry in enumerate(d.blend):
+        if not entry.path:
+            raise ConfigError(f"data.blend[{i}].path={shown(entry.path)} names no token dir; each "
+                              "source is {path: DIR, weight: W}")
+        if not (math.isfinite(entry.weight) and entry.weight > 0):
+            raise ConfigError(f"data.blend[{i}].weight={entry.weight} must be a positive finite "
+                              f"number (the share of samples from {entry.path}, relative to the "
+                              "other sources' weights)")
+    if not math.isfinite(sum(entry.weight for entry in d.blend)):
+        raise ConfigError(f"data.blend's weights sum to infinity "
+                          f"({', '.join(str(e.weight) for e in d.blend)}); they are relative "
+                          "shares: scale them down")
 
 
 def _check_optim(o: DictConfig, max_steps: int) -> None:

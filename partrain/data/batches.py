@@ -1,21 +1,16 @@
 """The batches of each step: the same global batch for every layout, sliced by dp rank.
 
-Step s's global batch is `global_batch_size` windows of seq_len + 1 tokens whose start offsets
-come from a generator seeded by (seed, split, s). Rank r of dp takes rows [r*n, (r+1)*n), cut into
-micro-batches in order: the rows a layout trains on never depend on dp, micro_batches or pp.
+Step s's global batch is `global_batch_size` windows of seq_len + 1 tokens. By default
+(data.sampling=random) their start offsets come from a generator seeded by (seed, split, s);
+data.sampling=epochs and data.blend choose them otherwise (sampler.py), always from (seed, s)
+alone. Rank r of dp takes rows [r*n, (r+1)*n), cut into micro-batches in order: the rows a
+layout trains on never depend on dp, micro_batches or pp.
 """
 
 import numpy as np
 import torch
 
-_SPLIT_IDS = {"train": 0, "val": 1}
-
-
-def global_batch_rows(n_tokens: int, step: int, global_batch_size: int, seq_len: int, seed: int,
-                      split: str = "train") -> np.ndarray:
-    """Start offsets of the global batch's sequences for one step."""
-    rng = np.random.default_rng([seed, _SPLIT_IDS[split], step])
-    return rng.integers(0, n_tokens - seq_len - 1, size=global_batch_size, endpoint=True)
+from partrain.data.sampler import global_batch_rows
 
 
 def rank_micro_batches(tokens: np.ndarray, step: int, *, global_batch_size: int,
@@ -23,8 +18,23 @@ def rank_micro_batches(tokens: np.ndarray, step: int, *, global_batch_size: int,
                        split: str = "train") -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This dp rank's micro-batches of step `step`: (inputs, targets), each (micro_batch_size, seq_len)."""
     starts = global_batch_rows(len(tokens), step, global_batch_size, seq_len, seed, split)
-    per_rank = global_batch_size // dp
-    mine = starts[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-    windows = np.stack([np.asarray(tokens[s:s + seq_len + 1], dtype=np.int64) for s in mine])
+    return _cut([tokens], np.zeros(len(starts), dtype=np.int64), starts, seq_len,
+                micro_batch_size, dp, dp_rank)
+
+
+def sampler_micro_batches(sampler, step: int, *, micro_batch_size: int, dp: int,
+                          dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Like rank_micro_batches, for the rows a sampler (sampler.py) chose for step `step`."""
+    sources, starts = sampler.rows(step)
+    return _cut(sampler.streams, sources, starts, sampler.seq_len, micro_batch_size, dp, dp_rank)
+
+
+def _cut(streams: list, sources: np.ndarray, starts: np.ndarray, seq_len: int,
+         micro_batch_size: int, dp: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This dp rank's slice of the global batch's rows, read and cut into micro-batches."""
+    per_rank = len(starts) // dp
+    mine = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
+    windows = np.stack([np.asarray(streams[k][s:s + seq_len + 1], dtype=np.int64)
+                        for k, s in zip(sources[mine].tolist(), starts[mine].tolist())])
     windows = torch.from_numpy(windows)
     return [(w[:, :-1], w[:, 1:]) for w in windows.split(micro_batch_size)]

@@ -1,10 +1,13 @@
-"""`partrain data prepare`: text, JSON Lines and Parquet files, or directories of them, tokenized
-into a token dir (tokens.py reads it).
+"""`partrain data prepare`: text, JSON Lines, Parquet and Arrow files, Hugging Face datasets saved
+with `save_to_disk`, or directories of them, tokenized into a token dir (format.py says what it
+holds, tokens.py reads it).
 
-Inputs are documents: a text file is one, a JSON Lines line or a Parquet row is one (its `--field`,
-"text" by default; JSON Lines through pyarrow's JSON reader, Parquet through pyarrow.parquet). A
-directory stands for the files under it, recursively, in sorted order, hidden names skipped; the
-suffix says the kind (.jsonl/.ndjson, .parquet, anything else text).
+Inputs are documents: a non-empty text file is one, a JSON Lines line, a Parquet row or an Arrow
+record is one (its `--field`, "text" by default; JSON Lines through pyarrow's JSON reader, Parquet
+through pyarrow.parquet, Arrow through pyarrow.ipc). A directory stands for the files under it,
+recursively, in sorted order, hidden names skipped; the suffix says the kind (.jsonl/.ndjson,
+.parquet, .arrow, anything else text). A directory that `datasets.Dataset.save_to_disk` wrote
+(state.json, dataset_info.json, data-*.arrow) stands for its Arrow files in state.json's order.
 
 Two tokenizers:
 - bytes (the default): a token per byte of the file, documents joined by a newline, ids uint8;
@@ -12,9 +15,13 @@ Two tokenizers:
   end-of-text token, ids uint16 when the vocabulary fits, else uint32, encoded by as many worker
   processes as cores, each tokenizing ~1 MiB of text at a time, the results written in input order.
 
-The ids stream to `train.bin` as they come; the last `--val-fraction` of them then moves to
-`val.bin`. Everything is written under a temporary name beside `--out` and renamed into place at
-the end; a failure or Ctrl-C leaves nothing behind.
+The ids stream to shard files of at most `--shard-mb` (train-00000.bin, ...) as they come, the
+documents' start offsets to a file beside, so memory stays bounded whatever the input's size
+(a document is held whole, and a text file is one). With `--val INPUTS` the val split is made from
+those; else the last `--val-fraction` of the ids moves to the val split at the end (the shard
+holding the cut is split, the shards after it are renamed). Everything is written under a
+temporary name beside `--out` and renamed into place at the end; a failure or Ctrl-C leaves
+nothing behind.
 """
 
 import itertools
@@ -36,12 +43,25 @@ import numpy as np
 
 from partrain.config.paths import what_is
 from partrain.data import tokenizer as tk
-from partrain.data.format import FORMAT, vocab_to_use
+from partrain.data.format import (
+    FORMAT,
+    INDEX_DTYPE,
+    SHARD_MB,
+    index_name,
+    shard_name,
+    vocab_to_use,
+)
 from partrain.errors import ConfigError
 from partrain.staging import check_out, staged_dir
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
+ARROW_SUFFIXES = (".arrow",)
+# What `datasets` writes into a directory with save_to_disk: a Dataset's state.json names its Arrow
+# files in order; a DatasetDict's dataset_dict.json names its splits, each a Dataset's directory.
+HF_STATE, HF_INFO, HF_SPLITS = "state.json", "dataset_info.json", "dataset_dict.json"
+VAL_FRACTION = 0.05  # --val-fraction's default
+INDEX_CHUNK = 1 << 20  # document offsets read at a time when the index is written
 CHUNK_CHARS = 1 << 20  # text per task sent to a worker process
 ROWS_PER_BATCH = 4096  # Parquet rows read at a time
 # pyarrow reads JSON Lines in blocks, and a record must fit in one: a document of up to this much
@@ -78,6 +98,11 @@ def collect_inputs(paths: list[Path]) -> list[Path]:
             continue
         found = []
         for root, dirs, names in os.walk(path, onerror=_walk_error):
+            dataset = _hf_dataset_files(Path(root))
+            if dataset is not None:  # its Arrow files, not its JSON files as text
+                found += dataset
+                dirs[:] = []
+                continue
             dirs[:] = sorted(d for d in dirs if not d.startswith("."))
             found += [Path(root) / n for n in sorted(names)
                       if not n.startswith(".") and (Path(root) / n).is_file()]
@@ -91,9 +116,48 @@ def _walk_error(e: OSError) -> None:
     raise ConfigError(f"input directory {e.filename} cannot be read: {_reason(e)}")
 
 
+def _json_file(file: Path, directory: Path):
+    try:
+        return json.loads(file.read_text(encoding="utf-8-sig"))
+    except (OSError, ValueError, RecursionError) as e:
+        raise ConfigError(f"input directory {directory}: its {file.name} cannot be read as JSON "
+                          f"({str(e)[:200]})") from None
+
+
+def _hf_dataset_files(directory: Path) -> list[Path] | None:
+    """The Arrow files of a Hugging Face dataset that `save_to_disk` wrote into `directory`, in
+    its order; None when it is not one. A DatasetDict is refused: which split trains and which
+    validates is the user's to say."""
+    if (directory / HF_SPLITS).is_file():
+        splits = _json_file(directory / HF_SPLITS, directory)
+        splits = splits.get("splits") if isinstance(splits, dict) else None
+        splits = [s for s in splits if isinstance(s, str)] if isinstance(splits, list) else []
+        train = "train" if "train" in splits else (splits or ["train"])[0]
+        val = next((s for s in ("validation", "valid", "val", "test") if s in splits),
+                   next((s for s in splits if s != train), None))
+        example = f"{directory / train}" + (f" --val {directory / val}" if val else "")
+        raise ConfigError(
+            f"input directory {directory} is a Hugging Face DatasetDict (splits: "
+            f"{', '.join(splits) or 'none named'}); give the directory of a split, e.g. {example}")
+    if not ((directory / HF_STATE).is_file() and (directory / HF_INFO).is_file()):
+        return None
+    state = _json_file(directory / HF_STATE, directory)
+    entries = state.get("_data_files") if isinstance(state, dict) else None
+    if not isinstance(entries, list) or not entries or not all(
+            isinstance(e, dict) and isinstance(e.get("filename"), str) for e in entries):
+        raise ConfigError(
+            f"input directory {directory} looks like a Hugging Face dataset ({HF_STATE}, "
+            f"{HF_INFO}), but its {HF_STATE} names no Arrow files in \"_data_files\"")
+    files = [directory / entry["filename"] for entry in entries]
+    for file in files:
+        _check_file(file)
+    return files
+
+
 def _kind(file: Path) -> str:
     suffix = file.suffix.lower()
-    return "jsonl" if suffix in JSONL_SUFFIXES else "parquet" if suffix in PARQUET_SUFFIXES else "text"
+    return ("jsonl" if suffix in JSONL_SUFFIXES else "parquet" if suffix in PARQUET_SUFFIXES else
+            "arrow" if suffix in ARROW_SUFFIXES else "text")
 
 
 def _jsonl_texts(file: Path, field: str) -> Iterator:
@@ -171,28 +235,68 @@ def _parquet_texts(file: Path, field: str) -> Iterator:
         parquet = pq.ParquetFile(file)
     except (pa.ArrowException, OSError) as e:
         raise ConfigError(f"input file {file} is not a Parquet file ({str(e)[:300]})") from None
-    schema = parquet.schema_arrow
+    _check_text_column(file, parquet.schema_arrow, field)
+    batches = parquet.iter_batches(batch_size=ROWS_PER_BATCH, columns=[field])
+    try:
+        yield from _column_texts(file, field, (batch.column(0) for batch in batches))
+    except (pa.ArrowException, OSError) as e:
+        raise ConfigError(f"input file {file} cannot be read as Parquet ({str(e)[:300]})") from None
+
+
+def _arrow_texts(file: Path, field: str) -> Iterator:
+    """An Arrow IPC stream (what `datasets` writes) or file, a record batch at a time: read
+    through the file, not mapped, so that what was read is let go."""
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    try:
+        source = pa.OSFile(str(file))
+    except (pa.ArrowException, OSError) as e:
+        raise ConfigError(f"input file {file} cannot be read: {str(e)[:300]}") from None
+    with source:
+        try:
+            reader = ipc.open_stream(source)
+            batches = iter(reader)
+        except pa.ArrowInvalid:
+            try:
+                source.seek(0)
+                reader = ipc.open_file(source)
+            except (pa.ArrowException, OSError) as e:
+                raise ConfigError(f"input file {file} is not an Arrow stream or file "
+                                  f"({str(e)[:300]})") from None
+            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        _check_text_column(file, reader.schema, field)
+        try:
+            yield from _column_texts(file, field, (batch.column(field) for batch in batches))
+        except (pa.ArrowException, OSError) as e:
+            raise ConfigError(f"input file {file} cannot be read as Arrow "
+                              f"({str(e)[:300]})") from None
+
+
+def _check_text_column(file: Path, schema, field: str) -> None:
+    import pyarrow as pa
+
     if field not in schema.names:
         raise ConfigError(f"input file {file} has no column {field!r} (--field); its columns: "
                           f"{', '.join(schema.names)}")
     kind = schema.field(field).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         raise ConfigError(f"input file {file}: column {field!r} (--field) holds {kind}, not text")
-    row = 0  # of the batch being read, for a message
-    try:
-        for batch in parquet.iter_batches(batch_size=ROWS_PER_BATCH, columns=[field]):
-            column = batch.column(0)
-            try:
-                texts = column.to_pylist()
-            except UnicodeDecodeError:  # Parquet does not check that its strings are UTF-8
-                bad = next(i for i in range(len(column)) if not _utf8(column[i]))
-                raise ConfigError(f"input file {file}, row {row + bad + 1}: column {field!r} "
-                                  "(--field) holds bytes that are not UTF-8; a document must be "
-                                  "UTF-8 text") from None
-            row += len(column)
-            yield texts
-    except (pa.ArrowException, OSError) as e:
-        raise ConfigError(f"input file {file} cannot be read as Parquet ({str(e)[:300]})") from None
+
+
+def _column_texts(file: Path, field: str, columns) -> Iterator[list]:
+    """Each column chunk's values as Python strings (None for null)."""
+    row = 0  # of the chunk being read, for a message
+    for column in columns:
+        try:
+            texts = column.to_pylist()
+        except UnicodeDecodeError:  # neither Parquet nor Arrow checks that strings are UTF-8
+            bad = next(i for i in range(len(column)) if not _utf8(column[i]))
+            raise ConfigError(f"input file {file}, row {row + bad + 1}: column {field!r} "
+                              "(--field) holds bytes that are not UTF-8; a document must be "
+                              "UTF-8 text") from None
+        row += len(column)
+        yield texts
 
 
 def _utf8(value) -> bool:
@@ -212,6 +316,8 @@ def documents(file: Path, field: str, as_text: bool) -> Iterator[tuple[str | byt
             raw = file.read_bytes()
         except OSError as e:
             raise ConfigError(f"input file {file} cannot be read: {_reason(e)}") from None
+        if not raw:  # an empty file is no document, as an empty record is none
+            return
         if not as_text:
             yield raw, len(raw)
             return
@@ -222,7 +328,8 @@ def documents(file: Path, field: str, as_text: bool) -> Iterator[tuple[str | byt
                               f"offset {e.start}); the tokenizer reads text") from None
         return
     found = False
-    for texts in (_jsonl_texts if kind == "jsonl" else _parquet_texts)(file, field):
+    reader = {"jsonl": _jsonl_texts, "parquet": _parquet_texts, "arrow": _arrow_texts}[kind]
+    for texts in reader(file, field):
         for text in texts:
             if text:  # null and "" are no document
                 found = True
@@ -234,14 +341,119 @@ def documents(file: Path, field: str, as_text: bool) -> Iterator[tuple[str | byt
 
 
 # ---- output ----------------------------------------------------------------------------------
-def _split(tmp: Path, dtype: str, total: int, cut: int) -> None:
-    """Move ids [cut, total) of train.bin to val.bin."""
-    size = np.dtype(dtype).itemsize
-    with open(tmp / "train.bin", "r+b") as train:
-        train.seek(cut * size)
-        with open(tmp / "val.bin", "wb") as val:
-            shutil.copyfileobj(train, val, 1 << 24)
-        train.truncate(cut * size)
+class _Split:
+    """A split being written: its ids into shard files of at most `shard_tokens` ids
+    (train-00000.bin, ...), its documents' start offsets into a raw int64 file beside, made into
+    the .npy index at the end (its length is known only then)."""
+
+    def __init__(self, stage, name: str, shard_tokens: int):
+        self.stage, self.name, self.shard_tokens = stage, name, shard_tokens
+        self.shards: list[int] = []  # ids in each shard file so far
+        self.total = 0  # ids so far
+        self.documents = 0
+        self.starts_file = stage.path / f".{name}.starts"
+        self._bin = None
+        self._starts = None
+
+    def __enter__(self):
+        self.stage.step = f"writing {index_name(self.name)}"
+        self._starts = open(self.starts_file, "wb")
+        return self
+
+    def __exit__(self, *exc):
+        self._close_shard()
+        self.stage.step = f"writing {index_name(self.name)}"
+        self._starts.close()
+
+    def write(self, ids: np.ndarray, starts: np.ndarray) -> None:
+        """Append `ids`, in which documents start at offsets `starts`."""
+        self._starts.write((starts + self.total).astype(INDEX_DTYPE).tobytes())
+        self.documents += len(starts)
+        at = 0
+        while at < len(ids):
+            if self._bin is None or self.shards[-1] == self.shard_tokens:
+                self._close_shard()
+                self.stage.step = f"writing {shard_name(self.name, len(self.shards))}"
+                self._bin = open(self.stage.path / shard_name(self.name, len(self.shards)), "wb")
+                self.shards.append(0)
+            piece = ids[at:at + self.shard_tokens - self.shards[-1]]
+            self._bin.write(piece.tobytes())
+            self.shards[-1] += len(piece)
+            at += len(piece)
+        self.total += len(ids)
+
+    def _close_shard(self) -> None:
+        if self._bin is not None:
+            self._bin.close()  # a full disk may refuse the last buffered bytes only here
+            self._bin = None
+
+
+def _starts_chunks(file: Path, keep=None, offset: int = 0) -> Iterator[np.ndarray]:
+    """The offsets in a raw starts file, INDEX_CHUNK at a time: those `keep` keeps, less
+    `offset`."""
+    with open(file, "rb") as f:
+        while len(chunk := np.fromfile(f, dtype=INDEX_DTYPE, count=INDEX_CHUNK)):
+            yield (chunk if keep is None else chunk[keep(chunk)]) - offset
+
+
+def _write_index(path: Path, count: int, chunks, lead_zero: bool = False) -> None:
+    """A .npy file of `count` int64 offsets (a 0 first when `lead_zero`) from `chunks`."""
+    with open(path, "wb") as f:
+        np.lib.format.write_array_header_1_0(
+            f, {"descr": INDEX_DTYPE, "fortran_order": False, "shape": (count + lead_zero,)})
+        if lead_zero:
+            f.write(np.zeros(1, dtype=INDEX_DTYPE).tobytes())
+        for chunk in chunks:
+            f.write(chunk.tobytes())
+
+
+def _cut_shards(stage, shards: list[int], cut: int, itemsize: int) -> tuple[list[int], list[int]]:
+    """Move ids [cut, end) of the train shards to val shards: the shard holding the cut is split
+    (its tail copied to val-00000.bin), the shards after it are renamed. Returns the (train,
+    val) shard sizes."""
+    bounds = np.cumsum([0] + shards)
+    k = int(np.searchsorted(bounds, cut, side="right")) - 1  # the shard holding id `cut`
+    head = cut - int(bounds[k])
+    train, val = shards[:k] + ([head] if head else []), []
+    if head:
+        stage.step = f"writing {shard_name('val', 0)}"
+        with open(stage.path / shard_name("train", k), "r+b") as source:
+            source.seek(head * itemsize)
+            with open(stage.path / shard_name("val", 0), "wb") as tail:
+                shutil.copyfileobj(source, tail, 1 << 24)
+            source.truncate(head * itemsize)
+        val.append(shards[k] - head)
+    for number in range(k + 1 if head else k, len(shards)):
+        stage.step = f"renaming {shard_name('train', number)} to {shard_name('val', len(val))}"
+        (stage.path / shard_name("train", number)).rename(stage.path / shard_name("val", len(val)))
+        val.append(shards[number])
+    return train, val
+
+
+def _write_indexes(stage, train: _Split, val: _Split | None, cut: int) -> tuple[int, int]:
+    """train.idx.npy and val.idx.npy from the raw starts: split at `cut` when val is None (the val
+    split then starts in the middle of a document, or at one). (train, val) documents."""
+    stage.step = f"writing {index_name('train')}"
+    if val is not None:
+        _write_index(stage.path / index_name("train"), train.documents,
+                     _starts_chunks(train.starts_file))
+        stage.step = f"writing {index_name('val')}"
+        _write_index(stage.path / index_name("val"), val.documents, _starts_chunks(val.starts_file))
+        val.starts_file.unlink()
+        train.starts_file.unlink()
+        return train.documents, val.documents
+    before, at_cut = 0, False
+    for chunk in _starts_chunks(train.starts_file):
+        before += int(np.searchsorted(chunk, cut))
+        at_cut = at_cut or bool((chunk == cut).any())
+    _write_index(stage.path / index_name("train"), before,
+                 _starts_chunks(train.starts_file, lambda c: c < cut))
+    stage.step = f"writing {index_name('val')}"
+    _write_index(stage.path / index_name("val"), train.documents - before,
+                 _starts_chunks(train.starts_file, lambda c: c >= cut, offset=cut),
+                 lead_zero=not at_cut)
+    train.starts_file.unlink()
+    return before, train.documents - before + (not at_cut)
 
 
 # ---- tokenization ----------------------------------------------------------------------------
@@ -293,8 +505,8 @@ def _pool(file: Path, eot_id: int, dtype: str, workers: int):
 
 
 def _encode_all(chunks, file: Path, eot_id: int, dtype: str, pool, workers: int):
-    """(ids, bytes) per chunk, in order: encoded here without a pool, else by the pool's
-    processes, at most two tasks per process in flight."""
+    """((ids, ids per document), text bytes) per chunk, in order: encoded here without a pool,
+    else by the pool's processes, at most two tasks per process in flight."""
     if pool is None:
         tok = tk.load(file)
         for docs, nbytes in chunks:
@@ -312,10 +524,21 @@ def _encode_all(chunks, file: Path, eot_id: int, dtype: str, pool, workers: int)
 
 
 def _byte_ids(docs: Iterator[tuple[bytes, int]]):
+    """(ids, document starts in them, text bytes) per document: its bytes, after the newline that
+    ends the document before it."""
     newline = np.array([10], dtype=np.uint8)
+    first, later = np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.int64)
     for i, (doc, size) in enumerate(docs):
         ids = np.frombuffer(doc, dtype=np.uint8)
-        yield (ids if i == 0 else np.concatenate([newline, ids])), size
+        yield (ids, first, size) if i == 0 else (np.concatenate([newline, ids]), later, size)
+
+
+def _token_ids(chunks, file: Path, eot_id: int, dtype: str, pool, workers: int):
+    """(ids, document starts in them, text bytes) per chunk of documents, in order."""
+    for (ids, sizes), nbytes in _encode_all(chunks, file, eot_id, dtype, pool, workers):
+        starts = np.zeros(len(sizes), dtype=np.int64)
+        np.cumsum(sizes[:-1], out=starts[1:])
+        yield ids, starts, nbytes
 
 
 def _progress(console):
@@ -349,12 +572,21 @@ def check_workers(workers: int) -> None:
             "(the default is one per core)")
 
 
-def prepare_token_dir(inputs: list[Path], out: Path, val_fraction: float, tokenizer: Path | None = None,
-                      field: str = "text", eot: str | None = None, workers: int | None = None,
-                      console=None) -> dict:
-    """Tokenize `inputs` into a new token dir `out`; returns its meta.json."""
-    if not (math.isfinite(val_fraction) and 0.0 < val_fraction < 1.0):
-        raise ConfigError(f"--val-fraction={val_fraction} must be between 0 and 1 (exclusive)")
+def prepare_token_dir(inputs: list[Path], out: Path, val_fraction: float | None = None,
+                      tokenizer: Path | None = None, field: str = "text", eot: str | None = None,
+                      workers: int | None = None, console=None,
+                      val_inputs: list[Path] | None = None,
+                      shard_bytes: int = SHARD_MB << 20) -> dict:
+    """Tokenize `inputs` into a new token dir `out`, the val split from `val_inputs` when given,
+    else the last `val_fraction` (default VAL_FRACTION) of the ids; returns its meta.json."""
+    if val_inputs and val_fraction is not None:
+        raise ConfigError(
+            f"--val-fraction={val_fraction} and --val: the val split is made either from the --val "
+            "inputs or from a fraction of the inputs; give one of the two")
+    if not val_inputs:
+        val_fraction = VAL_FRACTION if val_fraction is None else val_fraction
+        if not (math.isfinite(val_fraction) and 0.0 < val_fraction < 1.0):
+            raise ConfigError(f"--val-fraction={val_fraction} must be between 0 and 1 (exclusive)")
     workers = default_workers() if workers is None else workers
     check_workers(workers)
     if eot is not None and tokenizer is None:
@@ -364,7 +596,8 @@ def prepare_token_dir(inputs: list[Path], out: Path, val_fraction: float, tokeni
         check_out(out)
     except OSError as e:
         raise ConfigError(f"--out {out} cannot be inspected: {_reason(e)}") from None
-    files = collect_inputs(inputs)
+    sources = {"train": collect_inputs(inputs),
+               "val": collect_inputs(val_inputs) if val_inputs else []}
     meta = {"format": FORMAT}
     if tokenizer is None:
         meta.update(tokenizer=tk.BYTES, dtype="uint8", vocab_size=tk.BYTE_VOCAB)
@@ -375,37 +608,62 @@ def prepare_token_dir(inputs: list[Path], out: Path, val_fraction: float, tokeni
         vocab = tok.get_vocab_size(with_added_tokens=True)
         meta.update(tokenizer=tk.TOKENIZER_FILE, dtype="uint16" if vocab <= 1 << 16 else "uint32",
                     vocab_size=vocab, eot_token=eot, eot_id=eot_id)
-    docs = (d for f in files for d in documents(f, field, as_text=tokenizer is not None))
-    total, nbytes, top = 0, 0, -1
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    if shard_bytes < itemsize:
+        raise ConfigError(f"a shard of {shard_bytes} bytes holds no {meta['dtype']} id")
+    unit = "bytes" if tokenizer is None else "tokens"
+    nbytes, top, splits = 0, -1, {}
     parallel = tokenizer is not None and workers > 1
     with staged_dir(out) as stage, \
             (_pool(file, eot_id, meta["dtype"], workers) if parallel else nullcontext()) as pool:
-        tmp, stage.step = stage.path, "writing train.bin"
-        with open(tmp / "train.bin", "wb") as stream, _progress(console) as progress:
-            bar = progress.add_task("tokenizing", total=sum(f.stat().st_size for f in files))
-            encoded = (_byte_ids(docs) if tokenizer is None else
-                       _encode_all(_chunks(docs), file, eot_id, meta["dtype"], pool, workers))
-            for ids, size in encoded:
-                stream.write(ids.tobytes())
-                total, nbytes = total + len(ids), nbytes + size
-                top = max(top, int(ids.max())) if len(ids) else top
-                progress.update(bar, advance=size)
-        cut = int(total * (1 - val_fraction))
-        if cut < 2 or total - cut < 2:
-            unit = "bytes" if tokenizer is None else "tokens"
-            raise ConfigError(
-                f"the input files hold {total} {unit}; --val-fraction={val_fraction} splits them "
-                f"into {cut} train and {total - cut} val tokens, and each split needs at least 2")
-        stage.step = "writing val.bin"
-        _split(tmp, meta["dtype"], total, cut)
-        meta.update(train_tokens=cut, val_tokens=total - cut, max_token_id=top,
-                    text_bytes=nbytes, sources=[str(p) for p in inputs], files=len(files))
+        with _progress(console) as progress:
+            bar = progress.add_task("tokenizing", total=sum(
+                f.stat().st_size for files in sources.values() for f in files))
+            for name, files in sources.items():
+                if not files:
+                    continue
+                docs = (d for f in files
+                        for d in documents(f, field, as_text=tokenizer is not None))
+                encoded = (_byte_ids(docs) if tokenizer is None else
+                           _token_ids(_chunks(docs), file, eot_id, meta["dtype"], pool, workers))
+                with _Split(stage, name, shard_bytes // itemsize) as split:
+                    for ids, starts, size in encoded:
+                        split.write(ids, starts)
+                        nbytes += size
+                        top = max(top, int(ids.max())) if len(ids) else top
+                        progress.update(bar, advance=size)
+                splits[name] = split
+        train, val = splits["train"], splits.get("val")
+        if val is None:
+            total = train.total
+            cut = int(total * (1 - val_fraction))
+            if cut < 2 or total - cut < 2:
+                raise ConfigError(
+                    f"the input files hold {total} {unit}; --val-fraction={val_fraction} splits "
+                    f"them into {cut} train and {total - cut} val tokens, and each split needs at "
+                    "least 2")
+            train_shards, val_shards = _cut_shards(stage, train.shards, cut, itemsize)
+            meta_val = {"val_fraction": val_fraction}
+        else:
+            for name, flag in (("train", "the input files"), ("val", "the --val input files")):
+                if splits[name].total < 2:
+                    raise ConfigError(f"{flag} hold {splits[name].total} {unit}; the {name} split "
+                                      "needs at least 2")
+            cut, train_shards, val_shards = None, train.shards, val.shards
+            meta_val = {"val_sources": [str(p) for p in val_inputs]}
+        train_documents, val_documents = _write_indexes(stage, train, val, cut)
+        meta.update(train_tokens=sum(train_shards), val_tokens=sum(val_shards), max_token_id=top,
+                    text_bytes=nbytes, sources=[str(p) for p in inputs], **meta_val,
+                    files=len(sources["train"]) + len(sources["val"]),
+                    train_documents=train_documents, val_documents=val_documents,
+                    train_shards=train_shards, val_shards=val_shards,
+                    shard_tokens=shard_bytes // itemsize)
         if tokenizer is not None:
             stage.step = "writing the tokenizer files"
             meta["tokenizer_source"] = str(file.absolute())
-            tk.write_files(file, eot, tmp)
+            tk.write_files(file, eot, stage.path)
         stage.step = "writing meta.json"
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        (stage.path / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 
 
@@ -417,8 +675,10 @@ def summary(meta: dict, out: Path, seconds: float, workers: int) -> list[str]:
            f"{meta['tokenizer_source']}, {workers} worker process(es)")
     vocab = ("" if meta["tokenizer"] == tk.BYTES else
              f" model.vocab_size={vocab_to_use(meta['vocab_size'])}")
+    shards = len(meta["train_shards"]) + len(meta["val_shards"])
     return [f"tokenized {mb:,.1f} MB of text from {meta['files']} file(s) in {seconds:.1f} s: "
             f"{mb / seconds:,.2f} MB/s, {tokens / seconds:,.0f} tokens/s ({how})",
-            f"wrote {out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens "
-            f"(vocab {meta['vocab_size']}, {meta['dtype']}); train with: partrain launch "
+            f"wrote {out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens in "
+            f"{meta['train_documents']:,} + {meta['val_documents']:,} documents, {shards} shard "
+            f"file(s) (vocab {meta['vocab_size']}, {meta['dtype']}); train with: partrain launch "
             f"data=tokens data.path={out}{vocab}"]

@@ -217,20 +217,21 @@ def init_worker(file: str, eot_id: int, dtype: str) -> None:
 
 
 def encode_documents(documents: list[str]):
-    """In a worker: the ids of `documents`, each followed by the end-of-text token."""
+    """In a worker: `encode` of `documents` with the worker's tokenizer."""
     return encode(_worker["tok"], _worker["eot_id"], _worker["dtype"], documents)
 
 
 def encode(tok, eot_id: int, dtype: str, documents: list[str]):
-    """The ids of `documents`, each followed by the end-of-text token, as one numpy array."""
+    """The ids of `documents`, each followed by the end-of-text token, as one numpy array, and
+    the ids of each document (its end-of-text token included), for the document index."""
     import numpy as np
 
     encodings = tok.encode_batch_fast(documents, add_special_tokens=False)
-    sizes = [len(e.ids) + 1 for e in encodings]
-    ids = np.empty(sum(sizes), dtype=dtype)
+    sizes = np.fromiter((len(e.ids) + 1 for e in encodings), dtype=np.int64, count=len(encodings))
+    ids = np.empty(int(sizes.sum()), dtype=dtype)
     at = 0
-    for encoding, size in zip(encodings, sizes):
+    for encoding, size in zip(encodings, sizes.tolist()):
         ids[at:at + size - 1] = encoding.ids
         ids[at + size - 1] = eot_id
         at += size
-    return ids
+    return ids, sizes

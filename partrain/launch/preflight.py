@@ -18,7 +18,8 @@ the last step passes):
  4. The world can start on one node (check_startable) (launch, slurm).
  5. This node in the job: its rank, the rendezvous endpoint, its address and interface
     (netif.pick_network) (launch).
- 6. The data (check_data) (launch, slurm).
+ 6. The data (check_sources: data.path's dir, or each of data.blend's and their one
+    tokenizer) (launch, slurm).
  7. The curves' packages (check_curves) (launch, slurm).
  8. The run dir (check_run_dir): slurm prepares a new or empty one; launch may also join one
     prepared for this very config, or continue the checkpoint in it (launch, slurm).
@@ -51,7 +52,7 @@ from partrain.config.frozen import is_frozen_config, load_frozen_config
 from partrain.config.keys import shown
 from partrain.config.resolve import MAX_WORLD_SIZE, World, resolve_world
 from partrain.config.validate import check_startable, resolve_and_validate
-from partrain.data.tokens import check_data
+from partrain.data.sampler import check_sources
 from partrain.errors import ConfigError
 from partrain.launch.cluster import NodePlace, detect_place, usable_cores
 from partrain.launch.netif import NodeNetwork, check_local_addr, pick_network
@@ -146,7 +147,7 @@ def preflight(request: Request) -> Ready:
     if checks.on_this_node:
         ready.node = this_node(request, place, world, warnings)
     if checks.data:
-        ready.data = check_data(cfg)
+        ready.data = check_sources(cfg)
     if checks.curves:
         check_curves(cfg)
     if checks.run_dir:

@@ -14,6 +14,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from partrain.config.frozen import CONFIG
+from partrain.data.sampler import tokenizer_source
 from partrain.data.tokenizer import RUN_TOKENIZER, copy_files, data_tokenizer_dir
 from partrain.errors import ConfigError
 
@@ -123,7 +124,7 @@ def write_run_dir(cfg: DictConfig, run_dir: Path, resuming: bool = False) -> Pat
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         tmp.write_text(OmegaConf.to_yaml(cfg))
         tmp.rename(run_dir / CONFIG)
-        tokenizer = data_tokenizer_dir(cfg.data)
+        tokenizer = data_tokenizer_dir(tokenizer_source(cfg.data))
         if tokenizer is not None:  # export and sample use the run's own copy
             copy_files(tokenizer, run_dir / RUN_TOKENIZER)
     except OSError as e:

@@ -113,6 +113,10 @@ def format_step(rec: dict) -> str:
             f"lr {rec['lr']:.2e}  {rec['tokens_per_s']:,.0f} tok/s  {rec['step_time_s'] * 1e3:.0f} ms")
     if "mfu" in rec:
         text += f"  mfu {rec['mfu']:.1%}"
+    if "epoch" in rec:  # data.sampling=epochs or data.blend: one, or one per source
+        epoch = rec["epoch"]
+        text += (f"  epoch {epoch:.2f}" if not isinstance(epoch, list)
+                 else "  epochs " + "/".join(f"{e:.2f}" for e in epoch))
     if "moe_load_balance" in rec:
         text += f"  {_moe_text(rec)}"
     if rec.get("skipped"):

@@ -22,7 +22,7 @@ from partrain.checkpoint import store
 from partrain.checkpoint.checkpointer import Checkpointer
 from partrain.checkpoint.state import load_optimizer, load_weights
 from partrain.config.resolve import compute_dtype
-from partrain.data.tokens import TokenSplits, load_tokens
+from partrain.data.sampler import Batches, build_batches
 from partrain.interop.hf import hf_dir, is_hf, load_hf_weights
 from partrain.models.family import build_family_model, model_flops_per_token
 from partrain.observe.curves import Curves
@@ -63,7 +63,7 @@ class Run:
     loss_fn: Callable
     autocast: object
     tracer: Tracer
-    splits: TokenSplits
+    batches: Batches  # the samplers of the training and validation batches
     tp_mesh: object
     start: Start
     first_step: int
@@ -140,7 +140,7 @@ def build(cfg, run_dir: Path, device: torch.device) -> Run:
     use_bf16 = compute_dtype(t.dtype, device.type == "cuda") == "bf16"
     autocast = torch.autocast(device.type, dtype=torch.bfloat16,
                               enabled=use_bf16 and not dims.zero_enabled)
-    splits = load_tokens(cfg.data)
+    batches = build_batches(cfg.data, t)
     first_step = start.resume.step + 1 if start.resume else 1
     metrics, display, checkpointer = _outputs(cfg, run_dir, rank, start, first_step)
     # This pipeline stage's MoE blocks, for the per-step router accounting.
@@ -151,7 +151,7 @@ def build(cfg, run_dir: Path, device: torch.device) -> Run:
     tokens_per_step = t.global_batch_size * t.seq_len
     run = Run(cfg=cfg, run_dir=run_dir, rank=rank, device=device, dims=dims, mesh=mesh,
               coords=coords, backend=backend, loss_fn=loss_function(dims, mesh),
-              autocast=autocast, tracer=tracer, splits=splits, tp_mesh=tp_mesh, start=start,
+              autocast=autocast, tracer=tracer, batches=batches, tp_mesh=tp_mesh, start=start,
               first_step=first_step, checkpointer=checkpointer, metrics=metrics,
               display=display, after_step=after_step,
               guard=DivergenceGuard(backend.model, t.max_skipped_steps, coords["pp"], device),
@@ -207,7 +207,7 @@ def _announce(run: Run, n_params: int, sequence_parallel: bool) -> None:
     rank_params = sum(local(getattr(q, "ds_tensor", q)).numel() for q in model.parameters())
     run.display.print(
         f"partrain: {cfg.model.name} ({n_params:,} parameters, {rank_params:,} on rank "
-        f"0), {run.splits.description}, layout pp={dims.pp} dp={dims.dp}"
+        f"0), {run.batches.description}, layout pp={dims.pp} dp={dims.dp}"
         f"{f' (ep={dims.ep})' if dims.ep_enabled else ''}"
         f"{f' cp={dims.cp} ({p.cp_method})' if dims.cp_enabled else ''} tp={dims.tp}"
         f"{' +sp' if sequence_parallel else ''}, {t.global_batch_size} x "

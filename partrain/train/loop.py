@@ -90,7 +90,11 @@ def run_step(run: Run, step: int) -> dict:
     step_start = time.perf_counter()
     lr = lr_at(step, cfg.optim, t.max_steps)
     set_lr(run.backend.optimizer, lr)
-    micro = micro_batches(run.splits.train, step, cfg, dims, run.coords)
+    micro = micro_batches(run.batches.train, step, cfg, dims, run.coords)
+    if run.rank == 0:  # a source's next epoch (data.sampling=epochs), said once
+        for line in run.batches.train.epochs_begun(step):
+            log.info("%s", line)
+            run.display.print(line)
     run.tracer.at_step(step)
     # train.measure_memory: the second step of the run (optimizer state made), or the only.
     meter = (StepMemory(run.device)
@@ -105,7 +109,7 @@ def run_step(run: Run, step: int) -> dict:
     step_time = time.perf_counter() - step_start
     rec = {"step": step, "loss": loss_value, "grad_norm": update.grad_norm, "lr": lr,
            "tokens": step * run.tokens_per_step, "tokens_per_s": run.tokens_per_step / step_time,
-           "step_time_s": step_time, **skipped, **extra,
+           "step_time_s": step_time, **run.batches.train.report(step), **skipped, **extra,
            **(per_rank(meter, run.device) if meter else {})}
     if run.peak_flops:
         rec["mfu"] = run.flops_per_step / step_time / (run.peak_flops * dims.world_size)
@@ -162,7 +166,7 @@ def _loss_fn(run: Run, step: int):
 
 def run_evaluation(run: Run, step: int) -> float:
     run.tracer.recording = False
-    val_loss = evaluate(run.backend, run.splits, run.loss_fn, run.cfg, run.dims, run.mesh,
+    val_loss = evaluate(run.backend, run.batches, run.loss_fn, run.cfg, run.dims, run.mesh,
                         run.coords, run.device, run.autocast)
     run.metrics.write({"step": step, "val_loss": val_loss})
     log.info("step %d val_loss %.4f", step, val_loss)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from partrain.data.batches import rank_micro_batches
+from partrain.data.batches import sampler_micro_batches
 from partrain.observe.trace import Tracer
 from partrain.parallel.context import shard_batch
 from partrain.parallel.data import DataParallelBackend, Update
@@ -90,27 +90,24 @@ def all_finite(value: float, device) -> bool:
     return bool(flag.item())
 
 
-def micro_batches(tokens, step: int, cfg, dims: ParallelDims, coords: dict,
-                  split: str = "train") -> list:
-    """This rank's micro-batches of global batch `step`: its dp slice, and its cp shard of each
-    sequence under context parallelism."""
-    t = cfg.train
-    micro = rank_micro_batches(tokens, step, global_batch_size=t.global_batch_size,
-                               micro_batch_size=t.micro_batch_size, dp=dims.dp,
-                               dp_rank=coords["dp"], seq_len=t.seq_len, seed=t.seed, split=split)
+def micro_batches(sampler, step: int, cfg, dims: ParallelDims, coords: dict) -> list:
+    """This rank's micro-batches of global batch `step`, whose rows `sampler` chose (sampler.py):
+    its dp slice, and its cp shard of each sequence under context parallelism."""
+    micro = sampler_micro_batches(sampler, step, micro_batch_size=cfg.train.micro_batch_size,
+                                  dp=dims.dp, dp_rank=coords["dp"])
     if dims.cp_enabled:
         micro = shard_batch(micro, dims.cp, coords["cp"])
     return micro
 
 
-def evaluate(backend: DataParallelBackend, splits, loss_fn, cfg, dims: ParallelDims, mesh,
+def evaluate(backend: DataParallelBackend, batches, loss_fn, cfg, dims: ParallelDims, mesh,
              coords: dict, device, autocast) -> float:
-    """Mean loss over `eval_batches` fixed global batches of the validation split."""
+    """Mean loss over `eval_batches` fixed global batches of the validation split(s)."""
     t = cfg.train
     backend.model.eval()
     total = torch.zeros((), device=device)
     for i in range(t.eval_batches):
-        micro = micro_batches(splits.val, i, cfg, dims, coords, split="val")
+        micro = micro_batches(batches.val, i, cfg, dims, coords)
         total += forward_backward(backend, micro, loss_fn, dims, device, autocast, train=False)
     backend.model.train()
     backend.after_evaluation()

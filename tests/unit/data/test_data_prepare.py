@@ -20,9 +20,10 @@ def test_prepare_token_dir_round_trip(tmp_path, text_files):
     out = tmp_path / "tok"
     meta = prepare_token_dir(text_files, out, 0.1)
     stream = b"\n".join(f.read_bytes() for f in text_files)
-    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "meta.json", "train-00000.bin", "train.idx.npy", "val-00000.bin", "val.idx.npy"]
     assert json.loads((out / "meta.json").read_text()) == meta
-    assert meta["format"] == "partrain-tokens/1" and meta["vocab_size"] == 256
+    assert meta["format"] == "partrain-tokens/2" and meta["vocab_size"] == 256
     assert meta["train_tokens"] + meta["val_tokens"] == len(stream)
     assert meta["val_tokens"] == len(stream) - int(len(stream) * 0.9)
     # No temp dir left beside it.
@@ -139,11 +140,14 @@ def test_prepare_on_a_read_only_file_system(run_main, readonly_fs, text_files, u
 
 
 @pytest.mark.parametrize("full_fs, step", [
-    (0, "writing train.bin"), (4096, "writing val.bin"), (8192, "writing meta.json"),
+    (0, "writing train-00000.bin"), (4096, "writing train.idx.npy"),
+    (8192, "writing val-00000.bin"), (16384, "writing val.idx.npy"),
 ], indirect=["full_fs"])
 @pytest.mark.parametrize("under", ["tok", "a/b/tok"])
 def test_prepare_on_a_full_disk(run_main, full_fs, text_files, step, under):
-    # ~2 KB of text: train.bin takes one 4 KiB page of the tmpfs, val.bin another.
+    # ~2 KB of text, each file in a 4 KiB page of the tmpfs: train-00000.bin, the document starts
+    # streamed beside it (for train.idx.npy), the val tail cut into val-00000.bin, train.idx.npy,
+    # then val.idx.npy (the starts file is removed before meta.json is written).
     out = full_fs / under
     message = _prepare(run_main, text_files, out)
     assert f"--out {out} cannot be written: No space left on device ({step}); nothing was left behind" in message
@@ -154,7 +158,7 @@ def test_prepare_interrupted_leaves_nothing(tmp_path, text_files, monkeypatch):
     real_open = open
 
     def interrupted(file, *args, **kwargs):
-        if str(file).endswith("val.bin"):
+        if str(file).endswith("val-00000.bin"):
             raise KeyboardInterrupt
         return real_open(file, *args, **kwargs)
 
@@ -167,7 +171,8 @@ def test_prepare_interrupted_leaves_nothing(tmp_path, text_files, monkeypatch):
 def test_prepare_creates_missing_parents(tmp_path, text_files):
     out = tmp_path / "a" / "b" / "tok"
     prepare_token_dir(text_files, out, 0.1)
-    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "meta.json", "train-00000.bin", "train.idx.npy", "val-00000.bin", "val.idx.npy"]
     assert sorted(p.name for p in out.parent.iterdir()) == ["tok"]
 
 

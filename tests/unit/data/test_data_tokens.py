@@ -75,9 +75,11 @@ def _edit_meta(path, **changes):
     (lambda p: _edit_meta(p, dtype="float32"), "dtype='float32'"),
     (lambda p: _edit_meta(p, vocab_size=0), "vocab_size=0"),
     (lambda p: _edit_meta(p, train_tokens="many"), "train_tokens='many'"),
-    (lambda p: (p / "val.bin").unlink(), "val.bin is missing"),
-    (lambda p: (p / "train.bin").write_bytes((p / "train.bin").read_bytes()[:-1]),
-     "train.bin has"),
+    (lambda p: (p / "val-00000.bin").unlink(), "val-00000.bin is missing"),
+    (lambda p: (p / "train-00000.bin").write_bytes((p / "train-00000.bin").read_bytes()[:-1]),
+     "train-00000.bin has"),
+    (lambda p: (p / "val.idx.npy").unlink(), "val.idx.npy is missing"),
+    (lambda p: _edit_meta(p, format="partrain-tokens/1"), "train.bin is missing"),
     (lambda p: _edit_meta(p, dtype="uint16"), "of uint16"),
 ])
 def test_corrupt_token_dir_is_a_config_error(token_dir, corrupt, fragment):
@@ -191,14 +193,15 @@ def test_a_wrong_dtype_in_meta_is_found_by_the_ids(token_dir):
     # bytes reads as one id far above 256.
     meta = json.loads((token_dir / "meta.json").read_text())
     for split in ("train", "val"):
-        data = (token_dir / f"{split}.bin").read_bytes()
-        (token_dir / f"{split}.bin").write_bytes(data[:len(data) // 2 * 2])
+        data = (token_dir / f"{split}-00000.bin").read_bytes()
+        (token_dir / f"{split}-00000.bin").write_bytes(data[:len(data) // 2 * 2])
         meta[f"{split}_tokens"] = len(data) // 2
+        meta[f"{split}_shards"] = [len(data) // 2]
     del meta["max_token_id"]
     meta["dtype"] = "uint16"
     (token_dir / "meta.json").write_text(json.dumps(meta))
     message = _refused(_tokens_cfg(token_dir, "train.seq_len=16"))
-    assert f"data.path={token_dir}: train.bin holds token id " in message
+    assert f"data.path={token_dir}: train-00000.bin holds token id " in message
     assert "not below meta.json vocab_size=256; every id must be < vocab_size" in message
     assert "is dtype=uint16 right?" in message
 
@@ -206,7 +209,7 @@ def test_a_wrong_dtype_in_meta_is_found_by_the_ids(token_dir):
 def test_a_recorded_max_token_id_is_checked_against_the_ids(token_dir):
     _edit_meta(token_dir, max_token_id=100)  # the text holds 0xff bytes
     message = _refused(_tokens_cfg(token_dir, "train.seq_len=16"))
-    assert message.startswith(f"data.path={token_dir}: train.bin holds token id 255 (at index ")
+    assert message.startswith(f"data.path={token_dir}: train-00000.bin holds token id 255 (at index ")
     assert "above meta.json max_token_id=100; every id must be <= max_token_id" in message
 
 
@@ -320,9 +323,11 @@ def _replace_with_fifo(file):
     (lambda p: _replace_with_dir(p / "meta.json"), "meta.json is a directory, not a file"),
     (lambda p: _replace_with_fifo(p / "meta.json"),
      "meta.json is not a regular file (a pipe, socket or device)"),
-    (lambda p: _replace_with_dir(p / "train.bin"), "train.bin is a directory, not a file"),
-    (lambda p: _replace_with_fifo(p / "val.bin"),
-     "val.bin is not a regular file (a pipe, socket or device)"),
+    (lambda p: _replace_with_dir(p / "train-00000.bin"),
+     "train-00000.bin is a directory, not a file"),
+    (lambda p: _replace_with_fifo(p / "val-00000.bin"),
+     "val-00000.bin is not a regular file (a pipe, socket or device)"),
+    (lambda p: _replace_with_dir(p / "train.idx.npy"), "train.idx.npy is a directory, not a file"),
 ])
 def test_a_file_partrain_cannot_read_is_a_config_error(token_dir, corrupt, fragment):
     corrupt(token_dir)

@@ -65,8 +65,10 @@ def corpus(tmp_path):
 
 
 def _ids(out):
+    """meta.json and the ids of both splits, train then val, read from the shard files."""
     meta = json.loads((out / "meta.json").read_text())
-    ids = np.concatenate([np.fromfile(out / f"{s}.bin", dtype=meta["dtype"]) for s in ("train", "val")])
+    ids = np.concatenate([np.fromfile(out / f"{s}-{i:05d}.bin", dtype=meta["dtype"])
+                          for s in ("train", "val") for i in range(len(meta[f"{s}_shards"]))])
     return meta, ids
 
 

@@ -14,14 +14,7 @@ from pathlib import Path
 
 from partrain.errors import ConfigError
 from partrain.models.family import hf_adapter, is_user_model
-from partrain.models.llama_hf import (  # the built-in family's, importable from here as before
-    ARCHITECTURES,
-    CONFIG_DTYPE,
-    export_family,
-    hf_config,
-    model_keys,
-    rope_parameters,
-)
+from partrain.models.llama_hf import model_keys
 
 HF_PREFIX = "hf:"
 HF_CONFIG_MAX_BYTES = 1 << 20

@@ -42,11 +42,6 @@ from partrain.config.hf_families import (  # hf_dir, is_hf: imported from here t
 from partrain.interop.sample import check_vocab
 from partrain.models.arith import moe_enabled
 from partrain.models.family import hf_adapter, is_user_model
-from partrain.models.llama_hf import (  # the built-in family's, importable from here as before
-    from_rotate_half,
-    hf_name,
-    to_rotate_half,
-)
 from partrain.staging import check_out, staged_dir
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -14,7 +14,7 @@ from partrain.checkpoint.offline import checkpoint_model
 from partrain.checkpoint.state import build_state
 from partrain.config.schema import Config
 from partrain.data.tokenizer import BYTE_VOCAB as BYTES
-from partrain.interop.hf import from_rotate_half, hf_name, to_rotate_half
+from partrain.models.llama_hf import from_rotate_half, hf_name, to_rotate_half
 from partrain.models.llama import build_model
 from tests.unit.helpers import one_line, save_checkpoint
 

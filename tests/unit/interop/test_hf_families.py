@@ -129,7 +129,7 @@ def test_a_qwen2_relabelled_as_llama_is_refused_naming_its_biases(tmp_path):
 
 
 def test_head_dim_is_read_and_defaults_to_the_hidden_size_split():
-    from partrain.config.hf_families import model_keys
+    from partrain.models.llama_hf import model_keys
 
     qwen3 = {**TINY, "model_type": "qwen3"}
     assert model_keys({**qwen3, "head_dim": 128}, "config.json")["head_dim"] == 128

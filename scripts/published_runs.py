@@ -3,8 +3,13 @@ for scripts/bench_time_model.py. Each row: where it comes from, whether the time
 constants were fitted on it ("fit") or it is held out ("held-out"), the model's shape, the
 layout, the batch, the hardware and the published figure with its unit.
 
-Fit rows (chosen before any tuning): Megatron-LM's 2021 A100 table and the Llama 3 paper's
-Table 4 (H100). Every other row is held out: the model's constants never saw them.
+Fit rows: Megatron-LM's 2021 A100 table and the Llama 3 paper's Table 4 (H100), on which the
+presets' GEMM efficiency is fitted (chosen before any tuning); and for each other trainer whose
+kernels get their own constants (Implementation.gemm_scale, attention_peak_fraction in
+scripts/bench_time_model.py), a few rows of its own tables, chosen by a rule, not by their ratio:
+of each MPT table, the smallest model at 2,048 tokens and the 1B model at its shortest and longest
+sequence, on 8 GPUs; of torchtitan's H100 runs, its first (8B, FSDP on 8 GPUs). Every other row
+is held out: the model's constants never saw them.
 Rows left out, and why: Float8 runs (torchtitan's 405B tables, NeMo's H100 Llama rows, MPT's
 H100 FP8 table: partrain computes in bf16), MegaScale's tables (parallel blocks and sliding-window
 attention, and its tables were not found in text), Megatron-LM's 2024 H100 table (published as an
@@ -39,6 +44,7 @@ MEGATRON_2022 = ("Korthikanti et al. 2022 (arXiv 2205.05198): MFU in the Megatro
                  "2022 table, layouts from the paper's Table 3 (dp=1)")
 LLAMA3_T4 = "Llama 3 Herd of Models (arXiv 2407.21783), Table 4"
 TITAN_H100 = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
+TITAN_H100_FIT = "Llama 3.1 8B FSDP8, compiled"
 TITAN_ASYNC = "pytorch/torchtitan benchmarks/asyncTP_llama3_h100_2025-06_torchtitan.md"
 TITAN_A100 = "pytorch/torchtitan docs/performance.md (2024, 64 A100s, FSDP2)"
 TITAN_405B = ("pytorch/torchtitan docs/performance.md as of August 2024 (commit b5642d6a2), "
@@ -250,7 +256,8 @@ def rows() -> list[dict]:
             ("Llama 3 70B FSDP32 x TP8, vanilla TP", LLAMA3_70B, 256, 32, 8, 16, "full", 597.3,
              TITAN_ASYNC)):
         out.append({
-            "name": name, "source": src, "split": "held-out", "impl": "torchtitan_h100", "shape": shape,
+            "name": name, "source": src, "split": "fit" if name == TITAN_H100_FIT else "held-out",
+            "impl": "torchtitan_h100", "shape": shape,
             "hardware": "H100-500W", "seq": 8192, "batch": dp * local,
             "layout": {"dp": dp, "tp": tp, "zero_stage": 3, "micro_batch_size": local,
                         "sequence_parallel": tp > 1, "activation_checkpointing": ckpt},
@@ -278,9 +285,13 @@ def rows() -> list[dict]:
                                 "sequence_parallel": True, "activation_checkpointing": "full"},
         "published": 109, "unit": "tokens/s/GPU", "flops": None})
     for table, hw, source in ((_MPT_H100, "H100-SXM", MPT_H100), (_MPT_A100, "A100-80GB", MPT_A100)):
+        calibration = {(min(table, key=lambda r: MPT[r[0]][1])[0], 2048), ("1b", 512), ("1b", 65536)}
         for size, seq, gpus, mb, accum, tps, zero, ckpt, precision in table:
+            fit = gpus == 8 and (size, seq) in calibration
+            calibration.discard((size, seq) if fit else None)  # one row each
             out.append({
-                "name": f"MPT {size} seq {seq}, {gpus} GPUs", "source": source, "split": "held-out",
+                "name": f"MPT {size} seq {seq}, {gpus} GPUs", "source": source,
+                "split": "fit" if fit else "held-out",
                 "impl": ("mpt_h100" if hw == "H100-SXM" else "mpt") + ("_pure" if precision == "PURE" else ""),
                 "shape": gpt(*MPT[size], vocab=50368), "hardware": hw, "seq": seq,
                 "batch": gpus * mb * accum,

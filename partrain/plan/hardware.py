@@ -21,10 +21,13 @@ vendors' figures for the SXM/OAM parts in their usual 8-GPU nodes:
   seven other GPUs at 64 GB/s one way (448 GB/s in all), 8 x 400 Gb/s NICs.
 Memory bandwidth (HBM, the vendors' datasheets): A100-80GB 2039 GB/s, H100-SXM 3350, H200 4800,
 B200 8000, MI300X 5300; it prices the element-wise work (norms, activations, the loss) and the
-optimizer step. The efficiency is not a vendor figure: it is what a dense transformer's large GEMMs reach in a
-training step. A100 0.63 and H100 0.68 are fitted (`python scripts/bench_time_model.py --fit`)
-on the fit rows of published runs only (Megatron-LM's 2021 A100 table, the Llama 3 paper's
-Table 4); H200 and B200 take the H100's (not fitted on them); MI300X 0.50: independent GEMM
+optimizer step. The efficiency is not a vendor figure: it is what a dense transformer's large
+GEMMs reach in a training step, the limit that thinner ones approach (time_model.GEMM_HALF_DIM:
+a hidden size of 4096 reaches 0.91 of it). A100 0.77 and H100 0.80 are fitted with that scale
+(`python scripts/bench_time_model.py --fit`) on the fit rows of published runs only
+(Megatron-LM's 2021 A100 table, the Llama 3 paper's Table 4, and a few rows of the other
+trainers, whose own kernels get constants of their own); H200 and B200 take the H100's (not
+fitted on them); MI300X 0.50: independent GEMM
 benchmarks of it, such as SemiAnalysis's of December 2024, found large bf16 GEMMs at about half
 of its peak.
 
@@ -78,10 +81,10 @@ class Hardware:
 H100_FLOP_PER_BYTE = 989e12 / 3350e9  # a machine's balance when a file gives no hbm_gbps
 
 PRESETS = {
-    "A100-80GB": Hardware("A100-80GB", 8, 80, 312, 300, 25, 0.63, 2039),
-    "H100-SXM": Hardware("H100-SXM", 8, 80, 989, 450, 50, 0.68, 3350),
-    "H200": Hardware("H200", 8, 141, 989, 450, 50, 0.68, 4800),
-    "B200": Hardware("B200", 8, 180, 2250, 900, 50, 0.68, 8000),
+    "A100-80GB": Hardware("A100-80GB", 8, 80, 312, 300, 25, 0.77, 2039),
+    "H100-SXM": Hardware("H100-SXM", 8, 80, 989, 450, 50, 0.80, 3350),
+    "H200": Hardware("H200", 8, 141, 989, 450, 50, 0.80, 4800),
+    "B200": Hardware("B200", 8, 180, 2250, 900, 50, 0.80, 8000),
     "MI300X": Hardware("MI300X", 8, 192, 1307, 448, 50, 0.50, 5300),
 }
 

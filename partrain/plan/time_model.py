@@ -47,9 +47,10 @@ per node drive k NICs (NCCL builds one ring channel per NIC), so it moves at
 min(k x inter_node, intra_node) per GPU: tp=8 leaves one dp rank per node (one NIC's share), tp=1
 eight.
 
-Fitted, on the fit rows of scripts/bench_time_model.py only (Megatron-LM's 2021 A100 table and
-the Llama 3 paper's Table 4; every other row is held out): the presets' matmul_efficiency for
-A100 and H100 and GEMM_HALF_DIM.
+Fitted, on the fit rows of scripts/bench_time_model.py only (Megatron-LM's 2021 A100 table, the
+Llama 3 paper's Table 4, and a few rows by rule of each other trainer whose kernels get their
+own constants; every other row is held out): the presets' matmul_efficiency for A100 and H100
+and GEMM_HALF_DIM.
 """
 
 import math
@@ -73,9 +74,9 @@ MODULES_PER_BLOCK = 9  # q, k, v, o, w1, w2, w3 and the two norms
 HOST_ADAM_PARAMS_PER_S = 1.5e9  # DeepSpeedCPUAdam over one GPU's host cores (H100 node, measured)
 PCIE_BYTES_PER_S = 25e9  # one way, per GPU (PCIe gen4 x16 in practice; gen5 cards reach more)
 # Thin GEMMs: efficiency x / (x + GEMM_HALF_DIM) of a large one, x the thinnest side. Fitted
-# on the fit rows (scripts/bench_time_model.py --fit): 0, no penalty; their thinnest sides are
-# 1536 and more, so they cannot see one, and a guess would be fitting by hand.
-GEMM_HALF_DIM = 0
+# on the fit rows (scripts/bench_time_model.py --fit): 32, a 4% penalty at 768 (MPT-125M's
+# hidden size, a fit row), 1% at 4096; the grid's other values fit those rows no better.
+GEMM_HALF_DIM = 384
 # Flash attention's forward + backward against a large GEMM (FlashAttention-2, Dao 2023: 50-73%
 # of A100 peak forward, less backward; about 0.7 of cuBLAS's large GEMMs).
 ATTENTION_EFFICIENCY = 0.7
@@ -139,6 +140,10 @@ class Implementation:
     # it after, and gradients into one before each reduce-scatter (its "copy-in/copy-out"; FSDP1
     # and DeepSpeed gather into flat buffers in place): bytes through HBM per micro-batch.
     fsdp_copies: bool = False
+    # The trainer's GEMMs against the preset's matmul_efficiency: its kernels, compiler and the
+    # clocks its GPUs hold (a power cap). 1 for partrain and for the stacks the presets were
+    # fitted on; scripts/bench_time_model.py fits it per published stack on that stack's fit rows.
+    gemm_scale: float = 1.0
 
 
 PARTRAIN = Implementation()
@@ -220,9 +225,10 @@ def step_time(model_cfg, layout: Layout, global_batch_size: int, seq_len: int, h
                              crosses_nodes(L.dp * L.cp * L.tp, hw.gpus_per_node))}
 
 
-def gemm_efficiency(hw: Hardware, thinnest: float) -> float:
-    """The fraction of peak a GEMM whose thinnest side is `thinnest` reaches."""
-    return hw.matmul_efficiency * thinnest / (thinnest + GEMM_HALF_DIM)
+def gemm_efficiency(hw: Hardware, thinnest: float, scale: float = 1.0) -> float:
+    """The fraction of peak a GEMM whose thinnest side is `thinnest` reaches (`scale`: the
+    trainer's kernels against the preset's, Implementation.gemm_scale)."""
+    return hw.matmul_efficiency * scale * thinnest / (thinnest + GEMM_HALF_DIM)
 
 
 def elementwise_bytes(model_cfg, tp: int, sequence_parallel: bool) -> float:
@@ -251,8 +257,8 @@ def _compute_per_micro_batch(model_cfg, L: Layout, seq_len: int, micro_tokens: i
     attention_again = 1 / 3 if L.activation_checkpointing == "full" else 0.0
     elementwise_again = 0.0 if L.activation_checkpointing == "none" else 1 / 3
 
-    efficiency = gemm_efficiency(hw, min(micro_tokens, dim / L.tp))
-    head_efficiency = gemm_efficiency(hw, min(micro_tokens, dim, vocab / L.tp))
+    efficiency = gemm_efficiency(hw, min(micro_tokens, dim / L.tp), impl.gemm_scale)
+    head_efficiency = gemm_efficiency(hw, min(micro_tokens, dim, vocab / L.tp), impl.gemm_scale)
     tokens = micro_tokens / L.tp
     gemm_s = (block_flops / L.pp * (1 + matmul_again) * tokens / (hw.peak_flops * efficiency)
               + head_flops * tokens / (hw.peak_flops * head_efficiency))

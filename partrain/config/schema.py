@@ -252,6 +252,9 @@ class TrainConfig:
     activation_checkpointing: str = "none"
     """none | selective | full: recompute in backward what a block would keep (full: all but its
     input; selective: all but matmul and attention outputs)."""
+    document_masking: bool = False
+    """Attention stays inside each document of a packed sequence (the data's document index);
+    positions are not restarted (rotary: the same scores). Not with parallel.cp > 1."""
     compile: bool = False
     """torch.compile each transformer block (after tp/cp/ep/pp have rewritten it, before
     DDP/ZeRO); the first steps pay the compilation."""

@@ -445,6 +445,12 @@ def _check_cp(cfg: DictConfig) -> None:
     _choice("parallel.cp_method", p.cp_method, CP_METHODS)
     if p.cp == 1:
         return
+    if t.document_masking:
+        raise ConfigError(
+            f"train.document_masking=true does not go with parallel.cp={p.cp}: the ring and "
+            "all-to-all attention of context parallelism have no per-document mask (each cp "
+            "rank holds pieces of documents that may span ranks); use parallel.cp=1, or "
+            "train.document_masking=false")
     if t.seq_len % (2 * p.cp):
         raise ConfigError(
             f"parallel.cp={p.cp} cuts each sequence into 2 * cp = {2 * p.cp} chunks (two per "

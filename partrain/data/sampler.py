@@ -185,8 +185,10 @@ class RandomOrder:
 class RandomWindows:
     """One stream, data.sampling=random: the windows of global_batch_rows."""
 
-    def __init__(self, tokens, global_batch_size: int, seq_len: int, seed: int, split: str):
+    def __init__(self, tokens, global_batch_size: int, seq_len: int, seed: int, split: str,
+                 docs=None):
         self.streams, self.seq_len = [tokens], seq_len
+        self.docs = [docs if docs is not None else np.zeros(1, dtype=np.int64)]
         self.global_batch_size, self.seed, self.split = global_batch_size, seed, split
 
     def rows(self, step: int) -> tuple[np.ndarray, np.ndarray]:
@@ -207,8 +209,9 @@ class Mixture:
 
     def __init__(self, streams: list, weights: list[float], labels: list[str], *, order: str,
                  global_batch_size: int, seq_len: int, seed: int, split: str = "train",
-                 blend: bool):
+                 blend: bool, docs: list | None = None):
         self.streams, self.labels, self.blend = streams, labels, blend
+        self.docs = docs or [np.zeros(1, dtype=np.int64)] * len(streams)  # document starts
         self.global_batch_size, self.seq_len, self.order = global_batch_size, seq_len, order
         self.first = 1 if split == "train" else 0  # evaluation batches count from 0
         self.schedule = BlendSchedule(weights)
@@ -272,22 +275,23 @@ def build_batches(data_cfg, train_cfg) -> Batches:
     common = dict(global_batch_size=t.global_batch_size, seq_len=t.seq_len, seed=t.seed)
     if data_cfg.blend is None:
         splits = load_tokens(data_cfg)
-        val = RandomWindows(splits.val, split="val", **common)
+        val = RandomWindows(splits.val, split="val", docs=splits.val_docs, **common)
         if data_cfg.sampling == "random":
-            return Batches(RandomWindows(splits.train, split="train", **common), val,
-                           splits.description)
+            return Batches(RandomWindows(splits.train, split="train", docs=splits.train_docs,
+                                         **common), val, splits.description)
         label = (f"data.path={data_cfg.path}" if data_cfg.source == "tokens"
                  else f"data.source={data_cfg.source}")
         return Batches(Mixture([splits.train], [1.0], [label], order="epochs", blend=False,
-                               **common), val, splits.description + ", in epochs")
+                               docs=[splits.train_docs], **common), val,
+                       splits.description + ", in epochs")
     entries = list(data_cfg.blend)
     loaded = [load_tokens(source_config(data_cfg, e.path)) for e in entries]
     weights = [e.weight for e in entries]
     labels = [f"data.blend[{k}] ({e.path})" for k, e in enumerate(entries)]
     train = Mixture([s.train for s in loaded], weights, labels, order=data_cfg.sampling,
-                    blend=True, **common)
+                    blend=True, docs=[s.train_docs for s in loaded], **common)
     val = Mixture([s.val for s in loaded], weights, labels, order="random", split="val",
-                  blend=True, **common)
+                  blend=True, docs=[s.val_docs for s in loaded], **common)
     return Batches(train, val, f"{_describe(entries)}, {data_cfg.sampling}")
 
 

@@ -39,7 +39,9 @@ has none:
   from config.json and back, the name map partrain <-> transformers and the per-weight
   conversion both ways), for `model.init_from=hf:DIR` and `export --format hf`; without it, both
   are refused naming the family;
-- `moe`: whether model.moe and parallel.ep configure it; without it, they are refused.
+- `moe`: whether model.moe and parallel.ep configure it; without it, they are refused;
+- `documents`: whether its forward takes `documents=` (each token's document, batch x seq) for
+  train.document_masking; without it, the key is refused.
 
 The built-in `llama` declares them all: its counts are partrain.models.arith's (whose shape
 arithmetic is also what lets `plan` model each stage's memory, collectives and step time: a
@@ -82,6 +84,7 @@ class Family:
     flops_per_token: Callable | None = None  # (model_cfg, seq_len) -> training FLOPs per token
     hf: HfAdapter | None = None  # model.init_from=hf:DIR and export --format hf
     moe: bool = False  # model.moe and parallel.ep configure it
+    documents: bool = False  # its forward takes `documents=` (train.document_masking)
 
 
 def _build_llama(model_cfg, seed: int):
@@ -98,7 +101,7 @@ FAMILIES: dict[str, Family] = {
     "llama": Family("llama", _build_llama, "Llama 2/3, Mistral, Qwen2/3 decoders and their "
                                           "mixtures of experts (model.moe)",
                     count_params=arith.count_params, flops_per_token=arith.flops_per_token,
-                    hf=LLAMA_HF, moe=True),
+                    hf=LLAMA_HF, moe=True, documents=True),
 }
 
 
@@ -272,7 +275,9 @@ def check_user_model(cfg) -> UserModel | None:
              "Hugging Face import maps onto the built-in family"),
             ("train.activation_checkpointing=selective",
              t.activation_checkpointing == "selective",
-             "selective recomputation knows the built-in blocks; use full")):
+             "selective recomputation knows the built-in blocks; use full"),
+            ("train.document_masking", t.document_masking,
+             "the built-in attention takes the documents' mask")):
         if value:
             needs.append(f"{key} is not for a user model: {why}")
     if needs:
@@ -287,6 +292,10 @@ def check_family(cfg) -> None:
     family = family_of(m)
     if str(m.get("init_from") or "").startswith("hf:"):
         hf_adapter(m, f"model.init_from={m.init_from}")
+    if cfg.train.document_masking and not family.documents:
+        raise ConfigError(f"train.document_masking=true: model.family={family.name} declares no "
+                          "document mask (Family.documents: its forward takes documents=); "
+                          "leave it false")
     if not family.moe:
         for key, value, used in (("parallel.ep", p.ep, p.ep > 1),
                                  ("model.moe.n_experts", m.moe.n_experts, m.moe.n_experts > 0)):

@@ -1,6 +1,9 @@
 """The layers a decoder is built from: RMSNorm, rotary embeddings (with Llama 3 scaling),
 grouped-query causal attention, the SwiGLU feed-forward. Shared by every model family.
 
+With train.document_masking, attention takes a mask (`document_mask`) that keeps each token to
+the earlier tokens of its own document in a packed sequence.
+
 Attention also has a generation path, `decode` with a `KVCache` (partrain.interop.sample): the
 keys and values of the positions already seen are kept instead of computed again. Training never
 takes it."""
@@ -68,6 +71,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rotated.type_as(x)
 
 
+def document_mask(documents: torch.Tensor) -> torch.Tensor:
+    """The attention mask of packed sequences: from each sequence's document ids (batch, seq),
+    ascending along the sequence, True where a query (row) may attend to a key (column): the
+    same document, not later. Shape (batch, 1, seq, seq), broadcast over the heads.
+
+    Positions are not restarted per document: rotary embeddings make a query-key score depend on
+    their distance only, so a document attends the same at any offset (up to float rounding)
+    and the rotary tables need no per-token gather."""
+    seq = documents.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=documents.device).tril()
+    return ((documents[:, :, None] == documents[:, None, :]) & causal)[:, None]
+
+
 class KVCache:
     """The keys (rotated) and values of a batch's first `length` positions, per layer, for
     generating one token at a time: tensors (layers, batch, kv_heads, max_seq_len, head_dim),
@@ -117,9 +133,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         """x (batch, seq, dim); cos/sin the full rotary tables, cut here to x's positions (under
-        sequence parallelism x is already gathered to the full sequence at this point)."""
+        sequence parallelism x is already gathered to the full sequence at this point); `mask`
+        a document_mask (None: causal over the whole sequence)."""
         bsz, seq, _ = x.shape
         if self.context is None:
             cos, sin = cos[:seq], sin[:seq]
@@ -129,8 +147,10 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if self.context is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                                  enable_gqa=self.n_heads != self.n_kv_heads)
+        elif mask is not None:  # validation refuses it (config/validate.py)
+            raise ValueError("document masking does not go with context parallelism")
         else:
             out = self.context(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))

@@ -27,6 +27,7 @@ from partrain.models.layers import (
     FeedForward,
     KVCache,
     RMSNorm,
+    document_mask,
     rope_scaling,
     rope_tables,
 )
@@ -45,11 +46,13 @@ class TransformerBlock(nn.Module):
                              else FeedForward(cfg.dim, ffn_dim(cfg)))
         self.recompute = "none"  # train.activation_checkpointing (models/recompute.py)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return run_block(self._forward, self.recompute, x, cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        return run_block(self._forward, self.recompute, x, cos, sin, mask)
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
     def decode(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache,
@@ -122,13 +125,16 @@ class Transformer(nn.Module):
             })
         return plan
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, documents: torch.Tensor | None = None) -> torch.Tensor:
         """Logits (batch, seq, vocab) for token ids (batch, seq); under tensor parallelism the
         last dimension is this rank's vocabulary shard. A pipeline chunk without the embedding
-        takes hidden states, one without the head returns them."""
+        takes hidden states, one without the head returns them. `documents` (batch, seq): each
+        token's document in its packed sequence (train.document_masking): attention stays
+        inside a document."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        mask = None if documents is None else document_mask(documents.to(h.device))
         for block in self.layers.values():
-            h = block(h, self.rope_cos, self.rope_sin)
+            h = block(h, self.rope_cos, self.rope_sin, mask)
         if self.output is None:
             return h
         return self.output(self.norm(h))

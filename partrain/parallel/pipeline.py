@@ -130,7 +130,8 @@ class PipelineModel(nn.Module):
             posted[(a.op, a.chunk, a.mb)] = (work, op.tensor)
 
     def run(self, micro, loss_fn, autocast, train: bool = True) -> torch.Tensor:
-        """One pass of the schedule over this dp rank's micro-batches [(tokens, targets)];
+        """One pass of the schedule over this dp rank's micro-batches [(tokens, targets) or
+        (tokens, targets, document ids)];
         backward too when `train`. Returns the mean loss over micro-batches on the last
         stage's ranks, zero elsewhere."""
         m = len(micro)
@@ -162,10 +163,12 @@ class PipelineModel(nn.Module):
             stage, key = a.chunk * self.pp + self.rank, (a.chunk, a.mb)
             with self.tracer.span(f"{a.op}{a.chunk}.{a.mb}", "compute"):
                 if a.op == "F":
-                    tokens, targets = micro[a.mb]
+                    tokens, targets, *documents = micro[a.mb]
                     x = tokens.to(device) if stage == 0 else inputs[key]
+                    # Every stage masks its attention by the micro-batch's documents.
+                    kwargs = {"documents": documents[0]} if documents else {}
                     with torch.set_grad_enabled(train), autocast:
-                        out = self.chunks[a.chunk](x)
+                        out = self.chunks[a.chunk](x, **kwargs)
                         if stage == self.last_stage:
                             loss = loss_fn(out, targets.to(device)) / m
                             total += loss.detach()

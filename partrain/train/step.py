@@ -48,11 +48,12 @@ def forward_backward(backend: DataParallelBackend, micro, loss_fn, dims: Paralle
         return backend.module.run(micro, loss_fn, autocast, train=train)
     tracer = tracer or Tracer(False)
     loss_sum = torch.zeros((), device=device)
-    for i, (x, y) in enumerate(micro):
+    for i, (x, y, *documents) in enumerate(micro):
         last = i == len(micro) - 1
+        kwargs = {"documents": documents[0]} if documents else {}
         with backend.no_sync(last or not train):
             with tracer.span(f"F{i}", "compute"), torch.set_grad_enabled(train), autocast:
-                loss = loss_fn(backend.model(x.to(device)), y.to(device)) / len(micro)
+                loss = loss_fn(backend.model(x.to(device), **kwargs), y.to(device)) / len(micro)
             if train:
                 with tracer.span(f"B{i}", "compute"):
                     backend.backward(loss)
@@ -92,9 +93,11 @@ def all_finite(value: float, device) -> bool:
 
 def micro_batches(sampler, step: int, cfg, dims: ParallelDims, coords: dict) -> list:
     """This rank's micro-batches of global batch `step`, whose rows `sampler` chose (sampler.py):
-    its dp slice, and its cp shard of each sequence under context parallelism."""
+    its dp slice, and its cp shard of each sequence under context parallelism; with
+    train.document_masking, each row's document ids too."""
     micro = sampler_micro_batches(sampler, step, micro_batch_size=cfg.train.micro_batch_size,
-                                  dp=dims.dp, dp_rank=coords["dp"])
+                                  dp=dims.dp, dp_rank=coords["dp"],
+                                  documents=cfg.train.document_masking)
     if dims.cp_enabled:
         micro = shard_batch(micro, dims.cp, coords["cp"])
     return micro

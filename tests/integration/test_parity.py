@@ -25,6 +25,43 @@ from tests.integration.conftest import (
 
 
 HF_ZERO2 = Path(__file__).parents[1] / "data" / "ds_config_zero2.json"
+# In a row's overrides: train on a blend of two token dirs of short documents (0.7 / 0.3, each in
+# epochs: the small one begins its second epoch at step 6) with document masking, against a
+# one-process reference run of the same (the `blend` fixture's overrides).
+BLEND = "<blend + document masking>"
+
+
+@pytest.fixture(scope="module")
+def blend(tmp_path_factory):
+    """Two token dirs of short documents (lines of the standard library's source, 1-6 lines
+    each: several documents per 256-token row), and the overrides that blend them."""
+    import json
+    import random
+    import sysconfig
+
+    from partrain.data.prepare import prepare_token_dir
+
+    root = tmp_path_factory.mktemp("blend")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    dirs = []
+    for name, source, docs in (("web", "textwrap.py", 300), ("code", "json/decoder.py", 60)):
+        lines = (stdlib / source).read_text().split("\n")
+        rng = random.Random(name)
+        jsonl = root / f"{name}.jsonl"
+        with jsonl.open("w") as f:
+            for _ in range(docs):
+                n = rng.randint(1, 6)
+                start = rng.randrange(len(lines) - n)
+                f.write(json.dumps({"text": "\n".join(lines[start:start + n])}) + "\n")
+        prepare_token_dir([jsonl], root / name, workers=1)
+        dirs.append(root / name)
+    return (f"data.blend=[{{path: {dirs[0]}, weight: 0.7}}, {{path: {dirs[1]}, weight: 0.3}}]",
+            "data.sampling=epochs", "train.document_masking=true")
+
+
+def _expand(overrides, blend) -> tuple:
+    """A row's overrides with BLEND replaced by the blend's."""
+    return tuple(x for o in overrides for x in (blend if o == BLEND else (o,)))
 
 
 def _run(cli, tmp_path, name, *overrides):
@@ -43,8 +80,10 @@ RESUME_ON = {
     "1 process": ("parallel.tp=2", "parallel.sequence_parallel=true", "train.micro_batch_size=4"),
     "pp2 interleaved v2": ("parallel.pp=4", "parallel.pp_schedule=1f1b",
                            "parallel.pp_virtual_stages=1", "train.micro_batch_size=4"),
-    "tp2": ("parallel.dp=2", "parallel.zero_stage=3", "train.micro_batch_size=4"),
-    "zero2 dp2": ("parallel.dp=2", "parallel.pp=2", "parallel.zero_stage=1",
+    "tp2, blend + document masking": ("parallel.dp=2", "parallel.zero_stage=3",
+                                      "train.micro_batch_size=4"),
+    "pp2 gpipe, blend + document masking": ("parallel.dp=2", "train.micro_batch_size=8"),
+    "zero2 dp2, blend + document masking": ("parallel.dp=2", "parallel.pp=2", "parallel.zero_stage=1",
                   "train.micro_batch_size=4"),
     "zero3 dp2, full checkpointing": [("parallel.dp=1", "parallel.tp=2",
                                        "train.micro_batch_size=4"),
@@ -128,23 +167,26 @@ def test_single_process_checkpoint_resumes_on_tp2_sp(cli, tmp_path, single_proce
 
 
 @pytest.mark.parametrize("label,overrides,model", [
-    ("tp2", ("parallel.dp=1", "parallel.tp=2", "train.micro_batch_size=8"), ()),
+    ("tp2, blend + document masking", ("parallel.dp=1", "parallel.tp=2",
+                                       "train.micro_batch_size=8"), (BLEND,)),
     # tp4 (its own model with 4 key/value heads, and its own reference run) is held to the dense
     # model layer by layer in tests/distributed/test_tensor.py; here it cost half a minute.
     # tp2 + sequence parallelism rides on the cp2 x tp2 + sp row below and on the MoE's
     # ep2 x tp2 + sp (tests/distributed/test_tensor.py holds it layer by layer).
 ])
 @pytest.mark.slow
-def test_tensor_parallel_parity(cli, tmp_path, references, deepspeed_ops, label, overrides,
-                                model):  # deepspeed_ops: tp2 is resumed under ZeRO-3
+def test_tensor_parallel_parity(cli, tmp_path, references, deepspeed_ops, blend, label,
+                                overrides, model):  # deepspeed_ops: tp2 is resumed under ZeRO-3
+    model = _expand(model, blend)
     steps = _run(cli, tmp_path, "run", *overrides, *model)
     assert_parity(steps, references(model), label)
     _resumes(cli, tmp_path, label, steps, references(model))
 
 
 @pytest.mark.parametrize("label,overrides", [
-    ("pp2 gpipe", ("parallel.dp=1", "parallel.pp=2", "parallel.pp_schedule=gpipe",
-                   "train.micro_batch_size=4")),
+    ("pp2 gpipe, blend + document masking", ("parallel.dp=1", "parallel.pp=2",
+                                             "parallel.pp_schedule=gpipe",
+                                             "train.micro_batch_size=4", BLEND)),
     ("pp2 interleaved v2", ("parallel.dp=1", "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b",
                             "parallel.pp_virtual_stages=2", "train.micro_batch_size=4")),
     # pp4 1F1B: the interleaved row's checkpoint is resumed there, held to parity (steps 6-10).
@@ -157,17 +199,19 @@ def test_tensor_parallel_parity(cli, tmp_path, references, deepspeed_ops, label,
                                              "train.activation_checkpointing=full")),
 ])
 @pytest.mark.slow
-def test_pipeline_parallel_parity(cli, tmp_path, single_process, label, overrides):
-    steps = _run(cli, tmp_path, "run", *overrides)
-    assert_parity(steps, single_process, label)
-    _resumes(cli, tmp_path, label, steps, single_process)
+def test_pipeline_parallel_parity(cli, tmp_path, references, blend, label, overrides):
+    reference = references(blend) if BLEND in overrides else references()
+    steps = _run(cli, tmp_path, "run", *_expand(overrides, blend))
+    assert_parity(steps, reference, label)
+    _resumes(cli, tmp_path, label, steps, reference)
 
 
 # DeepSpeed's reductions (fp32 on CPU, flat partitions reduced over dp, its own norm and clipping)
 # reorder the same sums as DDP's; measured gaps are below 3e-7, so the contract's 1e-4 holds as is.
 @pytest.mark.parametrize("label,overrides", [
     # ZeRO-1 at dp2 alone: the MoE's ZeRO-1 x ep2 row (test_moe.py) and the rows below.
-    ("zero2 dp2", ("parallel.dp=2", "parallel.zero_stage=2", "train.micro_batch_size=4")),
+    ("zero2 dp2, blend + document masking", ("parallel.dp=2", "parallel.zero_stage=2",
+                                             "train.micro_batch_size=4", BLEND)),
     ("zero3 dp2, full checkpointing", ("parallel.dp=2", "parallel.zero_stage=3",
                                        "train.micro_batch_size=4",
                                        "train.activation_checkpointing=full")),
@@ -181,8 +225,9 @@ def test_pipeline_parallel_parity(cli, tmp_path, single_process, label, override
      ("parallel.dp=2", f"parallel.deepspeed_config={HF_ZERO2}", "train.micro_batch_size=4")),
 ])
 @pytest.mark.slow
-def test_zero_parity(cli, tmp_path, single_process, deepspeed_ops, label, overrides):
-    _check_with_resumes(cli, tmp_path, single_process, label, overrides)
+def test_zero_parity(cli, tmp_path, references, deepspeed_ops, blend, label, overrides):
+    reference = references(blend) if BLEND in overrides else references()
+    _check_with_resumes(cli, tmp_path, reference, label, _expand(overrides, blend))
     if "ds_config" in label:  # the run ran what the file says, and records it
         import yaml
 

@@ -63,6 +63,9 @@ HF_STATE, HF_INFO, HF_SPLITS = "state.json", "dataset_info.json", "dataset_dict.
 VAL_FRACTION = 0.05  # --val-fraction's default
 INDEX_CHUNK = 1 << 20  # document offsets read at a time when the index is written
 CHUNK_CHARS = 1 << 20  # text per task sent to a worker process
+# A text file (one document) is read in pieces of about this many bytes, cut after a newline
+# that a printable non-space character follows (_text_pieces): memory stays bounded for any file size.
+TEXT_PIECE_BYTES = 16 << 20
 ROWS_PER_BATCH = 4096  # Parquet rows read at a time
 # pyarrow reads JSON Lines in blocks, and a record must fit in one: a document of up to this much
 # JSON is read (the reader's own default, 1 MiB, refuses a long book as a "straddling object").
@@ -307,25 +310,66 @@ def _utf8(value) -> bool:
     return True
 
 
-def documents(file: Path, field: str, as_text: bool) -> Iterator[tuple[str | bytes, int]]:
-    """(document, its size in bytes) for each non-empty document of `file`: bytes for a text file
-    read by the byte tokenizer, else str."""
+def _piece_cut(data: bytes) -> int:
+    """The offset just after the last newline of `data` that a printable ASCII character other
+    than a space follows (a line that starts a word), or -1."""
+    at = len(data) - 1
+    while (at := data.rfind(b"\n", 0, at)) >= 0:
+        if 0x21 <= data[at + 1] <= 0x7E:
+            return at + 1
+    return -1
+
+
+def _text_pieces(file: Path) -> Iterator[tuple[bytes, int]]:
+    """A text file's bytes in pieces of about TEXT_PIECE_BYTES, each (bytes, its offset in the
+    file), cut after a newline that a printable non-space ASCII character follows: tokenizers'
+    pre-tokenizers split there (a newline is never merged into the word after it), so each piece
+    encodes as it would inside the whole file. A file with no such newline is one piece."""
+    try:
+        with open(file, "rb") as f:
+            carry, offset = b"", 0
+            while block := f.read(TEXT_PIECE_BYTES):
+                data = carry + block
+                cut = _piece_cut(data)
+                if cut <= 0:
+                    carry = data
+                    continue
+                yield data[:cut], offset
+                carry, offset = data[cut:], offset + cut
+            if carry:
+                yield carry, offset
+    except OSError as e:
+        raise ConfigError(f"input file {file} cannot be read: {_reason(e)}") from None
+
+
+def _text_documents(file: Path, as_text: bool) -> Iterator[tuple[str | bytes, int, bool]]:
+    """A text file as one document, in pieces (`_text_pieces`): (piece, its bytes, whether the
+    document ends with it)."""
+    previous = None
+    for raw, offset in _text_pieces(file):
+        if previous is not None:
+            yield (*previous, False)
+        if as_text:
+            try:  # a leading byte-order mark is dropped
+                raw_text = raw.decode("utf-8-sig" if offset == 0 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(
+                    f"input file {file} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset "
+                    f"{offset + e.start}); the tokenizer reads text") from None
+            previous = (raw_text, len(raw))
+        else:
+            previous = (raw, len(raw))
+    if previous is not None:  # an empty file is no document, as an empty record is none
+        yield (*previous, True)
+
+
+def documents(file: Path, field: str, as_text: bool) -> Iterator[tuple[str | bytes, int, bool]]:
+    """(document or piece of one, its size in bytes, whether a document ends with it) for each
+    non-empty document of `file`: bytes for the byte tokenizer, else str. A text file (one
+    document) comes in pieces, so that a file of any size is read in bounded memory."""
     kind = _kind(file)
     if kind == "text":
-        try:
-            raw = file.read_bytes()
-        except OSError as e:
-            raise ConfigError(f"input file {file} cannot be read: {_reason(e)}") from None
-        if not raw:  # an empty file is no document, as an empty record is none
-            return
-        if not as_text:
-            yield raw, len(raw)
-            return
-        try:
-            yield raw.decode("utf-8-sig"), len(raw)  # a leading byte-order mark is dropped
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"input file {file} is not UTF-8 text (byte 0x{raw[e.start]:02x} at "
-                              f"offset {e.start}); the tokenizer reads text") from None
+        yield from _text_documents(file, as_text)
         return
     found = False
     reader = {"jsonl": _jsonl_texts, "parquet": _parquet_texts, "arrow": _arrow_texts}[kind]
@@ -334,7 +378,7 @@ def documents(file: Path, field: str, as_text: bool) -> Iterator[tuple[str | byt
             if text:  # null and "" are no document
                 found = True
                 data = text.encode("utf-8")
-                yield (text if as_text else data), len(data)
+                yield (text if as_text else data), len(data), True
     if not found:
         raise ConfigError(f"input file {file} holds no text in field {field!r} (--field names "
                           "the field of each record that holds the document)")
@@ -457,17 +501,19 @@ def _write_indexes(stage, train: _Split, val: _Split | None, cut: int) -> tuple[
 
 
 # ---- tokenization ----------------------------------------------------------------------------
-def _chunks(docs: Iterator[tuple[str, int]]) -> Iterator[tuple[list[str], int]]:
-    """Documents grouped into tasks of about CHUNK_CHARS characters, with their bytes."""
-    chunk, chars, nbytes = [], 0, 0
-    for doc, size in docs:
+def _chunks(docs: Iterator[tuple[str, int, bool]]) -> Iterator[tuple[list[str], list[bool], int]]:
+    """Documents (or pieces) grouped into tasks of about CHUNK_CHARS characters, with whether
+    each ends a document, and their bytes."""
+    chunk, ends, chars, nbytes = [], [], 0, 0
+    for doc, size, end in docs:
         chunk.append(doc)
+        ends.append(end)
         chars, nbytes = chars + len(doc), nbytes + size
         if chars >= CHUNK_CHARS:
-            yield chunk, nbytes
-            chunk, chars, nbytes = [], 0, 0
+            yield chunk, ends, nbytes
+            chunk, ends, chars, nbytes = [], [], 0, 0
     if chunk:
-        yield chunk, nbytes
+        yield chunk, ends, nbytes
 
 
 @contextmanager
@@ -505,40 +551,53 @@ def _pool(file: Path, eot_id: int, dtype: str, workers: int):
 
 
 def _encode_all(chunks, file: Path, eot_id: int, dtype: str, pool, workers: int):
-    """((ids, ids per document), text bytes) per chunk, in order: encoded here without a pool,
+    """((ids, ids per piece), whether each piece ends a document, text bytes) per chunk, in
+    order: encoded here without a pool,
     else by the pool's processes, at most two tasks per process in flight."""
     if pool is None:
         tok = tk.load(file)
-        for docs, nbytes in chunks:
-            yield tk.encode(tok, eot_id, dtype, docs), nbytes
+        for docs, ends, nbytes in chunks:
+            yield tk.encode(tok, eot_id, dtype, docs, ends), ends, nbytes
         return
     pending, window = deque(), 2 * workers
-    for docs, nbytes in chunks:
-        pending.append((pool.submit(tk.encode_documents, docs), nbytes))
+    for docs, ends, nbytes in chunks:
+        pending.append((pool.submit(tk.encode_documents, docs, ends), ends, nbytes))
         while len(pending) >= window:
-            future, done = pending.popleft()
-            yield future.result(), done
+            future, ends, done = pending.popleft()
+            yield future.result(), ends, done
     while pending:
-        future, done = pending.popleft()
-        yield future.result(), done
+        future, ends, done = pending.popleft()
+        yield future.result(), ends, done
 
 
-def _byte_ids(docs: Iterator[tuple[bytes, int]]):
-    """(ids, document starts in them, text bytes) per document: its bytes, after the newline that
-    ends the document before it."""
+def _byte_ids(docs: Iterator[tuple[bytes, int, bool]]):
+    """(ids, document starts in them, text bytes) per document or piece: its bytes, after the
+    newline that ends the document before it (a piece that continues one: its bytes alone)."""
     newline = np.array([10], dtype=np.uint8)
-    first, later = np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.int64)
-    for i, (doc, size) in enumerate(docs):
+    first, later, none = (np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.int64),
+                          np.zeros(0, dtype=np.int64))
+    begins, any_before = True, False
+    for doc, size, end in docs:
         ids = np.frombuffer(doc, dtype=np.uint8)
-        yield (ids, first, size) if i == 0 else (np.concatenate([newline, ids]), later, size)
+        if not begins:
+            yield ids, none, size
+        elif not any_before:
+            yield ids, first, size
+        else:
+            yield np.concatenate([newline, ids]), later, size
+        begins, any_before = end, True
 
 
 def _token_ids(chunks, file: Path, eot_id: int, dtype: str, pool, workers: int):
-    """(ids, document starts in them, text bytes) per chunk of documents, in order."""
-    for (ids, sizes), nbytes in _encode_all(chunks, file, eot_id, dtype, pool, workers):
-        starts = np.zeros(len(sizes), dtype=np.int64)
-        np.cumsum(sizes[:-1], out=starts[1:])
-        yield ids, starts, nbytes
+    """(ids, document starts in them, text bytes) per chunk of documents, in order: a piece
+    that continues a document (a large text file's) starts none."""
+    begins = True  # the next piece begins a document
+    for (ids, sizes), ends, nbytes in _encode_all(chunks, file, eot_id, dtype, pool, workers):
+        offsets = np.zeros(len(sizes), dtype=np.int64)
+        np.cumsum(sizes[:-1], out=offsets[1:])
+        starting = np.array([begins] + ends[:-1], dtype=bool)
+        begins = ends[-1]
+        yield ids, offsets[starting], nbytes
 
 
 def _progress(console):

@@ -216,22 +216,26 @@ def init_worker(file: str, eot_id: int, dtype: str) -> None:
     _worker.update(tok=Tokenizer.from_file(file), eot_id=eot_id, dtype=dtype)
 
 
-def encode_documents(documents: list[str]):
+def encode_documents(documents: list[str], ends: list[bool] | None = None):
     """In a worker: `encode` of `documents` with the worker's tokenizer."""
-    return encode(_worker["tok"], _worker["eot_id"], _worker["dtype"], documents)
+    return encode(_worker["tok"], _worker["eot_id"], _worker["dtype"], documents, ends)
 
 
-def encode(tok, eot_id: int, dtype: str, documents: list[str]):
+def encode(tok, eot_id: int, dtype: str, documents: list[str], ends: list[bool] | None = None):
     """The ids of `documents`, each followed by the end-of-text token, as one numpy array, and
-    the ids of each document (its end-of-text token included), for the document index."""
+    the ids of each document (its end-of-text token included), for the document index. With
+    `ends`, a piece whose flag is False continues into the next one: no end-of-text after it."""
     import numpy as np
 
+    ends = [True] * len(documents) if ends is None else ends
     encodings = tok.encode_batch_fast(documents, add_special_tokens=False)
-    sizes = np.fromiter((len(e.ids) + 1 for e in encodings), dtype=np.int64, count=len(encodings))
+    sizes = np.fromiter((len(e.ids) + end for e, end in zip(encodings, ends)), dtype=np.int64,
+                        count=len(encodings))
     ids = np.empty(int(sizes.sum()), dtype=dtype)
     at = 0
-    for encoding, size in zip(encodings, sizes.tolist()):
-        ids[at:at + size - 1] = encoding.ids
-        ids[at + size - 1] = eot_id
+    for encoding, size, end in zip(encodings, sizes.tolist(), ends):
+        ids[at:at + len(encoding.ids)] = encoding.ids
+        if end:
+            ids[at + size - 1] = eot_id
         at += size
     return ids, sizes

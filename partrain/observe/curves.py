@@ -14,7 +14,8 @@ import secrets
 from pathlib import Path
 
 # metrics.jsonl key -> curve name. Records without any of these (checkpoint lines, the resume
-# marker) draw no curve.
+# marker) draw no curve. `epoch` draws data/epoch, or under data.blend data/epoch/K for source K
+# of data.blend (its order).
 TAGS = {"loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/lr",
         "tokens_per_s": "perf/tokens_per_s", "step_time_s": "perf/step_time_s", "mfu": "perf/mfu",
         "memory_gib": "perf/memory_gib", "val_loss": "val/loss"}
@@ -71,6 +72,11 @@ class Curves:
 
     def write(self, record: dict) -> None:
         scalars = {TAGS[key]: value for key, value in record.items() if key in TAGS}
+        epoch = record.get("epoch")  # data.sampling=epochs: a number; data.blend: one a source
+        if isinstance(epoch, list):
+            scalars.update({f"data/epoch/{k}": value for k, value in enumerate(epoch)})
+        elif epoch is not None:
+            scalars["data/epoch"] = epoch
         if not scalars:
             return
         if self.tensorboard is not None:

@@ -5,6 +5,7 @@ the CLI, with nothing left behind. `text_files` is tests/unit/conftest.py's."""
 import errno
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -223,14 +224,16 @@ def test_prepare_input_that_is_a_pipe(run_main, tmp_path, text_files):
 
 
 def test_prepare_input_that_cannot_be_read(run_main, tmp_path, text_files, monkeypatch):
-    real_read_bytes = type(text_files[1]).read_bytes
+    import builtins
 
-    def denied(self):
-        if self == text_files[1]:
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
-        return real_read_bytes(self)
+    from partrain.data import prepare
 
-    monkeypatch.setattr(type(text_files[1]), "read_bytes", denied)
+    def denied(path, *args, **kwargs):  # prepare's own open() of the inputs
+        if Path(path) == text_files[1]:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return builtins.open(path, *args, **kwargs)
+
+    monkeypatch.setattr(prepare, "open", denied, raising=False)
     message = _prepare(run_main, text_files, tmp_path / "tok")
     assert f"input file {text_files[1]} cannot be read: Permission denied" in message
     assert not (tmp_path / "tok").exists()

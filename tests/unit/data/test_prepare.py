@@ -288,3 +288,47 @@ def test_export_hands_the_tokenizer_to_transformers(run_main, tmp_path, bpe, bpe
     eot = tok.token_to_id("<|endoftext|>")
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == eot
     assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] == eot
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
+def test_a_large_text_file_is_read_in_pieces_with_the_same_ids(tmp_path, bpe, monkeypatch,
+                                                               tokenizer):
+    """A text file is one document read in pieces of TEXT_PIECE_BYTES (bounded memory for any
+    size): with pieces of ~200 bytes, the ids, the document index and meta.json are those of
+    the whole-file read; one document per file still, the end-of-text only at its end."""
+    from partrain.data import prepare as prepare_module
+
+    lines = [f"{'    ' * (i % 3)}line {i}: {DOCS[i % len(DOCS)].strip()}" for i in range(80)]
+    big = tmp_path / "big.txt"
+    big.write_text("\n".join(lines) + "\n\n  indented tail\n")
+    small = tmp_path / "small.txt"
+    small.write_text(DOCS[7])
+    options = {} if tokenizer == "bytes" else {"tokenizer": bpe[0], "workers": 2}
+    whole = prepare_token_dir([big, small], tmp_path / "whole", 0.1, **options)
+    monkeypatch.setattr(prepare_module, "TEXT_PIECE_BYTES", 200)
+    pieces = list(prepare_module._text_pieces(big))
+    assert len(pieces) > 10 and b"".join(p for p, _ in pieces) == big.read_bytes()
+    assert all(p.endswith(b"\n") for p, _ in pieces[:-1])
+    pieced = prepare_token_dir([big, small], tmp_path / "pieced", 0.1, **options)
+    assert pieced == {**whole, "sources": pieced["sources"]}
+    assert pieced["train_documents"] + pieced["val_documents"] in (2, 3)  # val may cut one
+    _, whole_ids = _ids(tmp_path / "whole")
+    _, pieced_ids = _ids(tmp_path / "pieced")
+    assert pieced_ids.tolist() == whole_ids.tolist()
+    for split in ("train", "val"):
+        assert np.array_equal(np.load(tmp_path / "whole" / f"{split}.idx.npy"),
+                              np.load(tmp_path / "pieced" / f"{split}.idx.npy"))
+    if tokenizer == "bpe":
+        eot = bpe[1].token_to_id("<|endoftext|>")
+        assert (pieced_ids == eot).sum() == 2
+
+
+def test_a_bad_byte_deep_in_a_large_text_file_is_named_at_its_offset(tmp_path, bpe, monkeypatch):
+    from partrain.data import prepare as prepare_module
+
+    monkeypatch.setattr(prepare_module, "TEXT_PIECE_BYTES", 64)
+    text = tmp_path / "t.txt"
+    text.write_bytes(b"".join(f"line {i}\n".encode() for i in range(100)) + b"bad \xff\n")
+    offset = text.read_bytes().index(b"\xff")
+    message = _refusal(tmp_path, [text], tokenizer=bpe[0])
+    assert f"input file {text} is not UTF-8 text (byte 0xff at offset {offset})" in message

@@ -140,3 +140,32 @@ def test_a_missing_library_is_refused_before_the_start(monkeypatch, key, value, 
     with pytest.raises(ConfigError, match=rf"train.{key}=.* needs the {package} package.*"
                                           rf"pip install 'partrain\[{package}\]'"):
         check_curves(_cfg(**{key: value}))
+
+
+@pytest.mark.parametrize("blend", [False, True], ids=["epochs", "blend"])
+def test_the_epoch_is_a_curve_one_a_source_under_a_blend(tmp_path, monkeypatch, blend):
+    """metrics.jsonl's `epoch` (data.sampling=epochs; a list under data.blend) in TensorBoard as
+    data/epoch (data/epoch/K per source) and in W&B's history alike."""
+    import wandb
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "run"
+    epochs = {1: [0.25, 0.5], 2: [0.5, 1.0], 3: [0.75, 1.5]}
+    curves = Curves(run_dir, _cfg(tensorboard=True, wandb="offline",
+                                  wandb_project="partrain-tests"), first_step=1, enabled=True)
+    try:
+        for step, value in epochs.items():
+            curves.write({"step": step, "loss": 1.0, "epoch": value if blend else value[1]})
+        curves.close()
+    finally:
+        wandb.teardown()
+    scalars = tensorboard_scalars(run_dir)
+    run_id = (run_dir / "wandb" / "run-id").read_text().strip()
+    [run] = (run_dir / "wandb").glob(f"offline-run-*-{run_id}")
+    rows = wandb_history(run / f"run-{run_id}.wandb")
+    tags = {f"data/epoch/{k}": k for k in (0, 1)} if blend else {"data/epoch": 1}
+    assert set(scalars) == {"train/loss", *tags}
+    for tag, k in tags.items():
+        want = {step: value[k] for step, value in epochs.items()}
+        assert scalars[tag] == pytest.approx(want)
+        assert {row["_step"]: row[tag] for row in rows if tag in row} == pytest.approx(want)

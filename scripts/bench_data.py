@@ -8,8 +8,8 @@
    each way of drawing batches: random windows (the quickstart's), epochs, a blend of two token
    dirs in epochs, and that blend with document masking.
 2. `data prepare` on a synthetic corpus of --prepare-gb GB (one JSON Lines file of stdlib source
-   documents, written here in a stream; --input text: one text file, a single document read in
-   pieces), in a fresh process: MB/s, and the peak resident memory of the prepare process
+   documents, written here in a stream; --input parquet: one Parquet file of them; --input text:
+   one text file, a single document read in pieces), in a fresh process: MB/s, and the peak resident memory of the prepare process
    (VmHWM) and of its largest tokenizer worker (ru_maxrss of its children), with their sum as
    the bound (goal: under 2 GB for a 5 GB input). With --tokenizer bpe (a byte-level BPE trained
    here, as scripts/bench_prepare.py does) also against a bare `tokenizers` encode_batch over the
@@ -136,9 +136,26 @@ def loader(steps: int) -> dict:
 
 
 def write_corpus(path: Path, gigabytes: float, kind: str) -> int:
-    """Stdlib source until `gigabytes`, streamed to one JSON Lines file (a document per source
-    file) or one text file; its bytes of text."""
+    """Stdlib source until `gigabytes`, streamed to one JSON Lines or Parquet file (a document
+    per source file; Parquet in row groups of 2,000) or one text file; its bytes of text."""
     texts, size, target = _stdlib_texts(), 0, gigabytes * 1e9
+    if kind == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        schema = pa.schema([("text", pa.string())])
+        with pq.ParquetWriter(path, schema) as writer:
+            group = []
+            while size < target:
+                for text in texts:
+                    group.append(text)
+                    size += len(text.encode())
+                    if len(group) == 2000 or size >= target:
+                        writer.write_table(pa.table({"text": group}, schema=schema))
+                        group = []
+                    if size >= target:
+                        break
+        return size
     with open(path, "w", encoding="utf-8") as f:
         while size < target:
             for text in texts:
@@ -150,15 +167,22 @@ def write_corpus(path: Path, gigabytes: float, kind: str) -> int:
 
 
 def _documents(path: Path, kind: str):
-    """The corpus's documents again, from the file, in ~1 MiB batches (a text file: pieces)."""
+    """The corpus's documents again, from the file, in ~1 MiB batches (a text file: its lines)."""
     batch, chars = [], 0
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            batch.append(json.loads(line)["text"] if kind == "jsonl" else line)
-            chars += len(batch[-1])
-            if chars >= 1 << 20:
-                yield batch
-                batch, chars = [], 0
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+
+        lines = (text for batch in pq.ParquetFile(path).iter_batches(columns=["text"])
+                 for text in batch.column(0).to_pylist())
+    else:
+        lines = (json.loads(line)["text"] if kind == "jsonl" else line
+                 for line in open(path, encoding="utf-8"))
+    for text in lines:
+        batch.append(text)
+        chars += len(text)
+        if chars >= 1 << 20:
+            yield batch
+            batch, chars = [], 0
     if batch:
         yield batch
 
@@ -171,10 +195,10 @@ def bare(tok, path: Path, kind: str, eot_id: int) -> tuple[float, str | None]:
         start = time.perf_counter()
         encodings = tok.encode_batch(batch, add_special_tokens=False)
         seconds += time.perf_counter() - start
-        if kind == "jsonl":
+        if kind != "text":
             digest.update(np.fromiter((t for e in encodings for t in (*e.ids, eot_id)),
                                       dtype=np.int64).tobytes())
-    return seconds, digest.hexdigest() if kind == "jsonl" else None
+    return seconds, digest.hexdigest() if kind != "text" else None
 
 
 def prepare_bench(gigabytes: float, kind: str, tokenizer: str, workers: int | None) -> dict:
@@ -183,7 +207,7 @@ def prepare_bench(gigabytes: float, kind: str, tokenizer: str, workers: int | No
     workers = workers or default_workers()
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
         tmp = Path(tmp)
-        corpus = tmp / ("corpus.jsonl" if kind == "jsonl" else "corpus.txt")
+        corpus = tmp / {"jsonl": "corpus.jsonl", "parquet": "corpus.parquet", "text": "corpus.txt"}[kind]
         nbytes = write_corpus(corpus, gigabytes, kind)
         tok_path, result = None, {}
         if tokenizer == "bpe":
@@ -228,7 +252,7 @@ def main() -> None:
     parser.add_argument("--skip-loader", action="store_true")
     parser.add_argument("--prepare-gb", type=float, default=0.0,
                         help="GB of synthetic text to prepare (0: skip)")
-    parser.add_argument("--input", choices=("jsonl", "text"), default="jsonl")
+    parser.add_argument("--input", choices=("jsonl", "parquet", "text"), default="jsonl")
     parser.add_argument("--tokenizer", choices=("bytes", "bpe"), default="bpe")
     parser.add_argument("--workers", type=int)
     parser.add_argument("--json", action="store_true")

@@ -267,7 +267,10 @@ def _parquet_texts(file: Path, field: str) -> Iterator:
     except (pa.ArrowException, OSError) as e:
         raise ConfigError(f"input file {file} is not a Parquet file ({str(e)[:300]})") from None
     _check_text_column(file, parquet.schema_arrow, field)
-    batches = parquet.iter_batches(batch_size=ROWS_PER_BATCH, columns=[field])
+    # A row group at a time (iter_batches reads ahead: 1.4 GB resident for a 0.6 GB file).
+    batches = (batch for group in range(parquet.num_row_groups)
+               for batch in parquet.read_row_group(group, columns=[field], use_threads=False)
+               .to_batches(max_chunksize=ROWS_PER_BATCH))
     try:
         yield from _column_texts(file, field, (batch.column(0) for batch in batches))
     except (pa.ArrowException, OSError) as e:

@@ -2,12 +2,8 @@
 with `save_to_disk`, or directories of them, tokenized into a token dir (format.py says what it
 holds, tokens.py reads it).
 
-Inputs are documents: a non-empty text file is one, a JSON Lines line, a Parquet row or an Arrow
-record is one (its `--field`, "text" by default; JSON Lines through pyarrow's JSON reader, Parquet
-through pyarrow.parquet, Arrow through pyarrow.ipc). A directory stands for the files under it,
-recursively, in sorted order, hidden names skipped; the suffix says the kind (.jsonl/.ndjson,
-.parquet, .arrow, anything else text). A directory that `datasets.Dataset.save_to_disk` wrote
-(state.json, dataset_info.json, data-*.arrow) stands for its Arrow files in state.json's order.
+Inputs are documents, read in bounded memory by inputs.py: a non-empty text file is one (read
+in pieces), a JSON Lines line, a Parquet row or an Arrow record is one (its `--field`).
 
 Two tokenizers:
 - bytes (the default): a token per byte of the file, documents joined by a newline, ids uint8;
@@ -16,15 +12,13 @@ Two tokenizers:
   processes as cores, each tokenizing ~1 MiB of text at a time, the results written in input order.
 
 The ids stream to shard files of at most `--shard-mb` (train-00000.bin, ...) as they come, the
-documents' start offsets to a file beside, so memory stays bounded whatever the input's size
-(a document is held whole, and a text file is one). With `--val INPUTS` the val split is made from
-those; else the last `--val-fraction` of the ids moves to the val split at the end (the shard
-holding the cut is split, the shards after it are renamed). Everything is written under a
-temporary name beside `--out` and renamed into place at the end; a failure or Ctrl-C leaves
-nothing behind.
+documents' start offsets to a file beside, so memory stays bounded whatever the input's size.
+With `--val INPUTS` the val split is made from those; else the last `--val-fraction` of the ids
+moves to the val split at the end (the shard holding the cut is split, the shards after it are
+renamed). Everything is written under a temporary name beside `--out` and renamed into place at
+the end; a failure or Ctrl-C leaves nothing behind.
 """
 
-import itertools
 import json
 import math
 import multiprocessing
@@ -41,8 +35,8 @@ from typing import Iterator
 
 import numpy as np
 
-from partrain.config.paths import what_is
 from partrain.data import tokenizer as tk
+from partrain.data.inputs import collect_inputs, documents, reason
 from partrain.data.format import (
     FORMAT,
     INDEX_DTYPE,
@@ -54,365 +48,13 @@ from partrain.data.format import (
 from partrain.errors import ConfigError
 from partrain.staging import check_out, staged_dir
 
-JSONL_SUFFIXES = (".jsonl", ".ndjson")
-PARQUET_SUFFIXES = (".parquet",)
-ARROW_SUFFIXES = (".arrow",)
-# What `datasets` writes into a directory with save_to_disk: a Dataset's state.json names its Arrow
-# files in order; a DatasetDict's dataset_dict.json names its splits, each a Dataset's directory.
-HF_STATE, HF_INFO, HF_SPLITS = "state.json", "dataset_info.json", "dataset_dict.json"
 VAL_FRACTION = 0.05  # --val-fraction's default
 INDEX_CHUNK = 1 << 20  # document offsets read at a time when the index is written
 CHUNK_CHARS = 1 << 20  # text per task sent to a worker process
-# A text file (one document) is read in pieces of about this many bytes, cut after a newline
-# that a printable non-space character follows (_text_pieces): memory stays bounded for any file size.
-TEXT_PIECE_BYTES = 16 << 20
-ROWS_PER_BATCH = 4096  # Parquet rows read at a time
-# pyarrow reads JSON Lines in blocks, and a record must fit in one: a document of up to this much
-# JSON is read (the reader's own default, 1 MiB, refuses a long book as a "straddling object").
-JSONL_BLOCK_BYTES = 64 << 20
-JSONL_CHUNK_BYTES = 16 << 20  # whole lines parsed at a time (_jsonl_chunks): bounded memory
 # --workers is at most this many per core: more processes than cores only take turns on them, and
 # each one holds a tokenizer and its share of the text. The bound keeps a typo (`--workers 100000`)
 # from forking until the system refuses.
 WORKERS_PER_CORE = 4
-
-
-def _reason(e: OSError) -> str:
-    return e.strerror or str(e)
-
-
-# ---- inputs ----------------------------------------------------------------------------------
-def _check_file(file: Path) -> None:
-    found = what_is(file)
-    if found == "is a regular file":
-        return
-    # A pipe or device could be endless or read only once; a file can be read again.
-    hint = "; save its contents to a file first" if found.startswith("is not a regular") else ""
-    raise ConfigError(f"input file {file} {found}{hint}")
-
-
-def collect_inputs(paths: list[Path]) -> list[Path]:
-    """The files the inputs stand for, in order: a directory's regular files recursively, in
-    sorted order, hidden files and directories skipped."""
-    files = []
-    for path in paths:
-        if not path.is_dir():
-            _check_file(path)
-            files.append(path)
-            continue
-        found = []
-        for root, dirs, names in os.walk(path, onerror=_walk_error):
-            dataset = _hf_dataset_files(Path(root))
-            if dataset is not None:  # its Arrow files, not its JSON files as text
-                found += dataset
-                dirs[:] = []
-                continue
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-            found += [Path(root) / n for n in sorted(names)
-                      if not n.startswith(".") and (Path(root) / n).is_file()]
-        if not found:
-            raise ConfigError(f"input directory {path} holds no files (hidden ones are skipped)")
-        files += found
-    return files
-
-
-def _walk_error(e: OSError) -> None:
-    raise ConfigError(f"input directory {e.filename} cannot be read: {_reason(e)}")
-
-
-def _json_file(file: Path, directory: Path):
-    try:
-        return json.loads(file.read_text(encoding="utf-8-sig"))
-    except (OSError, ValueError, RecursionError) as e:
-        raise ConfigError(f"input directory {directory}: its {file.name} cannot be read as JSON "
-                          f"({str(e)[:200]})") from None
-
-
-def _hf_dataset_files(directory: Path) -> list[Path] | None:
-    """The Arrow files of a Hugging Face dataset that `save_to_disk` wrote into `directory`, in
-    its order; None when it is not one. A DatasetDict is refused: which split trains and which
-    validates is the user's to say."""
-    if (directory / HF_SPLITS).is_file():
-        splits = _json_file(directory / HF_SPLITS, directory)
-        splits = splits.get("splits") if isinstance(splits, dict) else None
-        splits = [s for s in splits if isinstance(s, str)] if isinstance(splits, list) else []
-        train = "train" if "train" in splits else (splits or ["train"])[0]
-        val = next((s for s in ("validation", "valid", "val", "test") if s in splits),
-                   next((s for s in splits if s != train), None))
-        example = f"{directory / train}" + (f" --val {directory / val}" if val else "")
-        raise ConfigError(
-            f"input directory {directory} is a Hugging Face DatasetDict (splits: "
-            f"{', '.join(splits) or 'none named'}); give the directory of a split, e.g. {example}")
-    if not ((directory / HF_STATE).is_file() and (directory / HF_INFO).is_file()):
-        return None
-    state = _json_file(directory / HF_STATE, directory)
-    entries = state.get("_data_files") if isinstance(state, dict) else None
-    if not isinstance(entries, list) or not entries or not all(
-            isinstance(e, dict) and isinstance(e.get("filename"), str) for e in entries):
-        raise ConfigError(
-            f"input directory {directory} looks like a Hugging Face dataset ({HF_STATE}, "
-            f"{HF_INFO}), but its {HF_STATE} names no Arrow files in \"_data_files\"")
-    files = [directory / entry["filename"] for entry in entries]
-    for file in files:
-        _check_file(file)
-    return files
-
-
-def _kind(file: Path) -> str:
-    suffix = file.suffix.lower()
-    return ("jsonl" if suffix in JSONL_SUFFIXES else "parquet" if suffix in PARQUET_SUFFIXES else
-            "arrow" if suffix in ARROW_SUFFIXES else "text")
-
-
-def _jsonl_chunks(file: Path) -> Iterator[bytes]:
-    """The file's whole lines, about JSONL_CHUNK_BYTES at a time. (pyarrow's own streaming
-    reader reads far ahead of its consumer: a 5 GB file held 2.9 GB resident.) A line longer
-    than JSONL_BLOCK_BYTES is refused, naming it, as the reader's block would refuse it."""
-    try:
-        with open(file, "rb") as f:
-            lines, size = [], 0
-            while line := f.readline(JSONL_BLOCK_BYTES + 1):
-                if len(line) > JSONL_BLOCK_BYTES:
-                    raise _JsonlTooLong(f"a line longer than {JSONL_BLOCK_BYTES:,} bytes")
-                lines.append(line)
-                size += len(line)
-                if size >= JSONL_CHUNK_BYTES:
-                    yield b"".join(lines)
-                    lines, size = [], 0
-            if lines:
-                yield b"".join(lines)
-    except OSError as e:
-        raise ConfigError(f"input file {file} cannot be read: {_reason(e)}") from None
-
-
-class _JsonlTooLong(Exception):
-    """A JSON Lines record longer than the reader takes (named by _jsonl_bad_line)."""
-
-
-def _jsonl_texts(file: Path, field: str) -> Iterator:
-    import pyarrow as pa
-    import pyarrow.json as pj
-
-    # Only `field` is parsed, as a string: other fields are skipped, a number there is an error.
-    options = pj.ParseOptions(explicit_schema=pa.schema([(field, pa.string())]),
-                              unexpected_field_behavior="ignore")
-    read = pj.ReadOptions(block_size=JSONL_BLOCK_BYTES, use_threads=False)
-    try:
-        for chunk in _jsonl_chunks(file):
-            table = pj.read_json(pa.py_buffer(chunk), read_options=read, parse_options=options)
-            for column in table.column(0).chunks:
-                yield column.to_pylist()
-    except (pa.ArrowInvalid, UnicodeDecodeError, _JsonlTooLong) as e:
-        # pyarrow counts rows within a block, and lets bytes that are not UTF-8 through to
-        # to_pylist: the file is read again, line by line, for the line to name.
-        found = _jsonl_bad_line(file, field) or str(e).splitlines()[0][:300]
-        raise ConfigError(f"input file {file} is not JSON Lines with a string field {field!r} "
-                          f"in every object ({found})") from None
-
-
-def _jsonl_bad_line(file: Path, field: str) -> str | None:
-    """The first line of a JSON Lines file that breaks the format (one JSON object per line, in
-    UTF-8), and how, in words; None when each line is fine on its own. For the message only."""
-    try:
-        with open(file, "rb") as f:
-            return _first_bad_line(f, field)
-    except OSError:
-        return None
-
-
-def _first_bad_line(f, field: str) -> str | None:
-    for number in itertools.count(1):
-        raw = f.readline(JSONL_BLOCK_BYTES + 1)
-        if not raw:
-            return None
-        if len(raw) > JSONL_BLOCK_BYTES:
-            return (f"line {number} is longer than {JSONL_BLOCK_BYTES:,} bytes, the longest "
-                    "record partrain reads; give so long a document as a text file")
-        if number == 1:
-            raw = raw.removeprefix(b"\xef\xbb\xbf")  # a byte-order mark, as pyarrow allows
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            return (f"line {number}: byte 0x{raw[e.start]:02x} at column {e.start + 1} is not "
-                    "UTF-8, and JSON Lines is UTF-8 text")
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except RecursionError:
-            return f"line {number}: JSON nested too deep"
-        except ValueError as e:  # JSONDecodeError is a ValueError
-            return f"line {number}: not JSON ({getattr(e, 'msg', e)} at column " \
-                   f"{getattr(e, 'colno', '?')})"
-        if not isinstance(record, dict):
-            kind = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
-            return f"line {number}: {kind.get(type(record), 'a number')}, not a JSON object"
-        text = record.get(field)
-        if text is not None and not isinstance(text, str):
-            return f"line {number}: field {field!r} (--field) holds {text!r:.40}, not a string"
-        if isinstance(text, str):
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as e:
-                return (f"line {number}: field {field!r} holds the unpaired surrogate "
-                        f"\\u{ord(text[e.start]):04x}, which is not text")
-
-
-def _parquet_texts(file: Path, field: str) -> Iterator:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        parquet = pq.ParquetFile(file)
-    except (pa.ArrowException, OSError) as e:
-        raise ConfigError(f"input file {file} is not a Parquet file ({str(e)[:300]})") from None
-    _check_text_column(file, parquet.schema_arrow, field)
-    # A row group at a time (iter_batches reads ahead: 1.4 GB resident for a 0.6 GB file).
-    batches = (batch for group in range(parquet.num_row_groups)
-               for batch in parquet.read_row_group(group, columns=[field], use_threads=False)
-               .to_batches(max_chunksize=ROWS_PER_BATCH))
-    try:
-        yield from _column_texts(file, field, (batch.column(0) for batch in batches))
-    except (pa.ArrowException, OSError) as e:
-        raise ConfigError(f"input file {file} cannot be read as Parquet ({str(e)[:300]})") from None
-
-
-def _arrow_texts(file: Path, field: str) -> Iterator:
-    """An Arrow IPC stream (what `datasets` writes) or file, a record batch at a time: read
-    through the file, not mapped, so that what was read is let go."""
-    import pyarrow as pa
-    import pyarrow.ipc as ipc
-
-    try:
-        source = pa.OSFile(str(file))
-    except (pa.ArrowException, OSError) as e:
-        raise ConfigError(f"input file {file} cannot be read: {str(e)[:300]}") from None
-    with source:
-        try:
-            reader = ipc.open_stream(source)
-            batches = iter(reader)
-        except pa.ArrowInvalid:
-            try:
-                source.seek(0)
-                reader = ipc.open_file(source)
-            except (pa.ArrowException, OSError) as e:
-                raise ConfigError(f"input file {file} is not an Arrow stream or file "
-                                  f"({str(e)[:300]})") from None
-            batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
-        _check_text_column(file, reader.schema, field)
-        try:
-            yield from _column_texts(file, field, (batch.column(field) for batch in batches))
-        except (pa.ArrowException, OSError) as e:
-            raise ConfigError(f"input file {file} cannot be read as Arrow "
-                              f"({str(e)[:300]})") from None
-
-
-def _check_text_column(file: Path, schema, field: str) -> None:
-    import pyarrow as pa
-
-    if field not in schema.names:
-        raise ConfigError(f"input file {file} has no column {field!r} (--field); its columns: "
-                          f"{', '.join(schema.names)}")
-    kind = schema.field(field).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise ConfigError(f"input file {file}: column {field!r} (--field) holds {kind}, not text")
-
-
-def _column_texts(file: Path, field: str, columns) -> Iterator[list]:
-    """Each column chunk's values as Python strings (None for null)."""
-    row = 0  # of the chunk being read, for a message
-    for column in columns:
-        try:
-            texts = column.to_pylist()
-        except UnicodeDecodeError:  # neither Parquet nor Arrow checks that strings are UTF-8
-            bad = next(i for i in range(len(column)) if not _utf8(column[i]))
-            raise ConfigError(f"input file {file}, row {row + bad + 1}: column {field!r} "
-                              "(--field) holds bytes that are not UTF-8; a document must be "
-                              "UTF-8 text") from None
-        row += len(column)
-        yield texts
-
-
-def _utf8(value) -> bool:
-    try:
-        value.as_py()
-    except UnicodeDecodeError:
-        return False
-    return True
-
-
-def _piece_cut(data: bytes) -> int:
-    """The offset just after the last newline of `data` that a printable ASCII character other
-    than a space follows (a line that starts a word), or -1."""
-    at = len(data) - 1
-    while (at := data.rfind(b"\n", 0, at)) >= 0:
-        if 0x21 <= data[at + 1] <= 0x7E:
-            return at + 1
-    return -1
-
-
-def _text_pieces(file: Path) -> Iterator[tuple[bytes, int]]:
-    """A text file's bytes in pieces of about TEXT_PIECE_BYTES, each (bytes, its offset in the
-    file), cut after a newline that a printable non-space ASCII character follows: tokenizers'
-    pre-tokenizers split there (a newline is never merged into the word after it), so each piece
-    encodes as it would inside the whole file. A file with no such newline is one piece."""
-    try:
-        with open(file, "rb") as f:
-            carry, offset = b"", 0
-            while block := f.read(TEXT_PIECE_BYTES):
-                data = carry + block
-                cut = _piece_cut(data)
-                if cut <= 0:
-                    carry = data
-                    continue
-                yield data[:cut], offset
-                carry, offset = data[cut:], offset + cut
-            if carry:
-                yield carry, offset
-    except OSError as e:
-        raise ConfigError(f"input file {file} cannot be read: {_reason(e)}") from None
-
-
-def _text_documents(file: Path, as_text: bool) -> Iterator[tuple[str | bytes, int, bool]]:
-    """A text file as one document, in pieces (`_text_pieces`): (piece, its bytes, whether the
-    document ends with it)."""
-    previous = None
-    for raw, offset in _text_pieces(file):
-        if previous is not None:
-            yield (*previous, False)
-        if as_text:
-            try:  # a leading byte-order mark is dropped
-                raw_text = raw.decode("utf-8-sig" if offset == 0 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise ConfigError(
-                    f"input file {file} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset "
-                    f"{offset + e.start}); the tokenizer reads text") from None
-            previous = (raw_text, len(raw))
-        else:
-            previous = (raw, len(raw))
-    if previous is not None:  # an empty file is no document, as an empty record is none
-        yield (*previous, True)
-
-
-def documents(file: Path, field: str, as_text: bool) -> Iterator[tuple[str | bytes, int, bool]]:
-    """(document or piece of one, its size in bytes, whether a document ends with it) for each
-    non-empty document of `file`: bytes for the byte tokenizer, else str. A text file (one
-    document) comes in pieces, so that a file of any size is read in bounded memory."""
-    kind = _kind(file)
-    if kind == "text":
-        yield from _text_documents(file, as_text)
-        return
-    found = False
-    reader = {"jsonl": _jsonl_texts, "parquet": _parquet_texts, "arrow": _arrow_texts}[kind]
-    for texts in reader(file, field):
-        for text in texts:
-            if text:  # null and "" are no document
-                found = True
-                data = text.encode("utf-8")
-                yield (text if as_text else data), len(data), True
-    if not found:
-        raise ConfigError(f"input file {file} holds no text in field {field!r} (--field names "
-                          "the field of each record that holds the document)")
 
 
 # ---- output ----------------------------------------------------------------------------------
@@ -572,7 +214,7 @@ def _pool(file: Path, eot_id: int, dtype: str, workers: int):
                 child.join()
             raise ConfigError(
                 f"--workers={workers}: the system refused to start a tokenizer process "
-                f"({_reason(e)}); give fewer --workers") from None
+                f"({reason(e)}); give fewer --workers") from None
         finally:
             if main:
                 signal.signal(signal.SIGINT, previous)
@@ -685,7 +327,7 @@ def prepare_token_dir(inputs: list[Path], out: Path, val_fraction: float | None 
     try:
         check_out(out)
     except OSError as e:
-        raise ConfigError(f"--out {out} cannot be inspected: {_reason(e)}") from None
+        raise ConfigError(f"--out {out} cannot be inspected: {reason(e)}") from None
     sources = {"train": collect_inputs(inputs),
                "val": collect_inputs(val_inputs) if val_inputs else []}
     meta = {"format": FORMAT}

@@ -375,7 +375,7 @@ def test_workers_at_the_bound_run(run_main, tmp_path, monkeypatch):
 
 def test_a_jsonl_line_longer_than_a_block(run_main, tmp_path, monkeypatch):
     """A record longer than pyarrow's block is named by its line (the block made small here)."""
-    monkeypatch.setattr("partrain.data.prepare.JSONL_BLOCK_BYTES", 1024)
+    monkeypatch.setattr("partrain.data.inputs.JSONL_BLOCK_BYTES", 1024)
     c = Ctx(tmp_path, monkeypatch)
     path = c.file("long.jsonl", GOOD + json.dumps({"text": "x" * 5000}).encode() + b"\n")
     before = tree(tmp_path)

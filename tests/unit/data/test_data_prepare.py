@@ -226,14 +226,14 @@ def test_prepare_input_that_is_a_pipe(run_main, tmp_path, text_files):
 def test_prepare_input_that_cannot_be_read(run_main, tmp_path, text_files, monkeypatch):
     import builtins
 
-    from partrain.data import prepare
+    from partrain.data import inputs
 
-    def denied(path, *args, **kwargs):  # prepare's own open() of the inputs
+    def denied(path, *args, **kwargs):  # the inputs' open()
         if Path(path) == text_files[1]:
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
         return builtins.open(path, *args, **kwargs)
 
-    monkeypatch.setattr(prepare, "open", denied, raising=False)
+    monkeypatch.setattr(inputs, "open", denied, raising=False)
     message = _prepare(run_main, text_files, tmp_path / "tok")
     assert f"input file {text_files[1]} cannot be read: Permission denied" in message
     assert not (tmp_path / "tok").exists()

@@ -296,7 +296,7 @@ def test_a_large_text_file_is_read_in_pieces_with_the_same_ids(tmp_path, bpe, mo
     """A text file is one document read in pieces of TEXT_PIECE_BYTES (bounded memory for any
     size): with pieces of ~200 bytes, the ids, the document index and meta.json are those of
     the whole-file read; one document per file still, the end-of-text only at its end."""
-    from partrain.data import prepare as prepare_module
+    from partrain.data import inputs
 
     lines = [f"{'    ' * (i % 3)}line {i}: {DOCS[i % len(DOCS)].strip()}" for i in range(80)]
     big = tmp_path / "big.txt"
@@ -305,8 +305,8 @@ def test_a_large_text_file_is_read_in_pieces_with_the_same_ids(tmp_path, bpe, mo
     small.write_text(DOCS[7])
     options = {} if tokenizer == "bytes" else {"tokenizer": bpe[0], "workers": 2}
     whole = prepare_token_dir([big, small], tmp_path / "whole", 0.1, **options)
-    monkeypatch.setattr(prepare_module, "TEXT_PIECE_BYTES", 200)
-    pieces = list(prepare_module._text_pieces(big))
+    monkeypatch.setattr(inputs, "TEXT_PIECE_BYTES", 200)
+    pieces = list(inputs._text_pieces(big))
     assert len(pieces) > 10 and b"".join(p for p, _ in pieces) == big.read_bytes()
     assert all(p.endswith(b"\n") for p, _ in pieces[:-1])
     pieced = prepare_token_dir([big, small], tmp_path / "pieced", 0.1, **options)
@@ -324,9 +324,9 @@ def test_a_large_text_file_is_read_in_pieces_with_the_same_ids(tmp_path, bpe, mo
 
 
 def test_a_bad_byte_deep_in_a_large_text_file_is_named_at_its_offset(tmp_path, bpe, monkeypatch):
-    from partrain.data import prepare as prepare_module
+    from partrain.data import inputs
 
-    monkeypatch.setattr(prepare_module, "TEXT_PIECE_BYTES", 64)
+    monkeypatch.setattr(inputs, "TEXT_PIECE_BYTES", 64)
     text = tmp_path / "t.txt"
     text.write_bytes(b"".join(f"line {i}\n".encode() for i in range(100)) + b"bad \xff\n")
     offset = text.read_bytes().index(b"\xff")
@@ -338,13 +338,13 @@ def test_json_lines_are_parsed_in_chunks_of_whole_lines(tmp_path, bpe, corpus, m
     """JSON Lines are read JSONL_CHUNK_BYTES of whole lines at a time (pyarrow's own streaming
     reader reads far ahead: a 5 GB file held 2.9 GB resident): chunks of ~300 bytes give the
     documents and ids of one chunk."""
-    from partrain.data import prepare as prepare_module
+    from partrain.data import inputs
 
     jsonl = corpus[0][1]
-    whole = list(prepare_module.documents(jsonl, "text", as_text=True))
-    monkeypatch.setattr(prepare_module, "JSONL_CHUNK_BYTES", 300)
-    assert len(list(prepare_module._jsonl_chunks(jsonl))) > 5
-    assert list(prepare_module.documents(jsonl, "text", as_text=True)) == whole
+    whole = list(inputs.documents(jsonl, "text", as_text=True))
+    monkeypatch.setattr(inputs, "JSONL_CHUNK_BYTES", 300)
+    assert len(list(inputs._jsonl_chunks(jsonl))) > 5
+    assert list(inputs.documents(jsonl, "text", as_text=True)) == whole
     prepare_token_dir([jsonl], tmp_path / "tok", 0.1, tokenizer=bpe[0], workers=1)
     eot = bpe[1].token_to_id("<|endoftext|>")
     expected = [i for d, _, _ in whole

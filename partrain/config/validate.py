@@ -7,7 +7,8 @@ and the rule. Warnings (allowed but probably not what the user wants) come back 
 The rules run in one fixed order, one function per part of the config, and the first broken one
 is the one reported: each key alone first (ranges, choices), then the rules between keys, section
 by section, as they become decidable (the world's product once dp is known, the pipeline's
-micro-batch rules once the batch is).
+micro-batch rules once the batch is). The layout's rules are validate_layout.py's, a mixture of
+experts' validate_moe.py's.
 """
 
 import math
@@ -15,24 +16,27 @@ import re
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from partrain.config.keys import SCHEMA_KEYS, divisors, float_keys, shown
-from partrain.config.resolve import (
-    World,
-    degrees_product,
-    resolve_batch,
-    resolve_dp,
+from partrain.config.keys import SCHEMA_KEYS, float_keys, shown
+from partrain.config.resolve import World, resolve_batch, resolve_dp
+from partrain.config.validate_layout import (
+    check_cp,
+    check_hsdp,
+    check_micro_batches,
+    check_pipeline,
+    check_seq_len,
+    check_tp,
+    check_world,
+    check_zero,
+    choice,
 )
 from partrain.config.validate_moe import check_moe
 from partrain.errors import ConfigError
-from partrain.models.arith import RECOMPUTE_MODES, ffn_dim, head_dim
+from partrain.models.arith import RECOMPUTE_MODES, head_dim
 from partrain.models.family import check_user_model
 from partrain.models.llama_hf import MODEL_TYPES as HF_MODEL_TYPES
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-CP_METHODS = ("ring", "all_to_all")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
-ZERO_BACKENDS = ("deepspeed", "fsdp")
-OFFLOAD_DEVICES = ("none", "cpu", "nvme")
 DEVICES = ("auto", "cpu", "cuda")
 DATA_SOURCES = ("stdlib", "tokens")
 DATA_SAMPLING = ("random", "epochs")
@@ -46,7 +50,6 @@ ROPE_TYPES = ("default", "llama3")
 # Bounds on what can exist, so that validation and `plan` cost the same for any input (the world
 # size's, MAX_WORLD_SIZE, is resolve's): a node holds at most a few dozen GPUs.
 MAX_NPROC_PER_NODE = 1024
-MAX_PIPELINE_CHUNKS = 1024  # pp * pp_virtual_stages: real pipelines have tens of stages
 INT64_MAX = (1 << 63) - 1  # every whole number of the config fits torch's and numpy's integers
 MAX_TIMEOUT_S = 7 * 24 * 3600
 MAX_LAYERS = 4096  # the largest published decoders have a few hundred blocks
@@ -67,23 +70,23 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
     p, t = cfg.parallel, cfg.train
     _check_name(cfg.name)
     _check_each_key(cfg)
-    _check_zero(cfg)
+    check_zero(cfg)
     # A user's own model (model.target) declares what it can do; the shape rules are Llama's.
     user = check_user_model(cfg)
     if user is None:
         _check_model_shape(cfg.model)
         _check_model_family(cfg)
-        _check_tp(p, cfg.model)
-    _check_pipeline(p, cfg.model if user is None else OmegaConf.create({"n_layers": user.blocks}))
+        check_tp(p, cfg.model)
+    check_pipeline(p, cfg.model if user is None else OmegaConf.create({"n_layers": user.blocks}))
     dp = resolve_dp(p, world)
-    _check_world(p, dp, world)
-    _check_hsdp(p, dp)
+    check_world(p, dp, world)
+    check_hsdp(p, dp)
     g, b, mb = resolve_batch(t, dp)
-    _check_micro_batches(p, mb)
+    check_micro_batches(p, mb)
     if user is None:
-        _check_cp(cfg)
+        check_cp(cfg)
         check_moe(cfg, dp)
-    _check_seq_len(cfg)
+    check_seq_len(cfg)
     # Single-key rules that have always come last: moving them up would change which error a
     # config with two faults reports.
     _check_data(cfg.data)
@@ -127,11 +130,6 @@ def _in_range(cfg: DictConfig, key: str, low: float, high: float, shown: str) ->
     value = _value(cfg, key)
     if not low <= value < high:
         raise ConfigError(f"{key}={value} must be in {shown}")
-
-
-def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}={shown(value)} is not one of: {', '.join(allowed)}")
 
 
 def _finite(cfg: DictConfig) -> None:
@@ -183,126 +181,20 @@ def _check_each_key(cfg: DictConfig) -> None:
                 "model.rope_factor", "model.rope_low_freq_factor"):
         if not _value(cfg, key) > 0:
             raise ConfigError(f"{key}={_value(cfg, key)} must be positive")
-    _choice("parallel.pp_schedule", cfg.parallel.pp_schedule, PP_SCHEDULES)
-    _choice("train.dtype", cfg.train.dtype, DTYPES)
-    _choice("train.activation_checkpointing", cfg.train.activation_checkpointing,
+    choice("parallel.pp_schedule", cfg.parallel.pp_schedule, PP_SCHEDULES)
+    choice("train.dtype", cfg.train.dtype, DTYPES)
+    choice("train.activation_checkpointing", cfg.train.activation_checkpointing,
             RECOMPUTE_MODES)
-    _choice("launcher.device", cfg.launcher.device, DEVICES)
-    _choice("data.source", cfg.data.source, DATA_SOURCES)
-    _choice("optim.name", cfg.optim.name, OPTIMIZERS)
-    _choice("optim.schedule", cfg.optim.schedule, LR_SCHEDULES)
-    _choice("train.wandb", cfg.train.wandb, WANDB_MODES)
-    _choice("model.rope_type", cfg.model.rope_type, ROPE_TYPES)
+    choice("launcher.device", cfg.launcher.device, DEVICES)
+    choice("data.source", cfg.data.source, DATA_SOURCES)
+    choice("optim.name", cfg.optim.name, OPTIMIZERS)
+    choice("optim.schedule", cfg.optim.schedule, LR_SCHEDULES)
+    choice("train.wandb", cfg.train.wandb, WANDB_MODES)
+    choice("model.rope_type", cfg.model.rope_type, ROPE_TYPES)
     m = cfg.model
     if not m.rope_high_freq_factor > m.rope_low_freq_factor:
         raise ConfigError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must be "
                           f"above model.rope_low_freq_factor={m.rope_low_freq_factor}")
-
-
-def _check_zero(cfg: DictConfig) -> None:
-    """ZeRO's rules: the stage, which stages compose with what, offload targets, fp16."""
-    p, stage = cfg.parallel, cfg.parallel.zero_stage
-    if stage not in (0, 1, 2, 3):
-        raise ConfigError(f"parallel.zero_stage={stage} must be 0 (DDP), 1, 2 or 3")
-    _choice("parallel.offload_optimizer", p.offload_optimizer, OFFLOAD_DEVICES)
-    _choice("parallel.offload_params", p.offload_params, OFFLOAD_DEVICES)
-    _choice("parallel.zero_backend", p.zero_backend, ZERO_BACKENDS)
-    if p.zero_backend == "fsdp":
-        _check_fsdp(cfg)
-        return
-    if stage >= 2 and p.pp > 1:
-        raise ConfigError(
-            f"parallel.zero_stage={stage} with parallel.pp={p.pp}: ZeRO-2/3 shard gradients "
-            "(and parameters) as each micro-batch's backward runs, which fights the pipeline's "
-            "gradient accumulation over micro-batches (DeepSpeed refuses it too); use "
-            "parallel.zero_stage=1 with pp, or pp=1")
-    if stage >= 2 and p.sequence_parallel and p.tp > 1:
-        raise ConfigError(
-            f"parallel.zero_stage={stage} with parallel.sequence_parallel=true: the norm "
-            "gradients that sequence parallelism sums over tp are sharded away during backward "
-            "at stage 2/3; use parallel.zero_stage=1, or sequence_parallel=false")
-    if p.offload_optimizer != "none" and stage == 0:
-        raise ConfigError(
-            f"parallel.offload_optimizer={p.offload_optimizer} needs parallel.zero_stage >= 1 "
-            "(ZeRO-Offload moves the sharded optimizer state)")
-    if p.offload_params != "none" and stage != 3:
-        raise ConfigError(
-            f"parallel.offload_params={p.offload_params} needs parallel.zero_stage=3 (only "
-            f"stage 3 shards parameters; got zero_stage={stage})")
-    if "nvme" in (p.offload_optimizer, p.offload_params) and not p.offload_nvme_path:
-        raise ConfigError(
-            "offload to nvme needs parallel.offload_nvme_path (a directory on a local NVMe drive)")
-    if cfg.train.dtype == "fp16" and stage == 0:
-        raise ConfigError(
-            "train.dtype=fp16 needs loss scaling, which partrain does through DeepSpeed: use "
-            "parallel.zero_stage >= 1, or train.dtype=bf16")
-    if stage == 0 and p.get("deepspeed_config"):
-        raise ConfigError(
-            f"parallel.deepspeed_config={p.deepspeed_config} is a DeepSpeed config, but "
-            "parallel.zero_stage=0 runs DDP, not DeepSpeed; set zero_optimization.stage in the "
-            "file (or parallel.zero_stage) to 1, 2 or 3")
-    if stage == 0 and p.get("deepspeed"):
-        raise ConfigError(
-            "parallel.deepspeed sets raw DeepSpeed keys, but parallel.zero_stage=0 runs DDP, not "
-            "DeepSpeed; set parallel.zero_stage to 1, 2 or 3")
-
-
-def _check_hsdp(p: DictConfig, dp: int) -> None:
-    """parallel.dp_replicate: HSDP's replicas of a sharded copy, FSDP's only."""
-    r = p.dp_replicate
-    if r < 1:
-        raise ConfigError(f"parallel.dp_replicate={r} must be at least 1")
-    if r > 1 and not (p.zero_stage >= 2 and p.zero_backend == "fsdp"):
-        raise ConfigError(
-            f"parallel.dp_replicate={r} is HSDP, FSDP's hybrid of sharding and replicas: it needs "
-            "parallel.zero_backend=fsdp and parallel.zero_stage=2 or 3 (got "
-            f"zero_backend={p.zero_backend}, zero_stage={p.zero_stage})")
-    if dp % r:
-        raise ConfigError(
-            f"parallel.dp_replicate={r} must divide parallel.dp={dp}: each replica shards over "
-            f"dp / dp_replicate ranks (try dp_replicate in {divisors(dp)})")
-
-
-def _check_fsdp(cfg: DictConfig) -> None:
-    """FSDP2's rules (parallel.zero_backend=fsdp): what it shards, and what it composes with
-    so far."""
-    p, stage = cfg.parallel, cfg.parallel.zero_stage
-    if stage == 0:
-        raise ConfigError(
-            "parallel.zero_backend=fsdp picks the engine of a sharded stage, but "
-            "parallel.zero_stage=0 is DDP: set parallel.zero_stage=2 or 3")
-    if stage == 1:
-        raise ConfigError(
-            "parallel.zero_stage=1 with parallel.zero_backend=fsdp: FSDP2 shards the weights "
-            "themselves, so its least sharded form is stage 2 (weights kept gathered from forward "
-            "to backward); use parallel.zero_stage=2, or zero_backend=deepspeed for stage 1")
-    if p.ep > 1 and p.dp_replicate > 1:
-        raise ConfigError(
-            f"parallel.ep={p.ep} with parallel.dp_replicate={p.dp_replicate}: HSDP with expert "
-            "parallelism is not built yet (the experts' shards would need replicas of their "
-            "own); use parallel.dp_replicate=1 (FSDP over every dp rank) with ep")
-    for key in ("offload_optimizer", "offload_params"):
-        if p[key] == "nvme":
-            raise ConfigError(
-                f"parallel.{key}=nvme with parallel.zero_backend=fsdp: FSDP2 offloads to the host "
-                f"only; use parallel.{key}=cpu, or zero_backend=deepspeed for nvme")
-    if p.offload_params != "none" and stage != 3:
-        raise ConfigError(
-            f"parallel.offload_params={p.offload_params} needs parallel.zero_stage=3 (only "
-            f"stage 3 keeps the weights sharded between uses; got zero_stage={stage})")
-    if cfg.train.dtype == "fp16":
-        raise ConfigError(
-            "train.dtype=fp16 with parallel.zero_backend=fsdp: partrain's loss scaling is "
-            "DeepSpeed's; use train.dtype=bf16, or zero_backend=deepspeed")
-    if p.get("deepspeed_config"):
-        raise ConfigError(
-            f"parallel.deepspeed_config={p.deepspeed_config} is a DeepSpeed config, but "
-            "parallel.zero_backend=fsdp does not run DeepSpeed; drop it, or set "
-            "parallel.zero_backend=deepspeed")
-    if p.get("deepspeed"):
-        raise ConfigError(
-            "parallel.deepspeed sets raw DeepSpeed keys, but parallel.zero_backend=fsdp does not "
-            "run DeepSpeed; remove them, or set parallel.zero_backend=deepspeed")
 
 
 def _check_model_shape(m: DictConfig) -> None:
@@ -327,7 +219,7 @@ def _check_model_family(cfg: DictConfig) -> None:
     only where no sequence is longer than it)."""
     m, p = cfg.model, cfg.parallel
     if m.hf_model_type is not None:
-        _choice("model.hf_model_type", m.hf_model_type, HF_MODEL_TYPES)
+        choice("model.hf_model_type", m.hf_model_type, HF_MODEL_TYPES)
         want = {"qwen2": (True, False), "qwen3": (False, True)}.get(m.hf_model_type,
                                                                      (False, False))
         if (m.qkv_bias, m.qk_norm) != want:
@@ -354,136 +246,10 @@ def _check_model_family(cfg: DictConfig) -> None:
             "deepspeed, or parallel.tp=1")
 
 
-def _check_tp(p: DictConfig, m: DictConfig) -> None:
-    """Tensor parallelism splits the heads, the MLP and the vocabulary: tp divides each."""
-    for key, value in (("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads)):
-        if value % p.tp:
-            raise ConfigError(
-                f"parallel.tp={p.tp} must divide model.{key}={value} "
-                f"(try tp in {divisors(value)})"
-            )
-    hidden = ffn_dim(m)
-    if hidden % p.tp:
-        raise ConfigError(
-            f"parallel.tp={p.tp} must divide the MLP size {hidden} (model.ffn_dim, or 8/3 * "
-            f"model.dim rounded up to model.multiple_of={m.multiple_of}); set model.ffn_dim or "
-            f"model.multiple_of to a multiple of {p.tp}")
-    if m.vocab_size % p.tp:
-        raise ConfigError(
-            f"parallel.tp={p.tp} must divide model.vocab_size={m.vocab_size} (the embedding and "
-            f"output head are split over the vocabulary); pad the vocabulary to a multiple of "
-            f"{p.tp}")
-
-
-def _check_pipeline(p: DictConfig, m: DictConfig) -> None:
-    """The pipeline's chunks (pp * pp_virtual_stages) share out the blocks, and the schedule
-    matches the chunks per rank."""
-    chunks = p.pp * p.pp_virtual_stages
-    if chunks > MAX_PIPELINE_CHUNKS:
-        raise ConfigError(
-            f"pp({p.pp}) * pp_virtual_stages({p.pp_virtual_stages}) = {chunks:,} pipeline chunks "
-            f"exceeds {MAX_PIPELINE_CHUNKS}, the most partrain plans for")
-    if p.pp_layers is not None:
-        given = list(p.pp_layers)
-        shown = "[" + ", ".join(map(str, given)) + "]"
-        if not all(isinstance(n, int) and not isinstance(n, bool) for n in given):
-            raise ConfigError(f"parallel.pp_layers={shown} must list whole block counts, one "
-                              "per stage (e.g. [1, 3])")
-        if len(given) != chunks:
-            raise ConfigError(
-                f"parallel.pp_layers={shown} must list {chunks} stage sizes, one per pp rank and "
-                f"virtual stage: pp({p.pp}) * pp_virtual_stages({p.pp_virtual_stages})")
-        if min(given) < 1 or sum(given) != m.n_layers:
-            raise ConfigError(
-                f"parallel.pp_layers={shown} must be positive block counts summing to "
-                f"model.n_layers={m.n_layers} (they sum to {sum(given)})")
-    elif m.n_layers % chunks:
-        raise ConfigError(
-            f"model.n_layers={m.n_layers} must be divisible by pp({p.pp}) * "
-            f"pp_virtual_stages({p.pp_virtual_stages}) = {chunks}, or give the stage sizes "
-            "in parallel.pp_layers"
-        )
-    if p.pp_virtual_stages > 1 and p.pp_schedule != "interleaved_1f1b":
-        raise ConfigError(
-            f"parallel.pp_virtual_stages={p.pp_virtual_stages} needs "
-            f"parallel.pp_schedule=interleaved_1f1b (got {p.pp_schedule})"
-        )
-    if p.pp > 1 and p.pp_schedule == "interleaved_1f1b" and p.pp_virtual_stages < 2:
-        raise ConfigError(
-            "parallel.pp_schedule=interleaved_1f1b needs parallel.pp_virtual_stages >= 2 "
-            f"(got {p.pp_virtual_stages}); with one chunk per rank use 1f1b")
-
-
-def _check_world(p: DictConfig, dp: int, world: World) -> None:
-    """The degrees' product is the world size."""
-    product = p.pp * dp * p.cp * p.tp
-    if product != world.size:
-        raise ConfigError(
-            f"{degrees_product(p, dp)} = {product} != world size {world.size} "
-            f"(nnodes {world.nnodes} * nproc_per_node {world.nproc_per_node}, from "
-            f"{world.nproc_from}); change the degrees, use parallel.dp=auto, or change the "
-            "world size"
-        )
-
-
-def _check_micro_batches(p: DictConfig, micro_batches: int) -> None:
-    """A pipeline fills with at least pp micro-batches; interleaving runs them in groups of pp."""
-    if p.pp > 1 and micro_batches < p.pp:
-        raise ConfigError(
-            f"train.micro_batches={micro_batches} must be at least parallel.pp={p.pp}, "
-            "or the pipeline never fills"
-        )
-    if p.pp > 1 and p.pp_schedule == "interleaved_1f1b" and micro_batches % p.pp:
-        raise ConfigError(
-            f"parallel.pp_schedule=interleaved_1f1b runs micro-batches in groups of pp: "
-            f"train.micro_batches={micro_batches} must be divisible by parallel.pp={p.pp}")
-
-
-def _check_cp(cfg: DictConfig) -> None:
-    """Context parallelism's rules: the zigzag split and the all-to-all's head split."""
-    p, m, t = cfg.parallel, cfg.model, cfg.train
-    _choice("parallel.cp_method", p.cp_method, CP_METHODS)
-    if p.cp == 1:
-        return
-    if t.document_masking:
-        raise ConfigError(
-            f"train.document_masking=true does not go with parallel.cp={p.cp}: the ring and "
-            "all-to-all attention of context parallelism have no per-document mask (each cp "
-            "rank holds pieces of documents that may span ranks); use parallel.cp=1, or "
-            "train.document_masking=false")
-    if t.seq_len % (2 * p.cp):
-        raise ConfigError(
-            f"parallel.cp={p.cp} cuts each sequence into 2 * cp = {2 * p.cp} chunks (two per "
-            f"rank, for load balance under the causal mask): train.seq_len={t.seq_len} must be "
-            f"divisible by {2 * p.cp}")
-    if p.cp_method == "all_to_all":
-        for key, value in (("n_heads", m.n_heads), ("n_kv_heads", m.n_kv_heads)):
-            if (value // p.tp) % p.cp:
-                per_rank = f"model.{key}={value} / parallel.tp={p.tp} = {value // p.tp}" \
-                    if p.tp > 1 else f"model.{key}={value}"
-                raise ConfigError(
-                    f"parallel.cp_method=all_to_all gives each cp rank 1/cp of the heads: "
-                    f"parallel.cp={p.cp} must divide {per_rank}; use parallel.cp_method=ring "
-                    "(no head rule) or another cp")
-
-
-def _check_seq_len(cfg: DictConfig) -> None:
-    """A sequence splits evenly under sequence parallelism and fits the rotary tables."""
-    p, m, t = cfg.parallel, cfg.model, cfg.train
-    if p.sequence_parallel and t.seq_len % (p.tp * p.cp):
-        raise ConfigError(
-            f"parallel.sequence_parallel=true splits the sequence over tp: train.seq_len="
-            f"{t.seq_len} must be divisible by parallel.tp={p.tp}"
-            + (f" * parallel.cp={p.cp} (each cp rank's share is split over tp)" if p.cp > 1 else ""))
-    if t.seq_len > m.max_seq_len:
-        raise ConfigError(
-            f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-
-
 def _check_data(d: DictConfig) -> None:
     if not 0.0 < d.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be between 0 and 1")
-    _choice("data.sampling", d.sampling, DATA_SAMPLING)
+    choice("data.sampling", d.sampling, DATA_SAMPLING)
     if d.blend is None:
         return
     # The dirs themselves (they exist, are token dirs, share a tokenizer) are checked with the

@@ -24,7 +24,7 @@ from types import SimpleNamespace
 from omegaconf import DictConfig, OmegaConf
 
 from partrain.config.resolve import compute_dtype
-from partrain.config.validate import MAX_PIPELINE_CHUNKS
+from partrain.config.validate_layout import MAX_PIPELINE_CHUNKS
 from partrain.models.arith import ffn_dim, moe_enabled
 from partrain.models.family import shape_modeled
 from partrain.parallel.mesh import ParallelDims
@@ -355,11 +355,8 @@ def check_config(cfg) -> None:
                           "`partrain plan` without --search shows its parameters and model state")
     # validate.py has no public name for its layout-free rules; they run here on a copy of the
     # config whose parallel and micro-batch keys (which the search sets) are the plainest.
-    from partrain.config.validate import (
-        _check_each_key,
-        _check_model_shape,
-        _check_seq_len,
-    )
+    from partrain.config.validate import _check_each_key, _check_model_shape
+    from partrain.config.validate_layout import check_seq_len
     from partrain.config.validate_moe import check_moe
 
     view = copy.deepcopy(cfg)
@@ -371,7 +368,7 @@ def check_config(cfg) -> None:
     _check_each_key(view)
     _check_model_shape(view.model)
     check_moe(view, 1)
-    _check_seq_len(view)
+    check_seq_len(view)
 
 
 def why_no_layout(cfg, gpus: int, hw: Hardware) -> str:

@@ -9,15 +9,10 @@ import os
 import numpy as np
 import pytest
 
-from partrain.data import tokens as tokens_module
+from partrain.data import token_files
 from partrain.data.prepare import prepare_token_dir
-from partrain.data.tokens import (
-    SAMPLE_BLOCK,
-    SAMPLE_BLOCKS,
-    check_data,
-    load_tokens,
-    sample_max_token_id,
-)
+from partrain.data.token_files import SAMPLE_BLOCK, SAMPLE_BLOCKS, sample_max_token_id
+from partrain.data.tokens import check_data, load_tokens
 from partrain.errors import ConfigError
 from tests.unit.helpers import one_line, quick
 
@@ -345,7 +340,7 @@ def test_an_unreadable_meta_json_is_a_config_error(token_dir, monkeypatch):
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(file))
         return real_open(file, *args, **kwargs)
 
-    monkeypatch.setattr(tokens_module, "open", denied, raising=False)
+    monkeypatch.setattr(token_files, "open", denied, raising=False)
     assert _refused(_tokens_cfg(token_dir)) == (
         f"data.path={token_dir}: meta.json cannot be read: Permission denied")
 

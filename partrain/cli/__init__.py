@@ -7,7 +7,6 @@ config before it does anything; a ConfigError becomes one message on stderr and 
 nothing started and nothing written.
 """
 
-import dataclasses
 import json
 import logging
 import os
@@ -20,6 +19,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.text import Text
 
+from partrain.cli.usage import meant
 from partrain.data.format import SHARD_MB
 from partrain.errors import ConfigError
 
@@ -259,120 +259,10 @@ def plan(
     """Show every rank's place in the mesh, the groups and the batch arithmetic; start nothing.
     On a GPU target (launcher.device=cuda or --hardware): whether each stage fits the GPU's
     memory, and the step's time. With --search: the best layouts for N GPUs instead."""
-    from partrain.launch.preflight import PLAN, Request, preflight
-    from partrain.plan.fit import DEFAULT_HARDWARE, on_hardware
-    from partrain.plan.hardware import load_hardware
-    from partrain.plan.layout import build_plan
-    from partrain.plan.render import print_plan
+    from partrain.cli.plan import plan_command
 
-    args = list(args or [])
-    if search:
-        _search(args, gpus, gpus_per_node, hardware, tokens_per_step, explain, write_recipe,
-                as_json)
-        return
-    for flag, value in (("--gpus", gpus), ("--gpus-per-node", gpus_per_node),
-                        ("--explain", explain), ("--write-recipe", write_recipe)):
-        if value is not None:
-            raise ConfigError(f"{flag} is a --search option; add --search")
-    hw = load_hardware(hardware) if hardware is not None else None
-    if tokens_per_step is not None:
-        args.append(_tokens_override(args, tokens_per_step))
-    ready = preflight(Request(args, PLAN, world_size=world_size))
-    if ready.cfg.model.get("target"):  # a user's own model: what partrain knows of it
-        from partrain.plan.user import build_user_plan, print_user_plan
-
-        result = build_user_plan(ready.cfg, ready.world, ready.warnings)
-        if as_json:
-            sys.stdout.write(json.dumps(result, indent=2) + "\n")
-        else:
-            print_user_plan(result, out)
-        return
-    result = build_plan(ready.cfg, ready.world, ready.warnings)
-    if hw is not None or ready.cfg.launcher.device == "cuda":
-        on_hardware(result, ready.cfg, ready.world, hw or load_hardware(DEFAULT_HARDWARE),
-                    "--hardware" if hw is not None else
-                    "the default --hardware, for launcher.device=cuda")
-    if as_json:
-        sys.stdout.write(json.dumps(result, indent=2) + "\n")
-    else:
-        print_plan(result, out)
-
-
-def _tokens_override(args: list[str], tokens_per_step: str) -> str:
-    """--tokens-per-step as the override train.global_batch_size=N, read against the config's
-    train.seq_len (composed once more for it)."""
-    from partrain.config.compose import compose_config
-    from partrain.launch.preflight import split_args
-    from partrain.plan.explain import tokens_to_sequences
-
-    config, overrides = split_args(args)
-    if any(o.lstrip("+").split("=", 1)[0] == "train.global_batch_size" for o in overrides):
-        raise ConfigError(f"--tokens-per-step {tokens_per_step} and train.global_batch_size both "
-                          "set the global batch; give one")
-    seq_len = compose_config(config, overrides).train.seq_len
-    return f"train.global_batch_size={tokens_to_sequences(tokens_per_step, seq_len)}"
-
-
-def _search(args, gpus, gpus_per_node, hardware, tokens_per_step, explain, write_recipe,
-            as_json) -> None:
-    import shlex
-
-    from partrain.config.compose import compose_config
-    from partrain.launch.preflight import split_args
-    from partrain.plan.explain import assumptions, parse_explain
-    from partrain.plan.fit import DEFAULT_HARDWARE
-    from partrain.plan.hardware import load_hardware
-    from partrain.plan.search import as_json as search_json
-    from partrain.plan.recipe import check_recipe_path
-    from partrain.plan.recipe import write_recipe as write
-    from partrain.plan.search import (
-        check_config,
-        check_request,
-        print_search,
-        validated,
-        why_no_layout,
-    )
-    from partrain.plan.search import search as run_search
-
-    if gpus is None:
-        raise ConfigError("--search needs --gpus N")
-    wanted = parse_explain(explain) if explain is not None else None
-    hw = load_hardware(hardware if hardware is not None else DEFAULT_HARDWARE)
-    if gpus_per_node is not None:
-        from partrain.config.validate import MAX_NPROC_PER_NODE
-
-        if gpus_per_node > MAX_NPROC_PER_NODE:
-            raise ConfigError(f"--gpus-per-node={gpus_per_node} must be at most "
-                              f"{MAX_NPROC_PER_NODE}, the most ranks partrain starts on one node")
-        hw = dataclasses.replace(hw, gpus_per_node=gpus_per_node)
-    check_request(gpus, hw)
-    if write_recipe is not None:
-        check_recipe_path(write_recipe)
-    flags = {}
-    if tokens_per_step is not None:
-        args = [*args, _tokens_override(args, tokens_per_step)]
-        flags[f"--tokens-per-step {tokens_per_step}"] = ("train.global_batch_size",)
-    config, overrides = split_args(args)
-    cfg = compose_config(config, overrides)
-    check_config(cfg)
-    found = run_search(cfg, gpus, hw, top=40, explain=wanted)
-    if not found["candidates"]:
-        raise ConfigError(why_no_layout(cfg, gpus, hw))
-    result = validated(found, config, overrides, gpus, hw)
-    result["assumptions"] = assumptions(
-        cfg, config, overrides, hw, gpus, flags=flags,
-        hw_source=("--hardware" if hardware is not None else "the default --hardware")
-        + (", --gpus-per-node" if gpus_per_node is not None else ""))
-    if write_recipe is not None:
-        command = " ".join(["partrain plan --search", shlex.join(args or []), f"--gpus {gpus}",
-                            f"--gpus-per-node {hw.gpus_per_node}", f"--hardware {hw.name}"])
-        write(write_recipe, result, command)
-    if as_json:
-        sys.stdout.write(json.dumps(search_json(result), indent=2) + "\n")
-    else:
-        print_search(result, out)
-        if write_recipe is not None and result["best"]:
-            out.print(f"wrote {write_recipe}: partrain launch {write_recipe}")
+    plan_command(list(args or []), world_size, as_json, search, gpus, gpus_per_node, hardware,
+                 tokens_per_step, explain, write_recipe, out)
 
 
 @app.command()
@@ -564,53 +454,6 @@ def data_prepare(
         out.print(line)
 
 
-# Other launchers' flags, by what they mean: their nearest partrain flag by spelling can mean
-# the opposite (--master-addr is node 0's address; --local-addr is this node's). The first flag
-# the command has is suggested; a name with underscores is looked up with dashes.
-FLAG_SYNONYMS = {
-    "num-gpus": ("--gpus-per-node", "--nproc-per-node", "--gpus"),  # DeepSpeed
-    "gpus": ("--gpus-per-node", "--nproc-per-node"),
-    "num-processes": ("--nproc-per-node", "--gpus"),  # Accelerate
-    "nproc": ("--nproc-per-node",), "nprocs": ("--nproc-per-node",),
-    "num-nodes": ("--nodes", "--nnodes"), "num-machines": ("--nodes", "--nnodes"),
-    "nodes": ("--nnodes",),
-    "machine-rank": ("--node-rank",), "node-id": ("--node-rank",),
-    "master-addr": ("--rdzv-endpoint",), "master-port": ("--rdzv-endpoint",),
-    "main-process-ip": ("--rdzv-endpoint",), "main-process-port": ("--rdzv-endpoint",),
-    "master": ("--rdzv-endpoint",),
-    "output-dir": ("--run-dir", "--out"), "output": ("--run-dir", "--out"),
-    "out-dir": ("--run-dir", "--out"), "save-dir": ("--run-dir", "--out"),
-    "logdir": ("--run-dir",), "log-dir": ("--run-dir",),
-    "resume-from": ("--resume",), "resume-from-checkpoint": ("--resume",),
-    "max-retries": ("--max-restarts",), "restarts": ("--max-restarts",),
-}
-# torchrun's flags for where the nodes meet, which `partrain slurm` takes from the job instead.
-SLURM_SETS = ("master-addr", "master-port", "rdzv-endpoint", "node-rank", "standalone",
-              "local-addr", "rdzv-id", "rdzv-backend")
-# Hydra's own command-line flags: partrain takes the config as its first argument instead.
-CONFIG_FLAGS = ("config", "config-name", "config-path", "config-dir", "config-file", "cfg")
-
-
-def _meant(e, ctx) -> str:
-    """A usage error's message; for an unknown flag, the flag it most likely means."""
-    # Typer carries its own copy of click: its NoSuchOption is known by what it holds.
-    if not hasattr(e, "option_name") or not hasattr(e, "possibilities") or ctx is None:
-        return e.format_message()
-    name = e.option_name.split("=", 1)[0].lstrip("-").lower().replace("_", "-")
-    flags = {opt for param in ctx.command.params
-             for opt in (*getattr(param, "opts", ()), *getattr(param, "secondary_opts", ()))}
-    if name in CONFIG_FLAGS:
-        return (f"{e.message} (the config is the first argument, not a flag: "
-                f"{ctx.command_path} CONFIG [OVERRIDE...], CONFIG a recipe name or a YAML path)")
-    meant = next((flag for flag in FLAG_SYNONYMS.get(name, ()) if flag in flags), None)
-    if meant is not None:
-        return f"{e.message} (did you mean {meant}?)"
-    if ctx.command.name == "slurm" and name in SLURM_SETS:
-        return (f"{e.message} (partrain slurm sets where the nodes meet itself: node ranks from "
-                "SLURM, the rendezvous on the job's first node)")
-    return e.format_message()
-
-
 def _error(message: str) -> None:
     err.print(Text.assemble(("error:", "bold red"), " ", message))
 
@@ -644,7 +487,7 @@ def _run() -> int:
             raise
         ctx = getattr(e, "ctx", None)
         hint = f" (see: {ctx.command_path} --help)" if ctx is not None else ""
-        _error(_meant(e, ctx) + hint)
+        _error(meant(e, ctx) + hint)
         code = getattr(e, "exit_code", 2)
     except typer.Abort:
         _error("aborted")

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Iterator
 
 from partrain.config.paths import what_is
-from partrain.errors import ConfigError
+from partrain.errors import ConfigError, reason
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
@@ -28,19 +28,13 @@ ARROW_SUFFIXES = (".arrow",)
 # files in order; a DatasetDict's dataset_dict.json names its splits, each a Dataset's directory.
 HF_STATE, HF_INFO, HF_SPLITS = "state.json", "dataset_info.json", "dataset_dict.json"
 # A text file (one document) is read in pieces of about this many bytes, cut after a newline
-# that a printable non-space character follows (_text_pieces): bounded memory for any file size.
+# between printable non-space characters (_text_pieces): bounded memory for any file size.
 TEXT_PIECE_BYTES = 16 << 20
 ROWS_PER_BATCH = 4096  # Parquet rows turned into Python strings at a time
 # pyarrow reads JSON Lines in blocks, and a record must fit in one: a document of up to this much
 # JSON is read (the reader's own default, 1 MiB, refuses a long book as a "straddling object").
 JSONL_BLOCK_BYTES = 64 << 20
 JSONL_CHUNK_BYTES = 16 << 20  # whole lines parsed at a time (_jsonl_chunks): bounded memory
-
-
-def reason(e: OSError) -> str:
-    """An OSError in words, for a message."""
-    return e.strerror or str(e)
-
 
 
 def _check_file(file: Path) -> None:
@@ -303,20 +297,23 @@ def _utf8(value) -> bool:
 
 
 def _piece_cut(data: bytes) -> int:
-    """The offset just after the last newline of `data` that a printable ASCII character other
-    than a space follows (a line that starts a word), or -1."""
+    """The offset just after the last newline of `data` between two printable ASCII characters
+    other than a space (a line that ends in a word, then one that starts with one), or -1. A
+    newline inside a run of whitespace is no cut: pre-tokenizers merge the run ("\n\n" is one
+    token at the end of a piece, two before a word)."""
     at = len(data) - 1
-    while (at := data.rfind(b"\n", 0, at)) >= 0:
-        if 0x21 <= data[at + 1] <= 0x7E:
+    while (at := data.rfind(b"\n", 1, at)) >= 0:
+        if 0x21 <= data[at + 1] <= 0x7E and 0x21 <= data[at - 1] <= 0x7E:
             return at + 1
     return -1
 
 
 def _text_pieces(file: Path) -> Iterator[tuple[bytes, int]]:
     """A text file's bytes in pieces of about TEXT_PIECE_BYTES, each (bytes, its offset in the
-    file), cut after a newline that a printable non-space ASCII character follows: tokenizers'
-    pre-tokenizers split there (a newline is never merged into the word after it), so each piece
-    encodes as it would inside the whole file. A file with no such newline is one piece."""
+    file), cut after a newline between printable non-space ASCII characters: tokenizers'
+    pre-tokenizers split there (the newline is merged neither into the word after it nor into
+    other whitespace), so each piece encodes as it would inside the whole file. A file with no
+    such newline is one piece."""
     try:
         with open(file, "rb") as f:
             carry, offset = b"", 0

@@ -40,29 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_prepare import prepared_digest, train_tokenizer  # noqa: E402
-
-# Run in a fresh process, so that its peak memory is prepare's own and not this script's.
-CHILD = r"""
-import json, resource, sys, time
-from pathlib import Path
-from partrain.data.prepare import prepare_token_dir
-
-def peak_kib():
-    with open("/proc/self/status") as f:
-        return next(int(l.split()[1]) for l in f if l.startswith("VmHWM:"))
-
-a = json.loads(sys.argv[1])
-base = peak_kib()
-start = time.perf_counter()
-meta = prepare_token_dir([Path(a["input"])], Path(a["out"]), 0.01,
-                         tokenizer=Path(a["tokenizer"]) if a["tokenizer"] else None,
-                         workers=a["workers"])
-seconds = time.perf_counter() - start
-print(json.dumps({"seconds": seconds, "meta": meta, "base_kib": base, "self_kib": peak_kib(),
-                  "children_kib": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}))
-"""
-
+from bench_prepare import prepare, prepared_digest, train_tokenizer  # noqa: E402
 
 def _stdlib_texts() -> list[str]:
     return [t for t in (p.read_text(encoding="utf-8", errors="replace") for p in
@@ -218,14 +196,7 @@ def prepare_bench(gigabytes: float, kind: str, tokenizer: str, workers: int | No
             tok = Tokenizer.from_file(str(tok_path))
             seconds, expected = bare(tok, corpus, kind, tok.token_to_id("<|endoftext|>"))
             result.update(bare_s=seconds, bare_mb_s=nbytes / 1e6 / seconds)
-        args = {"input": str(corpus), "out": str(tmp / "tokens"),
-                "tokenizer": str(tok_path) if tok_path else None, "workers": workers}
-        env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)],
-                              capture_output=True, text=True, env=env, cwd=ROOT)
-        if done.returncode != 0:
-            sys.exit(f"prepare failed:\n{done.stderr[-3000:]}")
-        run = json.loads(done.stdout.splitlines()[-1])
+        run = prepare(corpus, tmp / "tokens", tok_path, workers, 1024.0, val_fraction=0.01)
         if tokenizer == "bpe" and expected is not None and \
                 prepared_digest(tmp / "tokens", run["meta"]) != expected:
             sys.exit("prepare's ids differ from encode_batch's")

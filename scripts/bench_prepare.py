@@ -59,8 +59,9 @@ def peak_kib():
 a = json.loads(sys.argv[1])
 base = peak_kib()
 start = time.perf_counter()
-meta = prepare_token_dir([Path(p) for p in a["inputs"]], Path(a["out"]), 0.05,
-                         tokenizer=Path(a["tokenizer"]), eot=a["eot"], workers=a["workers"],
+meta = prepare_token_dir([Path(p) for p in a["inputs"]], Path(a["out"]), a["val_fraction"],
+                         tokenizer=Path(a["tokenizer"]) if a["tokenizer"] else None,
+                         eot=a["eot"], workers=a["workers"],
                          shard_bytes=a["shard_bytes"])
 seconds = time.perf_counter() - start
 print(json.dumps({"seconds": seconds, "meta": meta, "base_kib": base, "self_kib": peak_kib(),
@@ -140,9 +141,14 @@ def prepared_digest(out: Path, meta: dict) -> str:
     return digest.hexdigest()
 
 
-def prepare(inputs: Path, out: Path, tokenizer: Path, workers: int, shard_mb: float) -> dict:
-    args = {"inputs": [str(inputs)], "out": str(out), "tokenizer": str(tokenizer),
-            "eot": "<|endoftext|>", "workers": workers, "shard_bytes": int(shard_mb * (1 << 20))}
+def prepare(inputs: Path, out: Path, tokenizer: Path | None, workers: int, shard_mb: float,
+            val_fraction: float = 0.05) -> dict:
+    """prepare_token_dir in a fresh process (tokenizer None: bytes): its seconds, meta.json and
+    peak memory (CHILD)."""
+    args = {"inputs": [str(inputs)], "out": str(out),
+            "tokenizer": str(tokenizer) if tokenizer else None,
+            "eot": "<|endoftext|>" if tokenizer else None, "workers": workers,
+            "shard_bytes": int(shard_mb * (1 << 20)), "val_fraction": val_fraction}
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], capture_output=True,
                           text=True, env=env, cwd=ROOT)

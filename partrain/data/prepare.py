@@ -36,7 +36,7 @@ from typing import Iterator
 import numpy as np
 
 from partrain.data import tokenizer as tk
-from partrain.data.inputs import collect_inputs, documents, reason
+from partrain.data.inputs import collect_inputs, documents
 from partrain.data.format import (
     FORMAT,
     INDEX_DTYPE,
@@ -45,7 +45,7 @@ from partrain.data.format import (
     shard_name,
     vocab_to_use,
 )
-from partrain.errors import ConfigError
+from partrain.errors import ConfigError, reason
 from partrain.staging import check_out, staged_dir
 
 VAL_FRACTION = 0.05  # --val-fraction's default

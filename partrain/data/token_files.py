@@ -23,7 +23,7 @@ from partrain.data.format import (
     shard_name,
 )
 from partrain.data.tokenizer import TOKENIZER_FILE
-from partrain.errors import ConfigError
+from partrain.errors import ConfigError, reason
 
 # The ids of a split are checked over at most SAMPLE_BLOCKS contiguous blocks of SAMPLE_BLOCK
 # ids, spread evenly from the first id to the last: at most 256 Ki ids (1 MiB of uint32) and 64
@@ -45,10 +45,6 @@ def json_kind(value) -> str:
         return "a non-finite number" if not math.isfinite(value) else "a decimal number"
     return {str: "a string", list: "a list", dict: "an object", type(None): "null"}.get(
         type(value), type(value).__name__)
-
-
-def reason(e: OSError) -> str:
-    return e.strerror or str(e)
 
 
 def is_int(value) -> bool:

@@ -31,12 +31,11 @@ from partrain.data.token_files import (
     is_int,
     load_index,
     read_meta,
-    reason,
     scanned_documents,
     split_files,
 )
 from partrain.data.tokenizer import BYTE_VOCAB
-from partrain.errors import ConfigError
+from partrain.errors import ConfigError, reason
 
 
 

@@ -5,7 +5,7 @@ the Llama 3 paper's Table 4 (the fit rows: the model's fitted constants were cho
 alone), and held out, Megatron-LM's 2022 MFU table (sequence parallelism, selective
 recomputation), torchtitan's H100 runs (FSDP, FSDP x TP, its 2024 405B run) and its 2024 A100 runs
 (FSDP), and MosaicML's MPT benchmark tables (Composer FSDP on H100 and A100-80GB, 125M-70B,
-sequences of 512 to 65,536).
+sequences of 512 to 65,536; the A100 table also as published in July 2023, before a re-measurement).
 
 Each row is fed to the time model as its trainer ran it (an Implementation per trainer, below,
 with the constants fitted on that trainer's own fit rows where its kernels differ),

@@ -8,8 +8,9 @@ presets' GEMM efficiency is fitted (chosen before any tuning); and for each othe
 kernels get their own constants (Implementation.gemm_scale, attention_peak_fraction in
 scripts/bench_time_model.py), a few rows of its own tables, chosen by a rule, not by their ratio:
 of each MPT table, the smallest model at 2,048 tokens and the 1B model at its shortest and longest
-sequence, on 8 GPUs; of torchtitan's H100 runs, its first (8B, FSDP on 8 GPUs). Every other row
-is held out: the model's constants never saw them.
+sequence, on 8 GPUs (the July 2023 version of MPT's A100 table is held out whole); of
+torchtitan's H100 runs, its first (8B, FSDP on 8 GPUs). Every other row is held out: the
+model's constants never saw them.
 Rows left out, and why: Float8 runs (torchtitan's 405B tables, NeMo's H100 Llama rows, MPT's
 H100 FP8 table: partrain computes in bf16), MegaScale's tables (parallel blocks and sliding-window
 attention, and its tables were not found in text), Megatron-LM's 2024 H100 table (published as an
@@ -53,6 +54,10 @@ MPT_H100 = ("mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit c
             "tables 'H100 80GB BF16 (Large Scale, >= 128 GPUs)' and 'H100 80GB BF16'")
 MPT_A100 = ("mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit c90b9b312), "
             "table 'A100 80GB with 1600 Gbps node-node interconnect (RoCE)'")
+
+MPT_A100_2023 = ("mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit c6cfb4284, "
+                 "July 2023: the same table before its re-measurement), table 'A100 80GB with "
+                 "1600 Gbps node-node interconnect (RoCE)', bf16 PURE")
 
 _MEGATRON_2021 = [  # params, heads, hidden, layers, tp, pp, GPUs, micro-batch, batch, TFLOP/s
     (1.7, 24, 2304, 24, 1, 1, 32, 16, 512, 137),
@@ -214,6 +219,98 @@ _MPT_A100 = [
     ("125m", 512, 8, 128, 2, 165681, 3, False, "DEFAULT"),
 ]
 
+# The A100 80GB table as llm-foundry published it from May to July 2023 (commit c6cfb4284, bf16
+# PURE throughout), before the re-measurement above replaced it: held out whole (the A100 constants
+# are fitted on the newer table's rows); rows the newer table repeats unchanged are left out.
+_MPT_A100_2023 = [
+    ("70b", 2048, 64, 8, 4, 410, 3, True, "PURE"),
+    ("70b", 2048, 32, 2, 16, 373, 3, True, "PURE"),
+    ("30b", 8192, 8, 1, 21, 622, 3, True, "PURE"),
+    ("30b", 4096, 8, 1, 21, 778, 3, True, "PURE"),
+    ("30b", 2048, 64, 16, 3, 876, 3, True, "PURE"),
+    ("30b", 2048, 32, 14, 3, 886, 3, True, "PURE"),
+    ("30b", 2048, 16, 10, 3, 884, 3, True, "PURE"),
+    ("30b", 2048, 8, 3, 21, 788, 3, True, "PURE"),
+    ("30b", 1024, 8, 6, 21, 876, 3, True, "PURE"),
+    ("30b", 512, 8, 12, 21, 844, 3, True, "PURE"),
+    ("13b", 32768, 8, 1, 3, 974, 3, True, "PURE"),
+    ("13b", 16384, 8, 3, 3, 1369, 3, True, "PURE"),
+    ("13b", 8192, 8, 5, 3, 1691, 3, True, "PURE"),
+    ("13b", 4096, 8, 10, 3, 1917, 3, True, "PURE"),
+    ("13b", 2048, 64, 32, 1, 1994, 3, True, "PURE"),
+    ("13b", 2048, 32, 32, 1, 2007, 3, True, "PURE"),
+    ("13b", 2048, 16, 24, 1, 2018, 3, True, "PURE"),
+    ("13b", 2048, 8, 20, 3, 2065, 3, True, "PURE"),
+    ("13b", 1024, 8, 40, 3, 2164, 3, True, "PURE"),
+    ("13b", 512, 8, 80, 3, 2190, 3, True, "PURE"),
+    ("7b", 65536, 8, 1, 2, 919, 3, True, "PURE"),
+    ("7b", 32768, 8, 2, 2, 1629, 3, True, "PURE"),
+    ("7b", 16384, 8, 4, 2, 2337, 3, True, "PURE"),
+    ("7b", 8192, 8, 8, 2, 2985, 3, True, "PURE"),
+    ("7b", 4096, 8, 16, 2, 3496, 3, True, "PURE"),
+    ("7b", 2048, 64, 32, 1, 3670, 3, True, "PURE"),
+    ("7b", 2048, 32, 32, 1, 3697, 3, True, "PURE"),
+    ("7b", 2048, 16, 32, 1, 3728, 3, True, "PURE"),
+    ("7b", 2048, 8, 32, 2, 3824, 3, True, "PURE"),
+    ("7b", 1024, 8, 64, 2, 4030, 3, True, "PURE"),
+    ("7b", 512, 8, 128, 2, 4099, 3, True, "PURE"),
+    ("3b", 65536, 8, 1, 2, 1771, 3, True, "PURE"),
+    ("3b", 32768, 8, 3, 6, 3000, 3, True, "PURE"),
+    ("3b", 16384, 8, 1, 6, 5544, 3, False, "PURE"),
+    ("3b", 8192, 8, 3, 6, 7610, 3, False, "PURE"),
+    ("3b", 4096, 8, 5, 6, 9298, 3, False, "PURE"),
+    ("3b", 2048, 64, 12, 3, 10158, 3, False, "PURE"),
+    ("3b", 2048, 32, 12, 3, 10308, 3, False, "PURE"),
+    ("3b", 2048, 16, 10, 3, 10283, 3, False, "PURE"),
+    ("3b", 2048, 8, 10, 6, 10403, 3, False, "PURE"),
+    ("3b", 1024, 8, 20, 6, 11363, 3, False, "PURE"),
+    ("3b", 512, 8, 40, 6, 11819, 3, False, "PURE"),
+    ("1b", 65536, 8, 1, 2, 2985, 3, True, "PURE"),
+    ("1b", 32768, 8, 1, 4, 6332, 3, False, "PURE"),
+    ("1b", 16384, 8, 2, 4, 9823, 3, False, "PURE"),
+    ("1b", 8192, 8, 3, 4, 13739, 3, False, "PURE"),
+    ("1b", 4096, 8, 7, 4, 17595, 3, False, "PURE"),
+    ("1b", 2048, 64, 20, 1, 19423, 3, False, "PURE"),
+    ("1b", 2048, 32, 20, 1, 19446, 3, False, "PURE"),
+    ("1b", 2048, 16, 20, 1, 19694, 3, False, "PURE"),
+    ("1b", 2048, 8, 14, 4, 20276, 3, False, "PURE"),
+    ("1b", 1024, 8, 18, 4, 21682, 3, False, "PURE"),
+    ("1b", 512, 8, 56, 4, 23033, 3, False, "PURE"),
+    ("760m", 65536, 8, 1, 2, 4156, 3, True, "PURE"),
+    ("760m", 32768, 8, 1, 2, 8788, 3, False, "PURE"),
+    ("760m", 16384, 8, 3, 2, 14422, 3, False, "PURE"),
+    ("760m", 8192, 8, 6, 2, 20866, 3, False, "PURE"),
+    ("760m", 4096, 8, 12, 2, 26937, 3, False, "PURE"),
+    ("760m", 2048, 64, 24, 1, 29565, 3, False, "PURE"),
+    ("760m", 2048, 32, 24, 1, 30390, 3, False, "PURE"),
+    ("760m", 2048, 16, 24, 1, 30554, 3, False, "PURE"),
+    ("760m", 2048, 8, 24, 2, 31763, 3, False, "PURE"),
+    ("760m", 1024, 8, 48, 2, 34888, 3, False, "PURE"),
+    ("760m", 512, 8, 96, 2, 36719, 3, False, "PURE"),
+    ("350m", 65536, 8, 1, 2, 7479, 3, False, "PURE"),
+    ("350m", 32768, 8, 2, 2, 12349, 3, False, "PURE"),
+    ("350m", 16384, 8, 4, 2, 23441, 3, False, "PURE"),
+    ("350m", 8192, 8, 8, 2, 36174, 3, False, "PURE"),
+    ("350m", 4096, 8, 16, 2, 48766, 3, False, "PURE"),
+    ("350m", 2048, 64, 32, 1, 54384, 3, False, "PURE"),
+    ("350m", 2048, 32, 32, 1, 55321, 3, False, "PURE"),
+    ("350m", 2048, 16, 32, 1, 57537, 3, False, "PURE"),
+    ("350m", 2048, 8, 32, 2, 58911, 3, False, "PURE"),
+    ("350m", 1024, 8, 64, 2, 65799, 3, False, "PURE"),
+    ("350m", 512, 8, 128, 2, 70107, 3, False, "PURE"),
+    ("125m", 65536, 8, 1, 2, 20434, 3, False, "PURE"),
+    ("125m", 32768, 8, 2, 2, 36710, 3, False, "PURE"),
+    ("125m", 16384, 8, 4, 2, 61197, 3, False, "PURE"),
+    ("125m", 8192, 8, 8, 2, 90998, 3, False, "PURE"),
+    ("125m", 4096, 8, 16, 2, 119792, 3, False, "PURE"),
+    ("125m", 2048, 64, 32, 1, 130026, 3, False, "PURE"),
+    ("125m", 2048, 32, 32, 1, 131438, 3, False, "PURE"),
+    ("125m", 2048, 16, 32, 1, 133689, 3, False, "PURE"),
+    ("125m", 2048, 8, 32, 2, 140438, 3, False, "PURE"),
+    ("125m", 1024, 8, 64, 2, 156820, 3, False, "PURE"),
+    ("125m", 512, 8, 128, 2, 165628, 3, False, "PURE"),
+]
+
 
 def rows() -> list[dict]:
     out = []
@@ -284,8 +381,12 @@ def rows() -> list[dict]:
         "batch": 32, "layout": {"dp": 16, "tp": 8, "zero_stage": 3, "micro_batch_size": 2,
                                 "sequence_parallel": True, "activation_checkpointing": "full"},
         "published": 109, "unit": "tokens/s/GPU", "flops": None})
-    for table, hw, source in ((_MPT_H100, "H100-SXM", MPT_H100), (_MPT_A100, "A100-80GB", MPT_A100)):
-        calibration = {(min(table, key=lambda r: MPT[r[0]][1])[0], 2048), ("1b", 512), ("1b", 65536)}
+    newer = {row[:6] for row in _MPT_A100}
+    older = [row for row in _MPT_A100_2023 if row[:6] not in newer]
+    for table, hw, source in ((_MPT_H100, "H100-SXM", MPT_H100), (_MPT_A100, "A100-80GB", MPT_A100),
+                              (older, "A100-80GB", MPT_A100_2023)):
+        calibration = ({(min(table, key=lambda r: MPT[r[0]][1])[0], 2048), ("1b", 512), ("1b", 65536)}
+                       if source != MPT_A100_2023 else set())
         for size, seq, gpus, mb, accum, tps, zero, ckpt, precision in table:
             fit = gpus == 8 and (size, seq) in calibration
             calibration.discard((size, seq) if fit else None)  # one row each

@@ -125,13 +125,14 @@ def test_published_rows_fit_and_held_out(bench):
     """Ratio = model / published. The fit rows: Megatron-LM 2021 and Llama 3 (the presets'
     constants) and, for each trainer with constants of its own (bench.FITTED), at most 3 of its
     rows, chosen by published_runs.py's rule (never by ratio). Bounds are the ones the model
-    reaches: every fit row within 15%; every held-out row within the goal's 20% but two MPT A100
-    rows whose published figures break their own tables' trend (docs/performance.md), each held
-    to what it reaches, so that a change making any row worse fails."""
+    reaches: every fit row within 15%; every held-out row within the goal's 20% but four MPT A100
+    rows whose published figures break their own tables' trend (docs/performance.md; two of them
+    the source published twice, and the model is within 20% of the other figure), each held to
+    what it reaches, so that a change making any row worse fails."""
     rows = bench.rows()
     fit = [r for r in rows if r["split"] == "fit"]
     held = [r for r in rows if r["split"] == "held-out"]
-    assert len(fit) == 20 and len(held) == 138
+    assert len(fit) == 20 and len(held) == 222
     for name in bench.FITTED:
         mine = [r for r in fit if r["impl"].removesuffix("_pure") == name]
         assert 1 <= len(mine) <= 3, (name, mine)
@@ -142,10 +143,18 @@ def test_published_rows_fit_and_held_out(bench):
                        for size, seq in ((smallest, 2048), ("1b", 512), ("1b", 65536))}
     for r in fit:
         assert 0.85 <= r["ratio"] <= 1.15, r
-    outliers = {"MPT 30b seq 8192, 8 GPUs": 1.4, "MPT 760m seq 512, 8 GPUs": 1.3}
+    outliers = {("MPT 30b seq 8192, 8 GPUs", 574): 1.4, ("MPT 760m seq 512, 8 GPUs", 29446): 1.3,
+                ("MPT 30b seq 8192, 8 GPUs", 622): 1.3, ("MPT 350m seq 32768, 8 GPUs", 12349): 1.3}
     for r in held:
-        high = outliers.get(r["name"], 1.2) if r["hardware"] == "A100-80GB" else 1.2
+        high = outliers.get((r["name"], r["published"]), 1.2) if r["hardware"] == "A100-80GB" else 1.2
         assert 0.8 <= r["ratio"] <= high, r
+    # The same layout published twice by the same source: the model is within 20% of one figure.
+    twice = {}
+    for r in held:
+        if r["hardware"] == "A100-80GB" and r["name"].startswith("MPT"):
+            twice.setdefault(r["name"], []).append(r["ratio"])
+    for name, _ in (k for k in outliers if k[0] != "MPT 30b seq 8192, 8 GPUs"):
+        assert min(abs(x - 1) for x in twice[name]) <= 0.2, (name, twice[name])
     # The shape of the table, not one constant: the largest Megatron pipelines pay the bubble,
     # tp8 over NVLink pays its collectives.
     assert "bubble" in fit[9]["limits"] and "tp collectives" in fit[3]["limits"]

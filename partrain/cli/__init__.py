@@ -16,91 +16,26 @@ from typing import List, Optional
 
 import typer
 from omegaconf import OmegaConf
-from rich.console import Console
 from rich.text import Text
 
+from partrain.cli.consoles import err, out
+from partrain.cli.data import data_app
+from partrain.cli.parsers import nnodes_flag, nproc_flag, number_flag, whole_flag
 from partrain.cli.usage import meant
-from partrain.data.format import SHARD_MB
 from partrain.errors import ConfigError
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False,
                   help="Train decoder-only transformers with data, tensor, pipeline and ZeRO "
                        "parallelism from Hydra configs.")
-data_app = typer.Typer(add_completion=False, help="Prepare training data.")
-app.add_typer(data_app, name="data")
 
-# markup=False: what partrain prints holds the user's own text (paths, names, values), and a
-# `[run1]` or `[/x]` in it must come out as typed, not be read as rich markup.
-out = Console(highlight=False, markup=False, emoji=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False, soft_wrap=True, markup=False, emoji=False)
 
 ARGS_HELP = "[CONFIG] [OVERRIDE...]: a recipe name or YAML path, then Hydra overrides (key=value)"
+
+app.add_typer(data_app, name="data")
 
 
 def _warn(text: str) -> None:
     err.print(Text.assemble(("warning:", "yellow"), " ", text))
-
-
-def _whole(flag: str, minimum: int = 1):
-    """A parser for an integer flag whose message echoes what was given."""
-    def parse(value: str) -> int:
-        if isinstance(value, str) and len(value) > 40 and value.strip().lstrip("+-").isdigit():
-            # Python refuses to read an integer of over 4,300 digits; none of ours needs 40.
-            raise typer.BadParameter(f"{flag}={value[:20]}... ({len(value):,} digits) is too "
-                                     "large a number")
-        try:
-            number = int(value)
-        except ValueError:
-            raise typer.BadParameter(f"{flag}={value!r} is not a whole number") from None
-        if number < minimum:
-            raise typer.BadParameter(f"{flag}={number} must be at least {minimum}")
-        return number
-    return parse
-
-
-def _nproc(flag: str, words: bool = True):
-    """--nproc-per-node: a whole number, or (launch) torchrun's gpu, cpu, auto, counted on the
-    node that starts the ranks."""
-    whole = _whole(flag)
-
-    def parse(value: str):
-        from partrain.launch.torchrun import NPROC_WORDS, read_nproc
-
-        if isinstance(value, str) and value.strip().lower() in NPROC_WORDS:
-            if not words:
-                raise typer.BadParameter(
-                    f"{flag} {value} counts the devices of the machine it runs on, and `partrain "
-                    "slurm` runs on the login node: give --gpus-per-node G (the ranks per node "
-                    "follow it) or a number")
-            return read_nproc(value)
-        if words and isinstance(value, str) and not value.strip().lstrip("+-").isdigit():
-            raise typer.BadParameter(f"{flag}={value!r} is not a whole number or one of "
-                                     f"{', '.join(NPROC_WORDS)}")
-        return whole(value)
-    return parse
-
-
-def _nnodes(value: str) -> int:
-    """--nnodes N, or torchrun's MIN:MAX when MIN = MAX."""
-    from partrain.launch.torchrun import read_nnodes
-
-    if isinstance(value, int) or ":" not in value:
-        return _whole("--nnodes")(value)
-    try:
-        return read_nnodes(value)
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
-
-
-def _number(flag: str):
-    """A parser for a flag that takes a number, echoing what was given."""
-    def parse(value: str) -> float:
-        try:
-            number = float(value)
-        except ValueError:
-            raise typer.BadParameter(f"{flag}={value!r} is not a number") from None
-        return number  # the range (and NaN) is checked where the value is used
-    return parse
 
 
 @app.command(context_settings={"allow_extra_args": False})
@@ -109,14 +44,14 @@ def launch(
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Default: runs/<name>-<time>"),
     nproc_per_node: Optional[str] = typer.Option(
         None, "--nproc-per-node", "--nproc_per_node", metavar="N|gpu|cpu|auto",
-        parser=_nproc("--nproc-per-node"),
+        parser=nproc_flag("--nproc-per-node"),
         help="Ranks on this node; gpu: the visible GPUs (none: exit 2), cpu: the usable cores, "
         "auto: the GPUs the workers use, else the cores (as torchrun counts them)"),
-    nnodes: Optional[int] = typer.Option(None, "--nnodes", metavar="N", parser=_nnodes,
+    nnodes: Optional[int] = typer.Option(None, "--nnodes", metavar="N", parser=nnodes_flag,
                                          help="Nodes in the job (torchrun's MIN:MAX with MIN = "
                                          "MAX too)"),
     node_rank: Optional[int] = typer.Option(None, "--node-rank", "--node_rank", metavar="R",
-                                            parser=_whole("--node-rank", 0),
+                                            parser=whole_flag("--node-rank", 0),
                                             help="0 on the node that hosts the rendezvous; "
                                             "default 0 (SLURM: SLURM_NODEID)"),
     rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", "--rdzv_endpoint",
@@ -126,7 +61,7 @@ def launch(
         help="torchrun's spelling: --master-addr HOST --master-port PORT is --rdzv-endpoint "
         "HOST:PORT (default 127.0.0.1, 29500)"),
     master_port: Optional[int] = typer.Option(None, "--master-port", "--master_port",
-                                              metavar="PORT", parser=_whole("--master-port"),
+                                              metavar="PORT", parser=whole_flag("--master-port"),
                                               help="See --master-addr"),
     standalone: bool = typer.Option(False, "--standalone", help="One node on a free local port "
                                     "(partrain's default for one node; torchrun's spelling)"),
@@ -147,7 +82,7 @@ def launch(
         "checkpoint; OVERRIDEs may change the layout (parallel.*, launcher.*, micro-batches) and "
         "raise train.max_steps"),
     max_restarts: Optional[int] = typer.Option(
-        None, "--max-restarts", "--max_restarts", metavar="N", parser=_whole("--max-restarts", 0),
+        None, "--max-restarts", "--max_restarts", metavar="N", parser=whole_flag("--max-restarts", 0),
         help="Restart every node's workers up to N times after a rank fails, from the newest "
         "checkpoint (launcher.max_restarts)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate and show the plan; start nothing"),
@@ -175,13 +110,13 @@ def launch(
 @app.command()
 def slurm(
     args: Optional[List[str]] = typer.Argument(None, help=ARGS_HELP, show_default=False),
-    nodes: int = typer.Option(..., "--nodes", "--nnodes", metavar="N", parser=_whole("--nodes"),
+    nodes: int = typer.Option(..., "--nodes", "--nnodes", metavar="N", parser=whole_flag("--nodes"),
                               help="Nodes to ask for (--nnodes: torchrun's spelling)"),
     gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", metavar="G",
-                                                parser=_whole("--gpus-per-node")),
+                                                parser=whole_flag("--gpus-per-node")),
     nproc_per_node: Optional[int] = typer.Option(
         None, "--nproc-per-node", "--nproc_per_node", metavar="N",
-        parser=_nproc("--nproc-per-node", words=False),
+        parser=nproc_flag("--nproc-per-node", words=False),
         help="Ranks per node; default: --gpus-per-node, else launcher.nproc_per_node, else the "
         "degrees' product over the nodes"),
     partition: Optional[str] = typer.Option(None, "--partition"),
@@ -189,7 +124,7 @@ def slurm(
     account: Optional[str] = typer.Option(None, "--account"),
     qos: Optional[str] = typer.Option(None, "--qos"),
     cpus_per_task: Optional[int] = typer.Option(
-        None, "--cpus-per-task", metavar="N", parser=_whole("--cpus-per-task"),
+        None, "--cpus-per-task", metavar="N", parser=whole_flag("--cpus-per-task"),
         help="CPUs per node for its ranks (srun's step asks for them too); default: none asked, "
         "the step gets the job's CPUs on each node"),
     mem: Optional[str] = typer.Option(None, "--mem", metavar="SIZE",
@@ -203,7 +138,7 @@ def slurm(
         "(repeatable)"),
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Default: runs/<name>-<time>"),
     max_restarts: Optional[int] = typer.Option(
-        None, "--max-restarts", "--max_restarts", metavar="N", parser=_whole("--max-restarts", 0),
+        None, "--max-restarts", "--max_restarts", metavar="N", parser=whole_flag("--max-restarts", 0),
         help="In-job restarts after a rank fails (launcher.max_restarts, frozen in the run dir)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="Write the run dir and print the script "
                                  "(`> job.sh` gives a runnable script); submit nothing"),
@@ -228,16 +163,16 @@ def slurm(
 def plan(
     args: Optional[List[str]] = typer.Argument(None, help=ARGS_HELP, show_default=False),
     world_size: Optional[int] = typer.Option(None, "--world-size", metavar="N",
-                                             parser=_whole("--world-size"),
+                                             parser=whole_flag("--world-size"),
                                              help="Plan for N ranks; default: the config's "
                                              "nodes x ranks per node, else the degrees' product"),
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON"),
     search: bool = typer.Option(False, "--search", help="Rank every layout of the config's model "
                                 "and batch on --gpus GPUs of --hardware by predicted tokens/s"),
-    gpus: Optional[int] = typer.Option(None, "--gpus", metavar="N", parser=_whole("--gpus"),
+    gpus: Optional[int] = typer.Option(None, "--gpus", metavar="N", parser=whole_flag("--gpus"),
                                        help="--search: the GPUs to lay out"),
     gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", metavar="G",
-                                                parser=_whole("--gpus-per-node"),
+                                                parser=whole_flag("--gpus-per-node"),
                                                 help="--search: GPUs per node (default: the "
                                                 "hardware's)"),
     hardware: Optional[str] = typer.Option(
@@ -310,7 +245,7 @@ def export(
                             "safetensors) of a Llama, Mistral, Qwen2 or Qwen3"),
     dtype: str = typer.Option("fp32", "--dtype", help="fp32 or bf16"),
     max_shard_mb: int = typer.Option(5000, "--max-shard-mb", metavar="MB",
-                                     parser=_whole("--max-shard-mb"),
+                                     parser=whole_flag("--max-shard-mb"),
                                      help="Safetensors files of at most MB megabytes, with an "
                                      "index file when there are several"),
 ) -> None:
@@ -335,13 +270,13 @@ def sample(
                                   show_default=False),
     prompt: str = typer.Option(..., "--prompt", help="The text to continue"),
     max_new_tokens: int = typer.Option(200, "--max-new-tokens", metavar="N",
-                                       parser=_whole("--max-new-tokens")),
+                                       parser=whole_flag("--max-new-tokens")),
     temperature: float = typer.Option(0.8, "--temperature", metavar="T",
-                                      parser=_number("--temperature"),
+                                      parser=number_flag("--temperature"),
                                       help="0 = always the most likely token"),
-    top_k: int = typer.Option(50, "--top-k", metavar="K", parser=_whole("--top-k", minimum=0),
+    top_k: int = typer.Option(50, "--top-k", metavar="K", parser=whole_flag("--top-k", minimum=0),
                               help="Draw from the K most likely tokens; 0 = all"),
-    seed: int = typer.Option(0, "--seed", metavar="S", parser=_whole("--seed", minimum=0)),
+    seed: int = typer.Option(0, "--seed", metavar="S", parser=whole_flag("--seed", minimum=0)),
     device: str = typer.Option("auto", "--device", help="auto (CUDA when visible), cpu or cuda"),
 ) -> None:
     """Generate text from a checkpoint on one process, streamed as it comes."""
@@ -406,52 +341,6 @@ def runs(
     else:
         for line in render(listed):
             out.print(line)
-
-
-@data_app.command("prepare")
-def data_prepare(
-    inputs: List[Path] = typer.Argument(..., metavar="INPUTS...",
-                                        help="Text, JSON Lines (.jsonl), Parquet and Arrow files, "
-                                        "Hugging Face datasets saved with save_to_disk, or "
-                                        "directories of them (recursively), in the given order"),
-    out_dir: Path = typer.Option(..., "--out", help="New directory for the token dir: shard files "
-                                 "train-00000.bin, ..., val-00000.bin, ..., their document indexes "
-                                 "train.idx.npy and val.idx.npy, meta.json"),
-    tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", metavar="PATH",
-                                             help="A tokenizer.json (tokenizers library) or a "
-                                             "directory holding one; default: a token per byte"),
-    field: str = typer.Option("text", "--field", help="The field of each JSON Lines record or "
-                              "Parquet or Arrow row that holds the document"),
-    eot: Optional[str] = typer.Option(None, "--eot", metavar="TOKEN",
-                                      help="The token after each document (default: the "
-                                      "tokenizer's eos_token, or <|endoftext|> and kin)"),
-    workers: Optional[int] = typer.Option(None, "--workers", metavar="N",
-                                          parser=_whole("--workers"),
-                                          help="Tokenizer processes (default: one per core; at "
-                                          "most 4 per core)"),
-    val_fraction: Optional[float] = typer.Option(None, "--val-fraction", metavar="F",
-                                                 parser=_number("--val-fraction"),
-                                                 help="Share of the tokens held out for "
-                                                 "validation, in (0, 1) (default 0.05; not with "
-                                                 "--val)"),
-    val_inputs: Optional[List[Path]] = typer.Option(None, "--val", metavar="INPUT",
-                                                    help="Make the val split of this input (a "
-                                                    "file or directory, as INPUTS; repeat --val "
-                                                    "for more) instead of a fraction of INPUTS"),
-    shard_mb: int = typer.Option(SHARD_MB, "--shard-mb", metavar="MB", parser=_whole("--shard-mb"),
-                                 help="MiB of token ids per shard file at most"),
-) -> None:
-    """Tokenize text into a token dir for data=tokens data.path=DIR."""
-    import time
-
-    from partrain.data.prepare import default_workers, prepare_token_dir, summary
-
-    workers = workers or default_workers()
-    start = time.perf_counter()
-    meta = prepare_token_dir(inputs, out_dir, val_fraction, tokenizer, field, eot, workers, err,
-                             val_inputs=list(val_inputs or []) or None, shard_bytes=shard_mb << 20)
-    for line in summary(meta, out_dir, time.perf_counter() - start, workers):
-        out.print(line)
 
 
 def _error(message: str) -> None:

@@ -75,17 +75,12 @@ def _search(args, gpus, gpus_per_node, hardware, tokens_per_step, explain, write
     from partrain.plan.explain import assumptions, parse_explain
     from partrain.plan.fit import DEFAULT_HARDWARE
     from partrain.plan.hardware import load_hardware
-    from partrain.plan.search import as_json as search_json
     from partrain.plan.recipe import check_recipe_path
     from partrain.plan.recipe import write_recipe as write
-    from partrain.plan.search import (
-        check_config,
-        check_request,
-        print_search,
-        validated,
-        why_no_layout,
-    )
+    from partrain.plan.search import check_config, check_request, validated, why_no_layout
     from partrain.plan.search import search as run_search
+    from partrain.plan.search_render import as_json as search_json
+    from partrain.plan.search_render import print_search
 
     if gpus is None:
         raise ConfigError("--search needs --gpus N")

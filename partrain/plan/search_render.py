@@ -1,0 +1,61 @@
+"""`partrain plan --search`'s result for people and programs: the table of the best layouts,
+with the assumptions first and the batch limit named, and the same as JSON."""
+
+from partrain.plan.explain import assumptions_text, batch_exhausted, batch_limit, explain_text
+from partrain.plan.search import MEMORY_MARGIN
+
+
+def as_json(result: dict) -> dict:
+    too_big = result["smallest_that_does_not_fit"]
+    return {"assumptions": result.get("assumptions"), "gpus": result["gpus"],
+            "hardware": result["hardware"], "candidates": result["candidates"],
+            "fit": result["fit"], "seconds": round(result["seconds"], 3),
+            "batch_limit": batch_limit(result), "explain": result["explain"],
+            "best": [c.as_dict() | {"overrides": c.overrides()} for c in result["best"]],
+            "refused": [{"describe": c.describe(), "reason": r} for c, r in result["refused"]],
+            "smallest_that_does_not_fit": too_big and {
+                "describe": too_big.describe(), "memory_bytes": too_big.memory_bytes,
+                "memory_largest": too_big.memory_largest}}
+
+
+def print_search(result: dict, console) -> None:
+    from rich.table import Table
+
+    hw = result["hardware"]
+    gib = 2**30
+    if result.get("assumptions"):
+        console.print(assumptions_text(result["assumptions"]))
+    console.print(f"{result['candidates']:,} layouts of {result['gpus']} x {hw['name']} "
+                  f"({hw['gpus_per_node']} per node, {hw['memory_gib']:g} GiB each); "
+                  f"{result['fit']:,} fit in {MEMORY_MARGIN:.0%} of the memory "
+                  f"({result['seconds']:.1f} s)")
+    if not result["best"]:
+        too_big = result["smallest_that_does_not_fit"]
+        console.print("nothing fits" + (f": the smallest is {too_big.describe()}, "
+                                        f"{too_big.memory_bytes / gib:.1f} GiB per GPU "
+                                        f"(largest part: {too_big.memory_largest})"
+                                        if too_big else ""))
+        if result["explain"]:
+            console.print(explain_text(result["explain"]))
+        return
+    limit = batch_limit(result)
+    if limit:
+        console.print(limit)
+    table = Table(title="best predicted layouts (partrain's memory and time models)")
+    numbers = ("#", "memory/GPU", "tokens/s per GPU", "tokens/s per job", "MFU")
+    for col in ("#", "layout", "memory/GPU", "largest part", "tokens/s per GPU",
+                "tokens/s per job", "MFU", "limited by"):
+        table.add_column(col, justify="right" if col in numbers else "left")
+    for i, c in enumerate(result["best"], 1):
+        limits = c.time["limits"]
+        if batch_exhausted(c):
+            limits = f"batch ({result['global_batch_size']:,} sequences), {limits}"
+        table.add_row(str(i), c.describe(), f"{c.memory_bytes / gib:.1f} GiB",
+                      c.memory_largest.removesuffix("_bytes").replace("_", " "),
+                      f"{c.per_gpu():,.0f}", f"{c.time['tokens_per_s']:,.0f}",
+                      f"{c.time['mfu']:.1%}", limits)
+    console.print(table)
+    if result["explain"]:
+        console.print(explain_text(result["explain"]))
+    for c, reason in result["refused"]:
+        console.print(f"refused by validation: {c.describe()}: {reason}")

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from partrain.parallel.dist import local
-from partrain.parallel.tensor import note_collective
+from partrain.parallel.tp_collectives import note_collective
 
 
 def _sum_of_squares(grads: list[torch.Tensor], device) -> torch.Tensor:

@@ -138,10 +138,10 @@ def _model_body(rank, tp, sp, kv_heads, tied=False, keys=None):
     from partrain.parallel.grads import clip_grad_norm
     from partrain.parallel.tensor import (
         apply_tensor_parallel,
-        count_collectives,
         sync_sequence_parallel_grads,
         vocab_parallel_cross_entropy,
     )
+    from partrain.parallel.tp_collectives import count_collectives
     from partrain.plan.costs import tp_collectives, tp_step_collectives
 
     cfg = OmegaConf.create({**MODEL, "n_kv_heads": kv_heads, "tie_embeddings": tied,

@@ -61,7 +61,7 @@ def test_a_rank_that_skips_a_collective_is_found_in_another_group(cli, tmp_path)
                   env={HANG: "1:3:skip"})
     said = _ended_clean(res, run_dir)
     assert ("rank 0 waits in all_reduce on the tp group (ranks 0, 1), called at "
-            "partrain/parallel/tensor.py:") in said, said
+            "partrain/parallel/tp_collectives.py:") in said, said
     assert ("rank 1 waits in all_reduce on the default group (ranks 0, 1, 2, 3), called at "
             "partrain/train/loop.py:") in said, said
     assert "ranks 2, 3 wait in backward (gradient hooks" in said, said

@@ -99,14 +99,14 @@ def _report(rank, world=4, step=3, **extra):
 
 def test_the_summary_groups_ranks_by_where_they_wait(tmp_path):
     tp = {"op": "all_reduce", "group": "the tp group", "ranks": [0, 1]}
-    reports = [_report(0, collective=tp, at="partrain/parallel/tensor.py:74 in _all_reduce"),
-               _report(2, collective=tp, at="partrain/parallel/tensor.py:74 in _all_reduce"),
+    reports = [_report(0, collective=tp, at="partrain/parallel/tp_collectives.py:45 in _all_reduce"),
+               _report(2, collective=tp, at="partrain/parallel/tp_collectives.py:45 in _all_reduce"),
                _report(1, at="partrain/train/loop.py:9 in run_step", code="time.sleep(9)")]
     lines = summary(tmp_path, reports)
     assert lines[0] == ("hang: no rank made progress for 5 s (launcher.hang_timeout_s=5) in step "
                         "3; who waits on whom:")
     assert lines[1] == ("  ranks 0, 2 wait in all_reduce on the tp group (ranks 0, 1), called at "
-                        "partrain/parallel/tensor.py:74 in _all_reduce")
+                        "partrain/parallel/tp_collectives.py:45 in _all_reduce")
     assert lines[2] == ("  rank 1 is in no collective: at partrain/train/loop.py:9 in run_step: "
                         "time.sleep(9)")
     assert lines[3] == "  the ranks in no collective are the ones the others wait for"

@@ -22,7 +22,6 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 import signal
 import sys
 import time
@@ -38,6 +37,18 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from partrain.launch.failures import (
+    PEER_LOST,
+    describe_failure,
+    failure_message,
+    first_line,
+    recorded,
+    restart_reporter,
+    say_hang,
+    space_left,
+    where_to_resume,
+    workers_started,
+)
 from partrain.launch.lifeline import LAUNCHER_PID_ENV
 from partrain.launch.netif import split_endpoint, wait_for_endpoint
 from partrain.launch.preemption import FORWARDER
@@ -103,7 +114,7 @@ class RunDirLogsSpecs(LogsSpecs):
             ended = {self.ranks[local]: code for local, code in self.ended.exitcodes.items()
                      if local in self.ranks}
             self.ended.exitcodes.clear()
-            self.on_restart(attempt, {int(env["RANK"]): _recorded(
+            self.on_restart(attempt, {int(env["RANK"]): recorded(
                 Path(self._root_log_dir) / f"error-rank-{env['RANK']}.json")
                 for env in envs.values()}, ended)
         self.ranks = {local: int(env["RANK"]) for local, env in envs.items()}
@@ -152,122 +163,6 @@ def _quiet_agent_logs(run_dir: Path, spec: ElasticLaunch) -> Path:
         logger.setLevel(logging.INFO)
         logger.propagate = False
     return path
-
-
-# A rank whose peer died fails too, often first (its collective breaks at once); these are the
-# words gloo and NCCL use for that. The launcher names the rank with the real error instead.
-PEER_LOST = ("Connection closed", "Connection reset", "Broken pipe", "NCCL communicator was aborted",
-             "remote process exited")
-
-
-def _recorded(path: Path) -> str | None:
-    """The first line of the error a rank recorded in its elastic error file, if it did."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    message = data.get("message", data) if isinstance(data, dict) else data
-    if isinstance(message, dict):
-        message = message.get("message")
-    return str(message).strip().splitlines()[0] if message else None
-
-
-def _last_step(run_dir: Path) -> int | None:
-    """The last step metrics.jsonl records (rank 0 writes it; the run dir is shared)."""
-    try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if "loss" in record:
-            return record["step"]
-    return None
-
-
-def restart_reporter(run_dir: Path, max_restarts: int, console_print):
-    """What the launcher says when the agent restarts the workers: who failed, at which step,
-    with what error, and where the restart resumes from."""
-    from partrain.checkpoint import store
-
-    since = time.time()  # hang reports of this launch only
-
-    def report(attempt: int, errors: dict[int, str | None], ended: dict[int, int]) -> None:
-        """`errors`: what this node's ranks recorded (None: nothing); `ended`: the exit code of
-        the rank the agent saw fail first (negative: the signal that killed it)."""
-        hung = _say_hang(run_dir, since, console_print)
-        failed = {rank: text for rank, text in errors.items()
-                  if text and not any(words in text for words in PEER_LOST)}
-        silent = {rank: code for rank, code in ended.items() if not errors.get(rank)}
-        who = ("the hang ended every worker" if hung else
-               "; ".join(f"rank {rank} failed: {text}" for rank, text in sorted(failed.items()))
-               or "; ".join(f"rank {rank} {_ending(code)}" for rank, code in sorted(silent.items()))
-               or "a rank on another node failed (this node's ranks lost their peers or were "
-                  "stopped; the failed rank is in that node's output and its logs/rank-N.log)")
-        step = _last_step(run_dir)
-        newest = store.newest(run_dir / store.CHECKPOINTS)
-        start = (f"from {newest.path.name} (step {newest.step})" if newest else
-                 "from the start: no checkpoint was committed yet")
-        console_print(f"{who} (after step {step if step is not None else 0}); restart {attempt} "
-                      f"of {max_restarts} (launcher.max_restarts), {start}")
-    return report
-
-
-def _say_hang(run_dir: Path, since: float, console_print) -> bool:
-    """Print the summary of a hang from the ranks' reports written since `since` (this launch's);
-    False if there are none."""
-    lines = hang.summary(run_dir, hang.read_reports(run_dir, since))
-    for line in lines:
-        console_print(line)
-    return bool(lines)
-
-
-def _ending(exitcode: int) -> str:
-    """How a process that recorded no error ended, from its exit code."""
-    if exitcode < 0:
-        try:
-            return f"was killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"was killed by signal {-exitcode}"
-    return f"exited with code {exitcode} and recorded no error"
-
-
-def _message(failure) -> str:
-    message = failure.message
-    if isinstance(message, dict):
-        message = message.get("message", str(message))
-    if not message or message.startswith("To enable traceback"):
-        message = f"exited with code {failure.exitcode} (no Python error recorded)"
-    return message.strip()
-
-
-def _describe_failure(err: ChildFailedError) -> tuple[int, str]:
-    """The rank that failed first with an error of its own (not a lost peer, which is a symptom)
-    and its message from its error file; the first failure if every one is a lost peer."""
-    by_time = sorted(err.failures.items(), key=lambda item: item[1].timestamp)
-    for rank, failure in by_time:
-        if not any(words in _message(failure) for words in PEER_LOST):
-            return rank, _message(failure)
-    rank, failure = err.get_first_failure()
-    return rank, _message(failure)
-
-
-def _first_line(err: Exception) -> str:
-    """The error and its cause in one line (c10d wraps the socket error it met)."""
-    parts = [text.strip().splitlines()[0] for text in (str(err), str(err.__cause__ or ""))
-             if text.strip()]
-    return ": ".join(parts) or f"{type(err).__name__}: not all nodes joined in time"
-
-
-def _workers_started(agent_log: Path) -> bool:
-    """Whether the agent got past the rendezvous and started this node's workers (it logs that)."""
-    try:
-        return "Starting worker group" in agent_log.read_text(errors="replace")
-    except OSError:
-        return False
 
 
 def launch_workers(run_dir: Path, spec: ElasticLaunch, console_print=print) -> int:
@@ -360,35 +255,35 @@ def _run_agent(config: LaunchConfig, run_dir: Path, spec: ElasticLaunch, agent_l
     except ChildFailedError as err:
         exhausted = (f" (restarts exhausted: launcher.max_restarts={spec.max_restarts})"
                      if spec.max_restarts else "")
-        if any(_message(f).startswith(hang.PREFIX) for f in err.failures.values()):
-            _say_hang(run_dir, since, console_print)
-            console_print(f"  every worker was stopped{exhausted}; {_where_to_resume(run_dir)}")
+        if any(failure_message(f).startswith(hang.PREFIX) for f in err.failures.values()):
+            say_hang(run_dir, since, console_print)
+            console_print(f"  every worker was stopped{exhausted}; {where_to_resume(run_dir)}")
             return EXIT_RANK_FAILED
         for failure in err.failures.values():
             for prefix, code in STOPPED.items():
-                if _message(failure).startswith(prefix):
-                    console_print(f"error: {_message(failure)[len(prefix):]}")
+                if failure_message(failure).startswith(prefix):
+                    console_print(f"error: {failure_message(failure)[len(prefix):]}")
                     return code
-        rank, message = _describe_failure(err)
+        rank, message = describe_failure(err)
         if spec.multi_node and any(words in message for words in PEER_LOST):
             # Every rank here only lost a peer: the one that failed is on another node.
             console_print(f"a rank on another node failed: this node's rank {rank} lost its peer "
                           f"({message}){exhausted}; the failed rank and its error are in that "
                           "node's output and its logs/rank-N.log")
-            console_print(f"  every other rank was stopped; {_where_to_resume(run_dir)}")
+            console_print(f"  every other rank was stopped; {where_to_resume(run_dir)}")
             return EXIT_RANK_FAILED
         console_print(f"rank {rank} failed: {message}{exhausted}")
         console_print(f"  its log: {run_dir / 'logs' / f'rank-{rank}.log'}; every other rank "
                       "was stopped")
         return EXIT_RANK_FAILED
     except RendezvousError as err:
-        if _workers_started(agent_log):
+        if workers_started(agent_log):
             # The store on node 0 went away mid-run: node 0's launcher ended or its node is gone.
             console_print(f"lost the rendezvous store at {spec.rdzv_endpoint} during the run "
-                          f"({_first_line(err)}): node 0 ended or cannot be reached; this node's "
+                          f"({first_line(err)}): node 0 ended or cannot be reached; this node's "
                           f"workers were stopped. The agent's log: {agent_log}")
             return EXIT_RANK_FAILED
-        console_print(f"rendezvous at {spec.rdzv_endpoint} failed: {_first_line(err)}")
+        console_print(f"rendezvous at {spec.rdzv_endpoint} failed: {first_line(err)}")
         console_print(f"  all {spec.nnodes} nodes must join within launcher.rdzv_timeout_s="
                       f"{spec.rdzv_timeout_s} s: is `partrain launch` running on every node with "
                       f"--nnodes {spec.nnodes} and --rdzv-endpoint {spec.rdzv_endpoint}? "
@@ -398,39 +293,15 @@ def _run_agent(config: LaunchConfig, run_dir: Path, spec: ElasticLaunch, agent_l
         # The agent read a failed rank's error file and found it empty or cut short: the rank
         # could not write it, and a full file system is the usual reason.
         console_print(f"a rank failed and its error file in {run_dir / 'logs'} could not be "
-                      f"read: {_space(run_dir)}; every other rank was stopped. The ranks' logs: "
+                      f"read: {space_left(run_dir)}; every other rank was stopped. The ranks' logs: "
                       f"{run_dir / 'logs'}/rank-N.log")
         return EXIT_RANK_FAILED
     except (SignalException, KeyboardInterrupt):
-        console_print(f"interrupted: all workers stopped; {_where_to_resume(run_dir)}")
+        console_print(f"interrupted: all workers stopped; {where_to_resume(run_dir)}")
         return EXIT_INTERRUPTED
     finally:
         signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # from here on, nothing to pass it to
     return EXIT_OK
-
-
-def _where_to_resume(run_dir: Path) -> str:
-    """The newest committed checkpoint and the command that goes on from it."""
-    from partrain.checkpoint import store
-
-    newest = store.newest(run_dir / store.CHECKPOINTS)
-    if newest is None:
-        return ("no checkpoint was committed, so nothing was kept: the same command starts "
-                "the run again")
-    return (f"the newest checkpoint is {newest.path} (step {newest.step}); go on from it with "
-            f"partrain launch --resume {run_dir}")
-
-
-def _space(run_dir: Path) -> str:
-    """What the run dir's file system has left, said for a person."""
-    try:
-        free = shutil.disk_usage(run_dir).free
-    except OSError as err:
-        return f"its file system cannot be asked ({err.strerror or err})"
-    if free < 1 << 20:
-        return (f"the run dir's file system is full ({free:,} bytes free at {run_dir}): free "
-                "space there, then relaunch to resume from the newest committed checkpoint")
-    return f"{free:,} bytes are free at {run_dir}"
 
 
 def _preemption_save(run_dir: Path, started: float, max_steps: int | None):

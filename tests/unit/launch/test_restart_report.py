@@ -1,11 +1,12 @@
-"""What the launcher tells the workers and says at an in-job restart (launch/local.py), without
+"""What the launcher tells the workers and says at an in-job restart (launch/local.py, launch/failures.py), without
 an agent: RunDirLogsSpecs numbers the attempts by its own starts (the same on every node, where
 torch's count is not), and the restart line names a rank that died without recording an error by
 how it ended."""
 
 import logging
 
-from partrain.launch.local import RunDirLogsSpecs, restart_reporter
+from partrain.launch.failures import restart_reporter
+from partrain.launch.local import RunDirLogsSpecs
 
 
 def _envs(ranks, count="0"):

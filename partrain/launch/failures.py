@@ -1,0 +1,154 @@
+"""How the workers ended, said for a person: which rank failed first with an error of its own
+(a rank that only lost its peer is a symptom), how a rank that recorded nothing ended, the line
+said at an in-job restart, a hang's summary, where to resume from, and a full disk. The
+launcher (launch/local.py) decides the exit code; these say why."""
+
+import json
+import shutil
+import signal
+import time
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from partrain.observe import hang
+
+
+# A rank whose peer died fails too, often first (its collective breaks at once); these are the
+# words gloo and NCCL use for that. The launcher names the rank with the real error instead.
+PEER_LOST = ("Connection closed", "Connection reset", "Broken pipe", "NCCL communicator was aborted",
+             "remote process exited")
+
+
+def recorded(path: Path) -> str | None:
+    """The first line of the error a rank recorded in its elastic error file, if it did."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    message = data.get("message", data) if isinstance(data, dict) else data
+    if isinstance(message, dict):
+        message = message.get("message")
+    return str(message).strip().splitlines()[0] if message else None
+
+
+def last_step(run_dir: Path) -> int | None:
+    """The last step metrics.jsonl records (rank 0 writes it; the run dir is shared)."""
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if "loss" in record:
+            return record["step"]
+    return None
+
+
+def restart_reporter(run_dir: Path, max_restarts: int, console_print):
+    """What the launcher says when the agent restarts the workers: who failed, at which step,
+    with what error, and where the restart resumes from."""
+    from partrain.checkpoint import store
+
+    since = time.time()  # hang reports of this launch only
+
+    def report(attempt: int, errors: dict[int, str | None], ended: dict[int, int]) -> None:
+        """`errors`: what this node's ranks recorded (None: nothing); `ended`: the exit code of
+        the rank the agent saw fail first (negative: the signal that killed it)."""
+        hung = say_hang(run_dir, since, console_print)
+        failed = {rank: text for rank, text in errors.items()
+                  if text and not any(words in text for words in PEER_LOST)}
+        silent = {rank: code for rank, code in ended.items() if not errors.get(rank)}
+        who = ("the hang ended every worker" if hung else
+               "; ".join(f"rank {rank} failed: {text}" for rank, text in sorted(failed.items()))
+               or "; ".join(f"rank {rank} {ending(code)}" for rank, code in sorted(silent.items()))
+               or "a rank on another node failed (this node's ranks lost their peers or were "
+                  "stopped; the failed rank is in that node's output and its logs/rank-N.log)")
+        step = last_step(run_dir)
+        newest = store.newest(run_dir / store.CHECKPOINTS)
+        start = (f"from {newest.path.name} (step {newest.step})" if newest else
+                 "from the start: no checkpoint was committed yet")
+        console_print(f"{who} (after step {step if step is not None else 0}); restart {attempt} "
+                      f"of {max_restarts} (launcher.max_restarts), {start}")
+    return report
+
+
+def say_hang(run_dir: Path, since: float, console_print) -> bool:
+    """Print the summary of a hang from the ranks' reports written since `since` (this launch's);
+    False if there are none."""
+    lines = hang.summary(run_dir, hang.read_reports(run_dir, since))
+    for line in lines:
+        console_print(line)
+    return bool(lines)
+
+
+def ending(exitcode: int) -> str:
+    """How a process that recorded no error ended, from its exit code."""
+    if exitcode < 0:
+        try:
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"was killed by signal {-exitcode}"
+    return f"exited with code {exitcode} and recorded no error"
+
+
+def failure_message(failure) -> str:
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", str(message))
+    if not message or message.startswith("To enable traceback"):
+        message = f"exited with code {failure.exitcode} (no Python error recorded)"
+    return message.strip()
+
+
+def describe_failure(err: ChildFailedError) -> tuple[int, str]:
+    """The rank that failed first with an error of its own (not a lost peer, which is a symptom)
+    and its message from its error file; the first failure if every one is a lost peer."""
+    by_time = sorted(err.failures.items(), key=lambda item: item[1].timestamp)
+    for rank, failure in by_time:
+        if not any(words in failure_message(failure) for words in PEER_LOST):
+            return rank, failure_message(failure)
+    rank, failure = err.get_first_failure()
+    return rank, failure_message(failure)
+
+
+def first_line(err: Exception) -> str:
+    """The error and its cause in one line (c10d wraps the socket error it met)."""
+    parts = [text.strip().splitlines()[0] for text in (str(err), str(err.__cause__ or ""))
+             if text.strip()]
+    return ": ".join(parts) or f"{type(err).__name__}: not all nodes joined in time"
+
+
+def workers_started(agent_log: Path) -> bool:
+    """Whether the agent got past the rendezvous and started this node's workers (it logs that)."""
+    try:
+        return "Starting worker group" in agent_log.read_text(errors="replace")
+    except OSError:
+        return False
+
+
+def where_to_resume(run_dir: Path) -> str:
+    """The newest committed checkpoint and the command that goes on from it."""
+    from partrain.checkpoint import store
+
+    newest = store.newest(run_dir / store.CHECKPOINTS)
+    if newest is None:
+        return ("no checkpoint was committed, so nothing was kept: the same command starts "
+                "the run again")
+    return (f"the newest checkpoint is {newest.path} (step {newest.step}); go on from it with "
+            f"partrain launch --resume {run_dir}")
+
+
+def space_left(run_dir: Path) -> str:
+    """What the run dir's file system has left, said for a person."""
+    try:
+        free = shutil.disk_usage(run_dir).free
+    except OSError as err:
+        return f"its file system cannot be asked ({err.strerror or err})"
+    if free < 1 << 20:
+        return (f"the run dir's file system is full ({free:,} bytes free at {run_dir}): free "
+                "space there, then relaunch to resume from the newest committed checkpoint")
+    return f"{free:,} bytes are free at {run_dir}"

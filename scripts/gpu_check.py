@@ -9,6 +9,8 @@ On the machine it runs on:
        ddp + compile    train.compile=true
        zero1/2/3        DeepSpeed's CUDA path, bf16, torch's fused AdamW
        zero2 + offload  DeepSpeedCPUAdam on the host (parallel.offload_optimizer=cpu)
+       fsdp2            FSDP2 at dp=1 (parallel.zero_backend=fsdp, zero_stage=3)
+       zero3 + nvme     the optimizer's state on the machine's disk (offload_optimizer=nvme)
   3. per case, over the steps after --warmup: tokens/s, partrain's MFU, the MFU by hand
      (plan's FLOPs per token x tokens/s / the GPU's peak), its tokens/s against ddp's, and
      torch.cuda.max_memory_allocated (metrics.jsonl's memory_gib) against `partrain plan`'s
@@ -43,6 +45,11 @@ CASES = {
     "zero2": ("parallel.zero_stage=2",),
     "zero3": ("parallel.zero_stage=3",),
     "zero2 + offload": ("parallel.zero_stage=2", "parallel.offload_optimizer=cpu"),
+    # issue 33: FSDP2 at dp=1 against DDP and DeepSpeed's ZeRO-3, and ZeRO-Infinity's optimizer
+    # on the machine's disk against ZeRO-Offload's host memory (DeepSpeed's async_io op: libaio)
+    "fsdp2": ("parallel.zero_stage=3", "parallel.zero_backend=fsdp"),
+    "zero3 + nvme": ("parallel.zero_stage=3", "parallel.offload_optimizer=nvme",
+                     "parallel.offload_nvme_path={work}/nvme"),
 }
 
 
@@ -135,7 +142,7 @@ def main(argv=None) -> None:
         print(f"token dir made in {time.perf_counter() - start:.0f} s", flush=True)
         for name in args.only or list(CASES):
             overrides = [*COMMON, f"data.path={tokens}", f"train.max_steps={args.steps}",
-                         *CASES[name], *args.extra]
+                         *(o.format(work=work) for o in CASES[name]), *args.extra]
             planned = plan(overrides)
             row = run_case(name, overrides, work, args.warmup)
             row["predicted_gib"] = planned["memory_per_stage"][0]["total"] / 2**30

@@ -9,8 +9,9 @@ whole causal prefix, which the cp ranks exchange. Two methods:
   log-sum-exp (the online softmax of FlashAttention), so no rank ever holds the full score
   matrix. The backward runs the ring again, recomputing each block's probabilities from the
   saved log-sum-exp; the key/value gradients travel with their block and arrive back at its
-  owner after the last step. A block is computed by torch's fused flash kernel on CPU (the one
-  SDPA runs there, which returns the log-sum-exp) and by the written-out softmax elsewhere.
+  owner after the last step. A block is computed by a fused kernel of torch's that returns the
+  log-sum-exp (on CPU the flash kernel SDPA runs there; on CUDA the memory-efficient one, in the
+  inputs' dtype, merged in fp32) and by the written-out softmax elsewhere.
 - `all_to_all` (DeepSpeed-Ulysses): one all-to-all turns the sequence split into a head split,
   each rank runs ordinary causal attention over the whole sequence for 1/cp of the heads, and one
   all-to-all turns it back. Heads and kv heads must divide by cp.
@@ -35,6 +36,10 @@ METHODS = ("ring", "all_to_all")
 # The ring's blocks on CPU go through torch's fused flash kernel; False writes the softmax out,
 # as on other devices (the tests run both).
 FUSED_ON_CPU = True
+# On CUDA through the memory-efficient kernel (fp32, fp16 and bf16; it returns the log-sum-exp
+# and its backward takes the merged output's); False writes the softmax out in fp32.
+# scripts/check_cp_fused.py holds one against the other on a GPU.
+FUSED_ON_CUDA = True
 
 
 def zigzag_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -73,7 +78,10 @@ def _count(nbytes: int) -> None:
 # ---- ring ------------------------------------------------------------------------------------
 def _exchange(tensor: torch.Tensor, group, rank: int, size: int):
     """Post: send `tensor` to the next rank of the ring, receive the previous rank's. Returns the
-    receive buffer and the works to wait on."""
+    receive buffer and the works to wait on. A ring of one keeps its own (cp=1 never runs the
+    ring; scripts/check_cp_fused.py does, on one GPU)."""
+    if size == 1:
+        return tensor, []
     _count(tensor.numel() * tensor.element_size())
     buffer = torch.empty_like(tensor)
     to = dist.get_global_rank(group, (rank + 1) % size)
@@ -114,9 +122,19 @@ def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
     return s
 
 
+def _fused_on_cuda(q) -> bool:
+    return q.device.type == "cuda" and FUSED_ON_CUDA
+
+
 def _block_forward(q, k, v, causal: bool, scale: float):
-    """One block's attention and its log-sum-exp, (out, lse), in fp32. On CPU torch's fused
-    flash kernel (the one SDPA runs) returns both; elsewhere the softmax is written out."""
+    """One block's attention and its log-sum-exp, (out, lse), lse in fp32. On CPU torch's fused
+    flash kernel (the one SDPA runs) returns both, on CUDA its memory-efficient kernel (whose
+    log-sum-exp some releases pad to a multiple of 32 queries); elsewhere the softmax is written
+    out."""
+    if _fused_on_cuda(q):
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q.contiguous(), k.contiguous(), v.contiguous(), None, True, 0.0, causal, scale=scale)
+        return out, lse[..., :q.shape[2]]
     if q.device.type == "cpu" and FUSED_ON_CPU:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q.contiguous(), k.contiguous(), v.contiguous(), 0.0, causal, scale=scale)
@@ -127,6 +145,13 @@ def _block_forward(q, k, v, causal: bool, scale: float):
 def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     """(dq, dk, dv) of one block, given the final output and log-sum-exp of its queries (so that
     the block's probabilities are its share of the whole row's softmax)."""
+    if _fused_on_cuda(q):
+        unused = torch.zeros((), dtype=torch.long, device=q.device)  # dropout's seed and offset
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), None,
+            out.contiguous(), lse.contiguous(), unused, unused, 0.0, [True, True, True, False],
+            causal, scale=scale)
+        return dq, dk, dv
     if q.device.type == "cpu" and FUSED_ON_CPU:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(),
@@ -144,18 +169,20 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, group):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         groups, c, scale = q.shape[1] // k.shape[1], q.shape[2] // 2, q.shape[-1] ** -0.5
-        qf = q.float()
+        work = q.dtype if _fused_on_cuda(q) else torch.float32  # blocks' dtype; merged in fp32
+        qf = q.to(work)
         out, lse = [None, None], [None, None]
         kv = torch.stack([k, v])
         for step in range(size):
             if step < size - 1:
                 incoming, works = _exchange(kv, group, rank, size)
             src = (rank - step) % size
-            keys, values = _expand(kv[0].float(), groups), _expand(kv[1].float(), groups)
+            keys, values = _expand(kv[0].to(work), groups), _expand(kv[1].to(work), groups)
             for i, j, causal in _pairs(rank, src, size):
                 block, block_lse = _block_forward(qf[:, :, i * c:(i + 1) * c],
                                                   keys[:, :, j * c:(j + 1) * c],
                                                   values[:, :, j * c:(j + 1) * c], causal, scale)
+                block = block.float()
                 if out[i] is None:
                     out[i], lse[i] = block, block_lse
                 else:
@@ -177,16 +204,18 @@ class _RingAttention(torch.autograd.Function):
         group = ctx.group
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         groups, c, scale = q.shape[1] // k.shape[1], q.shape[2] // 2, q.shape[-1] ** -0.5
-        qf, dout = q.float(), dout.float()
-        dq = torch.zeros_like(qf)
+        work = q.dtype if _fused_on_cuda(q) else torch.float32
+        qf, dout, out = q.to(work), dout.to(work), out.to(work)
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
         for step in range(size):
             if step < size - 1:
                 incoming, works = _exchange(kv, group, rank, size)
             src = (rank - step) % size
-            keys, values = _expand(kv[0].float(), groups), _expand(kv[1].float(), groups)
-            dk, dv = torch.zeros_like(keys), torch.zeros_like(values)
+            keys, values = _expand(kv[0].to(work), groups), _expand(kv[1].to(work), groups)
+            dk = torch.zeros(keys.shape, dtype=torch.float32, device=keys.device)
+            dv = torch.zeros_like(dk)
             for i, j, causal in _pairs(rank, src, size):
                 rows, cols = slice(i * c, (i + 1) * c), slice(j * c, (j + 1) * c)
                 dq_i, dk_j, dv_j = _block_backward(

@@ -75,3 +75,21 @@ def _check(rank, world_size, group, method, heads, kv_heads):
 ])
 def test_context_attention_matches_sdpa(cp, cases):
     run_distributed(_check_both, cp, cases)
+
+
+def test_the_fused_block_check_holds_on_cpu():
+    """scripts/check_cp_fused.py (issue 33's GPU check of the ring's fused kernel) on CPU, where
+    the fused kernel is the flash one: a block in fp32 and the whole ring on a one-rank group
+    in fp32 and bf16 agree with the written-out softmax and SDPA. The bf16 block rows carry the
+    kernel's bf16 outputs and are the GPU's to report."""
+    from tests.distributed.helpers import run_script_json
+
+    result = run_script_json("check_cp_fused.py", "--device", "cpu", "--check-seq", "128",
+                             "--seq", "256", "--heads", "2", "--dim", "32", "--reps", "1",
+                             timeout=240)
+    fp32 = next(r for r in result["block"] if r["dtype"] == "float32")
+    assert fp32["ok"] and fp32["worst"] < 1e-5, fp32
+    for ring in result["ring"]:
+        assert ring["ok"], ring
+        assert max(ring["fused_vs_sdpa"].values()) < (1e-5 if ring["dtype"] == "float32" else 1e-2)
+    assert result["time"][0]["fused_bf16_s"] > 0

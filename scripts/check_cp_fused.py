@@ -1,0 +1,186 @@
+"""Check: the cp ring's fused block kernel against the written-out softmax, and what it saves.
+
+Issue 33, point 5. The ring (partrain/parallel/context.py) computes each key/value block through
+a fused kernel of torch's that returns the log-sum-exp (CUDA: the memory-efficient kernel, in
+the inputs' dtype; CPU: the flash kernel), or, switched off, through the softmax written out in
+fp32. This holds one against the other:
+
+  block    one block, causal and full, forward (output and log-sum-exp) and backward (dq, dk,
+           dv given the merged output and log-sum-exp, as the ring calls it) at --check-seq
+           tokens, in fp32 and bf16: the largest difference over the largest value, against
+           1e-5 (fp32) and 1e-3 (bf16)
+  ring     the whole ring on a one-rank group (both zigzag chunks: a causal, a full and a causal
+           block merged), forward and backward, fused against written-out and against SDPA
+  time     one causal block's forward + backward at each --seq, fused against written-out
+           (bf16 fused; written-out in fp32 as the ring runs it), where the written-out scores
+           fit in memory
+
+    python scripts/check_cp_fused.py                          # on the GPU (default --device cuda)
+    python scripts/check_cp_fused.py --device cpu --check-seq 512 --seq 1024 2048 --heads 2
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from partrain.parallel import context  # noqa: E402
+
+BOUNDS = {torch.float32: 1e-5, torch.bfloat16: 1e-3}
+
+
+def fused(device: str, on: bool) -> None:
+    if device == "cuda":
+        context.FUSED_ON_CUDA = on
+    else:
+        context.FUSED_ON_CPU = on
+
+
+def gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest difference over the largest value of the reference b."""
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def block_check(device: str, dtype, seq: int, heads: int, dim: int) -> dict:
+    g = torch.Generator(device="cpu").manual_seed(0)
+    # The inputs in `dtype`; the reference computes on the same values in fp32.
+    q, k, v, dout = (torch.randn(1, heads, seq, dim, generator=g).to(device, dtype).float()
+                     for _ in range(4))
+    scale, row = dim ** -0.5, {"dtype": str(dtype).removeprefix("torch."), "seq": seq}
+    for causal in (True, False):
+        fused(device, False)
+        ref_out, ref_lse = context._block_forward(q, k, v, causal, scale)
+        ref_grads = context._block_backward(dout, q, k, v, ref_out, ref_lse, causal, scale)
+        fused(device, True)
+        args = [t.to(dtype) for t in (q, k, v)]
+        out, lse = context._block_forward(*args, causal, scale)
+        grads = context._block_backward(dout.to(dtype), *args, ref_out.to(dtype), ref_lse,
+                                        causal, scale)
+        name = "causal" if causal else "full"
+        row[name] = {"out": gap(out, ref_out), "lse": gap(lse, ref_lse),
+                     **{f"d{x}": gap(a, b) for x, a, b in zip("qkv", grads, ref_grads)}}
+    row["worst"] = max(v for name in ("causal", "full") for v in row[name].values())
+    row["bound"] = BOUNDS[dtype]
+    row["ok"] = row["worst"] <= row["bound"]
+    return row
+
+
+def ring_check(device: str, dtype, seq: int, heads: int, dim: int) -> dict:
+    """The ring on a one-rank group: fused and written-out against SDPA on the whole sequence."""
+    g = torch.Generator(device="cpu").manual_seed(1)
+    q, k, v, dout = (torch.randn(1, heads, seq, dim, generator=g).to(device, dtype)
+                     for _ in range(4))
+    group = dist.new_group([0])
+    results = {}
+    for name, on in (("fused", True), ("written-out", False)):
+        fused(device, on)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = context.ring_attention(*leaves, group)
+        out.backward(dout)
+        results[name] = [out.detach(), *(t.grad for t in leaves)]
+    leaves = [t.float().clone().requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+    out.backward(dout.float())
+    sdpa = [out.detach(), *(t.grad for t in leaves)]
+    names = ("out", "dq", "dk", "dv")
+    row = {"dtype": str(dtype).removeprefix("torch."), "seq": seq,
+           "fused_vs_written_out": {n: gap(a, b) for n, a, b in
+                                    zip(names, results["fused"], results["written-out"])},
+           "fused_vs_sdpa": {n: gap(a, b) for n, a, b in zip(names, results["fused"], sdpa)}}
+    row["worst"] = max(row["fused_vs_written_out"].values())
+    row["bound"] = BOUNDS[dtype]
+    row["ok"] = row["worst"] <= row["bound"]
+    return row
+
+
+def timed(device: str, on: bool, dtype, seq: int, heads: int, dim: int, reps: int) -> float:
+    """Seconds for one causal block's forward + backward (median of reps)."""
+    fused(device, on)
+    work = dtype if on else torch.float32
+    q, k, v, dout = (torch.randn(1, heads, seq, dim, device=device, dtype=work) for _ in range(4))
+    scale, times = dim ** -0.5, []
+    for _ in range(reps + 1):
+        sync(device)
+        start = time.perf_counter()
+        out, lse = context._block_forward(q, k, v, True, scale)
+        context._block_backward(dout, q, k, v, out, lse, True, scale)
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times[1:])[reps // 2]
+
+
+def fits(device: str, seq: int, heads: int) -> bool:
+    """Whether the written-out block (scores, probabilities and their gradient, fp32) fits."""
+    need = 4 * heads * seq * seq * 4
+    if device == "cuda":
+        return need < 0.6 * torch.cuda.mem_get_info()[0]
+    return need < 4 << 30
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--check-seq", type=int, default=4096)
+    ap.add_argument("--seq", type=int, nargs="+", default=[8192, 16384, 32768])
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("check_cp_fused --device cuda needs a CUDA GPU")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        report = {"device": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu",
+                  "torch": torch.__version__, "block": [], "ring": [], "time": []}
+        for dtype in (torch.float32, torch.bfloat16):
+            report["block"].append(block_check(args.device, dtype, args.check_seq, args.heads,
+                                               args.dim))
+            report["ring"].append(ring_check(args.device, dtype, args.check_seq, args.heads,
+                                             args.dim))
+        for seq in args.seq:
+            row = {"seq": seq, "fused_bf16_s": timed(args.device, True, torch.bfloat16, seq,
+                                                     args.heads, args.dim, args.reps)}
+            if fits(args.device, seq, args.heads):
+                row["written_out_fp32_s"] = timed(args.device, False, torch.float32, seq,
+                                                  args.heads, args.dim, args.reps)
+                row["speedup"] = row["written_out_fp32_s"] / row["fused_bf16_s"]
+            report["time"].append(row)
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+    finally:
+        fused(args.device, True)
+        dist.destroy_process_group()
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return
+    print(f"{report['device']}, torch {report['torch']}")
+    for kind in ("block", "ring"):
+        for r in report[kind]:
+            print(f"{kind:<6} {r['dtype']:<9} seq {r['seq']:>6}: worst {r['worst']:.2e} "
+                  f"(bound {r['bound']:g}) {'ok' if r['ok'] else 'OVER'}")
+    for r in report["time"]:
+        extra = (f", written-out fp32 {r['written_out_fp32_s'] * 1e3:.1f} ms, x{r['speedup']:.1f}"
+                 if "speedup" in r else ", written-out does not fit")
+        print(f"time   seq {r['seq']:>6}: fused bf16 {r['fused_bf16_s'] * 1e3:.1f} ms{extra}")
+    if not all(r["ok"] for kind in ("block", "ring") for r in report[kind]):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

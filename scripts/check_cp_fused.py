@@ -3,7 +3,8 @@
 Issue 33, point 5. The ring (partrain/parallel/context.py) computes each key/value block through
 a fused kernel of torch's that returns the log-sum-exp (CUDA: the memory-efficient kernel, in
 the inputs' dtype; CPU: the flash kernel), or, switched off, through the softmax written out in
-fp32. This holds one against the other:
+fp32 (the default on CUDA until this check has passed on a GPU: then turn FUSED_ON_CUDA on).
+This holds one against the other:
 
   block    one block, causal and full, forward (output and log-sum-exp) and backward (dq, dk,
            dv given the merged output and log-sum-exp, as the ring calls it) at --check-seq
@@ -143,6 +144,7 @@ def main(argv=None) -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("check_cp_fused --device cuda needs a CUDA GPU")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    saved = context.FUSED_ON_CUDA, context.FUSED_ON_CPU
     store = dist.HashStore()
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     try:
@@ -164,7 +166,7 @@ def main(argv=None) -> None:
             if args.device == "cuda":
                 torch.cuda.empty_cache()
     finally:
-        fused(args.device, True)
+        context.FUSED_ON_CUDA, context.FUSED_ON_CPU = saved
         dist.destroy_process_group()
     if args.json:
         print(json.dumps(report, indent=1))

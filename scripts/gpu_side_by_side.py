@@ -1,0 +1,306 @@
+"""Side by side on one CUDA GPU: partrain against torchtitan, the same model, tokens and batch.
+
+Issue 33, point 1. Both train the Llama-3.2-1B shape (16 layers, dim 2048, 32 heads, 8 kv heads,
+ffn 8192, vocabulary 128,256, untied: partrain's model=llama-1b, torchtitan's "1B" flavor) at
+seq 2048 in bf16 autocast, compiled, on the same token dir (`partrain data prepare` of the
+machine's Python sources, as scripts/gpu_check.py makes it), --global-batch sequences per step
+in micro-batches of --micro-batch, no activation checkpointing (--ckpt full: both recompute
+every block), AdamW.
+
+What differs, and is reported rather than hidden: torchtitan's attention is FlexAttention (its
+0.3.0 refuses SDPA for language models), partrain's SDPA (flash); torchtitan's loss is its
+chunked cross-entropy, partrain's the plain one over full logits.
+
+Per trainer, over the steps after --warmup: tokens/s, MFU by one formula for both (partrain's
+plan FLOPs per token x tokens/s / the GPU's bf16 peak; torchtitan's own MFU beside it), peak
+memory (torch.cuda.max_memory_allocated), and partrain / torchtitan.
+
+torchtitan 0.3.0 and what it needs beyond the device's image travel as wheels in .whl/ (not
+tracked; `python3 -m pip download --no-deps ... -d .whl` of torchtitan==0.3.0, torchdata,
+torch_checkpointing, datasets, tyro, spmd_types==0.2.3, einops, dill, multiprocess,
+docstring-parser, typeguard), installed to --site on the device:
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    python scripts/gpu_side_by_side.py --site /tmp/site                # both, no checkpointing
+    python scripts/gpu_side_by_side.py --site /tmp/site --ckpt full
+    python scripts/gpu_side_by_side.py --site /tmp/site --dry-run      # no GPU: torchtitan's
+        config and this script's token-dir loader are built and read once, nothing trains
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import gpu_check  # noqa: E402
+
+SEQ = 2048
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--site", type=Path, help="where torchtitan's wheels are installed")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=10,
+                    help="first steps left out of the means (compilation, allocator warm-up)")
+    ap.add_argument("--global-batch", type=int, default=8)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--ckpt", choices=("none", "full"), default="none")
+    ap.add_argument("--only", choices=("partrain", "torchtitan"))
+    ap.add_argument("--corpus-mb", type=int, default=48)
+    ap.add_argument("--work", type=Path)
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--torchtitan-worker", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+# ---- torchtitan, in its own process ---------------------------------------------------------
+
+def _loader_class():
+    """A torchtitan dataloader over a partrain token dir: consecutive windows of seq + 1 tokens
+    of the train split, the input and its shift by one, positions 0..seq-1 (one causal
+    document per row: the same attention as partrain's)."""
+    import numpy as np
+    import torch
+    from torchtitan.components.dataloader import BaseDataLoader
+
+    from partrain.data.tokens import load_tokens
+
+    class TokenDirLoader(BaseDataLoader):
+        @dataclass(kw_only=True, slots=True)
+        class Config(BaseDataLoader.Config):
+            pass
+
+        def __init__(self, config, *, dp_world_size: int, dp_rank: int, tokenizer, seq_len: int,
+                     local_batch_size: int, **kwargs):
+            self.ids = np.asarray(load_tokens(SimpleNamespace(
+                source="tokens", path=config.dataset_path)).train)
+            self.seq, self.batch, self.offset = seq_len, local_batch_size, 0
+
+        def __iter__(self):
+            window = self.seq + 1
+            while True:
+                if self.offset + self.batch * window > len(self.ids):
+                    self.offset = 0
+                rows = self.ids[self.offset:self.offset + self.batch * window].reshape(
+                    self.batch, window).astype(np.int64)
+                self.offset += self.batch * window
+                rows = torch.from_numpy(rows)
+                positions = torch.arange(self.seq).expand(self.batch, -1)
+                yield {"input": rows[:, :-1], "positions": positions}, rows[:, 1:]
+
+        def state_dict(self):
+            return {"offset": self.offset}
+
+        def load_state_dict(self, state_dict):
+            self.offset = state_dict["offset"]
+
+    return TokenDirLoader
+
+
+def torchtitan_config(tokens: Path, work: Path, steps: int, global_batch: int, micro_batch: int,
+                      ckpt: str):
+    """torchtitan's Trainer.Config for the run: its llama3 "1B" flavor, compiled (model and
+    loss), bf16 autocast on one GPU, our token dir, no checkpoints, validation or profiling."""
+    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+    from torchtitan.components.metrics import MetricsProcessor
+    from torchtitan.components.optimizer import default_adamw
+    from torchtitan.config import CompileConfig, TrainingConfig
+    from torchtitan.distributed.activation_checkpoint import FullAC
+    from torchtitan.models.common.config_utils import decoder_vocab_size
+    from torchtitan.models.llama3 import model_registry
+    from torchtitan.trainer import Trainer
+
+    spec = model_registry("1B")
+    return Trainer.Config(
+        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(
+            global_vocab_size=decoder_vocab_size(spec))),
+        hf_assets_path=str(_tokenizer_dir(work)),
+        model_spec=spec,
+        optimizer=default_adamw(lr=3e-4),
+        training=TrainingConfig(local_batch_size=micro_batch, global_batch_size=global_batch,
+                                seq_len=SEQ, steps=steps),
+        dataloader=_loader_class().Config(dataset_path=str(tokens)),
+        metrics=MetricsProcessor.Config(log_freq=1),
+        activation_checkpoint=FullAC.Config() if ckpt == "full" else None,
+        compile=CompileConfig(enable=True, components=["model", "loss"]),
+        dump_folder=str(work / "torchtitan"),
+    )
+
+
+def _tokenizer_dir(work: Path) -> Path:
+    """torchtitan builds a tokenizer from hf_assets_path even when the loader needs none: an
+    empty BPE one (the loader reads ids)."""
+    from tokenizers import Tokenizer, models
+
+    path = work / "tokenizer"
+    path.mkdir(parents=True, exist_ok=True)
+    Tokenizer(models.BPE()).save(str(path / "tokenizer.json"))
+    return path
+
+
+LOG = re.compile(r"step:\s*(\d+).*?loss:\s*([\d.]+).*?tps:\s*([\d,]+).*?mfu:\s*([\d.]+)%")
+
+
+def torchtitan_worker(spec: dict) -> dict:
+    """Train with torchtitan in this process; its per-step log lines and the peak memory."""
+    import logging
+
+    import torch
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
+    config = torchtitan_config(Path(spec["tokens"]), Path(spec["work"]), spec["steps"],
+                               spec["global_batch"], spec["micro_batch"], spec["ckpt"])
+    if spec["dry_run"]:
+        loader = config.dataloader.build(dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=SEQ,
+                                         local_batch_size=spec["micro_batch"])
+        inputs, labels = next(iter(loader))
+        return {"dry_run": True, "input": list(inputs["input"].shape),
+                "labels_shift_ok": bool((inputs["input"][:, 1:] == labels[:, :-1]).all()),
+                "flavor": config.model_spec.flavor, "ckpt": spec["ckpt"]}
+    lines = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    logging.getLogger().addHandler(Keep())
+    from torchtitan.tools.logging import init_logger
+
+    init_logger()
+    logging.getLogger().addHandler(Keep())
+    start = time.perf_counter()
+    trainer = config.build()
+    try:
+        trainer.train()
+    finally:
+        trainer.close() if hasattr(trainer, "close") else None
+    steps = []
+    for line in lines:
+        m = LOG.search(re.sub(r"\x1b\[[0-9;]*m", "", line))
+        if m:
+            steps.append({"step": int(m[1]), "loss": float(m[2]),
+                          "tokens_per_s": float(m[3].replace(",", "")), "mfu": float(m[4]) / 100})
+    return {"steps": steps, "memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "wall_s": time.perf_counter() - start}
+
+
+# ---- the comparison ------------------------------------------------------------------------
+
+def run_torchtitan(args, tokens: Path, work: Path) -> dict:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spec = {"tokens": str(tokens), "work": str(work), "steps": args.steps, "port": port,
+            "global_batch": args.global_batch, "micro_batch": args.micro_batch,
+            "ckpt": args.ckpt, "dry_run": args.dry_run}
+    env = dict(os.environ)
+    if args.site:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(args.site),
+                                                          env.get("PYTHONPATH")]))
+    res = subprocess.run([sys.executable, __file__, "--torchtitan-worker", json.dumps(spec)],
+                         capture_output=True, text=True, env=env)
+    out = res.stdout.strip().splitlines()
+    if res.returncode or not out:
+        return {"case": "torchtitan", "failed": f"exit {res.returncode}",
+                "log": (res.stdout + res.stderr)[-4000:]}
+    result = json.loads(out[-1])
+    if args.dry_run:
+        return {"case": "torchtitan", **result}
+    steady = [s for s in result["steps"] if s["step"] > args.warmup]
+    if not steady:
+        return {"case": "torchtitan", "failed": "no step logged after the warm-up",
+                "log": (res.stdout + res.stderr)[-4000:]}
+    mean = lambda key: sum(s[key] for s in steady) / len(steady)  # noqa: E731
+    return {"case": "torchtitan", "tokens_per_s": mean("tokens_per_s"), "mfu_own": mean("mfu"),
+            "memory_gib": result["memory_gib"], "loss_first": result["steps"][0]["loss"],
+            "loss_last": result["steps"][-1]["loss"], "wall_s": result["wall_s"]}
+
+
+def run_partrain(args, tokens: Path, work: Path) -> dict:
+    overrides = [*gpu_check.COMMON, f"data.path={tokens}", f"train.max_steps={args.steps}",
+                 "train.compile=true", f"train.global_batch_size={args.global_batch}",
+                 f"train.micro_batch_size={args.micro_batch}",
+                 f"train.activation_checkpointing={args.ckpt}", "train.log_every=1"]
+    if args.dry_run:
+        planned = gpu_check.plan(overrides)
+        return {"case": "partrain", "dry_run": True,
+                "flops_per_token": planned["model"]["flops_per_token"]}
+    row = gpu_check.run_case("partrain", overrides, work, args.warmup)
+    row["flops_per_token"] = gpu_check.plan(overrides)["model"]["flops_per_token"]
+    return row
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.torchtitan_worker:
+        print(json.dumps(torchtitan_worker(json.loads(args.torchtitan_worker))))
+        return
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        sys.exit("gpu_side_by_side needs a CUDA GPU (or --dry-run)")
+    from partrain.observe.metrics import peak_flops
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (dry run)"
+    peak = peak_flops(gpu) if torch.cuda.is_available() else None
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="side_by_side_") as tmp:
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        tokens = gpu_check.make_tokens(work, args.corpus_mb)
+        for name in [args.only] if args.only else ["partrain", "torchtitan"]:
+            run = run_partrain if name == "partrain" else run_torchtitan
+            rows.append(run(args, tokens, work))
+            print(json.dumps(rows[-1]), flush=True)
+    ours = next((r for r in rows if r["case"] == "partrain" and "tokens_per_s" in r), None)
+    theirs = next((r for r in rows if r["case"] == "torchtitan" and "tokens_per_s" in r), None)
+    report = {"gpu": gpu, "torch": torch.__version__, "ckpt": args.ckpt, "rows": rows}
+    if ours and peak:
+        for r in (ours, theirs):
+            if r:  # one FLOP count for both: partrain's plan, per token, same model
+                r["mfu_same_formula"] = ours["flops_per_token"] * r["tokens_per_s"] / peak
+    if ours and theirs:
+        report["partrain_over_torchtitan"] = {
+            "tokens_per_s": ours["tokens_per_s"] / theirs["tokens_per_s"],
+            "memory": ours["memory_gib"] / theirs["memory_gib"]}
+    print(json.dumps(report, indent=1) if args.json else _table(report))
+
+
+def _table(report: dict) -> str:
+    lines = [f"{report['gpu']}, torch {report['torch']}, activation checkpointing "
+             f"{report['ckpt']}", f"{'trainer':<12}{'tokens/s':>10}{'MFU':>8}{'own MFU':>9}"
+             f"{'peak GiB':>10}{'loss':>16}"]
+    for r in report["rows"]:
+        if "tokens_per_s" not in r:
+            lines.append(f"{r['case']:<12}  {r.get('failed') or 'dry run: ' + json.dumps(r)}")
+            continue
+        own = r.get("mfu_own", r.get("mfu"))
+        lines.append(f"{r['case']:<12}{r['tokens_per_s']:>10.0f}"
+                     f"{r.get('mfu_same_formula', float('nan')):>8.1%}"
+                     f"{own if own is None else format(own, '.1%'):>9}{r['memory_gib']:>10.2f}"
+                     f"{r['loss_first']:>8.3f}{r['loss_last']:>8.3f}")
+    ratio = report.get("partrain_over_torchtitan")
+    if ratio:
+        lines.append(f"partrain / torchtitan: tokens/s {ratio['tokens_per_s']:.3f}, peak memory "
+                     f"{ratio['memory']:.3f}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()

@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_check  # noqa: E402
 
 SEQ = 2048
+MARK = "side-by-side result: "
 
 
 def parse_args(argv=None):
@@ -176,17 +177,19 @@ def torchtitan_worker(spec: dict) -> dict:
         def emit(self, record):
             lines.append(record.getMessage())
 
-    logging.getLogger().addHandler(Keep())
     from torchtitan.tools.logging import init_logger
 
-    init_logger()
+    init_logger()  # it sets the root logger's handlers up: ours goes beside them
     logging.getLogger().addHandler(Keep())
     start = time.perf_counter()
     trainer = config.build()
     try:
         trainer.train()
     finally:
-        trainer.close() if hasattr(trainer, "close") else None
+        if hasattr(trainer, "close"):
+            trainer.close()
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     steps = []
     for line in lines:
         m = LOG.search(re.sub(r"\x1b\[[0-9;]*m", "", line))
@@ -214,7 +217,7 @@ def run_torchtitan(args, tokens: Path, work: Path) -> dict:
                                                           env.get("PYTHONPATH")]))
     res = subprocess.run([sys.executable, __file__, "--torchtitan-worker", json.dumps(spec)],
                          capture_output=True, text=True, env=env)
-    out = res.stdout.strip().splitlines()
+    out = [line[len(MARK):] for line in res.stdout.splitlines() if line.startswith(MARK)]
     if res.returncode or not out:
         return {"case": "torchtitan", "failed": f"exit {res.returncode}",
                 "log": (res.stdout + res.stderr)[-4000:]}
@@ -248,7 +251,8 @@ def run_partrain(args, tokens: Path, work: Path) -> dict:
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.torchtitan_worker:
-        print(json.dumps(torchtitan_worker(json.loads(args.torchtitan_worker))))
+        # torchtitan logs to stdout too: the result is the line with the marker
+        print(MARK + json.dumps(torchtitan_worker(json.loads(args.torchtitan_worker))))
         return
     import torch
 

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Issue 33's measurements on a lent GPU machine, in stages that each fit one device call
+# (10 minutes at most): run from the repository root there, with .whl/ carried (partrain's and
+# torchtitan's wheels beyond the machine's image; see scripts/gpu_side_by_side.py), e.g.
+#
+#   bash scripts/gpu_session.sh cp check side      # the device tool's command, carry [".whl"]
+#
+# Stages:
+#   cp     scripts/check_cp_fused.py: the ring's fused CUDA block against the written-out one
+#   check  scripts/gpu_check.py: ddp, ddp + compile, fsdp2, zero3, zero3 + nvme
+#   side   scripts/gpu_side_by_side.py: partrain against torchtitan, no checkpointing
+#   full   the same with full activation checkpointing
+#   pp     scripts/bench_pp.py on the machine's CPU cores (no GPU needed)
+# Each stage's output goes to $OUT/<stage>.log (and what it prints as JSON to $OUT/<stage>.json).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    $(ls .whl/*.whl) || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DS_BUILD_OPS=0
+python3 -c "import torch, partrain, deepspeed, torchtitan; print(torch.__version__, torch.cuda.get_device_name(0))" \
+    2>&1 | tee "$OUT/versions.log"
+for stage in "$@"; do
+    start=$(date +%s)
+    case "$stage" in
+        cp) python3 scripts/check_cp_fused.py --json > "$OUT/cp.json" 2> "$OUT/cp.log" ;;
+        check) python3 scripts/gpu_check.py --only ddp "ddp + compile" fsdp2 zero3 "zero3 + nvme" \
+            --json > "$OUT/check.json" 2> "$OUT/check.log" ;;
+        side) python3 scripts/gpu_side_by_side.py --site /tmp/site --json \
+            > "$OUT/side.json" 2> "$OUT/side.log" ;;
+        full) python3 scripts/gpu_side_by_side.py --site /tmp/site --ckpt full --json \
+            > "$OUT/full.json" 2> "$OUT/full.log" ;;
+        pp) python3 scripts/bench_pp.py --json > "$OUT/pp.json" 2> "$OUT/pp.log" ;;
+        *) echo "unknown stage $stage"; exit 2 ;;
+    esac
+    echo "$stage: exit $? in $(( $(date +%s) - start )) s"
+    tail -c 1500 "$OUT/$stage.json"
+done

@@ -9,7 +9,8 @@ This holds one against the other:
   block    one block, causal and full, forward (output and log-sum-exp) and backward (dq, dk,
            dv given the merged output and log-sum-exp, as the ring calls it) at --check-seq
            tokens, in fp32 and bf16: the largest difference over the largest value, against
-           1e-5 (fp32) and 1e-3 (bf16)
+           1e-5 (fp32) and 1e-3 (bf16); a bf16 row also passes when it is no worse than twice
+           the same math written out in bf16 (its outputs' own rounding, 8 significant bits)
   ring     the whole ring on a one-rank group (both zigzag chunks: a causal, a full and a causal
            block merged), forward and backward, fused against written-out and against SDPA
   time     one causal block's forward + backward at each --seq, fused against written-out
@@ -73,9 +74,22 @@ def block_check(device: str, dtype, seq: int, heads: int, dim: int) -> dict:
         name = "causal" if causal else "full"
         row[name] = {"out": gap(out, ref_out), "lse": gap(lse, ref_lse),
                      **{f"d{x}": gap(a, b) for x, a, b in zip("qkv", grads, ref_grads)}}
+        if dtype != torch.float32:  # what the same math written out in `dtype` gets wrong
+            fused(device, False)
+            base_out, base_lse = context._block_forward(*args, causal, scale)
+            base = context._block_backward(dout.to(dtype), *args, ref_out.to(dtype),
+                                           ref_lse.to(dtype), causal, scale)
+            row[name + "_written_out_in_dtype"] = {
+                "out": gap(base_out, ref_out), "lse": gap(base_lse, ref_lse),
+                **{f"d{x}": gap(a, b) for x, a, b in zip("qkv", base, ref_grads)}}
     row["worst"] = max(v for name in ("causal", "full") for v in row[name].values())
     row["bound"] = BOUNDS[dtype]
-    row["ok"] = row["worst"] <= row["bound"]
+    # In bf16 a correct kernel's outputs are off by their own rounding (8 significant bits):
+    # within the bound, or no worse than twice the written-out math in the same dtype.
+    baseline = [v for name in ("causal", "full") for v in
+                row.get(name + "_written_out_in_dtype", {}).values()]
+    row["written_out_in_dtype_worst"] = max(baseline) if baseline else None
+    row["ok"] = row["worst"] <= row["bound"] or bool(baseline) and row["worst"] <= 2 * max(baseline)
     return row
 
 
@@ -168,19 +182,22 @@ def main(argv=None) -> None:
     finally:
         context.FUSED_ON_CUDA, context.FUSED_ON_CPU = saved
         dist.destroy_process_group()
+    failed = not all(r["ok"] for kind in ("block", "ring") for r in report[kind])
     if args.json:
         print(json.dumps(report, indent=1))
-        return
+        sys.exit(1 if failed else 0)
     print(f"{report['device']}, torch {report['torch']}")
     for kind in ("block", "ring"):
         for r in report[kind]:
+            base = r.get("written_out_in_dtype_worst")
+            base = f", written out in {r['dtype']}: {base:.2e}" if base is not None else ""
             print(f"{kind:<6} {r['dtype']:<9} seq {r['seq']:>6}: worst {r['worst']:.2e} "
-                  f"(bound {r['bound']:g}) {'ok' if r['ok'] else 'OVER'}")
+                  f"(bound {r['bound']:g}{base}) {'ok' if r['ok'] else 'OVER'}")
     for r in report["time"]:
         extra = (f", written-out fp32 {r['written_out_fp32_s'] * 1e3:.1f} ms, x{r['speedup']:.1f}"
                  if "speedup" in r else ", written-out does not fit")
         print(f"time   seq {r['seq']:>6}: fused bf16 {r['fused_bf16_s'] * 1e3:.1f} ms{extra}")
-    if not all(r["ok"] for kind in ("block", "ring") for r in report[kind]):
+    if failed:
         sys.exit(1)
 
 

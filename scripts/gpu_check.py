@@ -26,6 +26,7 @@ What one GPU cannot show (NCCL between ranks, tp/pp/cp/ep across GPUs) is the CP
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -104,6 +105,7 @@ def plan(overrides: list[str]) -> dict:
 
 def run_case(name: str, overrides: list[str], work: Path, warmup: int) -> dict:
     run_dir = work / name.replace(" ", "_").replace("+", "")
+    shutil.rmtree(run_dir, ignore_errors=True)  # a rerun in the same --work starts over
     start = time.perf_counter()
     res = partrain("launch", *overrides, "--run-dir", str(run_dir))
     wall = time.perf_counter() - start

@@ -3,14 +3,16 @@
 # (10 minutes at most): run from the repository root there, with .whl/ carried (partrain's and
 # torchtitan's wheels beyond the machine's image; see scripts/gpu_side_by_side.py), e.g.
 #
-#   bash scripts/gpu_session.sh cp check side      # the device tool's command, carry [".whl"]
+#   bash scripts/gpu_session.sh cp                 # the device tool's command, carry [".whl"]
 #
+# One stage a call: `check` alone took about 7 minutes before its two new cases, and a session
+# has 15 minutes of device time. On a warm machine the token dir in /tmp/gpuwork is reused.
 # Stages:
 #   cp     scripts/check_cp_fused.py: the ring's fused CUDA block against the written-out one
 #   check  scripts/gpu_check.py: ddp, ddp + compile, fsdp2, zero3, zero3 + nvme
 #   side   scripts/gpu_side_by_side.py: partrain against torchtitan, no checkpointing
 #   full   the same with full activation checkpointing
-#   pp     scripts/bench_pp.py on the machine's CPU cores (no GPU needed)
+#   pp     scripts/bench_pp.py on the machine's 16 CPU cores (no GPU needed: last, if time is left)
 # Each stage's output goes to $OUT/<stage>.log (and what it prints as JSON to $OUT/<stage>.json).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -24,11 +26,11 @@ for stage in "$@"; do
     start=$(date +%s)
     case "$stage" in
         cp) python3 scripts/check_cp_fused.py --json > "$OUT/cp.json" 2> "$OUT/cp.log" ;;
-        check) python3 scripts/gpu_check.py --only ddp "ddp + compile" fsdp2 zero3 "zero3 + nvme" \
+        check) python3 scripts/gpu_check.py --work /tmp/gpuwork --only ddp "ddp + compile" fsdp2 zero3 "zero3 + nvme" \
             --json > "$OUT/check.json" 2> "$OUT/check.log" ;;
-        side) python3 scripts/gpu_side_by_side.py --site /tmp/site --json \
+        side) python3 scripts/gpu_side_by_side.py --site /tmp/site --work /tmp/gpuwork --json \
             > "$OUT/side.json" 2> "$OUT/side.log" ;;
-        full) python3 scripts/gpu_side_by_side.py --site /tmp/site --ckpt full --json \
+        full) python3 scripts/gpu_side_by_side.py --site /tmp/site --work /tmp/gpuwork --ckpt full --json \
             > "$OUT/full.json" 2> "$OUT/full.log" ;;
         pp) python3 scripts/bench_pp.py --json > "$OUT/pp.json" 2> "$OUT/pp.log" ;;
         *) echo "unknown stage $stage"; exit 2 ;;

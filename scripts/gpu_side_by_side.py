@@ -9,7 +9,9 @@ every block), AdamW.
 
 What differs, and is reported rather than hidden: torchtitan's attention is FlexAttention (its
 0.3.0 refuses SDPA for language models), partrain's SDPA (flash); torchtitan's loss is its
-chunked cross-entropy, partrain's the plain one over full logits.
+chunked cross-entropy, partrain's the plain one over full logits; torchtitan captures each
+forward and backward in a CUDA graph by default (--no-cuda-graphs: not), partrain does not.
+torchtitan's "1B" ties its head to the embedding; it is untied here, as partrain's.
 
 Per trainer, over the steps after --warmup: tokens/s, MFU by one formula for both (partrain's
 plan FLOPs per token x tokens/s / the GPU's bf16 peak; torchtitan's own MFU beside it), peak
@@ -58,6 +60,8 @@ def parse_args(argv=None):
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--ckpt", choices=("none", "full"), default="none")
     ap.add_argument("--only", choices=("partrain", "torchtitan"))
+    ap.add_argument("--no-cuda-graphs", action="store_true",
+                    help="torchtitan without its CUDA graphs (on by default there; partrain has none)")
     ap.add_argument("--corpus-mb", type=int, default=48)
     ap.add_argument("--work", type=Path)
     ap.add_argument("--dry-run", action="store_true")
@@ -111,9 +115,10 @@ def _loader_class():
 
 
 def torchtitan_config(tokens: Path, work: Path, steps: int, global_batch: int, micro_batch: int,
-                      ckpt: str):
-    """torchtitan's Trainer.Config for the run: its llama3 "1B" flavor, compiled (model and
-    loss), bf16 autocast on one GPU, our token dir, no checkpoints, validation or profiling."""
+                      ckpt: str, cuda_graphs: bool = True):
+    """torchtitan's Trainer.Config for the run: its llama3 "1B" flavor untied, compiled (model and
+    loss), bf16 autocast on one GPU, its CUDA graphs as it defaults (or not), our token dir, no
+    checkpoints, validation or profiling."""
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.components.optimizer import default_adamw
@@ -124,6 +129,7 @@ def torchtitan_config(tokens: Path, work: Path, steps: int, global_batch: int, m
     from torchtitan.trainer import Trainer
 
     spec = model_registry("1B")
+    spec.model.enable_weight_tying = False  # its "1B" ties the head to the embedding; ours: not
     return Trainer.Config(
         loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(
             global_vocab_size=decoder_vocab_size(spec))),
@@ -131,7 +137,7 @@ def torchtitan_config(tokens: Path, work: Path, steps: int, global_batch: int, m
         model_spec=spec,
         optimizer=default_adamw(lr=3e-4),
         training=TrainingConfig(local_batch_size=micro_batch, global_batch_size=global_batch,
-                                seq_len=SEQ, steps=steps),
+                                seq_len=SEQ, steps=steps, disable_cuda_graphs=not cuda_graphs),
         dataloader=_loader_class().Config(dataset_path=str(tokens)),
         metrics=MetricsProcessor.Config(log_freq=1),
         activation_checkpoint=FullAC.Config() if ckpt == "full" else None,
@@ -163,7 +169,8 @@ def torchtitan_worker(spec: dict) -> dict:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
     config = torchtitan_config(Path(spec["tokens"]), Path(spec["work"]), spec["steps"],
-                               spec["global_batch"], spec["micro_batch"], spec["ckpt"])
+                               spec["global_batch"], spec["micro_batch"], spec["ckpt"],
+                               spec["cuda_graphs"])
     if spec["dry_run"]:
         loader = config.dataloader.build(dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=SEQ,
                                          local_batch_size=spec["micro_batch"])
@@ -181,6 +188,10 @@ def torchtitan_worker(spec: dict) -> dict:
 
     init_logger()  # it sets the root logger's handlers up: ours goes beside them
     logging.getLogger().addHandler(Keep())
+    # torchtitan resets the peak after every logged step; the run's peak is what is compared
+    from torchtitan.components.metrics import DeviceMemoryMonitor
+
+    DeviceMemoryMonitor.reset_peak_stats = lambda self: None
     start = time.perf_counter()
     trainer = config.build()
     try:
@@ -210,7 +221,7 @@ def run_torchtitan(args, tokens: Path, work: Path) -> dict:
         port = s.getsockname()[1]
     spec = {"tokens": str(tokens), "work": str(work), "steps": args.steps, "port": port,
             "global_batch": args.global_batch, "micro_batch": args.micro_batch,
-            "ckpt": args.ckpt, "dry_run": args.dry_run}
+            "ckpt": args.ckpt, "dry_run": args.dry_run, "cuda_graphs": not args.no_cuda_graphs}
     env = dict(os.environ)
     if args.site:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(args.site),
@@ -243,7 +254,8 @@ def run_partrain(args, tokens: Path, work: Path) -> dict:
         planned = gpu_check.plan(overrides)
         return {"case": "partrain", "dry_run": True,
                 "flops_per_token": planned["model"]["flops_per_token"]}
-    row = gpu_check.run_case("partrain", overrides, work, args.warmup)
+    row = gpu_check.run_case(f"partrain ckpt {args.ckpt}", overrides, work, args.warmup)
+    row["case"] = "partrain"
     row["flops_per_token"] = gpu_check.plan(overrides)["model"]["flops_per_token"]
     return row
 
@@ -294,9 +306,10 @@ def _table(report: dict) -> str:
             lines.append(f"{r['case']:<12}  {r.get('failed') or 'dry run: ' + json.dumps(r)}")
             continue
         own = r.get("mfu_own", r.get("mfu"))
+        own = "-" if own is None else format(own, ".1%")
         lines.append(f"{r['case']:<12}{r['tokens_per_s']:>10.0f}"
                      f"{r.get('mfu_same_formula', float('nan')):>8.1%}"
-                     f"{own if own is None else format(own, '.1%'):>9}{r['memory_gib']:>10.2f}"
+                     f"{own:>9}{r['memory_gib']:>10.2f}"
                      f"{r['loss_first']:>8.3f}{r['loss_last']:>8.3f}")
     ratio = report.get("partrain_over_torchtitan")
     if ratio:

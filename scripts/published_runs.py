@@ -221,7 +221,8 @@ _MPT_A100 = [
 
 # The A100 80GB table as llm-foundry published it from May to July 2023 (commit c6cfb4284, bf16
 # PURE throughout), before the re-measurement above replaced it: held out whole (the A100 constants
-# are fitted on the newer table's rows); rows the newer table repeats unchanged are left out.
+# are fitted on the newer table's rows); rows the newer table repeats unchanged, and its rows at
+# the newer table's fit layouts, are left out (rows()).
 _MPT_A100_2023 = [
     ("70b", 2048, 64, 8, 4, 410, 3, True, "PURE"),
     ("70b", 2048, 32, 2, 16, 373, 3, True, "PURE"),
@@ -381,12 +382,17 @@ def rows() -> list[dict]:
         "batch": 32, "layout": {"dp": 16, "tp": 8, "zero_stage": 3, "micro_batch_size": 2,
                                 "sequence_parallel": True, "activation_checkpointing": "full"},
         "published": 109, "unit": "tokens/s/GPU", "flops": None})
-    newer = {row[:6] for row in _MPT_A100}
-    older = [row for row in _MPT_A100_2023 if row[:6] not in newer]
+    def fit_rule(table) -> set:
+        return {(min(table, key=lambda r: MPT[r[0]][1])[0], 2048), ("1b", 512), ("1b", 65536)}
+
+    # The July 2023 table, less the rows the newer one repeats unchanged and the newer one's fit
+    # layouts measured again (not independent of the fit).
+    newer, fitted = {row[:6] for row in _MPT_A100}, fit_rule(_MPT_A100)
+    older = [row for row in _MPT_A100_2023
+             if row[:6] not in newer and not (row[2] == 8 and row[:2] in fitted)]
     for table, hw, source in ((_MPT_H100, "H100-SXM", MPT_H100), (_MPT_A100, "A100-80GB", MPT_A100),
                               (older, "A100-80GB", MPT_A100_2023)):
-        calibration = ({(min(table, key=lambda r: MPT[r[0]][1])[0], 2048), ("1b", 512), ("1b", 65536)}
-                       if source != MPT_A100_2023 else set())
+        calibration = fit_rule(table) if source != MPT_A100_2023 else set()
         for size, seq, gpus, mb, accum, tps, zero, ckpt, precision in table:
             fit = gpus == 8 and (size, seq) in calibration
             calibration.discard((size, seq) if fit else None)  # one row each

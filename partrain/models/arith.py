@@ -129,3 +129,8 @@ def capacity(moe_cfg, seq_len: int) -> int | None:
 
 
 RECOMPUTE_MODES = ("none", "selective", "full")  # train.activation_checkpointing
+
+
+# The chunked cross-entropy's chunk (models/loss.py), in fp32 elements of its softmax: 64 Mi,
+# 256 MiB; a chunk is at least one token. Here for the planner's memory model, torch-free.
+CHUNK_ELEMENTS = 1 << 26

@@ -33,7 +33,14 @@ USABLE_FRACTION = 0.9
 # cannot make it fit.
 MODEL_ERROR = 0.10
 
-from partrain.models.arith import expert_ffn_dim, expert_params, ffn_dim, head_dim, is_moe_block
+from partrain.models.arith import (
+    CHUNK_ELEMENTS,
+    expert_ffn_dim,
+    expert_params,
+    ffn_dim,
+    head_dim,
+    is_moe_block,
+)
 from partrain.plan.costs import optimizer_state_bytes, zero_memory
 
 
@@ -149,12 +156,17 @@ def activations(model_cfg, blocks: list[int], s: Shape, tokens: int, in_flight: 
             "backward_bytes": (recompute + (hidden + s.dim) * act_bytes) * tokens}
 
 
-def loss_bytes(model_cfg, tp: int, tokens: int) -> int:
-    """The loss at the start of the backward of a micro-batch, per vocabulary / tp entry of a
-    token: the fp32 log-probabilities (or, vocabulary-parallel, the softmax) kept by the forward,
-    their gradient and the fp32 logits' gradient, 12 bytes (under autocast the loss reads an fp32
-    copy of the logits; its compute-dtype gradient comes after the log-probabilities are freed)."""
-    return 12 * (model_cfg.vocab_size // tp) * tokens
+def loss_bytes(model_cfg, tp: int, tokens: int, act_bytes: int = 2) -> int:
+    """The loss at its peak, in the backward of a micro-batch. Vocabulary-parallel (tp > 1), per
+    vocabulary / tp entry of a token: the fp32 softmax kept by the forward, its gradient and the
+    fp32 logits' gradient, 12 bytes. Otherwise models/loss.py's chunked cross-entropy: the logits
+    it keeps and their gradient, in the compute dtype, and one chunk's fp32 softmax (4 bytes an
+    entry of the chunk; 8 while a compute-dtype chunk's fp32 copy is made)."""
+    vocab = model_cfg.vocab_size // tp
+    if tp > 1:
+        return 12 * vocab * tokens
+    chunk = min(tokens, max(1, CHUNK_ELEMENTS // vocab))
+    return 2 * act_bytes * vocab * tokens + (4 if act_bytes == 4 else 8) * vocab * chunk
 
 
 def pipeline_buffer_bytes(dim: int, tokens: int, buffers: int) -> int:
@@ -213,7 +225,7 @@ def memory_per_stage(cfg, dims, stages: list[dict], dtype: str, simulate: bool =
         acts = activations(cfg.model, blocks, s, tokens, in_flight[rank] / v,
                            t.activation_checkpointing, act_bytes)
         last = any(st["head"] for st in own)
-        loss = loss_bytes(cfg.model, dims.tp, tokens) if last else 0
+        loss = loss_bytes(cfg.model, dims.tp, tokens, act_bytes) if last else 0
         seq_split = dims.tp if s.norm_split > 1 else 1
         sends = pipeline_buffer_bytes(cfg.model.dim, tokens // seq_split,
                                       buffers[rank]) if dims.pp > 1 else 0

@@ -10,7 +10,6 @@ import math
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from partrain.data.batches import sampler_micro_batches
 from partrain.observe.trace import Tracer
@@ -18,6 +17,7 @@ from partrain.parallel.context import shard_batch
 from partrain.parallel.data import DataParallelBackend, Update
 from partrain.parallel.mesh import ParallelDims
 from partrain.parallel.tensor import vocab_parallel_cross_entropy
+from partrain.models.loss import cross_entropy
 
 
 def loss_function(dims: ParallelDims, mesh):
@@ -26,7 +26,7 @@ def loss_function(dims: ParallelDims, mesh):
     if dims.tp_enabled:
         tp_group = mesh["tp"].get_group()
         return lambda logits, target: vocab_parallel_cross_entropy(logits, target, tp_group)
-    return lambda logits, target: F.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+    return cross_entropy
 
 
 def global_mean(value: torch.Tensor, dims: ParallelDims, mesh) -> float:

@@ -122,7 +122,7 @@ def test_launch_refuses_a_predicted_oom_and_says_what_fits(run_main, cuda_node, 
     text = lines[0]
     assert "pp rank 0 (ranks 0-7)" in text and f"{peak / GIB:,.1f} GiB" in text
     assert "80.0 GiB" in text and "mock GPU (test double)" in text
-    assert "train.micro_batch_size=2" in text and "launcher.allow_predicted_oom=true" in text
+    assert "train.micro_batch_size=4" in text and "launcher.allow_predicted_oom=true" in text
     assert not (tmp_path / "run").exists()
     # Insisting passes this check: the next refusal is the data's (no data.path given).
     insisted = run_main("launch", *UNFIT, "launcher.allow_predicted_oom=true", "--dry-run")

@@ -71,17 +71,18 @@ def block_check(device: str, dtype, seq: int, heads: int, dim: int) -> dict:
         out, lse = context._block_forward(*args, causal, scale)
         grads = context._block_backward(dout.to(dtype), *args, ref_out.to(dtype), ref_lse,
                                         causal, scale)
+        def gaps(out, lse, grads) -> dict:
+            return {"out": gap(out, ref_out), "lse": gap(lse, ref_lse),
+                    **{f"d{x}": gap(a, b) for x, a, b in zip("qkv", grads, ref_grads)}}
+
         name = "causal" if causal else "full"
-        row[name] = {"out": gap(out, ref_out), "lse": gap(lse, ref_lse),
-                     **{f"d{x}": gap(a, b) for x, a, b in zip("qkv", grads, ref_grads)}}
+        row[name] = gaps(out, lse, grads)
         if dtype != torch.float32:  # what the same math written out in `dtype` gets wrong
             fused(device, False)
             base_out, base_lse = context._block_forward(*args, causal, scale)
             base = context._block_backward(dout.to(dtype), *args, ref_out.to(dtype),
                                            ref_lse.to(dtype), causal, scale)
-            row[name + "_written_out_in_dtype"] = {
-                "out": gap(base_out, ref_out), "lse": gap(base_lse, ref_lse),
-                **{f"d{x}": gap(a, b) for x, a, b in zip("qkv", base, ref_grads)}}
+            row[name + "_written_out_in_dtype"] = gaps(base_out, base_lse, base)
     row["worst"] = max(v for name in ("causal", "full") for v in row[name].values())
     row["bound"] = BOUNDS[dtype]
     # In bf16 a correct kernel's outputs are off by their own rounding (8 significant bits):

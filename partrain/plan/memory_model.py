@@ -156,7 +156,7 @@ def activations(model_cfg, blocks: list[int], s: Shape, tokens: int, in_flight: 
             "backward_bytes": (recompute + (hidden + s.dim) * act_bytes) * tokens}
 
 
-def loss_bytes(model_cfg, tp: int, tokens: int, act_bytes: int = 2) -> int:
+def loss_bytes(model_cfg, tp: int, tokens: int, act_bytes: int) -> int:
     """The loss at its peak, in the backward of a micro-batch. Vocabulary-parallel (tp > 1), per
     vocabulary / tp entry of a token: the fp32 softmax kept by the forward, its gradient and the
     fp32 logits' gradient, 12 bytes. Otherwise models/loss.py's chunked cross-entropy: the logits

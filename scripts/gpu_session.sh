@@ -13,6 +13,8 @@
 #   side   scripts/gpu_side_by_side.py: partrain against torchtitan, no checkpointing
 #   full   the same with full activation checkpointing
 #   pp     scripts/bench_pp.py on the machine's 16 CPU cores (no GPU needed: last, if time is left)
+# A stage may carry a limit in seconds, `side:300`: it is stopped there (timeout) and what it
+# wrote so far still comes back, so several stages fit one call without one eating the rest.
 # Each stage's output goes to $OUT/<stage>.log (and what it prints as JSON to $OUT/<stage>.json).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
@@ -22,19 +24,23 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DS_BUILD_OPS=0
 python3 -c "import torch, partrain, deepspeed, torchtitan; print(torch.__version__, torch.cuda.get_device_name(0))" \
     2>&1 | tee "$OUT/versions.log"
-for stage in "$@"; do
+for spec in "$@"; do
+    stage=${spec%%:*}
+    limit=600
+    [[ "$spec" == *:* ]] && limit=${spec#*:}
     start=$(date +%s)
+    run() { timeout -k 5 "$limit" "$@"; }
     case "$stage" in
-        cp) python3 scripts/check_cp_fused.py --json > "$OUT/cp.json" 2> "$OUT/cp.log" ;;
-        check) python3 scripts/gpu_check.py --work /tmp/gpuwork --only ddp "ddp + compile" fsdp2 zero3 "zero3 + nvme" \
+        cp) run python3 scripts/check_cp_fused.py --json > "$OUT/cp.json" 2> "$OUT/cp.log" ;;
+        check) run python3 scripts/gpu_check.py --work /tmp/gpuwork --only ddp "ddp + compile" fsdp2 zero3 "zero3 + nvme" \
             --json > "$OUT/check.json" 2> "$OUT/check.log" ;;
-        side) python3 scripts/gpu_side_by_side.py --site /tmp/site --work /tmp/gpuwork --json \
+        side) run python3 scripts/gpu_side_by_side.py --site /tmp/site --work /tmp/gpuwork --json \
             > "$OUT/side.json" 2> "$OUT/side.log" ;;
-        full) python3 scripts/gpu_side_by_side.py --site /tmp/site --work /tmp/gpuwork --ckpt full --json \
+        full) run python3 scripts/gpu_side_by_side.py --site /tmp/site --work /tmp/gpuwork --ckpt full --json \
             > "$OUT/full.json" 2> "$OUT/full.log" ;;
-        pp) python3 scripts/bench_pp.py --json > "$OUT/pp.json" 2> "$OUT/pp.log" ;;
+        pp) run python3 scripts/bench_pp.py --json > "$OUT/pp.json" 2> "$OUT/pp.log" ;;
         *) echo "unknown stage $stage"; exit 2 ;;
     esac
-    echo "$stage: exit $? in $(( $(date +%s) - start )) s"
+    echo "$stage: exit $? (limit $limit s) in $(( $(date +%s) - start )) s"
     tail -c 1500 "$OUT/$stage.json"
 done

@@ -138,6 +138,11 @@ def timed(device: str, on: bool, dtype, seq: int, heads: int, dim: int, reps: in
     return sorted(times[1:])[reps // 2]
 
 
+def progress(kind: str, row: dict) -> None:
+    """Each row on stderr as it is done: a run stopped or crashed later still shows it."""
+    print(kind, json.dumps(row), file=sys.stderr, flush=True)
+
+
 def fits(device: str, seq: int, heads: int) -> bool:
     """Whether the written-out block (scores, probabilities and their gradient, fp32) fits."""
     need = 4 * heads * seq * seq * 4
@@ -168,8 +173,10 @@ def main(argv=None) -> None:
         for dtype in (torch.float32, torch.bfloat16):
             report["block"].append(block_check(args.device, dtype, args.check_seq, args.heads,
                                                args.dim))
+            progress("block", report["block"][-1])
             report["ring"].append(ring_check(args.device, dtype, args.check_seq, args.heads,
                                              args.dim))
+            progress("ring", report["ring"][-1])
         for seq in args.seq:
             row = {"seq": seq, "fused_bf16_s": timed(args.device, True, torch.bfloat16, seq,
                                                      args.heads, args.dim, args.reps)}
@@ -178,6 +185,7 @@ def main(argv=None) -> None:
                                                   args.heads, args.dim, args.reps)
                 row["speedup"] = row["written_out_fp32_s"] / row["fused_bf16_s"]
             report["time"].append(row)
+            progress("time", row)
             if args.device == "cuda":
                 torch.cuda.empty_cache()
     finally:

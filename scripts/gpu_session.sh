@@ -12,7 +12,10 @@
 #   check  scripts/gpu_check.py: ddp, ddp + compile, fsdp2, zero3, zero3 + nvme
 #   side   scripts/gpu_side_by_side.py: partrain against torchtitan, no checkpointing
 #   full   the same with full activation checkpointing
+#   mb8    partrain alone at micro-batch 8 (one micro-batch a step): point 2's micro-batch size
 #   pp     scripts/bench_pp.py on the machine's 16 CPU cores (no GPU needed: last, if time is left)
+#   pp-bg  the same in the background on cores 0 and 1 (one pinned rank each), every later stage
+#          pinned to the other cores; the call waits for it at the end
 # A stage may carry a limit in seconds, `side:300`: it is stopped there (timeout) and what it
 # wrote so far still comes back, so several stages fit one call without one eating the rest.
 # Each stage's output goes to $OUT/<stage>.log (and what it prints as JSON to $OUT/<stage>.json).
@@ -22,14 +25,14 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
     $(ls .whl/*.whl) || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DS_BUILD_OPS=0
-python3 -c "import torch, partrain, deepspeed, torchtitan; print(torch.__version__, torch.cuda.get_device_name(0))" \
-    2>&1 | tee "$OUT/versions.log"
+python3 -c "import torch, partrain, deepspeed, torchtitan; print(torch.__version__, torch.cuda.get_device_name(0))"
+pin=()
 for spec in "$@"; do
     stage=${spec%%:*}
     limit=600
     [[ "$spec" == *:* ]] && limit=${spec#*:}
     start=$(date +%s)
-    run() { timeout -k 5 "$limit" "$@"; }
+    run() { "${pin[@]}" timeout -k 5 "$limit" "$@"; }
     case "$stage" in
         cp) run python3 scripts/check_cp_fused.py --json > "$OUT/cp.json" 2> "$OUT/cp.log" ;;
         check) run python3 scripts/gpu_check.py --work /tmp/gpuwork --only ddp "ddp + compile" fsdp2 zero3 "zero3 + nvme" \
@@ -38,9 +41,17 @@ for spec in "$@"; do
             > "$OUT/side.json" 2> "$OUT/side.log" ;;
         full) run python3 scripts/gpu_side_by_side.py --site /tmp/site --work /tmp/gpuwork --ckpt full --json \
             > "$OUT/full.json" 2> "$OUT/full.log" ;;
+        mb8) run python3 scripts/gpu_side_by_side.py --site /tmp/site --work /tmp/gpuwork --only partrain \
+            --micro-batch 8 --json > "$OUT/mb8.json" 2> "$OUT/mb8.log" ;;
         pp) run python3 scripts/bench_pp.py --json > "$OUT/pp.json" 2> "$OUT/pp.log" ;;
+        pp-bg) taskset -c 0,1 timeout -k 5 "$limit" python3 scripts/bench_pp.py --json \
+                > "$OUT/pp.json" 2> "$OUT/pp.log" &
+            pin=(taskset -c "2-$(( $(nproc) - 1 ))")
+            echo "pp-bg: started"; continue ;;
         *) echo "unknown stage $stage"; exit 2 ;;
     esac
     echo "$stage: exit $? (limit $limit s) in $(( $(date +%s) - start )) s"
     tail -c 1500 "$OUT/$stage.json"
 done
+wait
+[[ -s "$OUT/pp.json" ]] && { echo "pp:"; tail -c 1500 "$OUT/pp.json"; }

@@ -1,26 +1,23 @@
 """Side by side on one CUDA GPU: partrain against torchtitan, the same model, tokens and batch.
 
 Issue 33, point 1. Both train the Llama-3.2-1B shape (16 layers, dim 2048, 32 heads, 8 kv heads,
-ffn 8192, vocabulary 128,256, untied: partrain's model=llama-1b, torchtitan's "1B" flavor) at
-seq 2048 in bf16 autocast, compiled, on the same token dir (`partrain data prepare` of the
-machine's Python sources, as scripts/gpu_check.py makes it), --global-batch sequences per step
-in micro-batches of --micro-batch, no activation checkpointing (--ckpt full: both recompute
-every block), AdamW.
+ffn 8192, vocabulary 128,256, untied: partrain's model=llama-1b; torchtitan's llama3 model with
+that shape registered as a flavor, since 0.2.2 ships 8B and up) at seq 2048 in bf16 autocast,
+compiled, on the same token dir (`partrain data prepare` of the machine's Python sources, as
+scripts/gpu_check.py makes it), --global-batch sequences per step in micro-batches of
+--micro-batch, no activation checkpointing (--ckpt full: both recompute every block), AdamW.
+Both attend with SDPA (flash); torchtitan's loss is its cross-entropy over full logits, compiled
+with the model; partrain's its chunked one.
 
-What differs, and is reported rather than hidden: torchtitan's attention is FlexAttention (its
-0.3.0 refuses SDPA for language models), partrain's SDPA (flash); torchtitan's loss is its
-chunked cross-entropy, partrain's the plain one over full logits; torchtitan captures each
-forward and backward in a CUDA graph by default (--no-cuda-graphs: not), partrain does not.
-torchtitan's "1B" ties its head to the embedding; it is untied here, as partrain's.
+torchtitan is 0.2.2, the newest release that runs on the device's torch 2.11 (0.3.0 imports
+torch.distributed.fsdp.DataParallelMeshDims, which 2.11 lacks). It and what it needs beyond the
+device's image travel as wheels in .whl/ (not tracked; `python3 -m pip download --no-deps ...
+-d .whl` of torchtitan==0.2.2, torchdata, datasets, tyro, einops, dill, multiprocess,
+docstring-parser, typeguard), installed to --site on the device.
 
 Per trainer, over the steps after --warmup: tokens/s, MFU by one formula for both (partrain's
 plan FLOPs per token x tokens/s / the GPU's bf16 peak; torchtitan's own MFU beside it), peak
 memory (torch.cuda.max_memory_allocated), and partrain / torchtitan.
-
-torchtitan 0.3.0 and what it needs beyond the device's image travel as wheels in .whl/ (not
-tracked; `python3 -m pip download --no-deps ... -d .whl` of torchtitan==0.3.0, torchdata,
-torch_checkpointing, datasets, tyro, spmd_types==0.2.3, einops, dill, multiprocess,
-docstring-parser, typeguard), installed to --site on the device:
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
     python scripts/gpu_side_by_side.py --site /tmp/site                # both, no checkpointing
@@ -37,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -60,8 +56,6 @@ def parse_args(argv=None):
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--ckpt", choices=("none", "full"), default="none")
     ap.add_argument("--only", choices=("partrain", "torchtitan"))
-    ap.add_argument("--no-cuda-graphs", action="store_true",
-                    help="torchtitan without its CUDA graphs (on by default there; partrain has none)")
     ap.add_argument("--corpus-mb", type=int, default=48)
     ap.add_argument("--work", type=Path)
     ap.add_argument("--dry-run", action="store_true")
@@ -72,10 +66,10 @@ def parse_args(argv=None):
 
 # ---- torchtitan, in its own process ---------------------------------------------------------
 
-def _loader_class():
+def _loader(path: str, seq: int, batch: int):
     """A torchtitan dataloader over a partrain token dir: consecutive windows of seq + 1 tokens
-    of the train split, the input and its shift by one, positions 0..seq-1 (one causal
-    document per row: the same attention as partrain's)."""
+    of the train split, the input and its shift by one (one causal document per row: the same
+    attention as partrain's)."""
     import numpy as np
     import torch
     from torchtitan.components.dataloader import BaseDataLoader
@@ -83,27 +77,20 @@ def _loader_class():
     from partrain.data.tokens import load_tokens
 
     class TokenDirLoader(BaseDataLoader):
-        @dataclass(kw_only=True, slots=True)
-        class Config(BaseDataLoader.Config):
-            pass
-
-        def __init__(self, config, *, dp_world_size: int, dp_rank: int, tokenizer, seq_len: int,
-                     local_batch_size: int, **kwargs):
-            self.ids = np.asarray(load_tokens(SimpleNamespace(
-                source="tokens", path=config.dataset_path)).train)
-            self.seq, self.batch, self.offset = seq_len, local_batch_size, 0
+        def __init__(self):
+            self.ids = np.asarray(load_tokens(SimpleNamespace(source="tokens", path=path)).train)
+            self.offset = 0
 
         def __iter__(self):
-            window = self.seq + 1
+            window = seq + 1
             while True:
-                if self.offset + self.batch * window > len(self.ids):
+                if self.offset + batch * window > len(self.ids):
                     self.offset = 0
-                rows = self.ids[self.offset:self.offset + self.batch * window].reshape(
-                    self.batch, window).astype(np.int64)
-                self.offset += self.batch * window
+                rows = self.ids[self.offset:self.offset + batch * window].reshape(
+                    batch, window).astype(np.int64)
+                self.offset += batch * window
                 rows = torch.from_numpy(rows)
-                positions = torch.arange(self.seq).expand(self.batch, -1)
-                yield {"input": rows[:, :-1], "positions": positions}, rows[:, 1:]
+                yield {"input": rows[:, :-1]}, rows[:, 1:]
 
         def state_dict(self):
             return {"offset": self.offset}
@@ -111,50 +98,45 @@ def _loader_class():
         def load_state_dict(self, state_dict):
             self.offset = state_dict["offset"]
 
-    return TokenDirLoader
+    return TokenDirLoader()
 
 
-def torchtitan_config(tokens: Path, work: Path, steps: int, global_batch: int, micro_batch: int,
-                      ckpt: str, cuda_graphs: bool = True):
-    """torchtitan's Trainer.Config for the run: its llama3 "1B" flavor untied, compiled (model and
-    loss), bf16 autocast on one GPU, its CUDA graphs as it defaults (or not), our token dir, no
-    checkpoints, validation or profiling."""
-    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
-    from torchtitan.components.metrics import MetricsProcessor
-    from torchtitan.components.optimizer import default_adamw
-    from torchtitan.config import CompileConfig, TrainingConfig
-    from torchtitan.distributed.activation_checkpoint import FullAC
-    from torchtitan.models.common.config_utils import decoder_vocab_size
-    from torchtitan.models.llama3 import model_registry
-    from torchtitan.trainer import Trainer
-
-    spec = model_registry("1B")
-    spec.model.enable_weight_tying = False  # its "1B" ties the head to the embedding; ours: not
-    return Trainer.Config(
-        loss=ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(
-            global_vocab_size=decoder_vocab_size(spec))),
-        hf_assets_path=str(_tokenizer_dir(work)),
-        model_spec=spec,
-        optimizer=default_adamw(lr=3e-4),
-        training=TrainingConfig(local_batch_size=micro_batch, global_batch_size=global_batch,
-                                seq_len=SEQ, steps=steps, disable_cuda_graphs=not cuda_graphs),
-        dataloader=_loader_class().Config(dataset_path=str(tokens)),
-        metrics=MetricsProcessor.Config(log_freq=1),
-        activation_checkpoint=FullAC.Config() if ckpt == "full" else None,
-        compile=CompileConfig(enable=True, components=["model", "loss"]),
-        dump_folder=str(work / "torchtitan"),
-    )
+FLAVOR = "partrain-1B"
+SPEC = "llama3_partrain"
 
 
-def _tokenizer_dir(work: Path) -> Path:
-    """torchtitan builds a tokenizer from hf_assets_path even when the loader needs none: an
-    empty BPE one (the loader reads ids)."""
-    from tokenizers import Tokenizer, models
+def register_spec() -> None:
+    """torchtitan's llama3 train spec with the Llama-3.2-1B shape as a flavor (0.2.2 ships 8B and
+    up: dim 2048, 16 layers, 32 heads, 8 kv heads, ffn 1.5 x 2/3 x 4 x dim rounded up to 256 =
+    8192, rope theta 500,000, SDPA, untied), our token-dir loader and no tokenizer."""
+    import dataclasses
 
-    path = work / "tokenizer"
-    path.mkdir(parents=True, exist_ok=True)
-    Tokenizer(models.BPE()).save(str(path / "tokenizer.json"))
-    return path
+    from torchtitan.models.llama3 import TransformerModelArgs
+    from torchtitan.protocols.train_spec import get_train_spec, register_train_spec
+
+    base = get_train_spec("llama3")
+    args = TransformerModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+                                vocab_size=128256, multiple_of=256, ffn_dim_multiplier=1.5,
+                                rope_theta=500000, attn_type="sdpa")
+    register_train_spec(SPEC, dataclasses.replace(
+        base, model_args={FLAVOR: args}, build_tokenizer_fn=None, build_validator_fn=None,
+        build_dataloader_fn=lambda *, job_config, **_: _loader(
+            job_config.training.dataset_path, job_config.training.seq_len,
+            job_config.training.local_batch_size)))
+
+
+def torchtitan_args(tokens: Path, work: Path, steps: int, global_batch: int, micro_batch: int,
+                    ckpt: str) -> list[str]:
+    """torchtitan's command line for the run: compiled (model and loss), bf16 autocast on one GPU
+    (its single-device mixed precision), AdamW at a constant 3e-4, no checkpoints or profiling."""
+    return ["--model.name", SPEC, "--model.flavor", FLAVOR,
+            "--training.dataset_path", str(tokens), "--training.seq_len", str(SEQ),
+            "--training.local_batch_size", str(micro_batch),
+            "--training.global_batch_size", str(global_batch), "--training.steps", str(steps),
+            "--training.mixed_precision_param", "bfloat16",
+            "--optimizer.lr", "3e-4", "--lr_scheduler.warmup_steps", "0",
+            "--activation_checkpoint.mode", ckpt, "--compile.enable",
+            "--metrics.log_freq", "1", "--job.dump_folder", str(work / "torchtitan")]
 
 
 LOG = re.compile(r"step:\s*(\d+).*?loss:\s*([\d.]+).*?tps:\s*([\d,]+).*?mfu:\s*([\d.]+)%")
@@ -168,16 +150,24 @@ def torchtitan_worker(spec: dict) -> dict:
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
-    config = torchtitan_config(Path(spec["tokens"]), Path(spec["work"]), spec["steps"],
-                               spec["global_batch"], spec["micro_batch"], spec["ckpt"],
-                               spec["cuda_graphs"])
+    from torchtitan.config import ConfigManager
+
+    register_spec()
+    config = ConfigManager().parse_args(torchtitan_args(
+        Path(spec["tokens"]), Path(spec["work"]), spec["steps"], spec["global_batch"],
+        spec["micro_batch"], spec["ckpt"]))
     if spec["dry_run"]:
-        loader = config.dataloader.build(dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=SEQ,
-                                         local_batch_size=spec["micro_batch"])
+        from torchtitan.protocols.train_spec import get_train_spec
+
+        train_spec = get_train_spec(config.model.name)
+        loader = train_spec.build_dataloader_fn(dp_world_size=1, dp_rank=0, tokenizer=None,
+                                                job_config=config)
         inputs, labels = next(iter(loader))
+        args = train_spec.model_args[config.model.flavor]
         return {"dry_run": True, "input": list(inputs["input"].shape),
                 "labels_shift_ok": bool((inputs["input"][:, 1:] == labels[:, :-1]).all()),
-                "flavor": config.model_spec.flavor, "ckpt": spec["ckpt"]}
+                "flavor": config.model.flavor, "ckpt": config.activation_checkpoint.mode,
+                "compile": config.compile.enable, "dim": args.dim, "layers": args.n_layers}
     lines = []
 
     class Keep(logging.Handler):
@@ -190,15 +180,15 @@ def torchtitan_worker(spec: dict) -> dict:
     logging.getLogger().addHandler(Keep())
     # torchtitan resets the peak after every logged step; the run's peak is what is compared
     from torchtitan.components.metrics import DeviceMemoryMonitor
+    from torchtitan.train import Trainer
 
     DeviceMemoryMonitor.reset_peak_stats = lambda self: None
     start = time.perf_counter()
-    trainer = config.build()
+    trainer = Trainer(config)
     try:
         trainer.train()
     finally:
-        if hasattr(trainer, "close"):
-            trainer.close()
+        trainer.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     steps = []
@@ -221,7 +211,7 @@ def run_torchtitan(args, tokens: Path, work: Path) -> dict:
         port = s.getsockname()[1]
     spec = {"tokens": str(tokens), "work": str(work), "steps": args.steps, "port": port,
             "global_batch": args.global_batch, "micro_batch": args.micro_batch,
-            "ckpt": args.ckpt, "dry_run": args.dry_run, "cuda_graphs": not args.no_cuda_graphs}
+            "ckpt": args.ckpt, "dry_run": args.dry_run}
     env = dict(os.environ)
     if args.site:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(args.site),

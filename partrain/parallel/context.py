@@ -128,6 +128,15 @@ def _fused_on_cuda(q) -> bool:
     return q.device.type == "cuda" and FUSED_ON_CUDA
 
 
+def _bshd(x):
+    """x (batch, heads, seq, dim) laid out as (batch, seq, heads, dim) in memory: the layout the
+    CUDA memory-efficient kernel's backward assumes for its output and output gradient (it takes
+    their batch and head strides and derives the sequence stride as heads x dim). A (batch, heads,
+    seq, dim)-contiguous output is read out of bounds there: wrong gradients, then an illegal
+    memory access at seq 8192 on an H200 (torch 2.11). The forward gets the same layout."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def _block_forward(q, k, v, causal: bool, scale: float):
     """One block's attention and its log-sum-exp, (out, lse), lse in fp32. On CPU torch's fused
     flash kernel (the one SDPA runs) returns both, on CUDA its memory-efficient kernel (whose
@@ -135,7 +144,7 @@ def _block_forward(q, k, v, causal: bool, scale: float):
     out."""
     if _fused_on_cuda(q):
         out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q.contiguous(), k.contiguous(), v.contiguous(), None, True, 0.0, causal, scale=scale)
+            _bshd(q), _bshd(k), _bshd(v), None, True, 0.0, causal, scale=scale)
         return out, lse[..., :q.shape[2]]
     if q.device.type == "cpu" and FUSED_ON_CPU:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -150,9 +159,8 @@ def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     if _fused_on_cuda(q):
         unused = torch.zeros((), dtype=torch.long, device=q.device)  # dropout's seed and offset
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), None,
-            out.contiguous(), lse.contiguous(), unused, unused, 0.0, [True, True, True, False],
-            causal, scale=scale)
+            _bshd(dout), _bshd(q), _bshd(k), _bshd(v), None, _bshd(out), lse.contiguous(),
+            unused, unused, 0.0, [True, True, True, False], causal, scale=scale)
         return dq, dk, dv
     if q.device.type == "cpu" and FUSED_ON_CPU:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(

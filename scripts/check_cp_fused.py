@@ -3,7 +3,7 @@
 Issue 33, point 5. The ring (partrain/parallel/context.py) computes each key/value block through
 a fused kernel of torch's that returns the log-sum-exp (CUDA: the memory-efficient kernel, in
 the inputs' dtype; CPU: the flash kernel), or, switched off, through the softmax written out in
-fp32 (the default on CUDA until this check has passed on a GPU: then turn FUSED_ON_CUDA on).
+fp32 (FUSED_ON_CUDA off: the ring as it ran before this check passed on an H200, issue 33).
 This holds one against the other:
 
   block    one block, causal and full, forward (output and log-sum-exp) and backward (dq, dk,
@@ -12,7 +12,10 @@ This holds one against the other:
            1e-5 (fp32) and 1e-3 (bf16); a bf16 row also passes when it is no worse than twice
            the same math written out in bf16 (its outputs' own rounding, 8 significant bits)
   ring     the whole ring on a one-rank group (both zigzag chunks: a causal, a full and a causal
-           block merged), forward and backward, fused against written-out and against SDPA
+           block merged), forward and backward, fused against written-out and against SDPA in
+           fp32; a bf16 row also passes when the fused ring is no further from fp32 SDPA than
+           twice torch's own SDPA run in bf16 (both ring paths return bf16: rounding the output
+           alone moves the largest value by up to 2^-9 of it, above the 1e-3 bound)
   time     one causal block's forward + backward at each --seq, fused against written-out
            (bf16 fused; written-out in fp32 as the ring runs it), where the written-out scores
            fit in memory
@@ -107,18 +110,31 @@ def ring_check(device: str, dtype, seq: int, heads: int, dim: int) -> dict:
         out = context.ring_attention(*leaves, group)
         out.backward(dout)
         results[name] = [out.detach(), *(t.grad for t in leaves)]
-    leaves = [t.float().clone().requires_grad_() for t in (q, k, v)]
-    out = F.scaled_dot_product_attention(*leaves, is_causal=True)
-    out.backward(dout.float())
-    sdpa = [out.detach(), *(t.grad for t in leaves)]
+    def sdpa(work) -> list:
+        leaves = [t.to(work).clone().requires_grad_() for t in (q, k, v)]
+        out = F.scaled_dot_product_attention(*leaves, is_causal=True)
+        out.backward(dout.to(work))
+        return [out.detach(), *(t.grad for t in leaves)]
+
+    reference = sdpa(torch.float32)
     names = ("out", "dq", "dk", "dv")
     row = {"dtype": str(dtype).removeprefix("torch."), "seq": seq,
            "fused_vs_written_out": {n: gap(a, b) for n, a, b in
                                     zip(names, results["fused"], results["written-out"])},
-           "fused_vs_sdpa": {n: gap(a, b) for n, a, b in zip(names, results["fused"], sdpa)}}
+           "fused_vs_sdpa": {n: gap(a, b) for n, a, b in
+                             zip(names, results["fused"], reference)}}
     row["worst"] = max(row["fused_vs_written_out"].values())
     row["bound"] = BOUNDS[dtype]
     row["ok"] = row["worst"] <= row["bound"]
+    if dtype != torch.float32:
+        # Both ring paths return `dtype`, whose rounding alone moves the largest value by up to
+        # half a unit in the last place (2^-9 of it in bf16, above the 1e-3 bound): the yardstick
+        # is torch's own SDPA in `dtype` against the fp32 reference. The fused ring passes when
+        # it is no further from that reference than twice SDPA's own distance.
+        row["sdpa_in_dtype_vs_sdpa"] = {n: gap(a, b) for n, a, b in
+                                        zip(names, sdpa(dtype), reference)}
+        baseline = max(row["sdpa_in_dtype_vs_sdpa"].values())
+        row["ok"] = row["ok"] or max(row["fused_vs_sdpa"].values()) <= 2 * baseline
     return row
 
 
@@ -200,6 +216,9 @@ def main(argv=None) -> None:
         for r in report[kind]:
             base = r.get("written_out_in_dtype_worst")
             base = f", written out in {r['dtype']}: {base:.2e}" if base is not None else ""
+            if "sdpa_in_dtype_vs_sdpa" in r:
+                base = (f"; against fp32 SDPA: fused {max(r['fused_vs_sdpa'].values()):.2e}, "
+                        f"SDPA in {r['dtype']} {max(r['sdpa_in_dtype_vs_sdpa'].values()):.2e}")
             print(f"{kind:<6} {r['dtype']:<9} seq {r['seq']:>6}: worst {r['worst']:.2e} "
                   f"(bound {r['bound']:g}{base}) {'ok' if r['ok'] else 'OVER'}")
     for r in report["time"]:

@@ -12,6 +12,7 @@
 #   check  scripts/gpu_check.py: ddp, ddp + compile, fsdp2, zero3, zero3 + nvme
 #   side   scripts/gpu_side_by_side.py: partrain against torchtitan, no checkpointing
 #   full   the same with full activation checkpointing
+#   prof   both trainers profiled (torch.profiler, 3 steps after the warm-up): where the time goes
 #   mb8    partrain alone at micro-batch 8 (one micro-batch a step): point 2's micro-batch size
 #   pp     scripts/bench_pp.py on the machine's 16 CPU cores (no GPU needed: last, if time is left)
 #   pp-bg  the same in the background on cores 0 and 1 (one pinned rank each), every later stage
@@ -22,7 +23,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
     $(ls .whl/*.whl) || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DS_BUILD_OPS=0
 python3 -c "import torch, partrain, deepspeed, torchtitan; print(torch.__version__, torch.cuda.get_device_name(0))"
@@ -41,6 +42,8 @@ for spec in "$@"; do
             > "$OUT/side.json" 2> "$OUT/side.log" ;;
         full) run python3 scripts/gpu_side_by_side.py --site /tmp/site --work /tmp/gpuwork --ckpt full --json \
             > "$OUT/full.json" 2> "$OUT/full.log" ;;
+        prof) run python3 scripts/gpu_side_by_side.py --site /tmp/site --work /tmp/gpuwork --profile \
+            --json > "$OUT/prof.json" 2> "$OUT/prof.log" ;;
         mb8) run python3 scripts/gpu_side_by_side.py --site /tmp/site --work /tmp/gpuwork --only partrain \
             --micro-batch 8 --json > "$OUT/mb8.json" 2> "$OUT/mb8.log" ;;
         pp) run python3 scripts/bench_pp.py --json > "$OUT/pp.json" 2> "$OUT/pp.log" ;;

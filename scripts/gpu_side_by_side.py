@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_check  # noqa: E402
 
 SEQ = 2048
+PROFILE_STEPS = 3
 MARK = "side-by-side result: "
 
 
@@ -56,6 +57,10 @@ def parse_args(argv=None):
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--ckpt", choices=("none", "full"), default="none")
     ap.add_argument("--only", choices=("partrain", "torchtitan"))
+    ap.add_argument("--profile", action="store_true",
+                    help="torch.profiler over PROFILE_STEPS steps after the warm-up, in both "
+                         "trainers (partrain's train.profile_start): each one's table of the "
+                         "kernels that took the GPU's time, on stderr and in the JSON")
     ap.add_argument("--corpus-mb", type=int, default=48)
     ap.add_argument("--work", type=Path)
     ap.add_argument("--dry-run", action="store_true")
@@ -185,6 +190,22 @@ def torchtitan_worker(spec: dict) -> dict:
     DeviceMemoryMonitor.reset_peak_stats = lambda self: None
     start = time.perf_counter()
     trainer = Trainer(config)
+    profiler = None
+    if spec["profile_start"]:
+        # partrain's own profiler window around torchtitan's steps: the same table for both
+        from partrain.observe.profile import StepProfiler
+
+        profiler = StepProfiler(Path(spec["work"]) / "torchtitan", 0, trainer.device,
+                                spec["profile_start"], PROFILE_STEPS)
+        step_once = trainer.train_step
+
+        def train_step(data_iterator):
+            profiler.begin(trainer.step)
+            began = time.perf_counter()
+            step_once(data_iterator)  # its metrics line reads the loss: the step is done
+            profiler.end(trainer.step, time.perf_counter() - began)
+
+        trainer.train_step = train_step
     try:
         trainer.train()
     finally:
@@ -197,8 +218,11 @@ def torchtitan_worker(spec: dict) -> dict:
         if m:
             steps.append({"step": int(m[1]), "loss": float(m[2]),
                           "tokens_per_s": float(m[3].replace(",", "")), "mfu": float(m[4]) / 100})
-    return {"steps": steps, "memory_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "wall_s": time.perf_counter() - start}
+    result = {"steps": steps, "memory_gib": torch.cuda.max_memory_allocated() / 2**30,
+              "wall_s": time.perf_counter() - start}
+    if profiler is not None and profiler.path.with_suffix(".txt").exists():
+        result["profile"] = profiler.path.with_suffix(".txt").read_text()
+    return result
 
 
 # ---- the comparison ------------------------------------------------------------------------
@@ -211,7 +235,8 @@ def run_torchtitan(args, tokens: Path, work: Path) -> dict:
         port = s.getsockname()[1]
     spec = {"tokens": str(tokens), "work": str(work), "steps": args.steps, "port": port,
             "global_batch": args.global_batch, "micro_batch": args.micro_batch,
-            "ckpt": args.ckpt, "dry_run": args.dry_run}
+            "ckpt": args.ckpt, "dry_run": args.dry_run,
+            "profile_start": args.warmup + 1 if args.profile else 0}
     env = dict(os.environ)
     if args.site:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(args.site),
@@ -230,9 +255,12 @@ def run_torchtitan(args, tokens: Path, work: Path) -> dict:
         return {"case": "torchtitan", "failed": "no step logged after the warm-up",
                 "log": (res.stdout + res.stderr)[-4000:]}
     mean = lambda key: sum(s[key] for s in steady) / len(steady)  # noqa: E731
-    return {"case": "torchtitan", "tokens_per_s": mean("tokens_per_s"), "mfu_own": mean("mfu"),
-            "memory_gib": result["memory_gib"], "loss_first": result["steps"][0]["loss"],
-            "loss_last": result["steps"][-1]["loss"], "wall_s": result["wall_s"]}
+    row = {"case": "torchtitan", "tokens_per_s": mean("tokens_per_s"), "mfu_own": mean("mfu"),
+           "memory_gib": result["memory_gib"], "loss_first": result["steps"][0]["loss"],
+           "loss_last": result["steps"][-1]["loss"], "wall_s": result["wall_s"]}
+    if "profile" in result:
+        row["profile"] = result["profile"]
+    return row
 
 
 def run_partrain(args, tokens: Path, work: Path) -> dict:
@@ -244,8 +272,15 @@ def run_partrain(args, tokens: Path, work: Path) -> dict:
         planned = gpu_check.plan(overrides)
         return {"case": "partrain", "dry_run": True,
                 "flops_per_token": planned["model"]["flops_per_token"]}
-    row = gpu_check.run_case(f"partrain ckpt {args.ckpt}", overrides, work, args.warmup)
+    if args.profile:
+        overrides += [f"train.profile_start={args.warmup + 1}",
+                      f"train.profile_steps={PROFILE_STEPS}"]
+    name = f"partrain ckpt {args.ckpt}"
+    row = gpu_check.run_case(name, overrides, work, args.warmup)
     row["case"] = "partrain"
+    table = work / name.replace(" ", "_") / "profile" / "rank-0.txt"
+    if args.profile and table.exists():
+        row["profile"] = table.read_text()
     row["flops_per_token"] = gpu_check.plan(overrides)["model"]["flops_per_token"]
     return row
 
@@ -272,7 +307,9 @@ def main(argv=None) -> None:
         for name in [args.only] if args.only else ["partrain", "torchtitan"]:
             run = run_partrain if name == "partrain" else run_torchtitan
             rows.append(run(args, tokens, work))
-            print(json.dumps(rows[-1]), flush=True)
+            print(json.dumps({k: v for k, v in rows[-1].items() if k != "profile"}), flush=True)
+            if "profile" in rows[-1]:
+                print(f"{name}, profiled:\n{rows[-1]['profile']}", file=sys.stderr, flush=True)
     ours = next((r for r in rows if r["case"] == "partrain" and "tokens_per_s" in r), None)
     theirs = next((r for r in rows if r["case"] == "torchtitan" and "tokens_per_s" in r), None)
     report = {"gpu": gpu, "torch": torch.__version__, "ckpt": args.ckpt, "rows": rows}

@@ -263,6 +263,11 @@ class TrainConfig:
     metrics.jsonl, and memory_cuda_peak_bytes (max_memory_allocated) on CUDA (slows that step)."""
     trace: bool = False
     """Write trace.json (Chrome trace events, one track per rank) to the run dir."""
+    profile_start: int = 0
+    """torch.profiler from this optimizer step (0 = off) over train.profile_steps steps: each
+    rank's Chrome trace and top-operator table in RUN_DIR/profile/."""
+    profile_steps: int = 3
+    """Steps the profiler records, from train.profile_start."""
     tensorboard: bool = False
     """TensorBoard event files in RUN_DIR/tensorboard/ (needs partrain[tensorboard])."""
     wandb: str = "off"

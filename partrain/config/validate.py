@@ -165,13 +165,15 @@ def _check_each_key(cfg: DictConfig) -> None:
                     "model.vocab_size", "model.max_seq_len", "train.seq_len", "train.max_steps",
                     "train.global_batch_size", "train.micro_batch_size", "train.micro_batches",
                     "train.log_every", "train.eval_batches", "train.max_skipped_steps",
+                    "train.profile_steps",
                     "model.multiple_of",
                     "model.ffn_dim", "data.stdlib_max_bytes", "checkpoint.keep",
                     "model.rope_original_max_seq_len"])
     if cfg.model.n_layers > MAX_LAYERS:
         raise ConfigError(f"model.n_layers={cfg.model.n_layers} exceeds {MAX_LAYERS}, the most "
                           "partrain builds or plans (published decoders have a few hundred)")
-    _at_least_zero(cfg, ["train.seed", "train.eval_every", "optim.warmup_steps",
+    _at_least_zero(cfg, ["train.seed", "train.eval_every", "train.profile_start",
+                         "optim.warmup_steps",
                          "optim.weight_decay", "checkpoint.every"])
     _in_range(cfg, "optim.beta1", 0.0, 1.0, "[0, 1)")
     _in_range(cfg, "optim.beta2", 0.0, 1.0, "[0, 1)")
@@ -191,6 +193,11 @@ def _check_each_key(cfg: DictConfig) -> None:
     choice("optim.schedule", cfg.optim.schedule, LR_SCHEDULES)
     choice("train.wandb", cfg.train.wandb, WANDB_MODES)
     choice("model.rope_type", cfg.model.rope_type, ROPE_TYPES)
+    t = cfg.train
+    if t.profile_start and t.profile_start + t.profile_steps - 1 > t.max_steps:
+        raise ConfigError(
+            f"train.profile_start={t.profile_start} with train.profile_steps={t.profile_steps} "
+            f"ends after train.max_steps={t.max_steps}: the profiled steps must all be run")
     m = cfg.model
     if not m.rope_high_freq_factor > m.rope_low_freq_factor:
         raise ConfigError(f"model.rope_high_freq_factor={m.rope_high_freq_factor} must be "

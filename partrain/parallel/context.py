@@ -10,9 +10,8 @@ whole causal prefix, which the cp ranks exchange. Two methods:
   matrix. The backward runs the ring again, recomputing each block's probabilities from the
   saved log-sum-exp; the key/value gradients travel with their block and arrive back at its
   owner after the last step. A block is computed by a fused kernel of torch's that returns the
-  log-sum-exp (on CPU the flash kernel SDPA runs there; on CUDA, once FUSED_ON_CUDA is on, the
-  memory-efficient one, in the inputs' dtype, merged in fp32) and by the written-out softmax
-  elsewhere.
+  log-sum-exp (on CPU the flash kernel SDPA runs there; on CUDA the memory-efficient one, in the
+  inputs' dtype, merged in fp32) and by the written-out softmax elsewhere.
 - `all_to_all` (DeepSpeed-Ulysses): one all-to-all turns the sequence split into a head split,
   each rank runs ordinary causal attention over the whole sequence for 1/cp of the heads, and one
   all-to-all turns it back. Heads and kv heads must divide by cp.
@@ -38,10 +37,12 @@ METHODS = ("ring", "all_to_all")
 # as on other devices (the tests run both).
 FUSED_ON_CPU = True
 # On CUDA through the memory-efficient kernel (fp32, fp16 and bf16; it returns the log-sum-exp
-# and its backward takes the merged output's); False writes the softmax out in fp32. Off until
-# scripts/check_cp_fused.py has held one against the other on a GPU (issue 33): no GPU has run
-# the fused path yet, and a wrong gradient would be silent.
-FUSED_ON_CUDA = False
+# and its backward takes the merged output's); False writes the softmax out in fp32.
+# scripts/check_cp_fused.py on an H200 (torch 2.11): the fp32 ring within 2.8e-6 of the
+# written-out one, a bf16 block closer to fp32 than the same math written out in bf16, and one
+# causal block's forward + backward 9-10x faster at 8k-16k tokens (at 32k the written-out
+# scores no longer fit).
+FUSED_ON_CUDA = True
 
 
 def zigzag_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:

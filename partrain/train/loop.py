@@ -25,6 +25,7 @@ from partrain.launch.preemption import PreemptionFlag
 from partrain.observe.hang import HangWatch, hang_limit
 from partrain.observe.memory import StepMemory, per_rank
 from partrain.observe.metrics import format_step, summary_table
+from partrain.observe.profile import StepProfiler
 from partrain.observe.trace import write_trace
 from partrain.parallel.dist import (
     attempt,
@@ -55,13 +56,19 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag,
     t = cfg.train
     history, val_losses, started = [], [], time.perf_counter()
     preempted_at = None
+    profiler = StepProfiler(run_dir, run.rank, device, t.profile_start, t.profile_steps)
     try:
         for step in range(run.first_step, t.max_steps + 1):
             watch.begin(step)
+            profiler.begin(step)
             rec = run_step(run, step)
             watch.end(step)
             history.append(rec)
             with watch.quiet():  # an evaluation or a save may take long; neither is timed
+                table = profiler.end(step, rec["step_time_s"])
+                if table is not None:
+                    log.info("profiled steps %d-%d: %s (and its Chrome trace beside it)",
+                             t.profile_start, step, table)
                 if (t.eval_every and step % t.eval_every == 0) or step == t.max_steps:
                     val_losses.append((step, run_evaluation(run, step)))
                 if save_if_due(run, step, preemption, skipped=rec.get("skipped", False)):

@@ -178,6 +178,24 @@ def test_trace_json_shows_every_rank_and_microbatch(cli, tmp_path):
 
 
 @pytest.mark.slow
+def test_profile_writes_each_ranks_trace_and_table(cli, tmp_path):
+    run_dir = tmp_path / "run"
+    res = cli.run("launch", "parallel.dp=2", "train.max_steps=4", "train.eval_every=0",
+                  "train.profile_start=2", "train.profile_steps=2", "--run-dir", str(run_dir))
+    assert res.returncode == 0, res.stderr
+    for rank in (0, 1):
+        table = (run_dir / "profile" / f"rank-{rank}.txt").read_text()
+        assert table.startswith("steps 2-3: ") and "aten::mm" in table, table[:2000]
+        trace = json.loads((run_dir / "profile" / f"rank-{rank}.json").read_text())
+        names = {e["name"] for e in trace["traceEvents"]}
+        # Both steps' forward, DDP's all-reduce and the optimizer, named as torch names them.
+        assert {"aten::mm", "gloo:all_reduce", "Optimizer.step#AdamW.step"} <= names
+        steps = [e for e in trace["traceEvents"] if e["name"] == "Optimizer.step#AdamW.step"]
+        assert len(steps) == 2
+    assert "profiled steps 2-3" in (run_dir / "logs" / "rank-0.log").read_text()
+
+
+@pytest.mark.slow
 def test_measured_memory_matches_the_plan(cli, tmp_path):
     """train.measure_memory writes every rank's tensor-accounted peak of step 2; `plan`'s memory
     model predicts it within 10% (scripts/bench_memory.py holds 17 layouts to the same). pp2 with

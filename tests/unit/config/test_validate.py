@@ -439,6 +439,10 @@ GAPS = [
     ("model.rope_high_freq_factor=1", "llama3 scaling blends over high - low = 0: inf/nan"),
     ("model.rope_original_max_seq_len=0", "llama3 wavelength bounds of zero"),
     ("train.wandb=yes", "wandb.init rejects the mode in rank 0 after the others started"),
+    ("train.profile_start=-2", "the profiler would never start: no profile, no word of it"),
+    ("train.profile_steps=0", "the profiler would start and never stop: no files written"),
+    ("train.profile_start=1000000", "the window starts past max_steps: the profile is never "
+     "written"),
 ]
 
 

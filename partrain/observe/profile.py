@@ -1,0 +1,59 @@
+"""train.profile_start / train.profile_steps: torch.profiler over a window of optimizer steps.
+
+Each rank writes RUN_DIR/profile/rank-N.json (a Chrome trace: chrome://tracing or Perfetto) and
+rank-N.txt, torch's table of the operators and kernels that took the most time over the window
+(device time first on CUDA, CPU time elsewhere), with the window's wall time and, on CUDA, the
+share of it the GPU spent in kernels. torchtitan's `profiling` section and Megatron-LM's
+`--profile` do the same; the window should start after compilation and warm-up (step 1 pays
+both)."""
+
+from pathlib import Path
+
+import torch
+
+TABLE_ROWS = 30
+
+
+class StepProfiler:
+    def __init__(self, run_dir: Path, rank: int, device: torch.device, start: int, steps: int):
+        self.path = run_dir / "profile" / f"rank-{rank}"
+        self.device, self.start, self.last = device, start, start + steps - 1
+        self.prof = None
+        self.window_s = 0.0
+
+    def begin(self, step: int) -> None:
+        if self.start and step == self.start:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=activities, record_shapes=True)
+            self.prof.start()
+
+    def end(self, step: int, step_time_s: float) -> Path | None:
+        """After step `step`: the window's last step stops the profiler and writes its files
+        (returns the table's path then)."""
+        if self.prof is None:
+            return None
+        self.window_s += step_time_s
+        if step != self.last:
+            return None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.prof.stop()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.prof.export_chrome_trace(str(self.path.with_suffix(".json")))
+        table = self.path.with_suffix(".txt")
+        table.write_text(self.summary())
+        self.prof = None
+        return table
+
+    def summary(self) -> str:
+        events = self.prof.key_averages()
+        on_cuda = self.device.type == "cuda"
+        sort = "self_device_time_total" if on_cuda else "self_cpu_time_total"
+        head = [f"steps {self.start}-{self.last}: {self.window_s:.3f} s of wall time"]
+        if on_cuda:
+            kernels_us = sum(e.self_device_time_total for e in events)
+            head.append(f"GPU busy in kernels: {kernels_us / 1e6:.3f} s "
+                        f"({kernels_us / 1e6 / self.window_s:.1%} of the window)")
+        return "\n".join(head) + "\n\n" + events.table(sort_by=sort, row_limit=TABLE_ROWS) + "\n"

@@ -11,6 +11,9 @@ On the machine it runs on:
        zero2 + offload  DeepSpeedCPUAdam on the host (parallel.offload_optimizer=cpu)
        fsdp2            FSDP2 at dp=1 (parallel.zero_backend=fsdp, zero_stage=3)
        zero3 + nvme     the optimizer's state on the machine's disk (offload_optimizer=nvme)
+       float8 ...       compiled, the blocks' linears in FP8 (train.float8, torchao), tensorwise
+                        and rowwise: tokens/s against "ddp + compile" and the largest relative
+                        gap of any step's loss to its loss (--steps 200 for issue 33's figure)
   3. per case, over the steps after --warmup: tokens/s, partrain's MFU, the MFU by hand
      (plan's FLOPs per token x tokens/s / the GPU's peak), its tokens/s against ddp's, and
      torch.cuda.max_memory_allocated (metrics.jsonl's memory_gib) against `partrain plan`'s
@@ -51,7 +54,11 @@ CASES = {
     "fsdp2": ("parallel.zero_stage=3", "parallel.zero_backend=fsdp"),
     "zero3 + nvme": ("parallel.zero_stage=3", "parallel.offload_optimizer=nvme",
                      "parallel.offload_nvme_path={work}/nvme"),
+    # issue 33: FP8 against bf16, both compiled (torchao's casts fuse into the blocks)
+    "float8 tensorwise": ("train.compile=true", "train.float8=true"),
+    "float8 rowwise": ("train.compile=true", "train.float8=true", "train.float8_recipe=rowwise"),
 }
+
 
 
 def parse_args(argv=None):
@@ -120,7 +127,7 @@ def run_case(name: str, overrides: list[str], work: Path, warmup: int) -> dict:
             "mfu": mean("mfu") if "mfu" in steady[0] else None,
             "memory_gib": max(s["memory_gib"] for s in steps),
             "first_step_s": steps[0]["step_time_s"], "loss_first": steps[0]["loss"],
-            "loss_last": steps[-1]["loss"]}
+            "loss_last": steps[-1]["loss"], "losses": [s["loss"] for s in steps]}
 
 
 def main(argv=None) -> None:
@@ -158,6 +165,12 @@ def main(argv=None) -> None:
     for row in rows:
         if base and "failed" not in row:
             row["vs_ddp"] = row["tokens_per_s"] / base["tokens_per_s"]
+    bf16 = next((r for r in rows if r["case"] == "ddp + compile" and "failed" not in r), None)
+    for row in rows:
+        if bf16 and row["case"].startswith("float8") and "failed" not in row:
+            row["vs_bf16_compiled"] = row["tokens_per_s"] / bf16["tokens_per_s"]
+            row["loss_gap_vs_bf16"] = max(abs(a - b) / abs(b) for a, b in
+                                          zip(row["losses"], bf16["losses"]))
     if args.json:
         print(json.dumps({"gpu": gpu, "torch": torch.__version__, "rows": rows}, indent=1))
         return
@@ -172,6 +185,9 @@ def main(argv=None) -> None:
         print(f"{r['case']:<18}{r['tokens_per_s']:>10.0f}{r.get('vs_ddp', float('nan')):>8.3f}"
               f"{mfu:>7}{hand:>9}{r['memory_gib']:>10.2f}{r['predicted_gib']:>10.2f}"
               f"{r['memory_ratio']:>10.3f}")
+        if "vs_bf16_compiled" in r:
+            print(f"{'':<18}against ddp + compile: tokens/s {r['vs_bf16_compiled']:.3f}, "
+                  f"largest loss gap {r['loss_gap_vs_bf16']:.2%} over {len(r['losses'])} steps")
 
 
 def _line(r: dict) -> str:

@@ -258,6 +258,15 @@ class TrainConfig:
     compile: bool = False
     """torch.compile each transformer block (after tp/cp/ep/pp have rewritten it, before
     DDP/ZeRO); the first steps pay the compilation."""
+    float8: bool = False
+    """The blocks' linear layers multiply in FP8 (torchao's float8 training; needs torchao and
+    GPUs of compute capability 8.9+, e.g. H100); the head, routers and weights stay as they are.
+    Not with parallel.tp > 1 or DeepSpeed ZeRO."""
+    float8_recipe: str = "tensorwise"
+    """tensorwise | rowwise: one FP8 scale per tensor, or per row (more accurate, slower)."""
+    float8_emulate: bool = False
+    """Emulate the FP8 matmuls (torchao's emulate: the same casts, no FP8 kernels): for tests on
+    CPU, at no gain."""
     measure_memory: bool = False
     """Tensor accounting of the run's 2nd step: memory_base_bytes / memory_peak_bytes per rank in
     metrics.jsonl, and memory_cuda_peak_bytes (max_memory_allocated) on CUDA (slows that step)."""

@@ -38,6 +38,7 @@ from partrain.models.llama_hf import MODEL_TYPES as HF_MODEL_TYPES
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
+FLOAT8_RECIPES = ("tensorwise", "rowwise")  # train.float8_recipe (torchao's recipe names)
 DATA_SOURCES = ("stdlib", "tokens")
 DATA_SAMPLING = ("random", "epochs")
 OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -87,6 +88,7 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
         check_cp(cfg)
         check_moe(cfg, dp)
     check_seq_len(cfg)
+    _check_float8(cfg)
     # Single-key rules that have always come last: moving them up would change which error a
     # config with two faults reports.
     _check_data(cfg.data)
@@ -192,6 +194,7 @@ def _check_each_key(cfg: DictConfig) -> None:
     choice("optim.name", cfg.optim.name, OPTIMIZERS)
     choice("optim.schedule", cfg.optim.schedule, LR_SCHEDULES)
     choice("train.wandb", cfg.train.wandb, WANDB_MODES)
+    choice("train.float8_recipe", cfg.train.float8_recipe, FLOAT8_RECIPES)
     choice("model.rope_type", cfg.model.rope_type, ROPE_TYPES)
     t = cfg.train
     if t.profile_start and t.profile_start + t.profile_steps - 1 > t.max_steps:
@@ -251,6 +254,27 @@ def _check_model_family(cfg: DictConfig) -> None:
             f"model.qkv_bias=true with parallel.tp={p.tp} and parallel.zero_backend=fsdp: FSDP2 "
             "cannot split the tp-split q/k/v biases (1-D) again; use parallel.zero_backend="
             "deepspeed, or parallel.tp=1")
+
+
+def _check_float8(cfg: DictConfig) -> None:
+    """train.float8: refused up front where it cannot run (a CPU run without emulation) and on
+    the layouts it is not wired into (partrain's own tp linears; DeepSpeed's ZeRO)."""
+    t, p = cfg.train, cfg.parallel
+    if not t.float8:
+        return
+    if cfg.launcher.device == "cpu" and not t.float8_emulate:
+        raise ConfigError(
+            "train.float8=true with launcher.device=cpu: FP8 matmuls need GPUs of compute "
+            "capability 8.9+ (H100, H200, L40S); train.float8_emulate=true emulates them, for "
+            "tests only")
+    if p.tp > 1:
+        raise ConfigError(
+            f"train.float8=true with parallel.tp={p.tp}: FP8 is not wired into partrain's "
+            "tensor-parallel linears yet; use tp=1 (dp, FSDP2, pp, cp)")
+    if p.zero_stage > 0 and p.zero_backend == "deepspeed":
+        raise ConfigError(
+            f"train.float8=true with parallel.zero_stage={p.zero_stage} on DeepSpeed: its engine "
+            "does not take torchao's FP8 layers; use parallel.zero_backend=fsdp")
 
 
 def _check_data(d: DictConfig) -> None:

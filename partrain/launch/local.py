@@ -57,9 +57,11 @@ from partrain.observe import hang
 EXIT_OK, EXIT_RANK_FAILED, EXIT_PREEMPTED, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 1, 3, 4, 130
 # A rank's error file names its exception first. Every rank raises one of these together, and
 # the launcher says its message as the error and exits with its code: the divergence guard
-# (partrain.train.guard), its check of the state a run starts from, and the run-dir check of a
-# multi-node start (partrain.train.shared_dir).
-STOPPED = {"Diverged: ": EXIT_DIVERGED, "NonFiniteStart: ": 2, "RunDirNotShared: ": 2}
+# (partrain.train.guard), its check of the state a run starts from, the run-dir check of a
+# multi-node start (partrain.train.shared_dir), and train.float8 on GPUs without FP8
+# (partrain.parallel.float8).
+STOPPED = {"Diverged: ": EXIT_DIVERGED, "NonFiniteStart: ": 2, "RunDirNotShared: ": 2,
+           "Float8Unavailable: ": 2}
 
 
 class _AgentFailures(logging.Handler):

@@ -26,6 +26,7 @@ from partrain.models.llama import TransformerBlock
 from partrain.models.moe import MoE
 from partrain.parallel.context import apply_context_parallel
 from partrain.parallel.data import DataParallelBackend, DDPBackend, apply_data_parallel
+from partrain.parallel.float8 import apply_float8, check_float8
 from partrain.parallel.expert import apply_expert_parallel, moe_modules
 from partrain.parallel.fsdp import ExpertSharding, FSDPBackend, apply_fsdp
 from partrain.parallel.mesh import ParallelDims
@@ -77,6 +78,12 @@ def parallelize(model: torch.nn.Module, cfg, dims: ParallelDims, mesh, expert_me
         dim = model.dim if is_user_model(cfg.model) else cfg.model.dim
         model = apply_pipeline_parallel(model, mesh["pp"], p, (t.micro_batch_size, seq, dim),
                                         tracer)
+    if t.float8:
+        # FP8 linears in the blocks as cp, ep and pp left them (before compile, which fuses their
+        # casts, and before DDP or FSDP2 take them), as torchtitan orders its converters.
+        check_float8(torch.device(mesh.device_type, torch.cuda.current_device())
+                     if mesh.device_type == "cuda" else torch.device("cpu"), t.float8_emulate)
+        apply_float8(model, t.float8_recipe, t.float8_emulate)
     if t.compile:
         # The blocks as tp, cp, ep and pp left them; DDP and ZeRO then wrap the compiled blocks.
         compile_blocks(model)

@@ -31,6 +31,7 @@ from partrain.observe.trace import Tracer
 from partrain.parallel.data import DataParallelBackend
 from partrain.parallel.dist import attempt, local
 from partrain.parallel.expert import finish_moe_step, moe_modules
+from partrain.parallel.float8 import float8_linears
 from partrain.parallel.mesh import ParallelDims
 from partrain.parallel.parallelize import checkpointed_blocks, parallelize
 from partrain.train.guard import DivergenceGuard, check_finite_start
@@ -216,6 +217,8 @@ def _announce(run: Run, n_params: int, sequence_parallel: bool) -> None:
         + (f", activation checkpointing {t.activation_checkpointing} "
            f"({checkpointed_blocks(model)} blocks on rank 0)"
            if t.activation_checkpointing != "none" else "")
+        + (f", {float8_linears(model)} linear layers in FP8 ({t.float8_recipe}"
+           f"{', emulated' if t.float8_emulate else ''})" if t.float8 else "")
         + (", blocks compiled" if t.compile else ""))
     start = run.start
     if start.resume:

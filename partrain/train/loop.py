@@ -27,6 +27,7 @@ from partrain.observe.memory import StepMemory, per_rank
 from partrain.observe.metrics import format_step, summary_table
 from partrain.observe.profile import StepProfiler
 from partrain.observe.trace import write_trace
+from partrain.parallel.float8 import Float8Unavailable
 from partrain.parallel.dist import (
     attempt,
     end_distributed,
@@ -252,7 +253,7 @@ def main(run_dir: str, preemption: PreemptionFlag | None = None) -> None:
             check_shared_run_dir(run_dir, rank, local_rank, int(os.environ.get("GROUP_RANK", 0)))
         # train() returns before the clean end: model, optimizer and mesh are unreferenced.
         train(cfg, run_dir, device, preemption or PreemptionFlag(), watch)
-    except (Diverged, NonFiniteStart, RunDirNotShared) as err:
+    except (Diverged, NonFiniteStart, RunDirNotShared, Float8Unavailable) as err:
         # Every rank stops here together: end cleanly (out of the except block, whose
         # traceback still holds the run), then report.
         stopped = (type(err), str(err))

@@ -159,7 +159,7 @@ def worker(rank, a, store_path, out_path):
             micro = micro_batches(a, m)
             model.run(micro, loss_fn, nullctx)  # warm-up
             opt.zero_grad(set_to_none=True)
-            idle, replayed = [], []
+            idle, replayed, per_rank = [], [], []
             ranks = build_schedule(schedule, PP, m, v)
             for _ in range(a.steps):
                 tracer.spans.clear()
@@ -178,10 +178,17 @@ def worker(rank, a, store_path, out_path):
                 dist.all_gather_object(every, spans)
                 sim = simulate(ranks, durations=lambda r, x: every[r][f"{x.op}{x.chunk}.{x.mb}"])
                 replayed.append(sim.bubble())
+                # each rank's compute in the step, F and B: what theory assumes equal
+                per_rank.append([[sum(t for n, t in spans_r.items() if n.startswith(op))
+                                  for op in "FB"] for spans_r in every])
             result["bubble"].append({"schedule": schedule, "m": m, "v": v,
                                      "measured": statistics.median(idle),
                                      "replayed": statistics.median(replayed),
-                                     "theory": bubble_theory(schedule, PP, m, v)})
+                                     "theory": bubble_theory(schedule, PP, m, v),
+                                     # per rank, its F and B compute seconds in the step
+                                     # (medians over the steps)
+                                     "compute_s": [[statistics.median(s[r][i] for s in per_rank)
+                                                    for i in range(2)] for r in range(PP)]})
             del model, opt
 
     if rank == 0:
@@ -213,13 +220,14 @@ def main(argv=None):
     bubbles = Table(title="bubble: idle share of a step, measured from the trace vs theory; "
                           "replayed: the schedule with the measured compute times, free transfers")
     for col in ("schedule", "m", "measured", "theory", "difference", "replayed",
-                "measured - replayed"):
+                "measured - replayed", "F+B ms r0/r1"):
         bubbles.add_column(col, justify="right")
     for b in result["bubble"]:
         name = b["schedule"] + (f" (v={b['v']})" if b["v"] > 1 else "")
         bubbles.add_row(name, str(b["m"]), f"{b['measured']:.3f}", f"{b['theory']:.3f}",
                         f"{b['measured'] - b['theory']:+.3f}", f"{b['replayed']:.3f}",
-                        f"{b['measured'] - b['replayed']:+.3f}")
+                        f"{b['measured'] - b['replayed']:+.3f}",
+                        " / ".join(f"{sum(fb) * 1e3:.0f}" for fb in b["compute_s"]))
     console.print(bubbles)
 
 

@@ -60,7 +60,6 @@ CASES = {
 }
 
 
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", nargs="+", choices=list(CASES), help="some cases (default: all)")

@@ -35,7 +35,7 @@ for spec in "$@"; do
     limit=600
     [[ "$spec" == *:* ]] && limit=${spec#*:}
     start=$(date +%s)
-    run() { "${pin[@]}" timeout -k 5 "$limit" "$@"; }
+    run() { ${pin[@]+"${pin[@]}"} timeout -k 5 "$limit" "$@"; }
     case "$stage" in
         cp) run python3 scripts/check_cp_fused.py --json > "$OUT/cp.json" 2> "$OUT/cp.log" ;;
         check) run python3 scripts/gpu_check.py --work /tmp/gpuwork --only ddp "ddp + compile" fsdp2 zero3 "zero3 + nvme" \

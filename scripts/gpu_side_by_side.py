@@ -60,7 +60,9 @@ def parse_args(argv=None):
     ap.add_argument("--profile", action="store_true",
                     help="torch.profiler over PROFILE_STEPS steps after the warm-up, in both "
                          "trainers (partrain's train.profile_start): each one's table of the "
-                         "kernels that took the GPU's time, on stderr and in the JSON")
+                         "kernels that took the GPU's time, on stderr and in the JSON (the "
+                         "profiled steps are among the timed ones: take tokens/s from a run "
+                         "without it)")
     ap.add_argument("--corpus-mb", type=int, default=48)
     ap.add_argument("--work", type=Path)
     ap.add_argument("--dry-run", action="store_true")

@@ -88,7 +88,7 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
         check_cp(cfg)
         check_moe(cfg, dp)
     check_seq_len(cfg)
-    _check_float8(cfg)
+    _check_float8(cfg, b)
     # Single-key rules that have always come last: moving them up would change which error a
     # config with two faults reports.
     _check_data(cfg.data)
@@ -256,12 +256,21 @@ def _check_model_family(cfg: DictConfig) -> None:
             "deepspeed, or parallel.tp=1")
 
 
-def _check_float8(cfg: DictConfig) -> None:
-    """train.float8: refused up front where it cannot run (a CPU run without emulation) and on
-    the layouts it is not wired into (partrain's own tp linears; DeepSpeed's ZeRO)."""
+def _check_float8(cfg: DictConfig, micro_batch_size: int) -> None:
+    """train.float8: refused up front where it cannot run (a CPU run without emulation), on the
+    layouts it is not wired into (partrain's own tp linears; DeepSpeed's ZeRO), and where the
+    FP8 weight-gradient matmul cannot take the tokens (its inner size, the tokens of a
+    micro-batch on a rank, must be a multiple of 16)."""
     t, p = cfg.train, cfg.parallel
     if not t.float8:
         return
+    tokens = micro_batch_size * t.seq_len // p.cp
+    if tokens % 16:
+        raise ConfigError(
+            f"train.float8=true with {micro_batch_size} x {t.seq_len} tokens per micro-batch"
+            f"{f' over parallel.cp={p.cp}' if p.cp > 1 else ''}: {tokens} tokens on a rank, "
+            "but FP8 matmuls need a multiple of 16 (change train.micro_batch_size or "
+            "train.seq_len)")
     if cfg.launcher.device == "cpu" and not t.float8_emulate:
         raise ConfigError(
             "train.float8=true with launcher.device=cpu: FP8 matmuls need GPUs of compute "
@@ -374,6 +383,8 @@ def _warnings(cfg: DictConfig, world: World) -> list[str]:
             f"model.name={cfg.model.name} is a label only: the model trained is "
             f"model.family={cfg.model.family}; to train your own {cfg.model.name} give its "
             "builder as model.target=package.module:function (docs/models.md)")
+    if cfg.train.float8_emulate and not cfg.train.float8:
+        warnings.append("train.float8_emulate=true has no effect without train.float8=true")
     if p.sequence_parallel and p.tp == 1:
         warnings.append("parallel.sequence_parallel=true has no effect with parallel.tp=1")
     if cfg.launcher.device != "cpu" and p.tp > world.nproc_per_node:

@@ -27,9 +27,11 @@ from torch.utils.checkpoint import (
 )
 
 _aten = torch.ops.aten
-# Ops whose outputs selective checkpointing keeps: matrix products and attention kernels.
+# Ops whose outputs selective checkpointing keeps: matrix products (train.float8's too:
+# torchao's Float8Linear multiplies with _scaled_mm) and attention kernels.
 KEPT_OPS = frozenset({
     _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
+    _aten._scaled_mm.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
     _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_efficient_attention.default,

@@ -5,7 +5,8 @@ rank-N.txt, torch's table of the operators and kernels that took the most time o
 (device time first on CUDA, CPU time elsewhere), with the window's wall time and, on CUDA, the
 share of it the GPU spent in kernels. torchtitan's `profiling` section and Megatron-LM's
 `--profile` do the same; the window should start after compilation and warm-up (step 1 pays
-both)."""
+both). A resume that starts inside the window profiles the rest of it; a preemption or an error
+inside it writes what was recorded, its table saying so."""
 
 from pathlib import Path
 
@@ -19,15 +20,18 @@ class StepProfiler:
         self.path = run_dir / "profile" / f"rank-{rank}"
         self.device, self.start, self.last = device, start, start + steps - 1
         self.prof = None
+        self.first = None  # the first step recorded (a resume inside the window: its step)
         self.window_s = 0.0
 
     def begin(self, step: int) -> None:
-        if self.start and step == self.start:
+        if self.start and self.prof is None and self.first is None and \
+                self.start <= step <= self.last:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.prof = torch.profiler.profile(activities=activities, record_shapes=True)
             self.prof.start()
+            self.first = step
 
     def end(self, step: int, step_time_s: float) -> Path | None:
         """After step `step`: the window's last step stops the profiler and writes its files
@@ -35,7 +39,12 @@ class StepProfiler:
         if self.prof is None:
             return None
         self.window_s += step_time_s
-        if step != self.last:
+        return self.close(step) if step == self.last else None
+
+    def close(self, step: int) -> Path | None:
+        """Stop the profiler if it runs and write what it recorded, through step `step` (the
+        window's end, or the step a preemption or an error stopped the run at)."""
+        if self.prof is None:
             return None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -43,17 +52,21 @@ class StepProfiler:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.prof.export_chrome_trace(str(self.path.with_suffix(".json")))
         table = self.path.with_suffix(".txt")
-        table.write_text(self.summary())
+        table.write_text(self.summary(step))
         self.prof = None
         return table
 
-    def summary(self) -> str:
+    def summary(self, step: int) -> str:
         events = self.prof.key_averages()
         on_cuda = self.device.type == "cuda"
         sort = "self_device_time_total" if on_cuda else "self_cpu_time_total"
-        head = [f"steps {self.start}-{self.last}: {self.window_s:.3f} s of wall time"]
+        head = [f"steps {self.first}-{step}: {self.window_s:.3f} s of wall time"
+                + ("" if step == self.last else f" (the run stopped before step {self.last})")]
         if on_cuda:
-            kernels_us = sum(e.self_device_time_total for e in events)
+            # The kernels' own events (a CPU op also carries the time of the kernels it
+            # launched: summing both would count it twice).
+            kernels_us = sum(e.self_device_time_total for e in events
+                             if e.device_type == torch.autograd.DeviceType.CUDA)
             head.append(f"GPU busy in kernels: {kernels_us / 1e6:.3f} s "
-                        f"({kernels_us / 1e6 / self.window_s:.1%} of the window)")
+                        f"({kernels_us / 1e6 / max(self.window_s, 1e-9):.1%} of the window)")
         return "\n".join(head) + "\n\n" + events.table(sort_by=sort, row_limit=TABLE_ROWS) + "\n"

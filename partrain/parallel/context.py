@@ -134,8 +134,28 @@ def _bshd(x):
     CUDA memory-efficient kernel's backward assumes for its output and output gradient (it takes
     their batch and head strides and derives the sequence stride as heads x dim). A (batch, heads,
     seq, dim)-contiguous output is read out of bounds there: wrong gradients, then an illegal
-    memory access at seq 8192 on an H200 (torch 2.11). The forward gets the same layout."""
+    memory access at seq 8192 on an H200 (torch 2.11). The forward gets the same layout. A
+    sequence slice of a tensor already so laid out is returned as it is (the ring lays q, k, v,
+    the output and its gradient out once a step; its blocks are such slices)."""
+    b, h, s, d = x.shape
+    if x.stride(3) == 1 and x.stride(1) == d and (s == 1 or x.stride(2) == h * d):
+        return x
     return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _step_layout(x):
+    """The ring's tensors of a step as its fused CUDA blocks want them (_bshd), once a step
+    rather than once a block; as they are elsewhere."""
+    return _bshd(x) if _fused_on_cuda(x) else x
+
+
+def _lse_padded(lse):
+    """The log-sum-exp as the memory-efficient kernel's backward reads it: rows padded to a
+    multiple of 32 queries (it reads whole tiles of 32), the padding +inf as its forward writes
+    it (a padded query's probabilities are then zero). Unpadded, the last head's tile would read
+    past the tensor's end when a chunk is no multiple of 32."""
+    pad = -lse.shape[-1] % 32
+    return F.pad(lse, (0, pad), value=math.inf).contiguous() if pad else lse.contiguous()
 
 
 def _block_forward(q, k, v, causal: bool, scale: float):
@@ -160,7 +180,7 @@ def _block_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
     if _fused_on_cuda(q):
         unused = torch.zeros((), dtype=torch.long, device=q.device)  # dropout's seed and offset
         dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            _bshd(dout), _bshd(q), _bshd(k), _bshd(v), None, _bshd(out), lse.contiguous(),
+            _bshd(dout), _bshd(q), _bshd(k), _bshd(v), None, _bshd(out), _lse_padded(lse),
             unused, unused, 0.0, [True, True, True, False], causal, scale=scale)
         return dq, dk, dv
     if q.device.type == "cpu" and FUSED_ON_CPU:
@@ -181,14 +201,15 @@ class _RingAttention(torch.autograd.Function):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         groups, c, scale = q.shape[1] // k.shape[1], q.shape[2] // 2, q.shape[-1] ** -0.5
         work = q.dtype if _fused_on_cuda(q) else torch.float32  # blocks' dtype; merged in fp32
-        qf = q.to(work)
+        qf = _step_layout(q.to(work))
         out, lse = [None, None], [None, None]
         kv = torch.stack([k, v])
         for step in range(size):
             if step < size - 1:
                 incoming, works = _exchange(kv, group, rank, size)
             src = (rank - step) % size
-            keys, values = _expand(kv[0].to(work), groups), _expand(kv[1].to(work), groups)
+            keys = _step_layout(_expand(kv[0].to(work), groups))
+            values = _step_layout(_expand(kv[1].to(work), groups))
             for i, j, causal in _pairs(rank, src, size):
                 block, block_lse = _block_forward(qf[:, :, i * c:(i + 1) * c],
                                                   keys[:, :, j * c:(j + 1) * c],
@@ -216,7 +237,7 @@ class _RingAttention(torch.autograd.Function):
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         groups, c, scale = q.shape[1] // k.shape[1], q.shape[2] // 2, q.shape[-1] ** -0.5
         work = q.dtype if _fused_on_cuda(q) else torch.float32
-        qf, dout, out = q.to(work), dout.to(work), out.to(work)
+        qf, dout, out = (_step_layout(x.to(work)) for x in (q, dout, out))
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v])
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
@@ -224,7 +245,8 @@ class _RingAttention(torch.autograd.Function):
             if step < size - 1:
                 incoming, works = _exchange(kv, group, rank, size)
             src = (rank - step) % size
-            keys, values = _expand(kv[0].to(work), groups), _expand(kv[1].to(work), groups)
+            keys = _step_layout(_expand(kv[0].to(work), groups))
+            values = _step_layout(_expand(kv[1].to(work), groups))
             dk = torch.zeros(keys.shape, dtype=torch.float32, device=keys.device)
             dv = torch.zeros_like(dk)
             for i, j, causal in _pairs(rank, src, size):

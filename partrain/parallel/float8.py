@@ -4,7 +4,7 @@ input, weight and output gradient to float8_e4m3 with a scale per tensor, `tenso
 row, `rowwise`, and runs torch._scaled_mm; the weights, optimizer state and everything else stay
 as they were). As torchtitan: the output head stays in bf16 (its vocabulary-wide logits are the
 loss's precision), and so do the MoE routers and any layer whose sizes are not multiples of 16
-(the FP8 kernels' rule).
+(the FP8 kernels' rule; the tokens of a micro-batch too, which config validation checks).
 
 FP8 matmuls need a GPU of compute capability 8.9 or later (Ada and Hopper: L40S, H100, H200);
 elsewhere a run is refused on every rank (exit 2) unless train.float8_emulate asks torchao to
@@ -16,7 +16,9 @@ import torch
 from torch import nn
 
 MIN_CAPABILITY = (8, 9)
-SKIPPED = ("output", "router")  # module names (last part) left in bf16
+# Module names (their last part) left in bf16: partrain's head, a Hugging Face-style head (a
+# user's model), the MoE routers.
+SKIPPED = ("output", "lm_head", "router")
 
 
 class Float8Unavailable(Exception):
@@ -42,10 +44,9 @@ def check_float8(device: torch.device, emulate: bool) -> None:
 
 
 def _keep(module: nn.Module, fqn: str) -> bool:
-    if fqn.rsplit(".", 1)[-1] in SKIPPED:
+    if fqn.rsplit(".", 1)[-1] in SKIPPED or not isinstance(module, nn.Linear):
         return False
-    return isinstance(module, nn.Linear) and \
-        module.in_features % 16 == 0 and module.out_features % 16 == 0
+    return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
 def float8_linears(model: nn.Module) -> int:

@@ -26,8 +26,8 @@ from partrain.models.llama import TransformerBlock
 from partrain.models.moe import MoE
 from partrain.parallel.context import apply_context_parallel
 from partrain.parallel.data import DataParallelBackend, DDPBackend, apply_data_parallel
-from partrain.parallel.float8 import apply_float8, check_float8
 from partrain.parallel.expert import apply_expert_parallel, moe_modules
+from partrain.parallel.float8 import apply_float8, check_float8
 from partrain.parallel.fsdp import ExpertSharding, FSDPBackend, apply_fsdp
 from partrain.parallel.mesh import ParallelDims
 from partrain.parallel.pipeline import apply_pipeline_parallel

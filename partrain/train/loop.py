@@ -27,7 +27,6 @@ from partrain.observe.memory import StepMemory, per_rank
 from partrain.observe.metrics import format_step, summary_table
 from partrain.observe.profile import StepProfiler
 from partrain.observe.trace import write_trace
-from partrain.parallel.float8 import Float8Unavailable
 from partrain.parallel.dist import (
     attempt,
     end_distributed,
@@ -35,6 +34,7 @@ from partrain.parallel.dist import (
     init_distributed,
     pick_device,
 )
+from partrain.parallel.float8 import Float8Unavailable
 from partrain.train.assemble import Run, build
 from partrain.train.guard import Diverged, NonFiniteStart
 from partrain.train.shared_dir import RunDirNotShared, check_shared_run_dir
@@ -58,6 +58,10 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag,
     history, val_losses, started = [], [], time.perf_counter()
     preempted_at = None
     profiler = StepProfiler(run_dir, run.rank, device, t.profile_start, t.profile_steps)
+    if t.profile_start and run.first_step > t.profile_start + t.profile_steps - 1:
+        log.info("train.profile_start=%d: its steps ran before this resume; nothing profiled",
+                 t.profile_start)
+    step = run.first_step
     try:
         for step in range(run.first_step, t.max_steps + 1):
             watch.begin(step)
@@ -69,7 +73,7 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag,
                 table = profiler.end(step, rec["step_time_s"])
                 if table is not None:
                     log.info("profiled steps %d-%d: %s (and its Chrome trace beside it)",
-                             t.profile_start, step, table)
+                             profiler.first, step, table)
                 if (t.eval_every and step % t.eval_every == 0) or step == t.max_steps:
                     val_losses.append((step, run_evaluation(run, step)))
                 if save_if_due(run, step, preemption, skipped=rec.get("skipped", False)):
@@ -82,6 +86,13 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag,
         # Also on a failure: a live display left running would leave the terminal's cursor hidden.
         run.display.stop()
         run.metrics.close()
+        # A preemption or an error inside the profiled window: what it recorded is written
+        # (and a failure to write it never hides the run's own error).
+        try:
+            profiler.close(step)
+        except Exception as err:  # noqa: BLE001
+            log.warning("the profile of steps %s-%d could not be written: %s", profiler.first,
+                        step, err)
     with watch.quiet():
         finish(run, history, val_losses, time.perf_counter() - started)
     if preempted_at is not None:

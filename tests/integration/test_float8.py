@@ -2,6 +2,7 @@
 real launches; and the refusal on a machine without FP8 matmuls."""
 
 import pytest
+import torch
 
 from tests.integration.conftest import read_metrics
 
@@ -11,21 +12,24 @@ pytestmark = pytest.mark.slow
 
 
 def test_fp8_trains_beside_the_same_run_without(cli, tmp_path):
-    """dp2 (DDP), tensorwise: every step's loss within 3% of the same run in fp32, and not equal
-    to it (the layers were swapped)."""
+    """dp2 (DDP), tensorwise: every step's loss within 1% of the same run in fp32 and its
+    gradient norm within 25%, and not equal to it (the layers were swapped). Measured: 0.08% and
+    6% at most (torchao 0.18, 2026-11-27)."""
     common = ("parallel.dp=2", "train.max_steps=12", "train.eval_every=0")
     runs = {}
     for name, extra in (("fp8", ("train.float8=true", "train.float8_emulate=true")),
                         ("plain", ())):
         res = cli.run("launch", *common, *extra, "--run-dir", str(tmp_path / name))
         assert res.returncode == 0, res.stderr
-        runs[name] = [r["loss"] for r in read_metrics(tmp_path / name)[0]]
+        runs[name] = read_metrics(tmp_path / name)[0]
         if name == "fp8":
             said = " ".join(res.stdout.split())  # the display wraps its lines
             assert "28 linear layers in FP8 (tensorwise, emulated)" in said
-    gaps = [abs(a - b) / b for a, b in zip(runs["fp8"], runs["plain"])]
-    assert len(gaps) == 12 and max(gaps) < 0.03 and max(gaps) > 0, gaps
-    assert runs["fp8"][-1] < runs["fp8"][0] - 0.5
+    def gaps(key):
+        return [abs(a[key] - b[key]) / b[key] for a, b in zip(runs["fp8"], runs["plain"])]
+    assert len(gaps("loss")) == 12 and 0 < max(gaps("loss")) < 0.01, gaps("loss")
+    assert max(gaps("grad_norm")) < 0.25, gaps("grad_norm")
+    assert runs["fp8"][-1]["loss"] < runs["fp8"][0]["loss"] - 0.5
 
 
 def test_fp8_rowwise_under_fsdp2_pp_and_cp(cli, tmp_path):
@@ -42,6 +46,7 @@ def test_fp8_rowwise_under_fsdp2_pp_and_cp(cli, tmp_path):
     assert len(losses) == 6 and losses[-1] < losses[0] - 0.5, losses
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU is the case")
 def test_no_fp8_matmuls_exits_2_on_every_rank(cli, tmp_path):
     """launcher.device=auto on a machine without a GPU: the workers find no FP8 and the launcher
     says so, exit 2, no traceback, nothing left running."""

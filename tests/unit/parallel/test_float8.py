@@ -72,6 +72,8 @@ def test_no_fp8_hardware_is_refused_clearly():
     (["train.float8=true", "train.float8_emulate=true", "parallel.dp=2",
       "parallel.zero_stage=2"], "zero_backend=fsdp"),
     (["train.float8_recipe=blockwise"], "train.float8_recipe"),
+    (["train.float8=true", "train.float8_emulate=true", "train.seq_len=100",
+      "train.micro_batch_size=2"], "200 tokens on a rank, but FP8 matmuls need a multiple of 16"),
 ])
 def test_float8_settings_it_cannot_run_are_config_errors(overrides, rule):
     with pytest.raises(ConfigError, match=rule) as info:

@@ -257,7 +257,7 @@ class TrainConfig:
     positions are not restarted (rotary: the same scores). Not with parallel.cp > 1."""
     compile: bool = False
     """torch.compile each transformer block (after tp/cp/ep/pp have rewritten it, before
-    DDP/ZeRO); the first steps pay the compilation."""
+    DDP/ZeRO) and the loss (without tp); the first steps pay the compilation."""
     float8: bool = False
     """The blocks' linear layers multiply in FP8 (torchao's float8 training; needs torchao and
     GPUs of compute capability 8.9+, e.g. H100); the head, routers and weights stay as they are.

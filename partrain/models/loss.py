@@ -9,8 +9,16 @@ sums torch's own cross-entropy over chunks of tokens, and the backward writes th
 gradient in their dtype, one chunk's fp32 softmax at a time. The math is the same fp32 math;
 only the order of the final sum differs. On CPU it runs at 0.9-1.4x the speed of the whole
 `F.cross_entropy` (2,048 tokens x 32,000 and 1,024 x 256, fp32 and bf16).
+With train.compile the loss is `compiled_cross_entropy()` instead: torch.compile of the plain
+fp32 cross-entropy, which inductor turns into kernels that never write the fp32 logits either
+(the forward reads the logits for their log-sum-exp; the backward writes their gradient in
+their dtype in one pass), as torchtitan compiles its loss with the model. On CPU, 4,096 tokens x
+32,000 in bf16, forward and backward: 0.30 s against the chunked one's 1.01 s, and 250 MiB at
+its peak beyond the logits (their gradient) against 994 MiB.
 (Under tp the loss is parallel/tensor.py's vocab_parallel_cross_entropy.)
 """
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +50,16 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             p[torch.arange(p.shape[0], device=p.device), target[rows]] -= 1.0
             grad[rows].copy_(p.mul_(scale))
         return grad, None, None
+
+
+def _plain_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, -2).float(), target.flatten())
+
+
+@functools.cache
+def compiled_cross_entropy():
+    """The mean cross-entropy in fp32 through torch.compile (one compiled function a process)."""
+    return torch.compile(_plain_cross_entropy)
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor,

@@ -156,15 +156,18 @@ def activations(model_cfg, blocks: list[int], s: Shape, tokens: int, in_flight: 
             "backward_bytes": (recompute + (hidden + s.dim) * act_bytes) * tokens}
 
 
-def loss_bytes(model_cfg, tp: int, tokens: int, act_bytes: int) -> int:
+def loss_bytes(model_cfg, tp: int, tokens: int, act_bytes: int, compiled: bool = False) -> int:
     """The loss at its peak, in the backward of a micro-batch. Vocabulary-parallel (tp > 1), per
     vocabulary / tp entry of a token: the fp32 softmax kept by the forward, its gradient and the
     fp32 logits' gradient, 12 bytes. Otherwise models/loss.py's chunked cross-entropy: the logits
     it keeps and their gradient, in the compute dtype, and one chunk's fp32 softmax (4 bytes an
-    entry of the chunk; 8 while a compute-dtype chunk's fp32 copy is made)."""
+    entry of the chunk; 8 while a compute-dtype chunk's fp32 copy is made); compiled
+    (train.compile), the logits and their gradient alone."""
     vocab = model_cfg.vocab_size // tp
     if tp > 1:
         return 12 * vocab * tokens
+    if compiled:
+        return 2 * act_bytes * vocab * tokens
     chunk = min(tokens, max(1, CHUNK_ELEMENTS // vocab))
     return 2 * act_bytes * vocab * tokens + (4 if act_bytes == 4 else 8) * vocab * chunk
 
@@ -225,7 +228,9 @@ def memory_per_stage(cfg, dims, stages: list[dict], dtype: str, simulate: bool =
         acts = activations(cfg.model, blocks, s, tokens, in_flight[rank] / v,
                            t.activation_checkpointing, act_bytes)
         last = any(st["head"] for st in own)
-        loss = loss_bytes(cfg.model, dims.tp, tokens, act_bytes) if last else 0
+        # (the layout search prices bare layouts: no train.compile there)
+        loss = (loss_bytes(cfg.model, dims.tp, tokens, act_bytes,
+                           getattr(t, "compile", False)) if last else 0)
         seq_split = dims.tp if s.norm_split > 1 else 1
         sends = pipeline_buffer_bytes(cfg.model.dim, tokens // seq_split,
                                       buffers[rank]) if dims.pp > 1 else 0

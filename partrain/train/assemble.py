@@ -151,7 +151,7 @@ def build(cfg, run_dir: Path, device: torch.device) -> Run:
                   if built.n_moe_blocks else lambda applied: {})
     tokens_per_step = t.global_batch_size * t.seq_len
     run = Run(cfg=cfg, run_dir=run_dir, rank=rank, device=device, dims=dims, mesh=mesh,
-              coords=coords, backend=backend, loss_fn=loss_function(dims, mesh),
+              coords=coords, backend=backend, loss_fn=loss_function(dims, mesh, cfg.train.compile),
               autocast=autocast, tracer=tracer, batches=batches, tp_mesh=tp_mesh, start=start,
               first_step=first_step, checkpointer=checkpointer, metrics=metrics,
               display=display, after_step=after_step,

@@ -17,16 +17,17 @@ from partrain.parallel.context import shard_batch
 from partrain.parallel.data import DataParallelBackend, Update
 from partrain.parallel.mesh import ParallelDims
 from partrain.parallel.tensor import vocab_parallel_cross_entropy
-from partrain.models.loss import cross_entropy
+from partrain.models.loss import compiled_cross_entropy, cross_entropy
 
 
-def loss_function(dims: ParallelDims, mesh):
+def loss_function(dims: ParallelDims, mesh, compiled: bool = False):
     """Mean cross-entropy over tokens; under tp the logits are vocabulary shards and the loss is
-    computed from them without gathering (every tp rank gets the same value)."""
+    computed from them without gathering (every tp rank gets the same value). Otherwise the
+    chunked one, or with train.compile (`compiled`) the compiled one (models/loss.py)."""
     if dims.tp_enabled:
         tp_group = mesh["tp"].get_group()
         return lambda logits, target: vocab_parallel_cross_entropy(logits, target, tp_group)
-    return cross_entropy
+    return compiled_cross_entropy() if compiled else cross_entropy
 
 
 def global_mean(value: torch.Tensor, dims: ParallelDims, mesh) -> float:

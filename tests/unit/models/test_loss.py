@@ -52,3 +52,26 @@ def test_it_keeps_the_logits_in_their_dtype_and_no_fp32_vocabulary_tensor():
     assert any(t.dtype == torch.bfloat16 and t.numel() == n * vocab for t in ours)
     # torch's own keeps the fp32 log-probabilities of every token: what this saves
     assert any(t.dtype == torch.float32 and t.numel() == n * vocab for t in theirs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_loss_is_the_same_loss_and_gradient(dtype):
+    """train.compile's loss (torch.compile of the plain fp32 cross-entropy) against the chunked
+    one: the same value, and the gradient in the logits' dtype."""
+    from partrain.models.loss import compiled_cross_entropy
+
+    torch.manual_seed(0)
+    logits = (4 * torch.randn(3, 50, 300)).to(dtype)
+    target = torch.randint(0, 300, (3, 50))
+    results = []
+    for fn in (cross_entropy, compiled_cross_entropy()):
+        leaf = logits.clone().requires_grad_()
+        loss = fn(leaf, target)
+        loss.backward()
+        results.append((loss, leaf.grad))
+    (loss, grad), (compiled, compiled_grad) = results
+    assert compiled.dtype == torch.float32 and compiled_grad.dtype == dtype
+    assert abs(compiled.item() - loss.item()) <= 1e-6 * loss.item()
+    gap = ((compiled_grad.float() - grad.float()).abs().max() / grad.float().abs().max()).item()
+    assert gap <= (1e-6 if dtype == torch.float32 else 1e-2), gap
+    assert compiled_cross_entropy() is compiled_cross_entropy()  # one compiled function

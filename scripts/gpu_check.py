@@ -109,8 +109,13 @@ def plan(overrides: list[str]) -> dict:
     return json.loads(res.stdout)
 
 
+def run_dir_of(name: str, work: Path) -> Path:
+    """Where run_case runs the case `name`."""
+    return work / name.replace(" ", "_").replace("+", "")
+
+
 def run_case(name: str, overrides: list[str], work: Path, warmup: int) -> dict:
-    run_dir = work / name.replace(" ", "_").replace("+", "")
+    run_dir = run_dir_of(name, work)
     shutil.rmtree(run_dir, ignore_errors=True)  # a rerun in the same --work starts over
     start = time.perf_counter()
     res = partrain("launch", *overrides, "--run-dir", str(run_dir))

@@ -280,7 +280,7 @@ def run_partrain(args, tokens: Path, work: Path) -> dict:
     name = f"partrain ckpt {args.ckpt}"
     row = gpu_check.run_case(name, overrides, work, args.warmup)
     row["case"] = "partrain"
-    table = work / name.replace(" ", "_") / "profile" / "rank-0.txt"
+    table = gpu_check.run_dir_of(name, work) / "profile" / "rank-0.txt"
     if args.profile and table.exists():
         row["profile"] = table.read_text()
     row["flops_per_token"] = gpu_check.plan(overrides)["model"]["flops_per_token"]

@@ -20,12 +20,13 @@ class StepProfiler:
         self.path = run_dir / "profile" / f"rank-{rank}"
         self.device, self.start, self.last = device, start, start + steps - 1
         self.prof = None
-        self.first = None  # the first step recorded (a resume inside the window: its step)
+        # The first step recorded (a resume inside the window: its step); set once, so a
+        # window closed early is not opened again.
+        self.first = None
         self.window_s = 0.0
 
     def begin(self, step: int) -> None:
-        if self.start and self.prof is None and self.first is None and \
-                self.start <= step <= self.last:
+        if self.start and self.first is None and self.start <= step <= self.last:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)

@@ -26,17 +26,19 @@ class Float8Unavailable(Exception):
     once (the launcher: exit 2, a setting this machine cannot run)."""
 
 
-def check_float8(device: torch.device, emulate: bool) -> None:
+def check_float8(device_type: str, emulate: bool) -> None:
+    """Refuse train.float8 on this rank's device (`device_type`, the mesh's; on CUDA the current
+    device) without FP8 matmuls, unless emulated."""
     if emulate:
         return
-    if device.type != "cuda":
+    if device_type != "cuda":
         raise Float8Unavailable(
             f"train.float8=true needs GPUs with FP8 matmuls (compute capability 8.9+: H100, "
-            f"H200, L40S); this run's device is {device.type} (train.float8_emulate=true "
+            f"H200, L40S); this run's device is {device_type} (train.float8_emulate=true "
             "emulates them, for tests only, at no gain)")
-    capability = torch.cuda.get_device_capability(device)
+    capability = torch.cuda.get_device_capability()
     if capability < MIN_CAPABILITY:
-        name = torch.cuda.get_device_name(device)
+        name = torch.cuda.get_device_name()
         raise Float8Unavailable(
             f"train.float8=true needs GPUs with FP8 matmuls (compute capability 8.9+: H100, "
             f"H200, L40S); {name} has {capability[0]}.{capability[1]}. Train in bf16 "

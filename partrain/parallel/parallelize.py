@@ -81,8 +81,7 @@ def parallelize(model: torch.nn.Module, cfg, dims: ParallelDims, mesh, expert_me
     if t.float8:
         # FP8 linears in the blocks as cp, ep and pp left them (before compile, which fuses their
         # casts, and before DDP or FSDP2 take them), as torchtitan orders its converters.
-        check_float8(torch.device(mesh.device_type, torch.cuda.current_device())
-                     if mesh.device_type == "cuda" else torch.device("cpu"), t.float8_emulate)
+        check_float8(mesh.device_type, t.float8_emulate)
         apply_float8(model, t.float8_recipe, t.float8_emulate)
     if t.compile:
         # The blocks as tp, cp, ep and pp left them; DDP and ZeRO then wrap the compiled blocks.

@@ -10,6 +10,7 @@ On the machine it runs on:
        zero1/2/3        DeepSpeed's CUDA path, bf16, torch's fused AdamW
        zero2 + offload  DeepSpeedCPUAdam on the host (parallel.offload_optimizer=cpu)
        fsdp2            FSDP2 at dp=1 (parallel.zero_backend=fsdp, zero_stage=3)
+       zero3 + offload  ZeRO-3 with the optimizer on the host (offload_optimizer=cpu): nvme's peer
        zero3 + nvme     the optimizer's state on the machine's disk (offload_optimizer=nvme)
        float8 ...       compiled, the blocks' linears in FP8 (train.float8, torchao), tensorwise
                         and rowwise: tokens/s against "ddp + compile" and the largest relative
@@ -52,6 +53,7 @@ CASES = {
     # issue 33: FSDP2 at dp=1 against DDP and DeepSpeed's ZeRO-3, and ZeRO-Infinity's optimizer
     # on the machine's disk against ZeRO-Offload's host memory (DeepSpeed's async_io op: libaio)
     "fsdp2": ("parallel.zero_stage=3", "parallel.zero_backend=fsdp"),
+    "zero3 + offload": ("parallel.zero_stage=3", "parallel.offload_optimizer=cpu"),
     "zero3 + nvme": ("parallel.zero_stage=3", "parallel.offload_optimizer=nvme",
                      "parallel.offload_nvme_path={work}/nvme"),
     # issue 33: FP8 against bf16, both compiled (torchao's casts fuse into the blocks)
@@ -164,7 +166,8 @@ def main(argv=None) -> None:
                                       / peak if peak else None)
                 row["memory_ratio"] = row["predicted_gib"] / row["memory_gib"]
             rows.append(row)
-            print(json.dumps(row) if "failed" in row else _line(row), flush=True)
+            # under --json the whole row (its losses too), so a case cut by a limit loses nothing
+            print(json.dumps(row) if "failed" in row or args.json else _line(row), flush=True)
     base = next((r for r in rows if r["case"] == "ddp" and "failed" not in r), None)
     for row in rows:
         if base and "failed" not in row:

@@ -10,6 +10,7 @@
 # Stages:
 #   cp     scripts/check_cp_fused.py: the ring's fused CUDA block against the written-out one
 #   check  scripts/gpu_check.py: ddp, ddp + compile, fsdp2, zero3, zero3 + nvme
+#   nvme   the same, ZeRO-3's optimizer on the host against on the disk, 6 steps (point 7)
 #   side   scripts/gpu_side_by_side.py: partrain against torchtitan, no checkpointing
 #   full   the same with full activation checkpointing
 #   prof   both trainers profiled (torch.profiler, 3 steps after the warm-up): where the time goes
@@ -40,6 +41,8 @@ for spec in "$@"; do
         cp) run python3 scripts/check_cp_fused.py --json > "$OUT/cp.json" 2> "$OUT/cp.log" ;;
         check) run python3 scripts/gpu_check.py --work /tmp/gpuwork --only ddp "ddp + compile" fsdp2 zero3 "zero3 + nvme" \
             --json > "$OUT/check.json" 2> "$OUT/check.log" ;;
+        nvme) run python3 scripts/gpu_check.py --work /tmp/gpuwork --steps 6 --warmup 2 \
+            --only "zero3 + offload" "zero3 + nvme" --json > "$OUT/nvme.json" 2> "$OUT/nvme.log" ;;
         side) run python3 scripts/gpu_side_by_side.py --site /tmp/site --work /tmp/gpuwork --json \
             > "$OUT/side.json" 2> "$OUT/side.log" ;;
         full) run python3 scripts/gpu_side_by_side.py --site /tmp/site --work /tmp/gpuwork --ckpt full --json \

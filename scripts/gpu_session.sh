@@ -15,6 +15,7 @@
 #   full   the same with full activation checkpointing
 #   prof   both trainers profiled (torch.profiler, 3 steps after the warm-up): where the time goes
 #   fp8    FP8 (tensorwise, rowwise) against bf16, compiled, 200 steps: tokens/s and loss gap
+#   fp8r   FP8 rowwise alone against bf16, 200 steps (fp8's third case, cut from it by a limit once)
 #   fp8w   the same on Llama-3-8B's block in 4 layers, 30 steps (where matmuls dominate)
 #   mb8    partrain alone at micro-batch 8 (one micro-batch a step): point 2's micro-batch size
 #   pp     scripts/bench_pp.py on the machine's 16 CPU cores (no GPU needed: last, if time is left)
@@ -52,6 +53,8 @@ for spec in "$@"; do
         fp8) run python3 scripts/gpu_check.py --work /tmp/gpuwork --steps 200 --warmup 20 \
             --only "ddp + compile" "float8 tensorwise" "float8 rowwise" \
             --json > "$OUT/fp8.json" 2> "$OUT/fp8.log" ;;
+        fp8r) run python3 scripts/gpu_check.py --work /tmp/gpuwork --steps 200 --warmup 20 \
+            --only "ddp + compile" "float8 rowwise" --json > "$OUT/fp8r.json" 2> "$OUT/fp8r.log" ;;
         fp8w) run python3 scripts/gpu_check.py --work /tmp/gpuwork --steps 30 --warmup 10 \
             --only "ddp + compile" "float8 tensorwise" "float8 rowwise" \
             --extra model.dim=4096 model.n_heads=32 model.n_kv_heads=8 model.ffn_dim=14336 \

@@ -141,7 +141,9 @@ def torchtitan_args(tokens: Path, work: Path, steps: int, global_batch: int, mic
             "--training.local_batch_size", str(micro_batch),
             "--training.global_batch_size", str(global_batch), "--training.steps", str(steps),
             "--training.mixed_precision_param", "bfloat16",
+            # constant: no warmup, and no decay (by default torchtitan decays over every step)
             "--optimizer.lr", "3e-4", "--lr_scheduler.warmup_steps", "0",
+            "--lr_scheduler.decay_ratio", "0",
             "--activation_checkpoint.mode", ckpt, "--compile.enable",
             "--metrics.log_freq", "1", "--job.dump_folder", str(work / "torchtitan")]
 

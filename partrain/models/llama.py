@@ -192,11 +192,27 @@ def init_weights(model: Transformer, std: float, seed: int) -> None:
             param.zero_()
         else:
             scale = residual_std if name.endswith(("wo.weight", "w2.weight", "experts.w2")) else std
-            param.copy_(torch.randn(param.shape, generator=gen) * scale)
+            # drawn in place: randn(shape) is normal_(0, 1) on new memory, the same numbers
+            param.normal_(0.0, 1.0, generator=gen).mul_(scale)
 
 
 def build_model(cfg, seed: int) -> Transformer:
-    """The full model in fp32 on the CPU, its weights fixed by the seed."""
-    model = Transformer(cfg)
+    """The full model in fp32 on the CPU, its weights fixed by the seed.
+
+    Built on the meta device and then given memory, as torchtitan does: the layers' own default
+    initialisation (nn.Linear's and nn.Embedding's) would draw every weight once more only for
+    `init_weights` to overwrite it, half the build's time (13.9 of 29.7 s for the 1B shape on 2
+    cores). Memory from `to_empty` holds nothing, so what the constructor computed is made again:
+    the tied head, the rotary tables, the MoE blocks' balancing bias (zeros) and step counters.
+    """
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    model.init_rope()
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.expert_bias.zero_()
+            module.reset_stats()
     init_weights(model, cfg.init_std, seed)
     return model

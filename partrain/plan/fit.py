@@ -225,6 +225,12 @@ def target(hw: Hardware, world: World) -> Hardware:
     return dataclasses.replace(hw, gpus_per_node=world.nproc_per_node)
 
 
+# What plan assumes of train.float8, with what one GPU measured (docs/performance.md, issue 33).
+FLOAT8_UNPRICED = ("train.float8=true is priced as bf16: the time and memory above are bf16's; FP8 "
+                   "(tensorwise) measured 1.11x bf16's tokens/s at 0.88x its peak memory on one "
+                   "H200 (the Llama-3.2-1B shape, compiled), more where matmuls dominate")
+
+
 def on_hardware(plan: dict, cfg: DictConfig, world: World, hw: Hardware, source: str) -> None:
     """`plan` on a GPU target: the fit of every stage (its warnings with the plan's) and the
     step's price, on `hw` laid out as the plan's world (its ranks per node are the node). A plan
@@ -236,3 +242,5 @@ def on_hardware(plan: dict, cfg: DictConfig, world: World, hw: Hardware, source:
     plan["fit"] = {**fit, "hardware_source": source}
     plan["time"] = {**price(cfg, hw), "hardware_source": source}
     plan["warnings"] = [*plan["warnings"], *fit_warnings(fit)]
+    if cfg.train.get("float8"):
+        plan["warnings"].append(FLOAT8_UNPRICED)

@@ -107,6 +107,34 @@ def test_same_seed_same_weights_different_seed_different():
         assert not torch.equal(a[name], c[name]), name
 
 
+@pytest.mark.parametrize("overrides", [
+    ["n_layers=2"], ["n_layers=2", "tie_embeddings=true", "qkv_bias=true", "qk_norm=true"],
+    ["n_layers=2", "moe.n_experts=4", "moe.n_shared_experts=1", "moe.balance=bias"],
+], ids=["dense", "tied-bias-qknorm", "moe-bias"])
+def test_meta_build_is_the_eager_build(overrides):
+    """build_model builds on the meta device and skips the layers' default initialisation: the
+    model must equal one built the plain way and then initialised, every weight and buffer (the
+    rotary tables, an MoE's balancing bias) bit for bit, the head tied, nothing left on meta."""
+    from partrain.models.llama import Transformer, init_weights
+    from partrain.models.moe import MoE
+
+    cfg = model_cfg(*overrides)
+    eager = Transformer(cfg)
+    init_weights(eager, cfg.init_std, seed=5)
+    built = build_model(cfg, seed=5)
+    assert built.state_dict().keys() == eager.state_dict().keys()
+    for name, value in eager.state_dict().items():
+        assert torch.equal(built.state_dict()[name], value), name
+    for name in ("rope_cos", "rope_sin"):
+        assert torch.equal(getattr(built, name), getattr(eager, name)), name
+    assert (built.output.weight is built.tok_embeddings.weight) == cfg.tie_embeddings
+    assert not any(t.is_meta for t in [*built.parameters(), *built.buffers()])
+    moes = [m for m in built.modules() if isinstance(m, MoE)]
+    assert bool(moes) == ("moe.n_experts=4" in overrides)
+    for moe in moes:
+        assert not moe.load.is_meta and not moe.load.any() and moe.aux_sum.item() == 0
+
+
 def test_init_scales_and_norms():
     cfg = model_cfg("n_layers=4", "dim=256", "n_heads=4", "n_kv_heads=4")
     model = build_model(cfg, seed=0)

@@ -10,7 +10,7 @@ import pytest
 
 from partrain.config.paths import recipes_dir
 from partrain.launch import preflight
-from partrain.plan.fit import check_fit, layout_of, price, stage_peaks, target
+from partrain.plan.fit import FLOAT8_UNPRICED, check_fit, layout_of, price, stage_peaks, target
 from partrain.plan.hardware import PRESETS, load_hardware
 from partrain.plan.memory_model import MODEL_ERROR, USABLE_FRACTION
 from partrain.plan.time_model import step_time
@@ -93,6 +93,17 @@ def test_plan_on_cpu_without_hardware_has_no_gpu_sections(run_main):
     assert "time" not in plan and "fit" not in plan
     priced = json.loads(run_main("plan", "--json", "--hardware", "A100-80GB").stdout)
     assert priced["time"]["hardware"] == "A100-80GB" and priced["fit"]["fits"]
+
+
+def test_plan_says_float8_is_priced_as_bf16(run_main):
+    """The time and memory models know no FP8: a plan of a train.float8 run says it prices bf16
+    (and the same plan without FP8 says nothing of it), both on the same figures."""
+    args = ("plan", "launcher.device=cuda", "train.dtype=bf16", "--hardware", "h200", "--json")
+    fp8 = json.loads(run_main(*args, "train.float8=true").stdout)
+    bf16 = json.loads(run_main(*args).stdout)
+    assert FLOAT8_UNPRICED in fp8["warnings"] and FLOAT8_UNPRICED not in bf16["warnings"]
+    assert fp8["time"]["step_s"] == bf16["time"]["step_s"]
+    assert fp8["fit"]["stages"] == bf16["fit"]["stages"]
 
 
 # ---- launch on CUDA, with a test double for the GPU -------------------------------------------

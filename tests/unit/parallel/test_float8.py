@@ -66,6 +66,20 @@ def test_no_fp8_hardware_is_refused_clearly():
         check_float8("cpu", emulate=False)
 
 
+@pytest.mark.parametrize("capability, refused", [((8, 0), True), ((8, 9), False), ((9, 0), False)])
+def test_gpu_without_fp8_is_refused_by_its_capability(monkeypatch, capability, refused):
+    """A CUDA GPU older than Ada/Hopper (an A100 is 8.0) is refused with its name and capability.
+    Mocked: this machine has no GPU, so torch.cuda's capability and name queries are test
+    doubles (the H200 in docs/performance.md ran the 9.0 path for real)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
+    if refused:
+        with pytest.raises(Float8Unavailable, match=r"A100-SXM4-80GB has 8\.0\. Train in bf16"):
+            check_float8("cuda", emulate=False)
+    else:
+        check_float8("cuda", emulate=False)
+
+
 @pytest.mark.parametrize("overrides, rule", [
     (["train.float8=true", "launcher.device=cpu"], "launcher.device=cpu: FP8 matmuls need"),
     (["train.float8=true", "train.float8_emulate=true", "parallel.tp=2"], "parallel.tp=2"),

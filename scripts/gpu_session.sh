@@ -30,6 +30,14 @@ mkdir -p "$OUT"
 python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
     $(ls .whl/*.whl) || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DS_BUILD_OPS=0
+# libaio for DeepSpeed's async_io op (the nvme stage), should the device's image lack it: Debian's
+# libaio.h and libaio.so.1 (old glibc symbols only) in .whl/libaio, copied from this machine's
+# `apt-get install libaio-dev`; gcc reads CPATH and LIBRARY_PATH, the loader LD_LIBRARY_PATH
+if [[ -d .whl/libaio ]]; then
+    aio=$PWD/.whl/libaio
+    export CPATH=$aio/include${CPATH:+:$CPATH} LIBRARY_PATH=$aio/lib${LIBRARY_PATH:+:$LIBRARY_PATH}
+    export LD_LIBRARY_PATH=$aio/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+fi
 python3 -c "import torch, partrain, deepspeed, torchtitan; print(torch.__version__, torch.cuda.get_device_name(0))"
 pin=()
 for spec in "$@"; do

@@ -202,6 +202,13 @@ def _zero_flat_partitions(optimizer) -> list[torch.Tensor]:
     return list(optimizer.single_partition_of_fp32_groups)
 
 
+def _zero_swapped(optimizer, group: int) -> bool:
+    """Whether ZeRO-3 keeps this partition and its optimizer state on nvme (offload_optimizer=
+    nvme; DeepSpeed keeps partitions too small to be worth it in memory)."""
+    return (getattr(optimizer, "swap_optimizer", False)
+            and optimizer._swappable_optimizer_subgroup(group))
+
+
 def _zero_has_state(optimizer) -> bool:
     """Whether the inner optimizer has made its state (at its first step)."""
     inner = optimizer.optimizer
@@ -319,12 +326,20 @@ def load_optimizer(model: nn.Module, optimizer, path, tp_mesh, zero: bool) -> No
     step = max((float(state[f"optim.{name}.step"]) for name in params), default=0.0) \
         if steps else 0.0
     inner = optimizer.optimizer
-    for flat in _zero_flat_partitions(optimizer):
+    for group, flat in enumerate(_zero_flat_partitions(optimizer)):
         value = (torch.tensor(step, dtype=torch.float32)
                  if isinstance(inner, torch.optim.Optimizer) and type(inner).__module__.startswith("torch")
                  else int(step))
+        # Offloaded to nvme, a partition is on disk (an empty tensor here): read it in, make its
+        # state at its size and write both out, so that DeepSpeed's swapper knows the state
+        # tensors the helpers below read in and write back one parameter at a time.
+        swapped = _zero_swapped(optimizer, group)
+        if swapped:
+            optimizer._optimizer_states_and_gradient_swap_in(group)
         inner.state[flat] = {**({"step": value} if steps else {}),
                              **{key: torch.zeros_like(flat) for key in moments}}
+        if swapped:
+            optimizer._optimizer_states_and_gradient_swap_out(group)
     _link_zero_state(optimizer)
     for name, param in params.items():
         safe_set_full_fp32_param(param, local(state[f"model.{name}"]))

@@ -144,7 +144,8 @@ class ParallelConfig:
     offload_params: str = "none"
     """none | cpu | nvme: ZeRO-Infinity parameter offload (zero_stage 3)."""
     offload_nvme_path: Optional[str] = None
-    """Directory for offload to nvme."""
+    """Directory for offload to nvme, on a local drive of every node (made if missing; checked by
+    each rank at the start, with libaio for DeepSpeed's async_io op: apt-get install libaio-dev)."""
     deepspeed: Dict[str, Any] = field(default_factory=dict)
     """Raw DeepSpeed keys merged over the derived config; contradictions are refused."""
     deepspeed_config: Optional[str] = None

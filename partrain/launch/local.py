@@ -58,10 +58,11 @@ EXIT_OK, EXIT_RANK_FAILED, EXIT_PREEMPTED, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 
 # A rank's error file names its exception first. Every rank raises one of these together, and
 # the launcher says its message as the error and exits with its code: the divergence guard
 # (partrain.train.guard), its check of the state a run starts from, the run-dir check of a
-# multi-node start (partrain.train.shared_dir), and train.float8 on GPUs without FP8
-# (partrain.parallel.float8).
+# multi-node start (partrain.train.shared_dir), train.float8 on GPUs without FP8
+# (partrain.parallel.float8), and offload to nvme without libaio or a writable path
+# (partrain.parallel.zero).
 STOPPED = {"Diverged: ": EXIT_DIVERGED, "NonFiniteStart: ": 2, "RunDirNotShared: ": 2,
-           "Float8Unavailable: ": 2}
+           "Float8Unavailable: ": 2, "OffloadUnavailable: ": 2}
 
 
 class _AgentFailures(logging.Handler):

@@ -32,7 +32,7 @@ from partrain.parallel.fsdp import ExpertSharding, FSDPBackend, apply_fsdp
 from partrain.parallel.mesh import ParallelDims
 from partrain.parallel.pipeline import apply_pipeline_parallel
 from partrain.parallel.tensor import apply_tensor_parallel
-from partrain.parallel.zero import ZeroBackend, apply_zero
+from partrain.parallel.zero import ZeroBackend, apply_zero, check_nvme_offload
 
 
 @dataclass
@@ -104,6 +104,7 @@ def parallelize(model: torch.nn.Module, cfg, dims: ParallelDims, mesh, expert_me
         # ZeRO replaces DDP and the optimizer: DeepSpeed shards over dp and builds optim.name's
         # torch optimizer from the derived config (over the same parameter groups).
         ds_config = deepspeed_config(cfg, on_cuda=mesh.device_type == "cuda")
+        check_nvme_offload(p, mesh.device_type)  # before DeepSpeed builds the swapper
         engine, optimizer = apply_zero(model, mesh, dims, ds_config, param_groups(model),
                                        expert_mesh)
         backend = ZeroBackend(engine, optimizer, mesh["tp"].get_group() if sequence_parallel

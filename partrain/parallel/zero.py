@@ -27,13 +27,17 @@ over every dp rank (the slices of the ep group once each).
 import logging
 import math
 import os
+import socket
+import tempfile
 from contextlib import contextmanager, nullcontext
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from partrain.errors import reason
 from partrain.parallel.data import Update
 from partrain.parallel.tensor import sync_sequence_parallel_grads
 
@@ -157,13 +161,67 @@ def _expert_parallel(model: nn.Module, expert_mesh):
             moe.__class__ = cls
 
 
+def deepspeed_accelerator(device_type: str) -> None:
+    """DeepSpeed picks its accelerator (and its ops' builders) when first imported: on CPU ranks,
+    its CPU one."""
+    if device_type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+class OffloadUnavailable(Exception):
+    """Offload to nvme that this machine cannot do (no libaio for DeepSpeed's async_io op, or an
+    offload_nvme_path it cannot write); raised on every rank at once, before DeepSpeed starts
+    (the launcher: exit 2, a setting this machine cannot run)."""
+
+
+def nvme_problem(parallel_cfg) -> str | None:
+    """Why this node cannot offload to parallel.offload_nvme_path, or None (also when nothing
+    goes to nvme). The directory is made if missing and must take a file; DeepSpeed's async_io
+    op must be buildable here (libaio's headers and library: its own compile-and-link test)."""
+    keys = [f"parallel.{k}=nvme" for k in ("offload_optimizer", "offload_params")
+            if parallel_cfg[k] == "nvme"]
+    if not keys:
+        return None
+    path = Path(parallel_cfg.offload_nvme_path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        return (f"{keys[0]}: parallel.offload_nvme_path={path} cannot be made or written on "
+                f"{socket.gethostname()} ({reason(err)}); point it at a directory on a local "
+                "NVMe drive that this user can write, on every node")
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        return (f"{keys[0]} needs DeepSpeed's async_io op, which needs libaio's headers and "
+                f"library, and {socket.gethostname()} has none: install them on every node "
+                "(Debian and Ubuntu: apt-get install libaio-dev), or say where they are with "
+                "CPATH=<dir>/include LIBRARY_PATH=<dir>/lib LD_LIBRARY_PATH=<dir>/lib (gcc's "
+                "and the loader's); or offload to the host instead (=cpu)")
+    return None
+
+
+def check_nvme_offload(parallel_cfg, device_type: str) -> None:
+    """Raise OffloadUnavailable on every rank when any rank's node cannot offload to nvme (each
+    rank tells the others, so that none goes on into DeepSpeed's collectives alone)."""
+    if "nvme" not in (parallel_cfg.offload_optimizer, parallel_cfg.offload_params):
+        return
+    deepspeed_accelerator(device_type)
+    problem = nvme_problem(parallel_cfg)
+    failed = torch.tensor([problem is not None], dtype=torch.int32, device=device_type)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item():
+        raise OffloadUnavailable(problem or "parallel.offload_nvme_path: a rank on another node "
+                                 "cannot offload to nvme; its node's output says why")
+
+
 def apply_zero(model: nn.Module, mesh, dims, ds_config: dict, param_groups: list[dict],
                expert_mesh=None):
     """Wrap `model` in a DeepSpeed engine; returns (engine, optimizer). `param_groups` are the
     optimizer's groups (weight decay on matrices only); the dp group comes from the mesh, the
     expert groups (under ep) from `expert_mesh`."""
-    if mesh.device_type == "cpu":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    deepspeed_accelerator(mesh.device_type)
     import deepspeed
 
     _quiet_deepspeed()

@@ -35,6 +35,7 @@ from partrain.parallel.dist import (
     pick_device,
 )
 from partrain.parallel.float8 import Float8Unavailable
+from partrain.parallel.zero import OffloadUnavailable
 from partrain.train.assemble import Run, build
 from partrain.train.guard import Diverged, NonFiniteStart
 from partrain.train.shared_dir import RunDirNotShared, check_shared_run_dir
@@ -264,7 +265,8 @@ def main(run_dir: str, preemption: PreemptionFlag | None = None) -> None:
             check_shared_run_dir(run_dir, rank, local_rank, int(os.environ.get("GROUP_RANK", 0)))
         # train() returns before the clean end: model, optimizer and mesh are unreferenced.
         train(cfg, run_dir, device, preemption or PreemptionFlag(), watch)
-    except (Diverged, NonFiniteStart, RunDirNotShared, Float8Unavailable) as err:
+    except (Diverged, NonFiniteStart, RunDirNotShared, Float8Unavailable,
+            OffloadUnavailable) as err:
         # Every rank stops here together: end cleanly (out of the except block, whose
         # traceback still holds the run), then report.
         stopped = (type(err), str(err))

@@ -3,9 +3,8 @@ that emulate the nodes n1 and n2 (Debian's slurmd runs several nodes on one host
 port), all in a private directory with a private munge key, socket and ports.
 
 The Debian packages are installed when missing (`apt-get install slurmctld slurmd slurm-client
-munge`, ~15 s, starts no daemon: there is no systemd). The tests are skipped, with the reason
-printed, only where that cannot work: not root, or no apt-get. A failed install as root fails
-the tests instead, so that CI never passes by skipping them. Every daemon runs in its own session
+munge`, ~15 s, starts no daemon: there is no systemd), as tests.integration.debian does (the
+tests skip only where that cannot work). Every daemon runs in its own session
 and is stopped when the test session ends; jobs still queued are cancelled first.
 
 Facts that shaped this: munged runs as the munge user and insists on a socket directory of mode
@@ -25,6 +24,8 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from tests.integration import debian
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 BINARIES = ("slurmctld", "slurmd", "sbatch", "srun", "scontrol", "munged")
@@ -64,31 +65,14 @@ PartitionName=debug Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP
 """
 
 
-class Unavailable(Exception):
-    """SLURM cannot run on this machine (not root, no apt-get): the tests skip with this reason."""
-
-
 def _which(name: str) -> str | None:
     return shutil.which(name) or shutil.which(name, path="/usr/sbin:/usr/bin:/sbin:/bin")
 
 
 def install() -> None:
     """Install the Debian packages if a binary is missing; raise Unavailable where we cannot."""
-    if all(_which(b) for b in BINARIES):
-        return
-    if os.geteuid() != 0:
-        raise Unavailable("SLURM is not installed and installing it needs root "
-                          f"(apt-get install {' '.join(PACKAGES)})")
-    if not shutil.which("apt-get"):
-        raise Unavailable("SLURM is not installed and there is no apt-get to install it")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    command = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    if result.returncode != 0:  # stale package lists on a fresh machine
-        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=600)
-        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    if result.returncode != 0:
-        raise RuntimeError(f"apt-get install {' '.join(PACKAGES)} failed:\n{result.stderr[-2000:]}")
+    if not all(_which(b) for b in BINARIES):
+        debian.install(PACKAGES, "SLURM")
 
 
 def _free_port_pair() -> int:

@@ -19,7 +19,8 @@ import pytest
 
 from partrain.checkpoint import store
 from tests.integration.conftest import PARITY_COMMON, assert_parity, read_metrics
-from tests.integration.slurm_cluster import SlurmCluster, Unavailable, install
+from tests.integration.debian import Unavailable
+from tests.integration.slurm_cluster import SlurmCluster, install
 
 
 @pytest.fixture(scope="session")

@@ -128,3 +128,35 @@ def test_show_prints_the_deepspeed_json_and_stays_yaml(run_main):
     assert ds["zero_optimization"]["stage"] == 3
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert "DeepSpeed" not in run_main("show").stdout  # stage 0 runs DDP: no DeepSpeed config
+
+
+def test_nvme_problems_name_the_key_the_value_and_what_to_do(tmp_path, monkeypatch):
+    """What a rank says before DeepSpeed starts when its node cannot offload to nvme. libaio's
+    absence is mocked (AsyncIOBuilder.is_compatible, DeepSpeed's own compile-and-link test):
+    this machine may have it, and tests/integration/test_nvme_offload.py runs the real op."""
+    from partrain.parallel.zero import deepspeed_accelerator, nvme_problem
+
+    deepspeed_accelerator("cpu")
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    def cfg(**offload):
+        return validated("parallel.zero_stage=3", *(f"parallel.{k}={v}" for k, v in
+                                                    offload.items()))[0].parallel
+
+    assert nvme_problem(cfg(offload_optimizer="cpu")) is None  # nothing on nvme: nothing asked
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    said = nvme_problem(cfg(offload_params="nvme", offload_nvme_path=blocker / "swap"))
+    assert said.startswith(f"parallel.offload_params=nvme: parallel.offload_nvme_path="
+                           f"{blocker / 'swap'} cannot be made or written on ")
+    assert "(Not a directory); point it at a directory on a local NVMe drive" in said
+
+    monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: False)
+    swap = tmp_path / "new" / "swap"
+    said = nvme_problem(cfg(offload_optimizer="nvme", offload_nvme_path=swap))
+    assert swap.is_dir()  # made, and a file could be written in it
+    assert said.startswith("parallel.offload_optimizer=nvme needs DeepSpeed's async_io op, "
+                           "which needs libaio's headers and library")
+    assert "apt-get install libaio-dev" in said and "(=cpu)" in said
+    monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: True)
+    assert nvme_problem(cfg(offload_optimizer="nvme", offload_nvme_path=swap)) is None

@@ -144,8 +144,10 @@ class ParallelConfig:
     offload_params: str = "none"
     """none | cpu | nvme: ZeRO-Infinity parameter offload (zero_stage 3)."""
     offload_nvme_path: Optional[str] = None
-    """Directory for offload to nvme, on a local drive of every node (made if missing; checked by
-    each rank at the start, with libaio for DeepSpeed's async_io op: apt-get install libaio-dev)."""
+    """Directory for offload to nvme, on a local drive of every node; each run swaps in a folder
+    of its own in it, <run dir name>-<hash>, removed at its end (two jobs may share the path).
+    Checked by each rank at the start, with libaio for DeepSpeed's async_io op (apt-get install
+    libaio-dev)."""
     deepspeed: Dict[str, Any] = field(default_factory=dict)
     """Raw DeepSpeed keys merged over the derived config; contradictions are refused."""
     deepspeed_config: Optional[str] = None

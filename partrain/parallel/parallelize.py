@@ -14,6 +14,7 @@ slice and config section; the order is not repeated anywhere else in partrain or
 
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -32,7 +33,14 @@ from partrain.parallel.fsdp import ExpertSharding, FSDPBackend, apply_fsdp
 from partrain.parallel.mesh import ParallelDims
 from partrain.parallel.pipeline import apply_pipeline_parallel
 from partrain.parallel.tensor import apply_tensor_parallel
-from partrain.parallel.zero import ZeroBackend, apply_zero, check_nvme_offload
+from partrain.parallel.zero import (
+    ZeroBackend,
+    apply_zero,
+    check_nvme_offload,
+    on_nvme,
+    run_swap_dir,
+    swap_in,
+)
 
 
 @dataclass
@@ -48,11 +56,12 @@ class Parallelized:
 def parallelize(model: torch.nn.Module, cfg, dims: ParallelDims, mesh, expert_mesh, tracer, *,
                 load_weights: Callable[[torch.nn.Module], None],
                 param_groups: Callable[[torch.nn.Module], list[dict]],
-                build_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]
-                ) -> Parallelized:
+                build_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer],
+                run_dir: Path | None = None) -> Parallelized:
     """Wrap `model` for this rank's place in `mesh`, in the one order, and build its optimizer.
     `load_weights(model)` puts the starting weights (a checkpoint's or a Hugging Face model's, or
-    none) into this rank's shards; `param_groups` and `build_optimizer` are the optimizer's."""
+    none) into this rank's shards; `param_groups` and `build_optimizer` are the optimizer's;
+    `run_dir` names the run's swap folder under offload to nvme."""
     p, t = cfg.parallel, cfg.train
     # Blocks keep their checkpointing mode through every wrapper (they stay the same modules).
     apply_activation_checkpointing(model, t.activation_checkpointing)
@@ -104,7 +113,12 @@ def parallelize(model: torch.nn.Module, cfg, dims: ParallelDims, mesh, expert_me
         # ZeRO replaces DDP and the optimizer: DeepSpeed shards over dp and builds optim.name's
         # torch optimizer from the derived config (over the same parameter groups).
         ds_config = deepspeed_config(cfg, on_cuda=mesh.device_type == "cuda")
-        check_nvme_offload(p, mesh.device_type)  # before DeepSpeed builds the swapper
+        if on_nvme(p):
+            # The run's own swap folder, checked on every node before DeepSpeed builds its swapper.
+            folder = (run_swap_dir(p.offload_nvme_path, run_dir) if run_dir is not None
+                      else Path(p.offload_nvme_path))
+            check_nvme_offload(p, mesh.device_type, folder)
+            ds_config = swap_in(ds_config, folder)
         engine, optimizer = apply_zero(model, mesh, dims, ds_config, param_groups(model),
                                        expert_mesh)
         backend = ZeroBackend(engine, optimizer, mesh["tp"].get_group() if sequence_parallel

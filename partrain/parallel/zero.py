@@ -24,9 +24,11 @@ gradients there divided by dp x cp (the same as `average_expert_gradients`), and
 over every dp rank (the slices of the ep group once each).
 """
 
+import hashlib
 import logging
 import math
 import os
+import shutil
 import socket
 import tempfile
 from contextlib import contextmanager, nullcontext
@@ -174,21 +176,38 @@ class OffloadUnavailable(Exception):
     (the launcher: exit 2, a setting this machine cannot run)."""
 
 
-def nvme_problem(parallel_cfg) -> str | None:
-    """Why this node cannot offload to parallel.offload_nvme_path, or None (also when nothing
-    goes to nvme). The directory is made if missing and must take a file; DeepSpeed's async_io
-    op must be buildable here (libaio's headers and library: its own compile-and-link test)."""
-    keys = [f"parallel.{k}=nvme" for k in ("offload_optimizer", "offload_params")
+def on_nvme(parallel_cfg) -> list[str]:
+    """The keys that offload to nvme (`parallel.offload_optimizer=nvme`, ...), or none."""
+    return [f"parallel.{k}=nvme" for k in ("offload_optimizer", "offload_params")
             if parallel_cfg[k] == "nvme"]
+
+
+def run_swap_dir(nvme_path: str, run_dir: Path) -> Path:
+    """This run's folder under parallel.offload_nvme_path: `<run dir's name>-<8 hex digits of its
+    absolute path>`. DeepSpeed names its swap files by rank and tensor alone, so two runs given
+    the same path (two jobs on one node) would swap through the same files, each overwriting the
+    other's optimizer state without a word; a restart or a resume of the run finds its own
+    folder again (what it holds is rebuilt from the checkpoint, never read back)."""
+    run_dir = Path(run_dir).resolve()
+    digest = hashlib.sha1(str(run_dir).encode()).hexdigest()[:8]
+    return Path(nvme_path) / f"{run_dir.name}-{digest}"
+
+
+def nvme_problem(parallel_cfg, folder: Path) -> str | None:
+    """Why this node cannot offload to nvme in `folder` (the run's, under
+    parallel.offload_nvme_path), or None (also when nothing goes to nvme). The folder is made if
+    missing and must take a file; DeepSpeed's async_io op must be buildable here (libaio's
+    headers and library: its own compile-and-link test)."""
+    keys = on_nvme(parallel_cfg)
     if not keys:
         return None
-    path = Path(parallel_cfg.offload_nvme_path)
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path):
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder):
             pass
     except OSError as err:
-        return (f"{keys[0]}: parallel.offload_nvme_path={path} cannot be made or written on "
+        return (f"{keys[0]}: parallel.offload_nvme_path={parallel_cfg.offload_nvme_path} (this "
+                f"run's folder in it, {folder.name}) cannot be made or written on "
                 f"{socket.gethostname()} ({reason(err)}); point it at a directory on a local "
                 "NVMe drive that this user can write, on every node")
     from deepspeed.ops.op_builder import AsyncIOBuilder
@@ -202,18 +221,36 @@ def nvme_problem(parallel_cfg) -> str | None:
     return None
 
 
-def check_nvme_offload(parallel_cfg, device_type: str) -> None:
-    """Raise OffloadUnavailable on every rank when any rank's node cannot offload to nvme (each
-    rank tells the others, so that none goes on into DeepSpeed's collectives alone)."""
-    if "nvme" not in (parallel_cfg.offload_optimizer, parallel_cfg.offload_params):
+def check_nvme_offload(parallel_cfg, device_type: str, folder: Path) -> None:
+    """Raise OffloadUnavailable on every rank when any rank's node cannot offload to nvme in
+    `folder` (each rank tells the others, so that none goes on into DeepSpeed's collectives
+    alone)."""
+    if not on_nvme(parallel_cfg):
         return
     deepspeed_accelerator(device_type)
-    problem = nvme_problem(parallel_cfg)
+    problem = nvme_problem(parallel_cfg, folder)
     failed = torch.tensor([problem is not None], dtype=torch.int32, device=device_type)
     dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     if failed.item():
         raise OffloadUnavailable(problem or "parallel.offload_nvme_path: a rank on another node "
                                  "cannot offload to nvme; its node's output says why")
+
+
+def swap_in(ds_config: dict, folder: Path) -> dict:
+    """The DeepSpeed config with its nvme offload pointed at the run's folder."""
+    zero = ds_config["zero_optimization"]
+    for key in ("offload_optimizer", "offload_param"):
+        if zero.get(key, {}).get("device") == "nvme":
+            zero[key]["nvme_path"] = str(folder)
+    logging.getLogger("partrain").info("offload to nvme: the swap files in %s", folder)
+    return ds_config
+
+
+def remove_swap_dir(parallel_cfg, run_dir: Path, local_rank: int) -> None:
+    """At the end of the run, its swap folder goes (DeepSpeed removes its files when the engine
+    goes, but not after a failure; only a node's first rank, after the last barrier)."""
+    if on_nvme(parallel_cfg) and local_rank == 0:
+        shutil.rmtree(run_swap_dir(parallel_cfg.offload_nvme_path, run_dir), ignore_errors=True)
 
 
 def apply_zero(model: nn.Module, mesh, dims, ds_config: dict, param_groups: list[dict],

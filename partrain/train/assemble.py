@@ -125,7 +125,8 @@ def build(cfg, run_dir: Path, device: torch.device) -> Run:
                                              model_cfg=cfg.model, tp_mesh=tp_mesh),
                         param_groups=partial(param_groups, optim_cfg=cfg.optim),
                         build_optimizer=partial(build_optimizer, optim_cfg=cfg.optim,
-                                                device=device))
+                                                device=device),
+                        run_dir=run_dir)
     backend = built.backend
     if start.resume:
         load_optimizer(backend.model, backend.optimizer, start.resume.path, tp_mesh,

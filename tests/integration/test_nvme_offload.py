@@ -46,28 +46,40 @@ def deepspeed_aio(deepspeed_ops):
 
 @pytest.mark.slow
 def test_nvme_offload_trains_as_host_offload_and_resumes_exactly(cli, tmp_path, deepspeed_aio):
-    host, disk, swap = tmp_path / "host", tmp_path / "disk", tmp_path / "nvme"
-    result = cli.run("launch", "--run-dir", str(host), *COMMON, f"train.max_steps={STEPS}",
-                     "parallel.offload_optimizer=cpu", "checkpoint.every=0",
-                     "checkpoint.save_last=false")
-    assert result.returncode == 0, result.stderr[-3000:]
-    # Optimizer and parameters on the disk; stopped at half way with a checkpoint, resumed.
-    nvme = ("parallel.offload_optimizer=nvme", "parallel.offload_params=nvme",
+    """Two runs at once on one offload_nvme_path (two jobs on a node), optimizer and parameters
+    on the disk, each equal to offload to the host step for step: one straight through, one
+    stopped half way with a checkpoint and resumed. Each swaps in a folder of its own, gone
+    when it ends."""
+    host, straight, halves, swap = (tmp_path / n for n in ("host", "straight", "halves", "nvme"))
+    reference = cli.start("launch", "--run-dir", str(host), *COMMON, f"train.max_steps={STEPS}",
+                          "parallel.offload_optimizer=cpu", "checkpoint.every=0",
+                          "checkpoint.save_last=false")
+    nvme = (*COMMON, "parallel.offload_optimizer=nvme", "parallel.offload_params=nvme",
             f"parallel.offload_nvme_path={swap}")
-    first = cli.run("launch", "--run-dir", str(disk), *COMMON, *nvme,
-                    f"train.max_steps={STEPS // 2}", f"checkpoint.every={STEPS // 2}")
-    assert first.returncode == 0, first.stderr[-3000:]
-    resumed = cli.run("launch", "--resume", str(disk), f"train.max_steps={STEPS}")
+    first = cli.start("launch", "--run-dir", str(straight), *nvme, f"train.max_steps={STEPS}",
+                      "checkpoint.every=0", "checkpoint.save_last=false")
+    second = cli.start("launch", "--run-dir", str(halves), *nvme,
+                       f"train.max_steps={STEPS // 2}", f"checkpoint.every={STEPS // 2}")
+    outputs = []
+    for proc in (reference, first, second):
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        outputs.append(out + err)
+    resumed = cli.run("launch", "--resume", str(halves), f"train.max_steps={STEPS}", timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
 
-    expected, got = read_metrics(host)[0], read_metrics(disk)[0]
-    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
-    for want, have in zip(expected, got):
-        for key in ("loss", "grad_norm"):
-            assert have[key] == pytest.approx(want[key], rel=1e-6, abs=0), (have["step"], key)
-    # DeepSpeed's swapper worked under the path, a folder per rank for the optimizer state.
-    assert {p.name for p in (swap / "zero_stage_3" / "optimizer").iterdir()} == {"rank0", "rank1"}
-    assert_no_abort(disk, first.stdout + first.stderr, resumed.stdout + resumed.stderr)
+    expected = read_metrics(host)[0]
+    for run_dir in (straight, halves):
+        got = read_metrics(run_dir)[0]
+        assert [r["step"] for r in got] == list(range(1, STEPS + 1)), run_dir.name
+        for want, have in zip(expected, got):
+            for key in ("loss", "grad_norm"):
+                assert have[key] == pytest.approx(want[key], rel=1e-6, abs=0), \
+                    (run_dir.name, have["step"], key)
+        log = (run_dir / "logs" / "rank-1.log").read_text()
+        assert f"offload to nvme: the swap files in {swap}/{run_dir.name}-" in log
+        assert_no_abort(run_dir, *outputs, resumed.stdout + resumed.stderr)
+    assert swap.is_dir() and not list(swap.iterdir())  # each run's folder removed at its end
 
 
 def test_nvme_path_that_cannot_be_written_is_refused_on_every_rank(cli, tmp_path):
@@ -82,7 +94,7 @@ def test_nvme_path_that_cannot_be_written_is_refused_on_every_rank(cli, tmp_path
     out = result.stdout + result.stderr
     assert result.returncode == 2, out[-3000:]
     assert (f"error: parallel.offload_optimizer=nvme: parallel.offload_nvme_path={blocker / 'nvme'}"
-            " cannot be made or written") in out
+            " (this run's folder in it, run-") in out and "cannot be made or written" in out
     assert "Not a directory" in out and "Traceback" not in out
     assert not (run_dir / "metrics.jsonl").exists()
     assert_no_abort(run_dir, out)

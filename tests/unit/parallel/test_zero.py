@@ -2,6 +2,7 @@
 ZeRO memory formulas that `plan` prints and scripts/bench_zero.py measures against."""
 
 import json
+from pathlib import Path
 
 import pytest
 import yaml
@@ -139,24 +140,36 @@ def test_nvme_problems_name_the_key_the_value_and_what_to_do(tmp_path, monkeypat
     deepspeed_accelerator("cpu")
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
-    def cfg(**offload):
-        return validated("parallel.zero_stage=3", *(f"parallel.{k}={v}" for k, v in
-                                                    offload.items()))[0].parallel
+    def cfg(path, **offload):
+        return validated("parallel.zero_stage=3", f"parallel.offload_nvme_path={path}",
+                         *(f"parallel.{k}={v}" for k, v in offload.items()))[0].parallel
 
-    assert nvme_problem(cfg(offload_optimizer="cpu")) is None  # nothing on nvme: nothing asked
+    assert nvme_problem(cfg("/x", offload_optimizer="cpu"), tmp_path / "unused") is None
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    said = nvme_problem(cfg(offload_params="nvme", offload_nvme_path=blocker / "swap"))
-    assert said.startswith(f"parallel.offload_params=nvme: parallel.offload_nvme_path="
-                           f"{blocker / 'swap'} cannot be made or written on ")
+    said = nvme_problem(cfg(blocker, offload_params="nvme"), blocker / "run-1234abcd")
+    assert said.startswith(f"parallel.offload_params=nvme: parallel.offload_nvme_path={blocker} "
+                           "(this run's folder in it, run-1234abcd) cannot be made or written on ")
     assert "(Not a directory); point it at a directory on a local NVMe drive" in said
 
     monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: False)
     swap = tmp_path / "new" / "swap"
-    said = nvme_problem(cfg(offload_optimizer="nvme", offload_nvme_path=swap))
+    said = nvme_problem(cfg(swap.parent, offload_optimizer="nvme"), swap)
     assert swap.is_dir()  # made, and a file could be written in it
     assert said.startswith("parallel.offload_optimizer=nvme needs DeepSpeed's async_io op, "
                            "which needs libaio's headers and library")
     assert "apt-get install libaio-dev" in said and "(=cpu)" in said
     monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: True)
-    assert nvme_problem(cfg(offload_optimizer="nvme", offload_nvme_path=swap)) is None
+    assert nvme_problem(cfg(swap.parent, offload_optimizer="nvme"), swap) is None
+
+
+def test_each_run_swaps_in_a_folder_of_its_own(tmp_path):
+    """Two runs given one offload_nvme_path never share swap files (DeepSpeed names them by rank
+    and tensor alone); the same run (a restart, a resume) finds its folder again."""
+    from partrain.parallel.zero import run_swap_dir
+
+    a, b = tmp_path / "one" / "runs" / "llama", tmp_path / "two" / "runs" / "llama"
+    folder = run_swap_dir("/nvme", a)
+    assert folder.parent == Path("/nvme") and folder.name.startswith("llama-")
+    assert run_swap_dir("/nvme", a) == folder == run_swap_dir("/nvme", a / ".." / "llama")
+    assert run_swap_dir("/nvme", b) != folder  # the same name elsewhere: another folder

@@ -3,14 +3,17 @@
 # (10 minutes at most): run from the repository root there, with .whl/ carried (partrain's and
 # torchtitan's wheels beyond the machine's image; see scripts/gpu_side_by_side.py), e.g.
 #
-#   bash scripts/gpu_session.sh cp                 # the device tool's command, carry [".whl"]
+#   bash scripts/gpu_session.sh full:140 nvme:300  # the device tool's command, carry [".whl"]
 #
-# One stage a call: `check` alone took about 7 minutes before its two new cases, and a session
-# has 15 minutes of device time. On a warm machine the token dir in /tmp/gpuwork is reused.
+# A session has 15 minutes of device time and a call 10: give each stage a limit (below) and
+# put several in a call. Measured on an H200 (wall, stage included): cp 13 s, side 121 s, mb8
+# 66 s, fp8 about 100 s a case at 200 steps, zero3 + offload 119 s with its op's first build
+# (async_io for nvme: 155 s on 2 cores). On a warm machine /tmp/gpuwork's token dir is reused.
 # Stages:
 #   cp     scripts/check_cp_fused.py: the ring's fused CUDA block against the written-out one
 #   check  scripts/gpu_check.py: ddp, ddp + compile, fsdp2, zero3, zero3 + nvme
-#   nvme   the same, ZeRO-3's optimizer on the host against on the disk, 6 steps (point 7)
+#   nvme   the same, ZeRO-3's optimizer on the host against on the disk, 6 steps (point 7;
+#          libaio from .whl/libaio where the image has none)
 #   side   scripts/gpu_side_by_side.py: partrain against torchtitan, no checkpointing
 #   full   the same with full activation checkpointing
 #   prof   both trainers profiled (torch.profiler, 3 steps after the warm-up): where the time goes

@@ -140,12 +140,14 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Megatron sequence parallelism inside tp groups."""
     offload_optimizer: str = "none"
-    """none | cpu | nvme: ZeRO-Offload of optimizer state and step (zero_stage >= 1)."""
+    """none | cpu | nvme: ZeRO-Offload of optimizer state and step (zero_stage >= 1; nvme at
+    zero_stage 3, DeepSpeed's ZeRO-Infinity)."""
     offload_params: str = "none"
     """none | cpu | nvme: ZeRO-Infinity parameter offload (zero_stage 3)."""
     offload_nvme_path: Optional[str] = None
-    """Directory for offload to nvme, on a local drive of every node; each run swaps in a folder
-    of its own in it, <run dir name>-<hash>, removed at its end (two jobs may share the path).
+    """Directory for offload to nvme (zero_stage 3), on a local drive of every node with direct
+    I/O (not tmpfs or ramfs); each run swaps in a folder of its own in it, <run dir name>-<hash>,
+    removed by each node's launcher when the run ends there (two jobs may share the path).
     Checked by each rank at the start, with libaio for DeepSpeed's async_io op (apt-get install
     libaio-dev)."""
     deepspeed: Dict[str, Any] = field(default_factory=dict)

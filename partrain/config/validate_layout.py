@@ -54,6 +54,13 @@ def check_zero(cfg: DictConfig) -> None:
     if "nvme" in (p.offload_optimizer, p.offload_params) and not p.offload_nvme_path:
         raise ConfigError(
             "offload to nvme needs parallel.offload_nvme_path (a directory on a local NVMe drive)")
+    if p.offload_optimizer == "nvme" and stage < 3 and p.zero_backend == "deepspeed":
+        # DeepSpeed's ZeRO-1/2 take any offload device as the host's (stage_1_and_2.py): the
+        # state would sit in host memory, not on the disk asked for.
+        raise ConfigError(
+            f"parallel.offload_optimizer=nvme needs parallel.zero_stage=3 (DeepSpeed's ZeRO-1/2 "
+            f"offload to host memory only; got zero_stage={stage}): use zero_stage=3, or "
+            "offload_optimizer=cpu")
     if cfg.train.dtype == "fp16" and stage == 0:
         raise ConfigError(
             "train.dtype=fp16 needs loss scaling, which partrain does through DeepSpeed: use "

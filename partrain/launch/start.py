@@ -33,6 +33,7 @@ from partrain.launch.slurm import (
     submit,
     write_script,
 )
+from partrain.parallel.nvme import remove_swap_dir
 from partrain.plan.layout import build_plan
 from partrain.plan.render import print_plan
 
@@ -69,7 +70,10 @@ def start(request: Request, dry_run: bool, out: Console, err: Console,
     if records:
         _record(run_dir, "running", None, warn)
     print_start(ready, resuming_from, out)
-    code = launch_workers(run_dir, launch_spec(ready), console_print=err.print)
+    try:
+        code = launch_workers(run_dir, launch_spec(ready), console_print=err.print)
+    finally:
+        remove_swap_dir(cfg.parallel, run_dir)  # offload to nvme: this node's swap folder
     if records:
         _record(run_dir, ENDED.get(code, "failed"), code, warn)
     if code == 0:

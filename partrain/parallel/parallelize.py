@@ -31,16 +31,10 @@ from partrain.parallel.expert import apply_expert_parallel, moe_modules
 from partrain.parallel.float8 import apply_float8, check_float8
 from partrain.parallel.fsdp import ExpertSharding, FSDPBackend, apply_fsdp
 from partrain.parallel.mesh import ParallelDims
+from partrain.parallel.nvme import on_nvme, run_swap_dir
 from partrain.parallel.pipeline import apply_pipeline_parallel
 from partrain.parallel.tensor import apply_tensor_parallel
-from partrain.parallel.zero import (
-    ZeroBackend,
-    apply_zero,
-    check_nvme_offload,
-    on_nvme,
-    run_swap_dir,
-    swap_in,
-)
+from partrain.parallel.zero import ZeroBackend, apply_zero, check_nvme_offload, swap_in
 
 
 @dataclass

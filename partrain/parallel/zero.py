@@ -24,13 +24,9 @@ gradients there divided by dp x cp (the same as `average_expert_gradients`), and
 over every dp rank (the slices of the ep group once each).
 """
 
-import hashlib
 import logging
 import math
 import os
-import shutil
-import socket
-import tempfile
 from contextlib import contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
@@ -39,8 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from partrain.errors import reason
 from partrain.parallel.data import Update
+from partrain.parallel.nvme import nvme_problem, on_nvme
 from partrain.parallel.tensor import sync_sequence_parallel_grads
 
 
@@ -176,51 +172,6 @@ class OffloadUnavailable(Exception):
     (the launcher: exit 2, a setting this machine cannot run)."""
 
 
-def on_nvme(parallel_cfg) -> list[str]:
-    """The keys that offload to nvme (`parallel.offload_optimizer=nvme`, ...), or none."""
-    return [f"parallel.{k}=nvme" for k in ("offload_optimizer", "offload_params")
-            if parallel_cfg[k] == "nvme"]
-
-
-def run_swap_dir(nvme_path: str, run_dir: Path) -> Path:
-    """This run's folder under parallel.offload_nvme_path: `<run dir's name>-<8 hex digits of its
-    absolute path>`. DeepSpeed names its swap files by rank and tensor alone, so two runs given
-    the same path (two jobs on one node) would swap through the same files, each overwriting the
-    other's optimizer state without a word; a restart or a resume of the run finds its own
-    folder again (what it holds is rebuilt from the checkpoint, never read back)."""
-    run_dir = Path(run_dir).resolve()
-    digest = hashlib.sha1(str(run_dir).encode()).hexdigest()[:8]
-    return Path(nvme_path) / f"{run_dir.name}-{digest}"
-
-
-def nvme_problem(parallel_cfg, folder: Path) -> str | None:
-    """Why this node cannot offload to nvme in `folder` (the run's, under
-    parallel.offload_nvme_path), or None (also when nothing goes to nvme). The folder is made if
-    missing and must take a file; DeepSpeed's async_io op must be buildable here (libaio's
-    headers and library: its own compile-and-link test)."""
-    keys = on_nvme(parallel_cfg)
-    if not keys:
-        return None
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder):
-            pass
-    except OSError as err:
-        return (f"{keys[0]}: parallel.offload_nvme_path={parallel_cfg.offload_nvme_path} (this "
-                f"run's folder in it, {folder.name}) cannot be made or written on "
-                f"{socket.gethostname()} ({reason(err)}); point it at a directory on a local "
-                "NVMe drive that this user can write, on every node")
-    from deepspeed.ops.op_builder import AsyncIOBuilder
-
-    if not AsyncIOBuilder().is_compatible(verbose=False):
-        return (f"{keys[0]} needs DeepSpeed's async_io op, which needs libaio's headers and "
-                f"library, and {socket.gethostname()} has none: install them on every node "
-                "(Debian and Ubuntu: apt-get install libaio-dev), or say where they are with "
-                "CPATH=<dir>/include LIBRARY_PATH=<dir>/lib LD_LIBRARY_PATH=<dir>/lib (gcc's "
-                "and the loader's); or offload to the host instead (=cpu)")
-    return None
-
-
 def check_nvme_offload(parallel_cfg, device_type: str, folder: Path) -> None:
     """Raise OffloadUnavailable on every rank when any rank's node cannot offload to nvme in
     `folder` (each rank tells the others, so that none goes on into DeepSpeed's collectives
@@ -228,7 +179,10 @@ def check_nvme_offload(parallel_cfg, device_type: str, folder: Path) -> None:
     if not on_nvme(parallel_cfg):
         return
     deepspeed_accelerator(device_type)
-    problem = nvme_problem(parallel_cfg, folder)
+    try:
+        problem = nvme_problem(parallel_cfg, folder)
+    except Exception as err:  # noqa: BLE001 (whatever it is, the other ranks must hear of it)
+        problem = f"{on_nvme(parallel_cfg)[0]}: checking this node failed: {err!r}"
     failed = torch.tensor([problem is not None], dtype=torch.int32, device=device_type)
     dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     if failed.item():
@@ -244,13 +198,6 @@ def swap_in(ds_config: dict, folder: Path) -> dict:
             zero[key]["nvme_path"] = str(folder)
     logging.getLogger("partrain").info("offload to nvme: the swap files in %s", folder)
     return ds_config
-
-
-def remove_swap_dir(parallel_cfg, run_dir: Path, local_rank: int) -> None:
-    """At the end of the run, its swap folder goes (DeepSpeed removes its files when the engine
-    goes, but not after a failure; only a node's first rank, after the last barrier)."""
-    if on_nvme(parallel_cfg) and local_rank == 0:
-        shutil.rmtree(run_swap_dir(parallel_cfg.offload_nvme_path, run_dir), ignore_errors=True)
 
 
 def apply_zero(model: nn.Module, mesh, dims, ds_config: dict, param_groups: list[dict],

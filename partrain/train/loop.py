@@ -35,7 +35,7 @@ from partrain.parallel.dist import (
     pick_device,
 )
 from partrain.parallel.float8 import Float8Unavailable
-from partrain.parallel.zero import OffloadUnavailable, remove_swap_dir
+from partrain.parallel.zero import OffloadUnavailable
 from partrain.train.assemble import Run, build
 from partrain.train.guard import Diverged, NonFiniteStart
 from partrain.train.shared_dir import RunDirNotShared, check_shared_run_dir
@@ -272,7 +272,6 @@ def main(run_dir: str, preemption: PreemptionFlag | None = None) -> None:
         stopped = (type(err), str(err))
     watch.stop()  # rank 0 may write the trace and the summary first: the end is not timed
     end_distributed()
-    remove_swap_dir(cfg.parallel, run_dir, local_rank)
     if stopped is not None:
         log.error("%s", stopped[1])
         raise stopped[0](stopped[1])

@@ -245,6 +245,12 @@ RULES = [
      ["offload to nvme needs parallel.offload_nvme_path"],
      ["parallel.zero_stage=3", "parallel.offload_params=nvme", "parallel.offload_nvme_path=/nvme"],
      (None, None)),
+    ("offload-nvme-stage-2", ["parallel.zero_stage=2", "parallel.offload_optimizer=nvme",
+                              "parallel.offload_nvme_path=/nvme"], (None, None),
+     ["parallel.offload_optimizer=nvme needs parallel.zero_stage=3", "got zero_stage=2",
+      "host memory only"],
+     ["parallel.zero_stage=3", "parallel.offload_optimizer=nvme",
+      "parallel.offload_nvme_path=/nvme"], (None, None)),
     # FSDP2 (parallel.zero_backend=fsdp)
     ("zero-backend-name", ["parallel.zero_stage=3", "parallel.zero_backend=torch"], (None, None),
      ["parallel.zero_backend=torch is not one of: deepspeed, fsdp"],

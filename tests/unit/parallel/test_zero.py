@@ -135,9 +135,9 @@ def test_nvme_problems_name_the_key_the_value_and_what_to_do(tmp_path, monkeypat
     """What a rank says before DeepSpeed starts when its node cannot offload to nvme. libaio's
     absence is mocked (AsyncIOBuilder.is_compatible, DeepSpeed's own compile-and-link test):
     this machine may have it, and tests/integration/test_nvme_offload.py runs the real op."""
-    from partrain.parallel.zero import deepspeed_accelerator, nvme_problem
+    from partrain.parallel.nvme import nvme_problem
 
-    deepspeed_accelerator("cpu")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
     def cfg(path, **offload):
@@ -166,10 +166,34 @@ def test_nvme_problems_name_the_key_the_value_and_what_to_do(tmp_path, monkeypat
 def test_each_run_swaps_in_a_folder_of_its_own(tmp_path):
     """Two runs given one offload_nvme_path never share swap files (DeepSpeed names them by rank
     and tensor alone); the same run (a restart, a resume) finds its folder again."""
-    from partrain.parallel.zero import run_swap_dir
+    from partrain.parallel.nvme import run_swap_dir
 
     a, b = tmp_path / "one" / "runs" / "llama", tmp_path / "two" / "runs" / "llama"
     folder = run_swap_dir("/nvme", a)
     assert folder.parent == Path("/nvme") and folder.name.startswith("llama-")
     assert run_swap_dir("/nvme", a) == folder == run_swap_dir("/nvme", a / ".." / "llama")
     assert run_swap_dir("/nvme", b) != folder  # the same name elsewhere: another folder
+
+
+def test_a_filesystem_without_direct_io_is_refused(tmp_path):
+    """DeepSpeed's async_io writes its swap files with O_DIRECT: a folder on a filesystem without
+    it (ramfs here, mounted for the test; tmpfs before Linux 6.6) passed an ordinary write and
+    then failed inside DeepSpeed. Needs root to mount."""
+    import subprocess
+
+    from partrain.parallel.nvme import nvme_problem
+
+    ramfs = tmp_path / "ramfs"
+    ramfs.mkdir()
+    mounted = subprocess.run(["mount", "-t", "ramfs", "ramfs", str(ramfs)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a ramfs here: {mounted.stderr.decode().strip()}")
+    try:
+        cfg = validated("parallel.zero_stage=3", "parallel.offload_optimizer=nvme",
+                        f"parallel.offload_nvme_path={ramfs}")[0].parallel
+        said = nvme_problem(cfg, ramfs / "run-1234abcd")
+    finally:
+        subprocess.run(["umount", str(ramfs)], check=True)
+    assert said.startswith(f"parallel.offload_optimizer=nvme: parallel.offload_nvme_path={ramfs} "
+                           "(this run's folder in it, run-1234abcd) is on a filesystem of ")
+    assert "without direct I/O (O_DIRECT)" in said

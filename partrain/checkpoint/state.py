@@ -209,6 +209,48 @@ def _zero_swapped(optimizer, group: int) -> bool:
             and optimizer._swappable_optimizer_subgroup(group))
 
 
+def _zero_swapped_params(optimizer, params: dict[str, nn.Parameter]) -> dict[int, list]:
+    """The (name, parameter) pairs of each partition that ZeRO-3 keeps on nvme, by partition."""
+    groups = {group: [] for group in range(len(_zero_flat_partitions(optimizer)))
+              if _zero_swapped(optimizer, group)}
+    for name, param in params.items():
+        if groups and param.requires_grad:
+            group = optimizer.grad_position[optimizer.get_param_id(param)][0]
+            if group in groups:
+                groups[group].append((name, param))
+    return groups
+
+
+def _fill_zero3_fragment(optimizer, flat: torch.Tensor, param, values: dict) -> None:
+    """What DeepSpeed's ZeRO-3 set_full_hp_param writes (this rank's slice of the full tensor,
+    into the fp32 partition or one of its state tensors), for a partition already read in."""
+    _, offset, count = optimizer.grad_position[optimizer.get_param_id(param)]
+    start = count * optimizer._get_param_partition_rank(param)
+    for key, value in values.items():
+        target = flat if key == "weight" else optimizer.optimizer.state[flat][key]
+        target.narrow(0, offset, count).copy_(value.flatten().narrow(0, start, count))
+
+
+def _gather_swapped(optimizer, params: dict[str, nn.Parameter], keys) -> dict[str, dict]:
+    """Offloaded to nvme: the full fp32 weight and `keys` state of each parameter whose ZeRO-3
+    partition is on disk, each partition read in once and left as it was on disk (DeepSpeed's
+    helpers read the whole partition once per parameter and key: 38 s against 0.4 s to save a
+    25M model at dp2). Collective over each parameter's partition group."""
+    full = {}
+    for group, members in _zero_swapped_params(optimizer, params).items():
+        optimizer._optimizer_states_and_gradient_swap_in(group)
+        flat = _zero_flat_partitions(optimizer)[group]
+        for name, param in members:
+            _, offset, count = optimizer.grad_position[optimizer.get_param_id(param)]
+            sources = {"weight": flat, **{key: optimizer.optimizer.state[flat][key]
+                                          for key in keys}}
+            full[name] = {key: optimizer._fp32_state_allgather(param, source.narrow(0, offset,
+                                                                                    count))
+                          for key, source in sources.items()}
+        optimizer._release_swap_buffers(group)
+    return full
+
+
 def _zero_has_state(optimizer) -> bool:
     """Whether the inner optimizer has made its state (at its first step)."""
     inner = optimizer.optimizer
@@ -246,11 +288,15 @@ def build_state(model: nn.Module, optimizer, tp_mesh, zero: bool) -> dict[str, t
         step, made = _zero_step(optimizer), _zero_has_state(optimizer)
         if made:
             _link_zero_state(optimizer)
+        on_disk = _gather_swapped(optimizer, named_parameters(model), keys if made else [])
     for name, param in named_parameters(model).items():
         if zero:
-            weight = safe_get_full_fp32_param(param).reshape(_local_shape(param))
-            moments = {key: (safe_get_full_optimizer_state(param, key).reshape(_local_shape(param))
-                             if made else torch.zeros(_local_shape(param)))
+            full = on_disk.get(name, {})
+            weight = (full["weight"] if full else
+                      safe_get_full_fp32_param(param)).reshape(_local_shape(param))
+            moments = {key: ((full[key] if full else safe_get_full_optimizer_state(param, key))
+                             .reshape(_local_shape(param)) if made
+                             else torch.zeros(_local_shape(param)))
                        for key in keys}
             param_step = step
         else:
@@ -326,22 +372,30 @@ def load_optimizer(model: nn.Module, optimizer, path, tp_mesh, zero: bool) -> No
     step = max((float(state[f"optim.{name}.step"]) for name in params), default=0.0) \
         if steps else 0.0
     inner = optimizer.optimizer
+    on_disk = _zero_swapped_params(optimizer, params)
     for group, flat in enumerate(_zero_flat_partitions(optimizer)):
         value = (torch.tensor(step, dtype=torch.float32)
                  if isinstance(inner, torch.optim.Optimizer) and type(inner).__module__.startswith("torch")
                  else int(step))
-        # Offloaded to nvme, a partition is on disk (an empty tensor here): read it in, make its
-        # state at its size and write both out, so that DeepSpeed's swapper knows the state
-        # tensors the helpers below read in and write back one parameter at a time.
-        swapped = _zero_swapped(optimizer, group)
-        if swapped:
+        # Offloaded to nvme, a partition is on disk (an empty tensor here): read it in once, make
+        # its state at its size, fill every parameter's fragment and write it all out (the
+        # helpers below would read and write the whole partition once per parameter and key:
+        # 126 s against 21 s to resume a 25M model at dp2).
+        if group in on_disk:
             optimizer._optimizer_states_and_gradient_swap_in(group)
         inner.state[flat] = {**({"step": value} if steps else {}),
                              **{key: torch.zeros_like(flat) for key in moments}}
-        if swapped:
+        if group in on_disk:
+            for name, param in on_disk[group]:
+                _fill_zero3_fragment(optimizer, flat, param, {
+                    "weight": local(state[f"model.{name}"]),
+                    **{key: local(state[f"optim.{name}.{key}"]) for key in moments}})
             optimizer._optimizer_states_and_gradient_swap_out(group)
     _link_zero_state(optimizer)
+    filled = {name for members in on_disk.values() for name, _ in members}
     for name, param in params.items():
+        if name in filled:
+            continue
         safe_set_full_fp32_param(param, local(state[f"model.{name}"]))
         for key in moments:
             safe_set_full_optimizer_state(param, local(state[f"optim.{name}.{key}"]), key)

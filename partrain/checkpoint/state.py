@@ -221,14 +221,21 @@ def _zero_swapped_params(optimizer, params: dict[str, nn.Parameter]) -> dict[int
     return groups
 
 
+def _zero3_fragment(optimizer, flat: torch.Tensor, param, key: str) -> torch.Tensor:
+    """This rank's fragment of `param` in a ZeRO-3 fp32 partition read in (`key` "weight") or in
+    one of its state tensors, where DeepSpeed's set_full_hp_param and get_full_hp_param find it."""
+    _, offset, count = optimizer.grad_position[optimizer.get_param_id(param)]
+    source = flat if key == "weight" else optimizer.optimizer.state[flat][key]
+    return source.narrow(0, offset, count)
+
+
 def _fill_zero3_fragment(optimizer, flat: torch.Tensor, param, values: dict) -> None:
     """What DeepSpeed's ZeRO-3 set_full_hp_param writes (this rank's slice of the full tensor,
     into the fp32 partition or one of its state tensors), for a partition already read in."""
-    _, offset, count = optimizer.grad_position[optimizer.get_param_id(param)]
-    start = count * optimizer._get_param_partition_rank(param)
     for key, value in values.items():
-        target = flat if key == "weight" else optimizer.optimizer.state[flat][key]
-        target.narrow(0, offset, count).copy_(value.flatten().narrow(0, start, count))
+        target = _zero3_fragment(optimizer, flat, param, key)
+        start = target.numel() * optimizer._get_param_partition_rank(param)
+        target.copy_(value.flatten().narrow(0, start, target.numel()))
 
 
 def _gather_swapped(optimizer, params: dict[str, nn.Parameter], keys) -> dict[str, dict]:
@@ -241,12 +248,8 @@ def _gather_swapped(optimizer, params: dict[str, nn.Parameter], keys) -> dict[st
         optimizer._optimizer_states_and_gradient_swap_in(group)
         flat = _zero_flat_partitions(optimizer)[group]
         for name, param in members:
-            _, offset, count = optimizer.grad_position[optimizer.get_param_id(param)]
-            sources = {"weight": flat, **{key: optimizer.optimizer.state[flat][key]
-                                          for key in keys}}
-            full[name] = {key: optimizer._fp32_state_allgather(param, source.narrow(0, offset,
-                                                                                    count))
-                          for key, source in sources.items()}
+            full[name] = {key: optimizer._fp32_state_allgather(
+                param, _zero3_fragment(optimizer, flat, param, key)) for key in ["weight", *keys]}
         optimizer._release_swap_buffers(group)
     return full
 

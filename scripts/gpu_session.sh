@@ -6,9 +6,10 @@
 #   bash scripts/gpu_session.sh full:140 nvme:300  # the device tool's command, carry [".whl"]
 #
 # A session has 15 minutes of device time and a call 10: give each stage a limit (below) and
-# put several in a call. Measured on an H200 (wall, stage included): cp 13 s, side 121 s, mb8
-# 66 s, fp8 about 100 s a case at 200 steps, zero3 + offload 119 s with its op's first build
-# (async_io for nvme: 155 s on 2 cores). On a warm machine /tmp/gpuwork's token dir is reused.
+# put several in a call. Measured on an H200 (wall, stage included): cp 13 s, side 121 s, full
+# 96 s, mb8 66 s, fp8 327 s (about 100 s a case at 200 steps), nvme 172 s for its host case
+# (110 s, its op's first build included) and the disk's first failing one; the disk's case
+# trained 23.8 s a first step. On a warm machine /tmp/gpuwork's token dir is reused.
 # Stages:
 #   cp     scripts/check_cp_fused.py: the ring's fused CUDA block against the written-out one
 #   check  scripts/gpu_check.py: ddp, ddp + compile, fsdp2, zero3, zero3 + nvme

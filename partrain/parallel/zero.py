@@ -27,6 +27,7 @@ over every dp rank (the slices of the ep group once each).
 import logging
 import math
 import os
+import re
 from contextlib import contextmanager, nullcontext
 from functools import partial
 from pathlib import Path
@@ -161,9 +162,33 @@ def _expert_parallel(model: nn.Module, expert_mesh):
 
 def deepspeed_accelerator(device_type: str) -> None:
     """DeepSpeed picks its accelerator (and its ops' builders) when first imported: on CPU ranks,
-    its CPU one."""
+    its CPU one; on GPU ranks its JIT-built ops (async_io for nvme, the offload's Adam) read
+    TORCH_CUDA_ARCH_LIST, put in a form they parse (`ds_arch_list`)."""
     if device_type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        return
+    given = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if given and ds_arch_list(given) != given:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = ds_arch_list(given)
+        logging.getLogger("partrain").info(
+            "TORCH_CUDA_ARCH_LIST=%s: DeepSpeed's op builder reads no architecture suffix; "
+            "its ops are built for %s", given, os.environ["TORCH_CUDA_ARCH_LIST"])
+
+
+_ARCH = re.compile(r"(\d+)\.(\d+)[a-z]?(\+PTX)?")
+
+
+def ds_arch_list(value: str) -> str:
+    """TORCH_CUDA_ARCH_LIST as DeepSpeed's op builder parses it: the arch-specific and family
+    suffixes dropped (`9.0a` -> `9.0`, `10.0f+PTX` -> `10.0+PTX`; DeepSpeed 0.19 stops on
+    them with `invalid literal for int() ... '0a'`, and the PyTorch images for Hopper set
+    `9.0a`). Its ops use nothing of sm_90a's own, and the sm_90 code runs there. Other entries are
+    left as they are."""
+    out = []
+    for entry in value.replace(" ", ";").split(";"):
+        found = _ARCH.fullmatch(entry.strip())
+        out.append(f"{found[1]}.{found[2]}{found[3] or ''}" if found else entry.strip())
+    return ";".join(e for e in out if e)
 
 
 class OffloadUnavailable(Exception):

@@ -226,9 +226,10 @@ def target(hw: Hardware, world: World) -> Hardware:
 
 
 # What plan assumes of train.float8, with what one GPU measured (docs/performance.md, issue 33).
-FLOAT8_UNPRICED = ("train.float8=true is priced as bf16: the time and memory above are bf16's; FP8 "
-                   "(tensorwise) measured 1.11x bf16's tokens/s at 0.88x its peak memory on one "
-                   "H200 (the Llama-3.2-1B shape, compiled), more where matmuls dominate")
+FLOAT8_UNPRICED = ("train.float8=true is priced as bf16: the time and memory above are bf16's; on "
+                   "one H200 (the Llama-3.2-1B shape, compiled) FP8 measured 1.11x bf16's "
+                   "tokens/s tensorwise and 0.92x rowwise, both at 0.88x its peak memory; "
+                   "torchao expects more where the matmuls are larger")
 
 
 def on_hardware(plan: dict, cfg: DictConfig, world: World, hw: Hardware, source: str) -> None:

@@ -2,6 +2,7 @@
 ZeRO memory formulas that `plan` prints and scripts/bench_zero.py measures against."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -197,3 +198,31 @@ def test_a_filesystem_without_direct_io_is_refused(tmp_path):
     assert said.startswith(f"parallel.offload_optimizer=nvme: parallel.offload_nvme_path={ramfs} "
                            "(this run's folder in it, run-1234abcd) is on a filesystem of ")
     assert "without direct I/O (O_DIRECT)" in said
+
+
+@pytest.mark.parametrize("given, wanted", [
+    ("9.0a", "9.0"), ("8.0;9.0a", "8.0;9.0"), ("10.0f+PTX", "10.0+PTX"), ("8.6 9.0a", "8.6;9.0"),
+    ("9.0", "9.0"), ("8.0;9.0+PTX", "8.0;9.0+PTX")])
+def test_arch_list_in_the_form_deepspeed_parses(given, wanted):
+    from partrain.parallel.zero import ds_arch_list
+
+    assert ds_arch_list(given) == wanted
+
+
+def test_a_hopper_image_arch_list_builds_deepspeed_ops(monkeypatch):
+    """The H200's PyTorch image sets TORCH_CUDA_ARCH_LIST=9.0a, and DeepSpeed 0.19's JIT builder
+    (here its real async_io one, the nvme offload's op) stopped on it: `invalid literal for int()
+    ... '0a'` (seen on the device, issue 33). After partrain's GPU-rank setup it reads the list.
+    No GPU is needed: with the list given, the builder probes none."""
+    from deepspeed.ops.op_builder.async_io import AsyncIOBuilder
+
+    from partrain.parallel.zero import deepspeed_accelerator
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a;8.0")
+    builder = AsyncIOBuilder()
+    builder.jit_mode = True
+    with pytest.raises(ValueError, match="0a"):
+        builder.compute_capability_args()
+    deepspeed_accelerator("cuda")
+    assert builder.compute_capability_args() == []  # JIT: torch makes the flags from the list
+    assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0+PTX"

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -100,21 +101,106 @@ def assert_no_abort(run_dir: Path, *outputs: str) -> None:
         assert ABORT_MESSAGE not in text
 
 
+class OpBuild:
+    """`python -m tests.integration.op_build WHAT` in a process group of its own, its output in a
+    file; `stop()` asks it to end (SIGTERM: it releases torch's lock on the op's folder) and then
+    kills its group, so that no compiler outlives the session."""
+
+    def __init__(self, what: str, background: bool = False):
+        handle, log = tempfile.mkstemp(prefix=f"partrain-op-build-{what}-", suffix=".log")
+        os.close(handle)
+        self.log = Path(log)
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.integration.op_build", what],
+                cwd=Path(__file__).parents[2], stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True, preexec_fn=(lambda: os.nice(19)) if background else None)
+
+    def wait(self, timeout: float = 1200) -> tuple[int, str]:
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except BaseException:  # a timeout, ^C: stop the build, then let it raise
+            self.stop()
+            raise
+        output = self.log.read_text()
+        self.log.unlink(missing_ok=True)
+        return code, output
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=20)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        # ninja runs each compiler in a process group of its own: all of the session goes
+        for pid in _session_members(self.proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.log.unlink(missing_ok=True)
+
+
+def _session_members(sid: int) -> list[int]:
+    """The processes of session `sid` (start_new_session made one for the build)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # ended meanwhile
+        if int(fields[3]) == sid:  # after the name: state, ppid, pgrp, session
+            members.append(int(stat.parent.name))
+    return members
+
+
+# The builds start in the background at the end of collection, at the lowest CPU priority, when
+# the collected tests will want them (tests/integration/op_build.py says why): the fixtures wait.
+_BUILDS: dict[str, OpBuild] = {}
+
+
+def pytest_collection_finish(session):
+    def wants(item, fixture):
+        return fixture in getattr(item, "fixturenames", ())
+
+    if any(wants(item, "deepspeed_ops") or item.get_closest_marker("slow") for item in session.items):
+        _BUILDS["ops"] = OpBuild("ops", background=True)  # the full suite's ZeRO runs
+    if any(wants(item, "deepspeed_aio") for item in session.items):
+        _BUILDS["aio"] = OpBuild("aio", background=True)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for build in _BUILDS.values():  # still running: a test failed first under -x, or ^C
+        build.stop()
+
+
+def _built(what: str, timeout: float) -> tuple[int, str]:
+    if what not in _BUILDS:  # not started at collection: build now
+        _BUILDS[what] = OpBuild(what)
+    return _BUILDS[what].wait(timeout)
+
+
 @pytest.fixture(scope="session")
 def deepspeed_ops():
-    """DeepSpeed's CPU ops (the shared-memory collective, ZeRO-Offload's CPU Adam), built once in
-    the one extension cache that every run shares (TORCH_EXTENSIONS_DIR, default
-    ~/.cache/torch_extensions): on a fresh machine each takes 20-100 s on 2 cores, and ranks
-    building the same op at once would only wait for each other. Cached, this takes seconds."""
-    code = ("from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, ShareMemCommBuilder\n"
-            "import time\n"
-            "for b in (ShareMemCommBuilder(), CPUAdamBuilder()):\n"
-            "    t = time.perf_counter(); b.load(verbose=False)\n"
-            "    print(f'{b.name}: {time.perf_counter() - t:.1f} s')\n")
-    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DS_ACCELERATOR": "cpu"},
-                          capture_output=True, text=True, timeout=600, start_new_session=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+    """DeepSpeed's CPU ops (the shared-memory collective, ZeRO-Offload's CPU Adam) in the shared
+    extension cache (tests/integration/op_build.py). Cached, this takes seconds."""
+    code, output = _built("ops", timeout=600)
+    assert code == 0, output[-3000:]
+    return output
+
+
+@pytest.fixture(scope="session")
+def deepspeed_aio(deepspeed_ops):
+    """DeepSpeed's async_io op in the shared extension cache, libaio-dev installed first where it
+    is missing (about 150 s on 2 cores from nothing, at full speed once the suite waits on it)."""
+    from tests.integration.op_build import NO_LIBAIO
+
+    code, output = _built("aio", timeout=1200)
+    if code == NO_LIBAIO:
+        pytest.skip(output.strip().splitlines()[-1])
+    assert code == 0, f"DeepSpeed's async_io op did not build (exit {code}):\n{output[-3000:]}"
+    return output
 
 
 def deepspeed_if_zero(request, layout) -> None:

@@ -3,9 +3,12 @@ async_io op), installed when missing. The tests are skipped, with the reason pri
 that cannot work: not root, or no apt-get. A failed install as root fails the tests instead, so
 that CI never passes by skipping them."""
 
+import fcntl
 import os
 import shutil
 import subprocess
+
+LOCK = "/tmp/partrain-tests-apt.lock"
 
 
 class Unavailable(Exception):
@@ -22,9 +25,13 @@ def install(packages: tuple[str, ...], what: str) -> None:
         raise Unavailable(f"{what} is not installed and there is no apt-get to install it")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     command = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    if result.returncode != 0:  # stale package lists on a fresh machine
-        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=600)
+    # One install at a time (the async_io op's background build installs libaio while a test
+    # may install SLURM): a second apt-get would fail on apt's own lock instead of waiting.
+    with open(LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        if result.returncode != 0:  # stale package lists on a fresh machine
+            subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, timeout=600)
+            result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     if result.returncode != 0:
         raise RuntimeError(f"apt-get install {' '.join(packages)} failed:\n{result.stderr[-2000:]}")

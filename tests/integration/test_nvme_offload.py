@@ -5,43 +5,13 @@ host does (the same CPU Adam on the same numbers; only where they rest between s
 checkpoint written under it resumes exactly, and a node that cannot offload there is refused
 before DeepSpeed starts, on every rank, with exit 2."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-from tests.integration import debian
 from tests.integration.conftest import assert_no_abort, read_metrics
 
 COMMON = ("launcher.device=cpu", "launcher.nproc_per_node=2", "parallel.dp=2",
           "parallel.zero_stage=3", "train.eval_every=0", "train.log_every=1")
 STEPS = 6
-
-
-@pytest.fixture(scope="session")
-def deepspeed_aio(deepspeed_ops):
-    """DeepSpeed's async_io op, built once in the shared extension cache (about 155 s on 2 cores
-    on a fresh machine), with libaio-dev installed first where it is missing."""
-    code = ("from deepspeed.ops.op_builder import AsyncIOBuilder\n"
-            "builder = AsyncIOBuilder()\n"
-            "if not builder.is_compatible():\n"
-            "    raise SystemExit(3)\n"
-            "builder.load(verbose=False)\n")
-
-    def build():
-        return subprocess.run([sys.executable, "-c", code],
-                              env={**os.environ, "DS_ACCELERATOR": "cpu"}, capture_output=True,
-                              text=True, timeout=900, start_new_session=True)
-
-    proc = build()
-    if proc.returncode == 3:  # no libaio here
-        try:
-            debian.install(("libaio-dev",), "libaio")
-        except debian.Unavailable as e:
-            pytest.skip(f"no offload to NVMe on this machine: {e}")
-        proc = build()
-    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 @pytest.mark.slow

@@ -1,0 +1,75 @@
+"""DeepSpeed's JIT-built CPU ops for the tests, built once into the extension cache that every
+run shares (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions): on a fresh machine each
+takes 20-150 s on 2 cores, and ranks building the same op at once would only wait for each other.
+
+    python -m tests.integration.op_build ops    # the shared-memory collective, ZeRO-Offload's CPU Adam
+    python -m tests.integration.op_build aio    # async_io, offload to NVMe (libaio-dev installed first)
+
+Exit 0: built, or already in the cache; 3 (aio): no libaio here and none to be installed, the
+reason on stderr. The build runs in this process, so that a SIGTERM (conftest's, when a session
+ends before the build does) reaches the build's own `finally`, which releases torch's lock on the
+op's folder; a kill leaves that lock behind, and the next run waits on it for ever.
+
+async_io is the suite's largest single build (about 150 s on 2 cores, 12 files against torch's
+headers), and most tests leave a core idle at times (a launcher starting, a rank waiting on a
+peer, SLURM scheduling): conftest starts its build in the background at the end of collection,
+at the lowest CPU priority (nice 19: a core only when no test wants it), when a collected test
+needs it.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from tests.integration import debian
+
+NO_LIBAIO = 3
+
+
+def build_ops() -> int:
+    from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, ShareMemCommBuilder
+
+    for builder in (ShareMemCommBuilder(), CPUAdamBuilder()):
+        start = time.perf_counter()
+        builder.load(verbose=False)
+        print(f"{builder.name}: {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def build_aio() -> int:
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    builder = AsyncIOBuilder()
+    if not builder.is_compatible():
+        return NO_LIBAIO
+    start = time.perf_counter()
+    builder.load(verbose=False)
+    print(f"{builder.name}: {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    os.environ["DS_ACCELERATOR"] = "cpu"
+    if argv[:1] == ["ops"]:
+        return build_ops()
+    if build_aio() != NO_LIBAIO:
+        return 0
+    if "--installed" in argv:
+        print("libaio-dev is installed and DeepSpeed's async_io op still finds no libaio",
+              file=sys.stderr)
+        return 1
+    try:
+        debian.install(("libaio-dev",), "libaio")
+    except debian.Unavailable as e:
+        print(f"no offload to NVMe on this machine: {e}", file=sys.stderr)
+        return NO_LIBAIO
+    # a fresh process, whose DeepSpeed has not yet looked for libaio
+    return subprocess.run([sys.executable, "-m", "tests.integration.op_build", "aio", "--installed"]
+                          ).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

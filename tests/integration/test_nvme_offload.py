@@ -5,6 +5,8 @@ host does (the same CPU Adam on the same numbers; only where they rest between s
 checkpoint written under it resumes exactly, and a node that cannot offload there is refused
 before DeepSpeed starts, on every rank, with exit 2."""
 
+from pathlib import Path
+
 import pytest
 
 from tests.integration.conftest import assert_no_abort, read_metrics
@@ -68,3 +70,32 @@ def test_nvme_path_that_cannot_be_written_is_refused_on_every_rank(cli, tmp_path
     assert "Not a directory" in out and "Traceback" not in out
     assert not (run_dir / "metrics.jsonl").exists()
     assert_no_abort(run_dir, out)
+
+
+def _one_rank_cannot(rank: int, world_size: int, root: str) -> None:
+    from omegaconf import OmegaConf
+
+    from partrain.parallel.zero import OffloadUnavailable, check_nvme_offload
+
+    parallel = OmegaConf.create({"offload_optimizer": "nvme", "offload_params": "none",
+                                 "offload_nvme_path": root})
+    # rank 1's node cannot make its folder (a file where a directory should be); rank 0's can
+    folder = Path(root) / ("swap" if rank == 0 else "a-file/swap")
+    with pytest.raises(OffloadUnavailable) as refused:
+        check_nvme_offload(parallel, "cpu", folder)
+    if rank == 0:
+        assert "a rank on another node cannot offload to nvme" in str(refused.value)
+    else:
+        assert "cannot be made or written" in str(refused.value)
+
+
+@pytest.mark.slow  # the async_io op's build: 150 s on a fresh machine
+def test_a_rank_that_cannot_offload_stops_the_others_too(tmp_path, deepspeed_aio):
+    """Two real gloo ranks, as on two nodes (the path is node-local): one cannot write its
+    folder, the other can (libaio here, so its own check passes) and is refused all the same,
+    saying that another rank's node is the cause, instead of going on alone into DeepSpeed's
+    collectives and waiting there until the timeout."""
+    from tests.distributed.helpers import run_distributed
+
+    (tmp_path / "a-file").write_text("")
+    run_distributed(_one_rank_cannot, 2, str(tmp_path))

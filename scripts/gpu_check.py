@@ -129,7 +129,12 @@ def run_case(name: str, overrides: list[str], work: Path, warmup: int) -> dict:
     wall = time.perf_counter() - start
     if res.returncode:
         tail = (res.stdout + res.stderr)[-4000:]
-        return {"case": name, "failed": f"exit {res.returncode}", "log": tail}
+        row = {"case": name, "failed": f"exit {res.returncode}", "log": tail}
+        # the failing rank's traceback is in its own log, which stays on the device machine
+        ranks = sorted((run_dir / "logs").glob("rank-*.log"))
+        if ranks:
+            row["rank_log"] = {p.name: p.read_text(errors="replace")[-4000:] for p in ranks[:2]}
+        return row
     steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [s for s in steps if "loss" in s]
     steady = steps[warmup:]

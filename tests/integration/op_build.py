@@ -14,8 +14,7 @@ async_io is the suite's largest single build (about 150 s on 2 cores, 12 files a
 headers), and most tests leave a core idle at times (a launcher starting, a rank waiting on a
 peer, SLURM scheduling): conftest starts its build in the background at the end of collection,
 at the lowest CPU priority (nice 19, for its session's autogroup too: a core only when no
-test wants it), when a collected test
-needs it.
+test wants it), when a collected test needs it.
 """
 
 import os

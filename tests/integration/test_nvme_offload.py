@@ -5,6 +5,8 @@ host does (the same CPU Adam on the same numbers; only where they rest between s
 checkpoint written under it resumes exactly, and a node that cannot offload there is refused
 before DeepSpeed starts, on every rank, with exit 2."""
 
+import re
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,13 @@ COMMON = ("launcher.device=cpu", "launcher.nproc_per_node=2", "parallel.dp=2",
 STEPS = 6
 
 
+# The first test to want the async_io op waits for its build, which on a fresh machine with this
+# file run alone (the DeepSpeed ops built beside it) outlasts the suite's 300 s per test.
+BUILD_WAIT = pytest.mark.timeout(900)
+
+
 @pytest.mark.slow
+@BUILD_WAIT
 def test_nvme_offload_trains_as_host_offload_and_resumes_exactly(cli, tmp_path, deepspeed_aio):
     """Two runs at once on one offload_nvme_path (two jobs on a node), optimizer and parameters
     on the disk, each equal to offload to the host step for step: one straight through, one
@@ -52,6 +60,27 @@ def test_nvme_offload_trains_as_host_offload_and_resumes_exactly(cli, tmp_path, 
         assert f"offload to nvme: the swap files in {swap}/{run_dir.name}-" in log
         assert_no_abort(run_dir, *outputs, resumed.stdout + resumed.stderr)
     assert swap.is_dir() and not list(swap.iterdir())  # each run's folder removed at its end
+    # The two runs swapped at the same time (else sharing one folder would go unseen): each
+    # one's span from its swap folder's announcement to its first launch's last step overlaps
+    # the other's.
+    spans = [_swap_span(straight, STEPS), _swap_span(halves, STEPS // 2)]
+    assert max(s for s, _ in spans) < min(e for _, e in spans), spans
+
+
+def _swap_span(run_dir, last_step: int) -> tuple[datetime, datetime]:
+    """When rank 0 of the run's first launch announced its swap folder, and logged `last_step`."""
+    start = end = None
+    for line in (run_dir / "logs" / "rank-0.log").read_text().splitlines():
+        stamp = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) rank0 (.*)", line)
+        if not stamp:
+            continue
+        when = datetime.strptime(stamp[1], "%Y-%m-%d %H:%M:%S,%f")
+        if start is None and stamp[2].startswith("offload to nvme: the swap files in"):
+            start = when
+        if end is None and re.match(rf"step +{last_step} ", stamp[2]):
+            end = when
+    assert start and end, f"{run_dir.name}: no swap announcement or step {last_step} in rank 0's log"
+    return start, end
 
 
 def test_nvme_path_that_cannot_be_written_is_refused_on_every_rank(cli, tmp_path):
@@ -90,6 +119,7 @@ def _one_rank_cannot(rank: int, world_size: int, root: str) -> None:
 
 
 @pytest.mark.slow  # the async_io op's build: 150 s on a fresh machine
+@BUILD_WAIT
 def test_a_rank_that_cannot_offload_stops_the_others_too(tmp_path, deepspeed_aio):
     """Two real gloo ranks, as on two nodes (the path is node-local): one cannot write its
     folder, the other can (libaio here, so its own check passes) and is refused all the same,

@@ -282,6 +282,7 @@ def build_state(model: nn.Module, optimizer, tp_mesh, zero: bool) -> dict[str, t
     """The checkpoint's state on this rank (collective under ZeRO: every dp rank calls it)."""
     state = {}
     keys, steps = state_keys(optimizer), _counts_steps(optimizer)
+    params = named_parameters(model)
     if zero:
         from deepspeed.utils import (
             safe_get_full_fp32_param,
@@ -291,8 +292,8 @@ def build_state(model: nn.Module, optimizer, tp_mesh, zero: bool) -> dict[str, t
         step, made = _zero_step(optimizer), _zero_has_state(optimizer)
         if made:
             _link_zero_state(optimizer)
-        on_disk = _gather_swapped(optimizer, named_parameters(model), keys if made else [])
-    for name, param in named_parameters(model).items():
+        on_disk = _gather_swapped(optimizer, params, keys if made else [])
+    for name, param in params.items():
         if zero:
             full = on_disk.get(name, {})
             weight = (full["weight"] if full else

@@ -168,11 +168,12 @@ def deepspeed_accelerator(device_type: str) -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         return
     given = os.environ.get("TORCH_CUDA_ARCH_LIST")
-    if given and ds_arch_list(given) != given:
-        os.environ["TORCH_CUDA_ARCH_LIST"] = ds_arch_list(given)
+    parsed = ds_arch_list(given) if given else given
+    if parsed != given:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = parsed
         logging.getLogger("partrain").info(
             "TORCH_CUDA_ARCH_LIST=%s: DeepSpeed's op builder reads no architecture suffix; "
-            "its ops are built for %s", given, os.environ["TORCH_CUDA_ARCH_LIST"])
+            "its ops are built for %s", given, parsed)
 
 
 _ARCH = re.compile(r"(\d+)\.(\d+)[a-z]?(\+PTX)?")

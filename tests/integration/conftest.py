@@ -116,7 +116,7 @@ def _lowest_priority() -> None:
 class OpBuild:
     """`python -m tests.integration.op_build WHAT` in a process group of its own, its output in a
     file; `stop()` asks it to end (SIGTERM: it releases torch's lock on the op's folder) and then
-    kills its group, so that no compiler outlives the session."""
+    kills what is left of its session, so that no compiler outlives the test session."""
 
     def __init__(self, what: str, background: bool = False):
         handle, log = tempfile.mkstemp(prefix=f"partrain-op-build-{what}-", suffix=".log")

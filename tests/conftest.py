@@ -51,6 +51,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.startswith(FULL_SUITE_ONLY):
             item.add_marker(pytest.mark.slow)
+    # The heavy modules first (those with slow tests, then the rest of integration/ and
+    # distributed/, then unit/), each module's tests kept together (its module fixtures are made
+    # once): the suite's workers end on short unit tests, not on one worker's last parity row.
+    # A stable sort, the same in every worker, as pytest-xdist requires.
+    heavy = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+
+    def weight(item):
+        path = item.nodeid.split("::")[0]
+        return 0 if path in heavy else 1 if not path.startswith("tests/unit/") else 2
+
+    items.sort(key=weight)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject): a worker per core, at most 4. A test starts up to 8 processes of
+    its own, and the gloo timeouts are short: more workers than cores only slows every rank."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:

@@ -47,26 +47,29 @@ FULL_SUITE_ONLY = (
 )
 
 
+# Tests that start ranks (a launch through the CLI, a gloo group of forked ranks): they fill the
+# cores themselves. Two at once on 2 cores ran the suite 4 minutes slower than one after the other
+# (42:21 against 37:59, CPU time 78 min against 58: gloo's ranks spin while a peer waits for a
+# core), so pytest-xdist runs them one at a time, on one worker, in their order.
+RANKS = ("tests/integration/", "tests/distributed/")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.startswith(FULL_SUITE_ONLY):
             item.add_marker(pytest.mark.slow)
-    # The heavy modules first (those with slow tests, then the rest of integration/ and
-    # distributed/, then unit/), each module's tests kept together (its module fixtures are made
-    # once): the suite's workers end on short unit tests, not on one worker's last parity row.
-    # A stable sort, the same in every worker, as pytest-xdist requires.
-    heavy = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
-
-    def weight(item):
+        # --dist loadgroup (pyproject): one group of all the tests that start ranks, and a group
+        # per module of the rest (its module fixtures made once); the other workers take the
+        # in-process tests, which use one core each, beside the ranks' idle moments.
         path = item.nodeid.split("::")[0]
-        return 0 if path in heavy else 1 if not path.startswith("tests/unit/") else 2
-
-    items.sort(key=weight)
+        item.add_marker(pytest.mark.xdist_group("ranks" if path.startswith(RANKS) else path))
+    # The ranks' group first, so that a worker takes it at once: the suite ends with it, not after it.
+    items.sort(key=lambda item: not item.nodeid.startswith(RANKS))
 
 
 def pytest_xdist_auto_num_workers(config):
-    """`-n auto` (pyproject): a worker per core, at most 4. A test starts up to 8 processes of
-    its own, and the gloo timeouts are short: more workers than cores only slows every rank."""
+    """`-n auto` (pyproject): a worker per core, at most 4 (the ranks' tests run on one of them)."""
     return max(1, min(4, len(os.sched_getaffinity(0))))
 
 

@@ -17,11 +17,13 @@ at the lowest CPU priority (nice 19, for its session's autogroup too: a core onl
 test wants it), when a collected test needs it.
 """
 
+import fcntl
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from tests.integration import debian
 
@@ -29,17 +31,22 @@ NO_LIBAIO = 3
 
 
 def load(builder) -> None:
-    """builder.load(), once more where it failed after waiting on another process's build of the
-    same op (pytest-xdist's workers each start one): torch's lock then only said that the other
-    process stopped (its session ended, SIGTERM), not that the op was built, and the import of
-    the op that is not there fails; the second try builds it here."""
     start = time.perf_counter()
-    try:
-        builder.load(verbose=False)
-    except ImportError as e:
-        print(f"{builder.name}: not there after waiting ({e}); building it here", flush=True)
-        builder.load(verbose=False)
+    builder.load(verbose=False)
     print(f"{builder.name}: {time.perf_counter() - start:.1f} s")
+
+
+def exclusive(what: str):
+    """One build of `what` at a time across processes (pytest-xdist's workers each start one),
+    held by this process until it exits, however it exits. torch's own lock on an op's folder is
+    not enough: a process that waited on it only imports the op afterwards, and where the builder
+    was stopped (its worker's session ended: SIGTERM) that import fails, where it should build."""
+    folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR",
+                                 Path.home() / ".cache" / "torch_extensions"))
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = open(folder / f"partrain-op-build-{what}.lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    return lock
 
 
 def build_ops() -> int:
@@ -63,6 +70,8 @@ def build_aio() -> int:
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     os.environ["DS_ACCELERATOR"] = "cpu"
+    # held until this process exits (the --installed child runs under its parent's)
+    lock = None if "--installed" in argv else exclusive(argv[0])  # noqa: F841
     if argv[:1] == ["ops"]:
         return build_ops()
     if build_aio() != NO_LIBAIO:

@@ -47,30 +47,10 @@ FULL_SUITE_ONLY = (
 )
 
 
-# Tests that start ranks (a launch through the CLI, a gloo group of forked ranks): they fill the
-# cores themselves. Two at once on 2 cores ran the suite 4 minutes slower than one after the other
-# (42:21 against 37:59, CPU time 78 min against 58: gloo's ranks spin while a peer waits for a
-# core), so pytest-xdist runs them one at a time, on one worker, in their order.
-RANKS = ("tests/integration/", "tests/distributed/")
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.startswith(FULL_SUITE_ONLY):
             item.add_marker(pytest.mark.slow)
-        # --dist loadgroup (pyproject): one group of all the tests that start ranks, and a group
-        # per module of the rest (its module fixtures made once); the other workers take the
-        # in-process tests, which use one core each, beside the ranks' idle moments.
-        path = item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group("ranks" if path.startswith(RANKS) else path))
-    # The ranks' group first, so that a worker takes it at once: the suite ends with it, not after it.
-    items.sort(key=lambda item: not item.nodeid.startswith(RANKS))
-
-
-def pytest_xdist_auto_num_workers(config):
-    """`-n auto` (pyproject): a worker per core, at most 4 (the ranks' tests run on one of them)."""
-    return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:

@@ -242,8 +242,7 @@ def assert_parity(steps, reference, label):
             assert rel <= PARITY_RTOL, (f"{label}: step {got['step']} {key} {got[key]} vs "
                                         f"{ref[key]} (rel {rel:.2e})")
             worst[key] = max(worst[key], rel)
-    # Shown with `pytest -n 0 -s` (pytest-xdist's workers show none): the measured gap, for notes
-    # and for spotting drift before it fails.
+    # Shown with `pytest -s`: the measured gap, for notes and for spotting drift before it fails.
     print(f"parity {label}: max relative gap loss {worst['loss']:.1e}, grad_norm {worst['grad_norm']:.1e}")
     # The run really trained: a parity test on a flat loss would prove nothing.
     assert steps[-1]["loss"] < steps[0]["loss"]

@@ -37,10 +37,11 @@ def load(builder) -> None:
 
 
 def exclusive(what: str):
-    """One build of `what` at a time across processes (pytest-xdist's workers each start one),
-    held by this process until it exits, however it exits. torch's own lock on an op's folder is
-    not enough: a process that waited on it only imports the op afterwards, and where the builder
-    was stopped (its worker's session ended: SIGTERM) that import fails, where it should build."""
+    """One build of `what` at a time across processes (two test sessions on one machine, or
+    pytest-xdist's workers, each start one), held by this process until it exits, however it
+    exits. torch's own lock on an op's folder is not enough: a process that waited on it only
+    imports the op afterwards, and where the builder was stopped (its session ended: SIGTERM)
+    that import fails, where it should build (seen under pytest-xdist)."""
     folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR",
                                  Path.home() / ".cache" / "torch_extensions"))
     folder.mkdir(parents=True, exist_ok=True)

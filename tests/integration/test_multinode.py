@@ -217,7 +217,7 @@ def test_nodes_that_do_not_see_one_run_dir_stop_with_exit_2(cli, tmp_path, two_n
         errors = [line for line in text.splitlines() if line.startswith("error:")]
         assert len(errors) == 1, text
         error = errors[0]
-        print(f"node {rank}: exit {proc.returncode}: {error}")  # shown with -n 0 -s, for notes
+        print(f"node {rank}: exit {proc.returncode}: {error}")  # shown with -s, for notes
         assert "Traceback" not in text
         for words in ("--run-dir: the nodes do not see one run dir",
                       f"node 0 (", f"at {dirs[0]}: found it", f"node 1 (",
@@ -302,7 +302,7 @@ def test_a_worker_killed_on_node_1_restarts_both_nodes_from_the_newest_checkpoin
             "the failed rank is in that node's output and its logs/rank-N.log)"),
            "rank 1 was killed by SIGKILL"]
     for rank, (node, text) in enumerate(zip(nodes, said)):
-        print(f"node {rank}: exit {node.returncode}: {text[-1500:]}")  # shown with -n 0 -s, for notes
+        print(f"node {rank}: exit {node.returncode}: {text[-1500:]}")  # shown with -s, for notes
         assert node.returncode == 0, text[-3000:]
         assert (f"{who[rank]} (after step 6); restart 1 of 1 (launcher.max_restarts), from "
                 "step-00000004 (step 4)") in text, text

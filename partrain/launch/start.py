@@ -135,6 +135,13 @@ def _config_before(run_dir: Path, checkpoint) -> str | None:
 CPU_OPS = {"deepspeed_shm_comm": "~20 s", "cpu_adam": "30-100 s"}
 
 
+def extension_root() -> Path:
+    """torch's extension cache, where DeepSpeed's JIT-built ops go (TORCH_EXTENSIONS_DIR, else
+    ~/.cache/torch_extensions); each Python and torch build has a folder of its own in it."""
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR")
+                or Path.home() / ".cache" / "torch_extensions")
+
+
 def deepspeed_builds(cfg) -> str | None:
     """What DeepSpeed will build before the first step of this run (ZeRO on CPU, ops not yet in
     torch's extension cache), said up front instead of minutes of silence; None if nothing."""
@@ -142,8 +149,7 @@ def deepspeed_builds(cfg) -> str | None:
         return None
     import torch
 
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR")
-                or Path.home() / ".cache" / "torch_extensions")
+    root = extension_root()
     # torch.utils.cpp_extension's folder for this Python and torch build.
     cuda = torch.version.cuda
     folder = root / (f"py{sys.version_info.major}{sys.version_info.minor}"

@@ -23,8 +23,8 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
+from partrain.launch.start import extension_root
 from tests.integration import debian
 
 NO_LIBAIO = 3
@@ -42,8 +42,7 @@ def exclusive(what: str):
     exits. torch's own lock on an op's folder is not enough: a process that waited on it only
     imports the op afterwards, and where the builder was stopped (its session ended: SIGTERM)
     that import fails, where it should build (seen under pytest-xdist)."""
-    folder = Path(os.environ.get("TORCH_EXTENSIONS_DIR",
-                                 Path.home() / ".cache" / "torch_extensions"))
+    folder = extension_root()
     folder.mkdir(parents=True, exist_ok=True)
     lock = open(folder / f"partrain-op-build-{what}.lock", "w")
     fcntl.flock(lock, fcntl.LOCK_EX)

@@ -131,8 +131,10 @@ def _config_before(run_dir: Path, checkpoint) -> str | None:
         return None
 
 
-# DeepSpeed's C++ ops a ZeRO run on CPU JIT-builds on first use, with what they took on 2 cores.
-CPU_OPS = {"deepspeed_shm_comm": "~20 s", "cpu_adam": "30-100 s"}
+# DeepSpeed's C++ ops a ZeRO run on CPU JIT-builds on first use, with what they took on 2 cores:
+# the offload's CPU Adam, and async_io for offload to nvme. (Its shared-memory all-reduce, which
+# only its inference path uses, is not built: parallel/zero.py.)
+CPU_OPS = {"cpu_adam": "30-100 s", "async_io": "~150 s"}
 
 
 def extension_root() -> Path:
@@ -147,16 +149,17 @@ def deepspeed_builds(cfg) -> str | None:
     torch's extension cache), said up front instead of minutes of silence; None if nothing."""
     if not cfg.parallel.zero_stage or cfg.parallel.zero_backend != "deepspeed" or runs_on_cuda(cfg):
         return None
+    nvme = "nvme" in (cfg.parallel.offload_optimizer, cfg.parallel.offload_params)
+    ops = (["cpu_adam"] if cfg.parallel.offload_optimizer != "none" else []) + (["async_io"] * nvme)
+    if not ops:
+        return None
     import torch
 
-    root = extension_root()
     # torch.utils.cpp_extension's folder for this Python and torch build.
     cuda = torch.version.cuda
-    folder = root / (f"py{sys.version_info.major}{sys.version_info.minor}"
-                     f"{getattr(sys, 'abiflags', '')}_" + (f"cu{cuda.replace('.', '')}" if cuda
-                                                           else "cpu"))
-    ops = ["deepspeed_shm_comm"] + (["cpu_adam"] if cfg.parallel.offload_optimizer != "none"
-                                    else [])
+    folder = extension_root() / (f"py{sys.version_info.major}{sys.version_info.minor}"
+                                 f"{getattr(sys, 'abiflags', '')}_"
+                                 + (f"cu{cuda.replace('.', '')}" if cuda else "cpu"))
     missing = [op for op in ops if not (folder / op / f"{op}.so").is_file()]
     if not missing:
         return None

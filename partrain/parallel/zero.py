@@ -176,6 +176,23 @@ def deepspeed_accelerator(device_type: str) -> None:
             "its ops are built for %s", given, parsed)
 
 
+# DeepSpeed's shared-memory all-reduce on CPU (its ShareMemCommBuilder's op).
+SHM_COMM_OP = "deepspeed_shm_comm"
+
+
+def without_inference_collective() -> None:
+    """DeepSpeed's comm layer on CPU JIT-builds (about 20 s of compiling on 2 cores, the first time
+    on a machine) and sets up at every start its shared-memory all-reduce, which only its inference
+    path calls (`inference_all_reduce`); a training step reduces through torch.distributed. Marked
+    incompatible in DeepSpeed's table of ops, it is neither built nor set up. (A DeepSpeed without
+    that table builds it as before.)"""
+    import deepspeed.ops
+
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if isinstance(compatible, dict):
+        compatible[SHM_COMM_OP] = False
+
+
 _ARCH = re.compile(r"(\d+)\.(\d+)[a-z]?(\+PTX)?")
 
 
@@ -235,6 +252,8 @@ def apply_zero(model: nn.Module, mesh, dims, ds_config: dict, param_groups: list
     import deepspeed
 
     _quiet_deepspeed()
+    if mesh.device_type == "cpu":
+        without_inference_collective()
     for param in model.parameters():
         # DeepSpeed's name for a tensor-parallel shard: its norm sums these over tp.
         if getattr(param, "tp_sharded", False):

@@ -18,8 +18,6 @@ by partrain's own parallelize and trained with its own train_step.
 
 import gc
 import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -301,16 +299,6 @@ def _group_body(rank, world_size, spec, configs, root):
         raise RuntimeError(str(e)) from None
 
 
-def _build_deepspeed_shm_op() -> None:
-    """The shared-memory collective DeepSpeed's comm layer loads at init, built once (in its
-    extension cache) before the ranks start; ZeRO here steps torch's AdamW, so no CPU Adam."""
-    code = ("from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder\n"
-            "ShareMemCommBuilder().load(verbose=False)\n")
-    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "DS_ACCELERATOR": "cpu"},
-                          capture_output=True, text=True, timeout=240, start_new_session=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-
 class Runs:
     """The groups' files under one directory. Each group runs once, when a test first needs it,
     with the one-process layout saved before it and the pairs that load into that layout loaded
@@ -330,8 +318,6 @@ class Runs:
 
     def _run_group(self, group: str) -> None:
         spec = GROUPS[group]
-        if group == "zero":
-            _build_deepspeed_shm_op()
         configs = {layout: config(layout) for layout in LAYOUTS}
         run_distributed(_group_body, spec["world"], spec, configs, self.root)
 

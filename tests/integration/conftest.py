@@ -176,8 +176,8 @@ def pytest_collection_finish(session):
     def wants(item, fixture):
         return fixture in getattr(item, "fixturenames", ())
 
-    if any(wants(item, "deepspeed_ops") or item.get_closest_marker("slow") for item in session.items):
-        _BUILDS["ops"] = OpBuild("ops", background=True)  # the full suite's ZeRO runs
+    if any(wants(item, "deepspeed_cpu_adam") for item in session.items):
+        _BUILDS["cpu_adam"] = OpBuild("cpu_adam", background=True)  # the offload rows
     if any(wants(item, "deepspeed_aio") for item in session.items):
         _BUILDS["aio"] = OpBuild("aio", background=True)
 
@@ -194,16 +194,17 @@ def _built(what: str, timeout: float) -> tuple[int, str]:
 
 
 @pytest.fixture(scope="session")
-def deepspeed_ops():
-    """DeepSpeed's CPU ops (the shared-memory collective, ZeRO-Offload's CPU Adam) in the shared
-    extension cache (tests/integration/op_build.py). Cached, this takes seconds."""
-    code, output = _built("ops", timeout=600)
+def deepspeed_cpu_adam():
+    """ZeRO-Offload's CPU Adam, DeepSpeed's one JIT-built op a run that offloads to the host
+    needs, in the shared extension cache (tests/integration/op_build.py). Cached, this takes
+    seconds. ZeRO without offload builds nothing and needs no fixture."""
+    code, output = _built("cpu_adam", timeout=600)
     assert code == 0, output[-3000:]
     return output
 
 
 @pytest.fixture(scope="session")
-def deepspeed_aio(deepspeed_ops):
+def deepspeed_aio(deepspeed_cpu_adam):
     """DeepSpeed's async_io op in the shared extension cache, libaio-dev installed first where it
     is missing (about 150 s on 2 cores from nothing, at full speed once the suite waits on it)."""
     from tests.integration.op_build import NO_LIBAIO
@@ -213,15 +214,6 @@ def deepspeed_aio(deepspeed_ops):
         pytest.skip(output.strip().splitlines()[-1])
     assert code == 0, f"DeepSpeed's async_io op did not build (exit {code}):\n{output[-3000:]}"
     return output
-
-
-def deepspeed_if_zero(request, layout) -> None:
-    """The deepspeed_ops fixture, for a layout that runs ZeRO only: a DDP, tp or pp row of a table
-    that also has ZeRO rows does not wait for (or, on a fresh machine, build) DeepSpeed's ops."""
-    if "parallel.zero_backend=fsdp" in layout:
-        return  # FSDP2 is torch's own: no DeepSpeed ops
-    if any(arg.startswith("parallel.zero_stage=") and not arg.endswith("=0") for arg in layout):
-        request.getfixturevalue("deepspeed_ops")
 
 
 # Layout parity (docs/design.md) for the multi-node tests (test_multinode, test_slurm): the same rule

@@ -1,9 +1,11 @@
-"""DeepSpeed's JIT-built CPU ops for the tests, built once into the extension cache that every
-run shares (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions): on a fresh machine each
-takes 20-150 s on 2 cores, and ranks building the same op at once would only wait for each other.
+"""DeepSpeed's JIT-built CPU ops for the offload tests, built once into the extension cache that
+every run shares (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions): on a fresh machine
+each takes 30-150 s on 2 cores, and ranks building the same op at once would only wait for each
+other. (A ZeRO run that does not offload builds nothing: partrain skips DeepSpeed's shared-memory
+all-reduce, parallel/zero.py.)
 
-    python -m tests.integration.op_build ops    # the shared-memory collective, ZeRO-Offload's CPU Adam
-    python -m tests.integration.op_build aio    # async_io, offload to NVMe (libaio-dev installed first)
+    python -m tests.integration.op_build cpu_adam  # ZeRO-Offload's CPU Adam
+    python -m tests.integration.op_build aio       # async_io, offload to NVMe (libaio-dev installed first)
 
 Exit 0: built, or already in the cache; 3 (aio): no libaio here and none to be installed, the
 reason on stderr. The build runs in this process, so that a SIGTERM (conftest's, when a session
@@ -49,11 +51,10 @@ def exclusive(what: str):
     return lock
 
 
-def build_ops() -> int:
-    from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, ShareMemCommBuilder
+def build_cpu_adam() -> int:
+    from deepspeed.ops.op_builder.cpu import CPUAdamBuilder
 
-    for builder in (ShareMemCommBuilder(), CPUAdamBuilder()):
-        load(builder)
+    load(CPUAdamBuilder())
     return 0
 
 
@@ -72,8 +73,8 @@ def main(argv: list[str]) -> int:
     os.environ["DS_ACCELERATOR"] = "cpu"
     # held until this process exits (the --installed child runs under its parent's)
     lock = None if "--installed" in argv else exclusive(argv[0])  # noqa: F841
-    if argv[:1] == ["ops"]:
-        return build_ops()
+    if argv[:1] == ["cpu_adam"]:
+        return build_cpu_adam()
     if build_aio() != NO_LIBAIO:
         return 0
     if "--installed" in argv:

@@ -8,7 +8,6 @@ A real divergence (optim.lr=30) on DDP and ZeRO-2; on the other layouts a NaN lo
 (PARTRAIN_TEST_NONFINITE, the loop's test hook) makes one on demand."""
 
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,6 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from partrain.checkpoint import store
 from tests.integration.conftest import (
     assert_no_abort,
-    deepspeed_if_zero,
     processes_mentioning,
     read_metrics,
     survivors,
@@ -138,11 +136,10 @@ LAYOUTS = [
 
 
 @pytest.mark.parametrize("label, layout, rank", LAYOUTS)
-def test_a_skipped_step_changes_nothing(cli, tmp_path, request, label, layout, rank):
+def test_a_skipped_step_changes_nothing(cli, tmp_path, label, layout, rank):
     """A NaN loss on one rank at step 3 of 3: every rank skips the update together, so the
     state saved at the end (step 3) is the state of step 2, every tensor bit for bit: weights,
     moments, step counters, a MoE's expert bias. The run then ends well (exit 0)."""
-    deepspeed_if_zero(request, layout)
     run_dir = tmp_path / "run"
     res = cli.run("launch", *layout, *FAST, "train.max_steps=3", "checkpoint.every=1",
                   "checkpoint.keep=5", "--run-dir", str(run_dir),
@@ -178,12 +175,10 @@ EXIT_4 = [
 
 
 @pytest.mark.parametrize("layout, rank", EXIT_4)
-def test_skipped_steps_in_a_row_stop_every_rank_with_exit_4(cli, tmp_path, request, layout,
-                                                            rank):
+def test_skipped_steps_in_a_row_stop_every_rank_with_exit_4(cli, tmp_path, layout, rank):
     """NaN from step 3 on, on one rank, train.max_skipped_steps=2 and checkpoint.keep=1: steps
     3 and 4 are skipped, the run stops at step 4 with exit 4 on every rank, and the one
     checkpoint kept is step 2's (rotation never removed the newest good one)."""
-    deepspeed_if_zero(request, layout)
     run_dir = tmp_path / "run"
     res = cli.run("launch", *layout, *FAST, "train.max_steps=8", "checkpoint.every=1",
                   "checkpoint.keep=1", "train.max_skipped_steps=2", "--run-dir", str(run_dir),

@@ -92,7 +92,7 @@ def test_existing_run_dir_is_refused(cli, tmp_path):
 
 
 @pytest.mark.slow
-def test_zero3_failure_ends_the_job(cli, tmp_path, deepspeed_ops):
+def test_zero3_failure_ends_the_job(cli, tmp_path):
     """A rank failing under ZeRO-3 at 4 ranks ends the job with exit 1, nothing left running.
     (ZeRO's clean exit is checked by every ZeRO parity run, assert_no_abort.)"""
     short = ("parallel.dp=4", "parallel.zero_stage=3", "--nproc-per-node", "4",

@@ -95,7 +95,7 @@ def test_moe_layout_parity(cli, tmp_path, moe_references, label, overrides, vari
         assert all(s["moe_dropped"] > 0 for s in steps), "the capacity dropped nothing"
 
 
-def test_moe_zero1_ep2_parity_and_resume(cli, tmp_path, moe_references, deepspeed_ops):
+def test_moe_zero1_ep2_parity_and_resume(cli, tmp_path, moe_references):
     """ZeRO-1 at dp2 x ep2: DeepSpeed partitions each expert slice over the ranks holding it and
     reduces it there; its step-5 checkpoint (each rank's experts gathered from DeepSpeed's
     partitions) resumes at parity under FSDP2 stage 2 at dp2 x ep2 (FSDP's own checkpoint resumes
@@ -140,7 +140,7 @@ def test_moe_fsdp_parity(cli, tmp_path, moe_references, label, overrides, resume
     assert_parity(resumed, moe_references(), f"{label} resumed on {' '.join(resume_on)}")
 
 
-def test_moe_checkpoint_reshards_across_ep(cli, tmp_path, moe_references, deepspeed_ops):
+def test_moe_checkpoint_reshards_across_ep(cli, tmp_path, moe_references):
     """ep=2 x pp=2 saves at step 5 (each rank its experts); resumed under ZeRO-2 at dp4 x ep4
     (DeepSpeed's partitions filled from the checkpoint), steps 6-10 keep parity (the DeepSeek bias
     too: it is in the checkpoint). The ZeRO test above resumes on one process."""
@@ -225,7 +225,7 @@ def starved(tmp_path_factory):
                                         "parallel.zero_backend=fsdp",
                                         "train.micro_batch_size=1")),
 ])
-def test_a_rank_whose_experts_get_no_token_keeps_step(cli, tmp_path, starved, deepspeed_ops,
+def test_a_rank_whose_experts_get_no_token_keeps_step(cli, tmp_path, starved,
                                                       label, overrides):
     """The hang of issue 27 at the CLI, on every wrapper: ep rank 1's experts receive no row all
     run long, yet it enters every all-to-all with its group, and the run keeps parity with one

@@ -19,7 +19,6 @@ from tests.integration.conftest import (
     REFERENCE,
     assert_no_abort,
     assert_parity,
-    deepspeed_if_zero,
     read_metrics,
     resume_layout,
 )
@@ -70,9 +69,8 @@ def _resume(cli, run_dir, copy, layout):
      False, ("parallel.dp=2", "parallel.zero_stage=2", "train.micro_batch_size=8")),
 ])
 @pytest.mark.slow
-def test_optimizer_and_schedule_parity_and_resume(cli, tmp_path, request, label, optim, layout,
+def test_optimizer_and_schedule_parity_and_resume(cli, tmp_path, label, optim, layout,
                                                   exact, resume_on):
-    deepspeed_if_zero(request, (*layout, *(resume_on or ())))
     optim = (*SHORT_WARMUP, *optim)
     reference = _launch(cli, tmp_path / "reference", *REFERENCE, *optim)
     # The rate each step had is the schedule's, here and in the layout's run.

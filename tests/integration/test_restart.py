@@ -8,7 +8,6 @@ import pytest
 
 from tests.integration.conftest import (
     assert_no_abort,
-    deepspeed_if_zero,
     processes_mentioning,
     read_metrics,
     survivors,
@@ -29,8 +28,7 @@ def _said(res) -> str:
                  marks=pytest.mark.slow),
     pytest.param(("parallel.dp=2", "parallel.zero_stage=1"), id="zero1", marks=pytest.mark.slow),
 ])
-def test_a_restarted_run_ends_as_the_uninterrupted_one(cli, tmp_path, request, layout):
-    deepspeed_if_zero(request, layout)
+def test_a_restarted_run_ends_as_the_uninterrupted_one(cli, tmp_path, layout):
     env = {"DS_ACCELERATOR": "cpu"}
     plain = cli.run("launch", *layout, *COMMON, "--run-dir", str(tmp_path / "plain"), env=env)
     assert plain.returncode == 0, plain.stderr[-2000:]

@@ -1,7 +1,8 @@
 """What a start says and freezes before any process starts (launch/start.py): a ZeRO run on CPU
-names the DeepSpeed C++ ops it will build first (tens of seconds each on a fresh machine, in
-silence before) and where they are cached, and says nothing once they are; --max-restarts is
-frozen in the run dir as launcher.max_restarts."""
+that offloads names the DeepSpeed C++ ops it will build first (tens of seconds each on a fresh
+machine, in silence before) and where they are cached, and says nothing once they are; one that
+does not offload builds none (DeepSpeed's shared-memory all-reduce is not built:
+parallel/zero.py); --max-restarts is frozen in the run dir as launcher.max_restarts."""
 
 import sys
 
@@ -18,17 +19,20 @@ def _folder(root):
     return root / f"py{sys.version_info.major}{sys.version_info.minor}_{tag}"
 
 
-@pytest.mark.parametrize("offload, ops", [("none", ["deepspeed_shm_comm"]),
-                                          ("cpu", ["deepspeed_shm_comm", "cpu_adam"])])
+@pytest.mark.parametrize("offload, ops", [("cpu", ["cpu_adam"]),
+                                          ("nvme", ["cpu_adam", "async_io"])])
 def test_ops_to_build_are_said_and_cached_ones_are_not(run_main, tmp_path, monkeypatch, offload,
                                                        ops):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
-    argv = [*ZERO, f"parallel.offload_optimizer={offload}"]
+    argv = [*ZERO, f"parallel.offload_optimizer={offload}",
+            *([f"parallel.offload_nvme_path={tmp_path}", "parallel.zero_stage=3"]
+              if offload == "nvme" else [])]
     said = " ".join(run_main(*argv).stdout.split())
     assert "deepspeed: building its C++ ops on first use" in said, said
     for op in ops:
         assert op in said
+    assert "shm_comm" not in said
     assert f"cached in {_folder(tmp_path / 'ext')}" in said
     for op in ops:  # as torch's JIT build leaves them
         (_folder(tmp_path / "ext") / op).mkdir(parents=True)
@@ -37,12 +41,12 @@ def test_ops_to_build_are_said_and_cached_ones_are_not(run_main, tmp_path, monke
     assert result.code == 0 and "building its C++ ops" not in result.stdout
 
 
-def test_ddp_builds_nothing(run_main, tmp_path, monkeypatch):
+@pytest.mark.parametrize("layout", [("parallel.dp=2",), ZERO[3:5]], ids=["ddp", "zero1"])
+def test_no_offload_builds_nothing(run_main, tmp_path, monkeypatch, layout):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
-    result = run_main("launch", "--dry-run", "launcher.device=cpu", "parallel.dp=2",
-                      "--run-dir", "run")
-    assert result.code == 0 and "deepspeed" not in result.stdout
+    result = run_main("launch", "--dry-run", "launcher.device=cpu", *layout, "--run-dir", "run")
+    assert result.code == 0 and "deepspeed" not in result.stdout, result.stdout
 
 
 def test_max_restarts_flag_is_frozen_in_the_run_dir(run_main, tmp_path, monkeypatch):

@@ -226,3 +226,22 @@ def test_a_hopper_image_arch_list_builds_deepspeed_ops(monkeypatch):
     deepspeed_accelerator("cuda")
     assert builder.compute_capability_args() == []  # JIT: torch makes the flags from the list
     assert os.environ["TORCH_CUDA_ARCH_LIST"] == "8.0;9.0+PTX"
+
+
+def test_zero_on_cpu_builds_no_shared_memory_collective(monkeypatch):
+    """DeepSpeed's comm layer on CPU builds (JIT, about 20 s on 2 cores the first time) and sets up
+    its shared-memory all-reduce at every start, for its inference path only. partrain marks it
+    incompatible before deepspeed.initialize: DeepSpeed's own build_shm_op then builds nothing.
+    (A whole ZeRO run with an empty extension cache: tests/integration/test_parity.py's rows.)"""
+    import deepspeed.ops
+    from deepspeed.comm.torch import build_shm_op
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    from partrain.parallel.zero import SHM_COMM_OP, without_inference_collective
+
+    compatible = deepspeed.ops.__compatible_ops__
+    assert compatible.get(SHM_COMM_OP), compatible  # DeepSpeed would build it here
+    monkeypatch.setitem(compatible, SHM_COMM_OP, True)  # put back after the test
+    monkeypatch.setattr(ShareMemCommBuilder, "load", lambda *a, **k: pytest.fail("built"))
+    without_inference_collective()
+    assert build_shm_op() is None

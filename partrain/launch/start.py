@@ -138,10 +138,29 @@ CPU_OPS = {"cpu_adam": "30-100 s", "async_io": "~150 s"}
 
 
 def extension_root() -> Path:
-    """torch's extension cache, where DeepSpeed's JIT-built ops go (TORCH_EXTENSIONS_DIR, else
-    ~/.cache/torch_extensions); each Python and torch build has a folder of its own in it."""
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR")
-                or Path.home() / ".cache" / "torch_extensions")
+    """torch's extension cache, where DeepSpeed's JIT-built ops go: TORCH_EXTENSIONS_DIR, else
+    torch's default (~/.cache/torch_extensions, under XDG_CACHE_HOME where that is set)."""
+    given = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if given:
+        return Path(given)
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(get_default_build_root())
+
+
+def op_folder(op: str) -> Path:
+    """The folder torch's JIT build gives `op` (torch.utils.cpp_extension's build directory):
+    TORCH_EXTENSIONS_DIR/op where that is set, else one folder per Python and torch build under
+    the default cache (py311_cpu/op, py312_cu128/op, ...)."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return extension_root() / op
+    import torch
+
+    version = torch.version
+    accelerator = (f"rocm{version.hip.replace('.', '')}" if version.hip else
+                   f"cu{version.cuda.replace('.', '')}" if version.cuda else "cpu")
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return extension_root() / f"{python}_{accelerator}" / op
 
 
 def deepspeed_builds(cfg) -> str | None:
@@ -151,21 +170,13 @@ def deepspeed_builds(cfg) -> str | None:
         return None
     nvme = "nvme" in (cfg.parallel.offload_optimizer, cfg.parallel.offload_params)
     ops = (["cpu_adam"] if cfg.parallel.offload_optimizer != "none" else []) + (["async_io"] * nvme)
-    if not ops:
-        return None
-    import torch
-
-    # torch.utils.cpp_extension's folder for this Python and torch build.
-    cuda = torch.version.cuda
-    folder = extension_root() / (f"py{sys.version_info.major}{sys.version_info.minor}"
-                                 f"{getattr(sys, 'abiflags', '')}_"
-                                 + (f"cu{cuda.replace('.', '')}" if cuda else "cpu"))
-    missing = [op for op in ops if not (folder / op / f"{op}.so").is_file()]
+    missing = [op for op in ops if not (op_folder(op) / f"{op}.so").is_file()]
     if not missing:
         return None
     return ("deepspeed: building its C++ ops on first use on this machine before the first step: "
             + ", ".join(f"{op} ({CPU_OPS[op]} on 2 cores)" for op in missing)
-            + f"; cached in {folder} for every later run (TORCH_EXTENSIONS_DIR sets where)")
+            + f"; cached in {op_folder(missing[0]).parent} for every later run "
+            "(TORCH_EXTENSIONS_DIR sets where)")
 
 
 def print_dry_run(ready: Ready, resuming_from: str, out: Console) -> None:

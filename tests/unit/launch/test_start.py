@@ -4,27 +4,38 @@ machine, in silence before) and where they are cached, and says nothing once the
 does not offload builds none (DeepSpeed's shared-memory all-reduce is not built:
 parallel/zero.py); --max-restarts is frozen in the run dir as launcher.max_restarts."""
 
-import sys
+from pathlib import Path
 
 import pytest
-import torch
 
 ZERO = ["launch", "--dry-run", "launcher.device=cpu", "parallel.dp=2", "parallel.zero_stage=1",
         "--run-dir", "run"]
 
 
-def _folder(root):
-    cuda = torch.version.cuda
-    tag = f"cu{cuda.replace('.', '')}" if cuda else "cpu"
-    return root / f"py{sys.version_info.major}{sys.version_info.minor}_{tag}"
+def _cache(monkeypatch, tmp_path, given: bool) -> None:
+    """The extension cache in tmp_path: named by TORCH_EXTENSIONS_DIR, or torch's default under
+    XDG_CACHE_HOME."""
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    if given:
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    else:
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
 
 
+def _as_torch_builds(op: str) -> Path:
+    """Where torch's own JIT build puts op's library (its build directory, made here)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory(op, verbose=False)) / f"{op}.so"
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["TORCH_EXTENSIONS_DIR", "default"])
 @pytest.mark.parametrize("offload, ops", [("cpu", ["cpu_adam"]),
                                           ("nvme", ["cpu_adam", "async_io"])])
 def test_ops_to_build_are_said_and_cached_ones_are_not(run_main, tmp_path, monkeypatch, offload,
-                                                       ops):
+                                                       ops, given):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    _cache(monkeypatch, tmp_path, given)
     argv = [*ZERO, f"parallel.offload_optimizer={offload}",
             *([f"parallel.offload_nvme_path={tmp_path}", "parallel.zero_stage=3"]
               if offload == "nvme" else [])]
@@ -33,12 +44,11 @@ def test_ops_to_build_are_said_and_cached_ones_are_not(run_main, tmp_path, monke
     for op in ops:
         assert op in said
     assert "shm_comm" not in said
-    assert f"cached in {_folder(tmp_path / 'ext')}" in said
+    assert f"cached in {_as_torch_builds(ops[0]).parents[1]} " in said, said
     for op in ops:  # as torch's JIT build leaves them
-        (_folder(tmp_path / "ext") / op).mkdir(parents=True)
-        (_folder(tmp_path / "ext") / op / f"{op}.so").write_bytes(b"\x7fELF")
+        _as_torch_builds(op).write_bytes(b"\x7fELF")
     result = run_main(*argv)
-    assert result.code == 0 and "building its C++ ops" not in result.stdout
+    assert result.code == 0 and "building its C++ ops" not in result.stdout, result.stdout
 
 
 @pytest.mark.parametrize("layout", [("parallel.dp=2",), ZERO[3:5]], ids=["ddp", "zero1"])

@@ -299,6 +299,12 @@ class LauncherConfig:
     degrees' product over the nodes."""
     device: str = "auto"
     """auto | cpu | cuda (auto = cuda when a GPU is visible)."""
+    start_method: str = "auto"
+    """auto | spawn | forkserver: how the ranks start (torchrun's --start-method). spawn: each
+    rank is a new `python -m partrain.train` that imports torch itself; forkserver: ranks fork
+    from one process per node that imported torch and partrain once (seconds less per rank).
+    auto = forkserver on CPU under Linux, spawn on CUDA (the forked start is not yet measured on
+    GPUs) and elsewhere."""
     collective_timeout_s: int = 120
     """Process-group timeout in seconds; short so that a broken job fails fast."""
     rdzv_timeout_s: int = 120

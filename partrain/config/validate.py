@@ -38,6 +38,7 @@ from partrain.models.llama_hf import MODEL_TYPES as HF_MODEL_TYPES
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 DTYPES = ("auto", "fp32", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
+START_METHODS = ("auto", "spawn", "forkserver")
 FLOAT8_RECIPES = ("tensorwise", "rowwise")  # train.float8_recipe (torchao's recipe names)
 DATA_SOURCES = ("stdlib", "tokens")
 DATA_SAMPLING = ("random", "epochs")
@@ -190,6 +191,7 @@ def _check_each_key(cfg: DictConfig) -> None:
     choice("train.activation_checkpointing", cfg.train.activation_checkpointing,
             RECOMPUTE_MODES)
     choice("launcher.device", cfg.launcher.device, DEVICES)
+    choice("launcher.start_method", cfg.launcher.start_method, START_METHODS)
     choice("data.source", cfg.data.source, DATA_SOURCES)
     choice("optim.name", cfg.optim.name, OPTIMIZERS)
     choice("optim.schedule", cfg.optim.schedule, LR_SCHEDULES)

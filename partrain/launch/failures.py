@@ -104,6 +104,24 @@ def failure_message(failure) -> str:
     return message.strip()
 
 
+def add_recorded(err: ChildFailedError, log_dir: Path, ranks) -> None:
+    """Add to the failures the agent saw what every other rank of this node (`ranks`, global)
+    recorded in its error file in this attempt. The agent reports the ranks whose end it saw at
+    one poll; with forked ranks (launcher.start_method=forkserver) only the first, since
+    torch.multiprocessing stops the others at once, and that one may only have lost its peer."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    for rank in ranks:
+        path = log_dir / f"error-rank-{rank}.json"
+        if rank in err.failures or recorded(path) is None:
+            continue
+        try:
+            err.failures[rank] = ProcessFailure(local_rank=-1, pid=-1, exitcode=1,
+                                                error_file=str(path))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+
+
 def describe_failure(err: ChildFailedError) -> tuple[int, str]:
     """The rank that failed first with an error of its own (not a lost peer, which is a symptom)
     and its message from its error file; the first failure if every one is a lost peer."""

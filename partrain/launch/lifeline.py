@@ -10,7 +10,12 @@ each worker calls `hold_lifeline()` as it starts:
   (subprocess.Popen) in the thread that called elastic_launch, which stays blocked there until the
   workers have ended, so it never fires early. Then a check that the parent is still the
   launcher: one that died between the fork and the prctl has left no one to send the signal.
-- Other POSIX systems (no prctl): a daemon thread polls the parent every 0.5 s instead.
+  A forked rank (launcher.start_method=forkserver) is the child of the launcher's rank server
+  (a single-threaded process): the signal comes with the server's end, but the server outlives a
+  launcher killed outright (its forks hold the pipe it watches), so such a rank also watches
+  that its parent's parent is still the launcher, as below.
+- Other POSIX systems (no prctl), and forked ranks: a daemon thread polls the parent (and the
+  rank server's parent) every 0.5 s.
 - Windows: nothing (a process is not re-parented there, so the parent pid says nothing).
 
 Only the worker itself is tied: the kernel does not pass the setting on to processes it starts
@@ -36,11 +41,11 @@ def hold_lifeline() -> None:
     launcher_pid = os.environ.get(LAUNCHER_PID_ENV)
     if not launcher_pid or sys.platform == "win32":
         return
-    launcher_pid = int(launcher_pid)
-    if not _die_with_parent():
-        threading.Thread(target=_watch, args=(launcher_pid,), name="partrain-lifeline",
+    launcher_pid, parent = int(launcher_pid), os.getppid()
+    if not _die_with_parent() or parent != launcher_pid:
+        threading.Thread(target=_watch, args=(launcher_pid, parent), name="partrain-lifeline",
                          daemon=True).start()
-    if os.getppid() != launcher_pid:
+    if not _tied(launcher_pid, parent):
         _orphaned()
 
 
@@ -52,8 +57,25 @@ def _die_with_parent() -> bool:
     return libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
 
 
-def _watch(launcher_pid: int) -> None:
-    while os.getppid() == launcher_pid:
+def _parent_of(pid: int) -> int | None:
+    """pid's parent (Linux's /proc); None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _tied(launcher_pid: int, parent: int) -> bool:
+    """Still the launcher's: the parent has not changed, and it is the launcher (a spawned rank)
+    or the launcher's rank server (a forked rank; without /proc only the parent is watched)."""
+    if os.getppid() != parent:
+        return False
+    return parent == launcher_pid or _parent_of(parent) in (launcher_pid, None)
+
+
+def _watch(launcher_pid: int, parent: int) -> None:
+    while _tied(launcher_pid, parent):
         time.sleep(WATCH_PERIOD_S)
     _orphaned()
 

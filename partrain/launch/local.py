@@ -8,8 +8,9 @@ reaches the endpoint (netif.py), so that workers never offer 127.0.0.1 to anothe
 that cannot reach the endpoint, or nodes that do not all arrive, fail after
 launcher.rdzv_timeout_s with a message naming the endpoint (exit 1), not a hang. c10d numbers the
 nodes in the order of their addresses: --node-rank picks the host of the store, not the ranks.
-Each worker is `python -m partrain.train RUN_DIR`. If one rank fails, the agent stops the others
-within its monitor interval and shutdown timeout; we read the failed rank's elastic error file
+Each worker is `python -m partrain.train RUN_DIR` (launcher.start_method=spawn), or a fork of the
+node's rank server that already imported torch and partrain (forkserver; forked.py). If one rank
+fails, the agent stops the others within its monitor interval and shutdown timeout; we read the failed rank's elastic error file
 and exit 1 (when every rank stopped together, its message and code: 4 from the divergence guard,
 2 when the nodes do not see one run dir).
 SIGINT/SIGTERM reach the agent, which stops all workers; we exit 130. SIGUSR2 (SLURM's
@@ -25,6 +26,7 @@ import os
 import signal
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,8 +39,10 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from partrain.launch import forked
 from partrain.launch.failures import (
     PEER_LOST,
+    add_recorded,
     describe_failure,
     failure_message,
     first_line,
@@ -147,6 +151,7 @@ class ElasticLaunch:
     max_steps: int | None = None  # train.max_steps: a preemption save before it means exit 3
     max_restarts: int = 0  # launcher.max_restarts: the agent restarts this node's workers
     cuda: bool = False  # NCCL workers: the flight recorder is turned on
+    start_method: str = "spawn"  # spawn | forkserver (launcher.start_method, resolved)
 
     @property
     def multi_node(self) -> bool:
@@ -160,7 +165,9 @@ def _quiet_agent_logs(run_dir: Path, spec: ElasticLaunch) -> Path:
                                else "launcher.log")
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+    # torch.multiprocessing: with forked ranks, its "Terminating process ... via signal SIGTERM"
+    # when it stops the others after a failure.
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
         logger = logging.getLogger(name)
         logger.handlers[:] = [handler]
         logger.setLevel(logging.INFO)
@@ -234,7 +241,7 @@ def _launch_config(run_dir: Path, spec: ElasticLaunch, console_print=print) -> L
         rdzv_configs=rdzv_configs,
         max_restarts=spec.max_restarts,
         monitor_interval=0.2,
-        start_method="spawn",
+        start_method=spec.start_method,
         logs_specs=RunDirLogsSpecs(run_dir / "logs", restart_reporter(
             run_dir, spec.max_restarts, console_print) if spec.max_restarts else None),
         local_addr=spec.local_addr if spec.multi_node else "127.0.0.1",
@@ -252,10 +259,16 @@ def _run_agent(config: LaunchConfig, run_dir: Path, spec: ElasticLaunch, agent_l
     (a rank failed, or the rendezvous did: each said with the log to read) or
     EXIT_INTERRUPTED."""
     since = time.time()  # hang reports of this launch only
+    if spec.start_method == "forkserver":
+        server, entrypoint, args = forked.rank_server(run_dir), forked.rank, (str(run_dir),)
+    else:
+        server, entrypoint = nullcontext(), sys.executable
+        args = ("-u", "-m", "partrain.train", str(run_dir))
     try:
-        with hang.DumpRequester(run_dir):
-            elastic_launch(config, sys.executable)("-u", "-m", "partrain.train", str(run_dir))
+        with hang.DumpRequester(run_dir), server:
+            elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as err:
+        add_recorded(err, run_dir / "logs", config.logs_specs.ranks.values())
         exhausted = (f" (restarts exhausted: launcher.max_restarts={spec.max_restarts})"
                      if spec.max_restarts else "")
         if any(failure_message(f).startswith(hang.PREFIX) for f in err.failures.values()):

@@ -5,8 +5,9 @@ workers); `kill -USR2` by hand, or a site's tooling, may reach only the launcher
 in sessions of their own (torch's elastic agent starts them with start_new_session). So the
 launcher passes the signal on (`SignalForwarder`) and a rank takes it once (the first signal's
 time counts). It must not reach the elastic agent as a death signal: the agent would stop the
-workers after its close timeout, mid-save. A worker sets its handler before it imports torch
-(train.py); the launcher still delivers only to workers whose handler is set, so that an early
+workers after its close timeout, mid-save. A spawned worker sets its handler before it imports
+torch (train/__main__.py); a forked one starts with the signal ignored, as its rank server does
+(rank_server.py). The launcher delivers only to workers whose handler is set, so that an early
 signal neither kills a worker nor is lost. On the ranks, `PreemptionFlag` notes the time of the signal;
 at the end of every step the ranks agree (a min-reduce of that time, infinity for "not signalled")
 so that all save at the same step even when only some were signalled.
@@ -19,24 +20,9 @@ import threading
 import time
 from pathlib import Path
 
+from partrain.observe.hang import local_workers
+
 PREEMPT_SIGNAL = signal.SIGUSR2
-WORKER_MARKER = b"partrain.train"
-
-
-def _children(parent: int) -> set[int]:
-    """This launcher's worker processes (direct children running partrain.train)."""
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            if ppid == parent and WORKER_MARKER in (entry / "cmdline").read_bytes():
-                found.add(int(entry.name))
-        except (OSError, ValueError, IndexError):
-            continue
-    return found
 
 
 def _catches(pid: int, signum: int) -> bool:
@@ -70,7 +56,7 @@ class SignalForwarder:
     def _deliver(self) -> None:
         deadline, delivered = time.monotonic() + self.patience_s, set()
         while time.monotonic() < deadline:
-            workers = _children(os.getpid())
+            workers = set(local_workers())
             for pid in workers - delivered:
                 if _catches(pid, PREEMPT_SIGNAL):
                     try:

@@ -222,7 +222,15 @@ def launch_spec(ready: Ready):
         rdzv_timeout_s=cfg.launcher.rdzv_timeout_s,
         local_addr=node.network and node.network.addr, cpu_threads=threads,
         max_steps=cfg.train.max_steps, max_restarts=cfg.launcher.max_restarts,
-        cuda=runs_on_cuda(cfg))
+        cuda=runs_on_cuda(cfg), start_method=start_method(cfg))
+
+
+def start_method(cfg) -> str:
+    """launcher.start_method with auto resolved: forkserver on CPU under Linux (the lifeline
+    asks /proc), spawn on CUDA and elsewhere."""
+    if cfg.launcher.start_method != "auto":
+        return cfg.launcher.start_method
+    return "forkserver" if sys.platform.startswith("linux") and not runs_on_cuda(cfg) else "spawn"
 
 
 def prepare_job(request: Request, dry_run: bool, out: Console, err: Console,

@@ -350,9 +350,9 @@ def dumped_at(log: Path) -> str | None:
     blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", text)
     for block in reversed(blocks):
         frames = [m.groups() for m in map(_FRAME.match, block.splitlines()) if m]
-        if not any(path.endswith(os.path.join("partrain", "train", "__main__.py"))
+        if not any(path.endswith(os.path.join("partrain", "train", "rank.py"))
                    for path, _, _ in frames):
-            continue  # not the main thread
+            continue  # not the main thread (every rank, spawned or forked, runs in rank.py)
         for i, (path, line, name) in enumerate(frames):
             if _is_partrain(path):
                 inner = (f" (in {_short(frames[i - 1][0])}:{frames[i - 1][1]} "
@@ -400,15 +400,24 @@ class DumpRequester:
                         pass
 
 
+WORKER_MARKER = b"partrain.train"  # in a spawned rank's command line: python -m partrain.train
+RANK_SERVER_MARKER = b"multiprocessing.forkserver"  # in the rank server's (and its forks')
+
+
 def local_workers(parent: int | None = None) -> list[int]:
-    """The pids of this launcher's worker processes (`python -m partrain.train`), from /proc."""
+    """The pids of this launcher's worker processes, from /proc: its children that run
+    `python -m partrain.train` (launcher.start_method=spawn), and the children of its rank server
+    (multiprocessing's forkserver, launcher.start_method=forkserver: each is a forked rank)."""
     parent = parent or os.getpid()
-    found = []
+    processes = {}
     for entry in Path("/proc").glob("[0-9]*"):
         try:
             ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == parent and b"partrain.train" in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
+            processes[int(entry.name)] = (ppid, (entry / "cmdline").read_bytes())
         except (OSError, ValueError, IndexError):
             continue
-    return found
+    servers = {pid for pid, (ppid, cmdline) in processes.items()
+               if ppid == parent and RANK_SERVER_MARKER in cmdline}
+    return sorted(pid for pid, (ppid, cmdline) in processes.items()
+                  if ppid in servers or (ppid == parent and WORKER_MARKER in cmdline
+                                         and RANK_SERVER_MARKER not in cmdline))

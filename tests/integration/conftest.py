@@ -56,17 +56,44 @@ def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
 
 
 def processes_mentioning(text: str) -> list[int]:
-    """PIDs whose command line contains text (a run dir): what a run left behind."""
+    """PIDs whose command line or environment contains text (a run dir): what a run left behind.
+    A spawned rank names its run dir in its command line, a forked one (the rank server's fork,
+    launcher.start_method=forkserver) in its environment (PARTRAIN_RUN_DIR), as does the server."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
+                environ = (entry / "environ").read_bytes().replace(b"\0", b" ").decode()
+            except (OSError, UnicodeDecodeError):
                 continue
-            if text in cmdline:
+            if text in cmdline or f"PARTRAIN_RUN_DIR={text} " in environ + " ":
                 pids.append(int(entry.name))
     return pids
+
+
+def ranks_of(run_dir: Path) -> list[int]:
+    """The running ranks of a run: spawned (`python -m partrain.train RUN_DIR`) or forked (a
+    child of the rank server, multiprocessing's forkserver, with the run dir in its environment)."""
+    found = []
+    for pid in running(processes_mentioning(str(run_dir))):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            ppid = _parent(pid)
+            parent = Path(f"/proc/{ppid}/cmdline").read_bytes()
+            grandparent = Path(f"/proc/{_parent(ppid)}/cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        # A forked rank's parent is the server (the same command line, forked) and the server's
+        # is the launcher (another): a data loader worker of a forked rank is one fork deeper.
+        forked = b"multiprocessing.forkserver" in cmdline and cmdline == parent != grandparent
+        if forked or b"-m\0partrain.train\0" in cmdline:
+            found.append(pid)
+    return found
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
 def running(pids) -> set[int]:

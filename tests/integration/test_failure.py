@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.integration.conftest import processes_mentioning, survivors
+from tests.integration.conftest import processes_mentioning, ranks_of, survivors
 
 LONG = ("train.max_steps=100000", "train.eval_every=0")
 
@@ -24,10 +24,17 @@ def _wait_for_steps(run_dir, proc, timeout=120):
     raise AssertionError("training never started")
 
 
-def test_failing_rank_stops_the_job(cli, tmp_path):
+# Both ways ranks start (launcher.start_method): forked from the rank server (the default on CPU)
+# and spawned (the default on GPUs).
+START_METHODS = pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+
+
+@START_METHODS
+def test_failing_rank_stops_the_job(cli, tmp_path, start_method):
     run_dir = tmp_path / "run"
     started = time.monotonic()
-    res = cli.run("launch", *LONG, "--run-dir", str(run_dir),
+    res = cli.run("launch", *LONG, f"launcher.start_method={start_method}", "--run-dir",
+                  str(run_dir),
                   env={"PARTRAIN_TEST_FAULT": "1:3"}, timeout=120)
     elapsed = time.monotonic() - started
     assert res.returncode == 1, res.stderr
@@ -49,8 +56,7 @@ def test_interrupt_stops_all_workers(cli, tmp_path, how):
     while not (run_dir / "checkpoints" / "latest").exists():  # a first save to name
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.1)
-    workers = processes_mentioning(str(run_dir))
-    assert len(workers) >= 3, workers  # the launcher and two ranks
+    assert len(ranks_of(run_dir)) == 2, processes_mentioning(str(run_dir))
     if how == "sigterm-launcher":
         proc.send_signal(signal.SIGTERM)
     else:  # a terminal's Ctrl-C reaches the whole foreground process group
@@ -72,13 +78,16 @@ def test_interrupt_stops_all_workers(cli, tmp_path, how):
     assert processes_mentioning(str(run_dir)) == []
 
 
-def test_sigkilled_launcher_takes_its_workers_along(cli, tmp_path):
-    """SIGKILL leaves the launcher no chance to stop anyone; each worker's lifeline ends it."""
+@START_METHODS
+def test_sigkilled_launcher_takes_its_workers_along(cli, tmp_path, start_method):
+    """SIGKILL leaves the launcher no chance to stop anyone; each worker's lifeline ends it (a
+    forked rank's parent, the rank server, outlives the launcher: the rank watches for that)."""
     run_dir = tmp_path / "run"
-    proc = cli.start("launch", *LONG, "--run-dir", str(run_dir))
+    proc = cli.start("launch", *LONG, f"launcher.start_method={start_method}", "--run-dir",
+                     str(run_dir))
     _wait_for_steps(run_dir, proc)
-    workers = set(processes_mentioning(str(run_dir))) - {proc.pid}
-    assert len(workers) >= 2, workers
+    workers = set(ranks_of(run_dir))
+    assert len(workers) == 2, processes_mentioning(str(run_dir))
     killed = time.monotonic()
     os.kill(proc.pid, signal.SIGKILL)  # the launcher alone, not its process group
     proc.wait()

@@ -19,6 +19,7 @@ from tests.integration.conftest import (
     PARITY_COMMON,
     assert_parity,
     processes_mentioning,
+    ranks_of,
     read_metrics,
     running,
     survivors,
@@ -236,19 +237,6 @@ RESTART_COMMON = ("launcher.device=cpu", "parallel.dp=2", "train.seq_len=64", "t
                   "train.max_steps=8", "checkpoint.every=2")
 
 
-def _workers_in(namespace: str) -> list[int]:
-    """The worker processes (python -m partrain.train) running on an emulated node."""
-    found = []
-    for pid in running(_processes_in(namespace)):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"partrain.train" in cmdline:
-            found.append(pid)
-    return found
-
-
 @pytest.fixture(scope="module")
 def two_node_reference(two_nodes, tmp_path_factory):
     """The restart test's run on the same two nodes, uninterrupted: its steps."""
@@ -292,7 +280,7 @@ def test_a_worker_killed_on_node_1_restarts_both_nodes_from_the_newest_checkpoin
             assert node.poll() is None, node.communicate()
         time.sleep(0.2)
     assert store.newest(run_dir / store.CHECKPOINTS).step == 4
-    [worker] = _workers_in(names[1])
+    [worker] = set(ranks_of(run_dir)) & set(_processes_in(names[1]))
     os.kill(worker, signal.SIGKILL)
 
     outputs = [node.communicate(timeout=240) for node in nodes]

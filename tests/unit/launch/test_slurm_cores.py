@@ -66,3 +66,20 @@ def test_on_cuda_the_threads_are_not_set(monkeypatch):
     node = ThisNode(place=NodePlace(source="this machine"), rank=0, rdzv_endpoint=None,
                     network=None)
     assert launch_spec(Ready(cfg=cfg, world=world, warnings=[], node=node)).cpu_threads is None
+
+
+@pytest.mark.parametrize("device, asked, platform, method", [
+    ("cpu", "auto", "linux", "forkserver"),
+    ("cuda", "auto", "linux", "spawn"),  # not yet measured on GPUs
+    ("cpu", "auto", "darwin", "spawn"),  # the forked rank's lifeline reads /proc
+    ("cuda", "forkserver", "linux", "forkserver"),  # asked for: given
+    ("cpu", "spawn", "linux", "spawn"),
+])
+def test_how_the_ranks_start(monkeypatch, device, asked, platform, method):
+    """launcher.start_method, auto resolved (torchrun's --start-method)."""
+    monkeypatch.setattr("sys.platform", platform)
+    cfg, world, _ = resolved(f"launcher.device={device}", f"launcher.start_method={asked}",
+                             "parallel.dp=auto", nproc=2)
+    node = ThisNode(place=NodePlace(source="this machine"), rank=0, rdzv_endpoint=None,
+                    network=None)
+    assert launch_spec(Ready(cfg=cfg, world=world, warnings=[], node=node)).start_method == method

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -115,20 +116,21 @@ def test_the_summary_groups_ranks_by_where_they_wait(tmp_path):
 
 
 def test_a_rank_that_did_not_report_is_found_in_its_faulthandler_dump(tmp_path):
-    """A real faulthandler dump, from a process whose main module is a partrain/train/__main__.py
-    that calls into another partrain module, stuck there in the standard library."""
+    """A real faulthandler dump, from a process whose main thread runs in a partrain/train/rank.py
+    (as every rank's does) that calls into another partrain module, stuck there in the standard
+    library."""
     package = tmp_path / "src" / "partrain" / "train"
     package.mkdir(parents=True)
     (package / "stuck.py").write_text(
         "import faulthandler, sys, time\n"
         "def wait():\n"
         "    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)\n")
-    (package / "__main__.py").write_text(
+    (package / "rank.py").write_text(
         "import sys\nsys.path.insert(0, sys.argv[1])\nimport stuck\nstuck.wait()\n")
     log = tmp_path / "logs" / "rank-1.log"
     log.parent.mkdir()
     with open(log, "w") as err:
-        subprocess.run([sys.executable, str(package / "__main__.py"), str(package)], stderr=err,
+        subprocess.run([sys.executable, str(package / "rank.py"), str(package)], stderr=err,
                        check=True, timeout=60)
     assert hang.dumped_at(log) == "partrain/train/stuck.py:3 in wait"
     lines = summary(tmp_path, [_report(0, world=2)])
@@ -164,6 +166,46 @@ def test_the_launcher_signals_a_worker_that_did_not_report(tmp_path):
     finally:
         child.kill()
         child.wait()
+
+
+RANK_SERVER_LAUNCHER = """
+import multiprocessing, time
+from multiprocessing import forkserver
+multiprocessing.set_forkserver_preload(["partrain.launch.rank_server"])
+ranks = [multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(60,))
+         for _ in range(2)]
+for rank in ranks:
+    rank.start()
+print(forkserver._forkserver._forkserver_pid, *(rank.pid for rank in ranks), flush=True)
+time.sleep(60)
+"""
+
+
+def _ignores(pid: int, signum: int) -> bool:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    raise AssertionError(f"no SigIgn line for {pid}")
+
+
+def test_a_launchers_workers_are_its_rank_servers_forks_not_the_server(tmp_path):
+    """launcher.start_method=forkserver, with multiprocessing's real forkserver: the launcher's
+    workers (the ones it signals) are the server's two forks, not the server itself, whose command
+    line names partrain.train too (its preload). The server ignores SIGUSR2 (rank_server.py), and
+    so do its forks until a rank takes the signal."""
+    script = tmp_path / "launcher.py"
+    script.write_text(RANK_SERVER_LAUNCHER)
+    launcher = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                                start_new_session=True)
+    try:
+        server, *ranks = map(int, launcher.stdout.readline().split())
+        assert b"partrain.launch.rank_server" in Path(f"/proc/{server}/cmdline").read_bytes()
+        assert hang.local_workers(launcher.pid) == sorted(ranks)
+        for pid in (server, *ranks):
+            assert _ignores(pid, signal.SIGUSR2), pid
+    finally:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
 
 
 def test_without_nccl_there_is_no_flight_recorder_to_dump(tmp_path):

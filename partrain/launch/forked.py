@@ -1,0 +1,85 @@
+"""Ranks forked from one rank server per node (launcher.start_method=forkserver).
+
+A spawned rank (`python -m partrain.train RUN_DIR`, launcher.start_method=spawn) imports torch,
+DTensor, torch.distributed.checkpoint and partrain anew: about 4 s of CPU a rank, paid by every
+rank of a node at once, and again at every restart. A forked rank starts from the rank server
+instead, multiprocessing's forkserver, which imported all of that once: the elastic agent runs
+the function `rank` below as its entrypoint (a function entrypoint with start_method
+forkserver, as torchrun's --start-method), and multiprocessing forks each rank from the server.
+The server is started by the launcher before any rank, single-threaded, with no process group
+and no CUDA context, so every rank still begins from a clean state; it holds the launcher's
+environment as it was at that moment, and elastic sets each rank's own variables in the fork.
+
+What differs from a spawned rank, each handled here or where it is used:
+- the parent is the rank server, not the launcher (lifeline.py ties a forked rank to both);
+- the command line is the server's (`python -c 'from multiprocessing.forkserver import ...'`),
+  so the launcher finds its ranks as the server's children (observe/hang.local_workers), and
+  the environment names the run dir (PARTRAIN_RUN_DIR, absolute) for anyone looking for a
+  run's processes;
+- SIGUSR2 is ignored in the server (rank_server.py) and in a fork until the rank takes it;
+- the rank returns to the agent at a clean end (multiprocessing then ends the process without
+  the interpreter's teardown, as `os._exit` does for a spawned rank).
+When the workers have ended, the launcher kills the server (it holds nothing of the run).
+"""
+
+import importlib
+import logging
+import os
+import signal
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+RUN_DIR_ENV = "PARTRAIN_RUN_DIR"
+# rank_server first: from then on SIGUSR2 cannot end the server. The rest is what every rank
+# imports (partrain.train.rank brings the training loop, torch, DTensor and DCP) and what the
+# agent's entrypoint needs to unpickle in each fork.
+PRELOAD = ["partrain.launch.rank_server", "partrain.train.rank", "partrain.launch.forked",
+           "torch.distributed.elastic.multiprocessing.api"]
+
+
+@contextmanager
+def rank_server(run_dir: Path):
+    """The node's rank server, running for the block: started now, with this environment, and
+    killed at the end."""
+    import multiprocessing
+    from multiprocessing import forkserver, resource_tracker
+
+    # multiprocessing's resource tracker outlives the launcher by a moment: it is started before
+    # the run dir is in the environment, so that it is not taken for one of the run's processes.
+    resource_tracker.ensure_running()
+    os.environ[RUN_DIR_ENV] = str(Path(run_dir).absolute())
+    multiprocessing.set_forkserver_preload(PRELOAD)
+    forkserver.ensure_running()
+    try:
+        yield
+    finally:
+        _stop_server()
+
+
+def _stop_server() -> None:
+    """Kill the server and reap it. multiprocessing has no public way to stop its forkserver; the
+    private one is used where it exists, and otherwise the server ends with the launcher."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None or not hasattr(server, "_stop"):
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)  # the ranks have ended; nothing in it needs a clean end
+    except ProcessLookupError:
+        pass
+    server._stop()
+
+
+def rank(run_dir: str) -> None:
+    """The agent's entrypoint in a forked rank: train to the end and return (on a failure the
+    rank ends itself with exit code 1, as a spawned one does)."""
+    # As `python -u` does for a spawned rank: rank 0's progress reaches the console at once.
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True)
+    importlib.import_module("partrain.train.rank").run(run_dir)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()

@@ -1,0 +1,38 @@
+"""One rank's life around the training loop, however it was started: tied to its launcher
+(lifeline), its stack on the launcher's request (hang dumps), SIGUSR2 noted for a clean save
+(preemption), then `loop.main`. Started as `python -m partrain.train RUN_DIR` (__main__.py,
+launcher.start_method=spawn) or forked from the node's rank server (partrain.launch.forked,
+launcher.start_method=forkserver)."""
+
+import os
+import sys
+import traceback
+
+from partrain.launch.lifeline import hold_lifeline
+from partrain.launch.preemption import PreemptionFlag
+from partrain.observe.hang import listen_for_dumps
+from partrain.train.loop import main
+
+
+def run(run_dir: str, early_signals: list[float] = ()) -> None:
+    """Train this rank to the end and return; on any failure, end the process with exit code 1
+    (the error file is written by then). early_signals: times SIGUSR2 arrived before this rank
+    could take it (the first counts)."""
+    # First of all: from here on, a launcher killed with SIGKILL takes this rank along; and a
+    # launcher that asks for this rank's stack (a hang elsewhere) gets it.
+    hold_lifeline()
+    listen_for_dumps()
+    # Then: SIGUSR2 asks for a checkpoint and a clean stop (the launcher passes SLURM's on).
+    preemption = PreemptionFlag()
+    preemption.install()
+    if early_signals and preemption.at is None:
+        preemption.at = early_signals[0]
+    try:
+        main(run_dir, preemption)
+    except BaseException:
+        # @record has written the error file for the launcher. Skip interpreter teardown: the
+        # other ranks are being stopped, and gloo's destructors could abort on a half-open group.
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)

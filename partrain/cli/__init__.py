@@ -85,6 +85,10 @@ def launch(
         None, "--max-restarts", "--max_restarts", metavar="N", parser=whole_flag("--max-restarts", 0),
         help="Restart every node's workers up to N times after a rank fails, from the newest "
         "checkpoint (launcher.max_restarts)"),
+    start_method: Optional[str] = typer.Option(
+        None, "--start-method", "--start_method", metavar="spawn|forkserver",
+        help="How the ranks start (launcher.start_method; torchrun's flag): spawn, a new "
+        "interpreter each; forkserver, forks of one process per node that imported torch once"),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate and show the plan; start nothing"),
 ) -> None:
     """Compose, validate, write the run dir and train on this node's ranks (or continue the run
@@ -96,6 +100,8 @@ def launch(
 
     if max_restarts is not None:  # the flag wins over the key, as --nnodes does
         args = [*(args or []), f"launcher.max_restarts={max_restarts}"]
+    if start_method is not None:
+        args = [*(args or []), f"launcher.start_method={start_method}"]
 
     meet = read_rendezvous(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint,
                            master_addr=master_addr, master_port=master_port,

@@ -191,6 +191,11 @@ def _check_each_key(cfg: DictConfig) -> None:
     choice("train.activation_checkpointing", cfg.train.activation_checkpointing,
             RECOMPUTE_MODES)
     choice("launcher.device", cfg.launcher.device, DEVICES)
+    if cfg.launcher.start_method == "fork":
+        raise ConfigError("launcher.start_method=fork is not offered: the launcher runs the "
+                          "elastic agent's threads, and a fork of a threaded process can hang; "
+                          "forkserver forks the ranks from a clean single-threaded process "
+                          "(launcher.start_method=forkserver)")
     choice("launcher.start_method", cfg.launcher.start_method, START_METHODS)
     choice("data.source", cfg.data.source, DATA_SOURCES)
     choice("optim.name", cfg.optim.name, OPTIMIZERS)

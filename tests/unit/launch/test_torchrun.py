@@ -55,6 +55,21 @@ def test_max_restarts_underscore_is_the_key(run_main, asked):
     assert asked[0].args == ["launcher.max_restarts=2"]
 
 
+@pytest.mark.parametrize("flag", ["--start-method", "--start_method"])
+def test_start_method_is_the_key(run_main, asked, flag):
+    assert run_main("launch", flag, "spawn").code == 0
+    assert asked[0].args == ["launcher.start_method=spawn"]
+
+
+def test_torchruns_fork_start_method_is_refused_with_the_way_out(run_main):
+    """Validated as the key is, before anything starts: exit 2, one line, forkserver named."""
+    result = run_main("launch", "--start-method", "fork", "--dry-run")
+    assert result.code == 2, result.stderr
+    assert "launcher.start_method=fork is not offered" in result.stderr
+    assert "launcher.start_method=forkserver" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 @pytest.mark.parametrize("flags, fragments", [
     (["--standalone", "--nnodes", "2"], ["--standalone", "--nnodes 2"]),
     (["--standalone", "--rdzv-endpoint", "h:1"], ["--standalone", "--rdzv-endpoint"]),

@@ -6,9 +6,11 @@ rank of a node at once, and again at every restart. A forked rank starts from th
 instead, multiprocessing's forkserver, which imported all of that once: the elastic agent runs
 the function `rank` below as its entrypoint (a function entrypoint with start_method
 forkserver, as torchrun's --start-method), and multiprocessing forks each rank from the server.
-The server is started by the launcher before any rank, single-threaded, with no process group
-and no CUDA context, so every rank still begins from a clean state; it holds the launcher's
-environment as it was at that moment, and elastic sets each rank's own variables in the fork.
+The launcher starts the server as soon as its checks have passed (launch/start.py), so that the
+server's imports run beside the launcher's own; it is single-threaded, with no process group and
+no CUDA context, so every rank still begins from a clean state. A rank's environment is the
+launcher's when the agent starts it, as for a spawned rank: elastic sets it in the fork
+(local.py's RunDirLogsSpecs hands it the launcher's environment with each rank's variables).
 
 What differs from a spawned rank, each handled here or where it is used:
 - the parent is the rank server, not the launcher (lifeline.py ties a forked rank to both);
@@ -39,15 +41,20 @@ PRELOAD = ["partrain.launch.rank_server", "partrain.train.rank", "partrain.launc
 
 
 @contextmanager
-def rank_server(run_dir: Path):
-    """The node's rank server, running for the block: started now, with this environment, and
-    killed at the end."""
+def rank_server(run_dir: Path, env: dict[str, str]):
+    """The node's rank server, running for the block: started now, with `env` added to this
+    environment (what must hold when torch is imported: OMP_NUM_THREADS, the launcher's pid), and
+    killed at the end. Started before the launcher itself imports torch, so that the two imports
+    run side by side; what the launcher sets later reaches each rank with elastic's variables
+    (local.py, RunDirLogsSpecs)."""
     import multiprocessing
     from multiprocessing import forkserver, resource_tracker
 
     # multiprocessing's resource tracker outlives the launcher by a moment: it is started before
     # the run dir is in the environment, so that it is not taken for one of the run's processes.
     resource_tracker.ensure_running()
+    _stop_server()  # one this process started before holds another launch's environment
+    os.environ.update(env)
     os.environ[RUN_DIR_ENV] = str(Path(run_dir).absolute())
     multiprocessing.set_forkserver_preload(PRELOAD)
     forkserver.ensure_running()

@@ -26,7 +26,6 @@ import os
 import signal
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,9 +100,10 @@ class RunDirLogsSpecs(LogsSpecs):
     round, so the number of starts is the same on every node: that is the attempt the workers
     are told."""
 
-    def __init__(self, log_dir: Path, on_restart=None):
+    def __init__(self, log_dir: Path, on_restart=None, forked: bool = False):
         super().__init__(log_dir=str(log_dir))
         self.on_restart = on_restart
+        self.forked = forked
         self.starts = 0
         self.ranks: dict[int, int] = {}  # the last attempt's global rank of each local rank
         self.ended = _AgentFailures() if on_restart is not None else None
@@ -117,6 +117,8 @@ class RunDirLogsSpecs(LogsSpecs):
         attempt, self.starts = self.starts, self.starts + 1
         for env in envs.values():
             env["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
+            if self.forked:  # a spawned rank gets the launcher's environment from Popen
+                env.update({k: v for k, v in os.environ.items() if k not in env})
         if attempt and self.on_restart is not None:
             ended = {self.ranks[local]: code for local, code in self.ended.exitcodes.items()
                      if local in self.ranks}
@@ -243,7 +245,8 @@ def _launch_config(run_dir: Path, spec: ElasticLaunch, console_print=print) -> L
         monitor_interval=0.2,
         start_method=spec.start_method,
         logs_specs=RunDirLogsSpecs(run_dir / "logs", restart_reporter(
-            run_dir, spec.max_restarts, console_print) if spec.max_restarts else None),
+            run_dir, spec.max_restarts, console_print) if spec.max_restarts else None,
+            forked=spec.start_method == "forkserver"),
         local_addr=spec.local_addr if spec.multi_node else "127.0.0.1",
         shutdown_timeout=5,  # seconds between SIGTERM and SIGKILL for the surviving ranks
     )
@@ -259,13 +262,12 @@ def _run_agent(config: LaunchConfig, run_dir: Path, spec: ElasticLaunch, agent_l
     (a rank failed, or the rendezvous did: each said with the log to read) or
     EXIT_INTERRUPTED."""
     since = time.time()  # hang reports of this launch only
-    if spec.start_method == "forkserver":
-        server, entrypoint, args = forked.rank_server(run_dir), forked.rank, (str(run_dir),)
+    if spec.start_method == "forkserver":  # the rank server runs already (start.py)
+        entrypoint, args = forked.rank, (str(run_dir),)
     else:
-        server, entrypoint = nullcontext(), sys.executable
-        args = ("-u", "-m", "partrain.train", str(run_dir))
+        entrypoint, args = sys.executable, ("-u", "-m", "partrain.train", str(run_dir))
     try:
-        with hang.DumpRequester(run_dir), server:
+        with hang.DumpRequester(run_dir):
             elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as err:
         add_recorded(err, run_dir / "logs", config.logs_specs.ranks.values())

@@ -318,10 +318,10 @@ def _run_dir(request: Request, cfg: DictConfig, place: NodePlace | None) -> Path
 def check_init_from(cfg) -> store.Checkpoint | None:
     """model.init_from names a committed checkpoint whose weights fit model.*: the checkpoint
     (None for none, and for a Hugging Face directory, `hf:DIR`, which is checked here too)."""
-    from partrain.interop.hf import check_hf_init, is_hf
-
     if not cfg.model.init_from:
         return None
+    from partrain.interop.hf import check_hf_init, is_hf  # torch: not for a plain start
+
     if is_hf(cfg.model.init_from):
         check_hf_init(cfg.model)
         return None

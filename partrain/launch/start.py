@@ -11,6 +11,7 @@ import os
 import shlex
 import sys
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 from rich.console import Console
@@ -19,6 +20,8 @@ from partrain.checkpoint import store
 from partrain.config.frozen import CONFIG
 from partrain.errors import ConfigError
 from partrain.launch.cluster import usable_cores
+from partrain.launch.forked import rank_server
+from partrain.launch.lifeline import LAUNCHER_PID_ENV
 from partrain.launch.netif import set_ifname_variables
 from partrain.launch.preemption import FORWARDER
 from partrain.launch.preflight import Ready, Request, preflight, runs_on_cuda
@@ -42,8 +45,6 @@ def start(request: Request, dry_run: bool, out: Console, err: Console,
           warn: Callable[[str], None]) -> int:
     """Check, write the run dir and run this node's ranks to the end (or continue the run the run
     dir holds, from its newest checkpoint); returns the exit code (local.py's)."""
-    from partrain.launch.local import launch_workers
-
     FORWARDER.install()  # a preemption signal from here on is passed to the workers
     ready = preflight(request)
     for warning in ready.warnings:
@@ -64,16 +65,22 @@ def start(request: Request, dry_run: bool, out: Console, err: Console,
     if dry_run:
         print_dry_run(ready, resuming_from, out)
         return 0
-    before = _config_before(run_dir, checkpoint)
-    write_run_dir(cfg, run_dir, resuming=request.resume is not None)
-    records = ready.node.rank == 0  # node 0's launcher says the run's state (`partrain runs`)
-    if records:
-        _record(run_dir, "running", None, warn)
-    print_start(ready, resuming_from, out)
-    try:
-        code = launch_workers(run_dir, launch_spec(ready), console_print=err.print)
-    finally:
-        remove_swap_dir(cfg.parallel, run_dir)  # offload to nvme: this node's swap folder
+    # Every check has passed: forked ranks' server starts now, its imports beside the launcher's.
+    server = (rank_server(run_dir, rank_env(ready)) if start_method(cfg) == "forkserver"
+              else nullcontext())
+    with server:
+        from partrain.launch.local import launch_workers  # torch
+
+        before = _config_before(run_dir, checkpoint)
+        write_run_dir(cfg, run_dir, resuming=request.resume is not None)
+        records = ready.node.rank == 0  # node 0's launcher says the run's state (`partrain runs`)
+        if records:
+            _record(run_dir, "running", None, warn)
+        print_start(ready, resuming_from, out)
+        try:
+            code = launch_workers(run_dir, launch_spec(ready), console_print=err.print)
+        finally:
+            remove_swap_dir(cfg.parallel, run_dir)  # offload to nvme: this node's swap folder
     if records:
         _record(run_dir, ENDED.get(code, "failed"), code, warn)
     if code == 0:
@@ -214,15 +221,33 @@ def launch_spec(ready: Ready):
 
     cfg, world, node = ready.cfg, ready.world, ready.node
     job_id = node.place.job_id
-    threads = None if runs_on_cuda(cfg) else max(1, usable_cores() // world.nproc_per_node)
     return ElasticLaunch(
         nnodes=world.nnodes, nproc_per_node=world.nproc_per_node, node_rank=node.rank,
         rdzv_endpoint=node.rdzv_endpoint,
         run_id=node.rdzv_id or (f"slurm-{job_id}" if job_id else cfg.name),
         rdzv_timeout_s=cfg.launcher.rdzv_timeout_s,
-        local_addr=node.network and node.network.addr, cpu_threads=threads,
+        local_addr=node.network and node.network.addr, cpu_threads=cpu_threads(ready),
         max_steps=cfg.train.max_steps, max_restarts=cfg.launcher.max_restarts,
         cuda=runs_on_cuda(cfg), start_method=start_method(cfg))
+
+
+def cpu_threads(ready: Ready) -> int | None:
+    """OpenMP threads per worker on CPU: the cores this task may use, shared out (under SLURM
+    the step's, not the machine's); None on CUDA."""
+    if runs_on_cuda(ready.cfg):
+        return None
+    return max(1, usable_cores() // ready.world.nproc_per_node)
+
+
+def rank_env(ready: Ready) -> dict[str, str]:
+    """What the rank server's environment must hold when it imports torch (OpenMP reads its
+    thread count then; a user's OMP_NUM_THREADS stays) and the lifeline's launcher pid; the
+    launcher sets the same again (local.py)."""
+    threads = cpu_threads(ready)
+    env = {LAUNCHER_PID_ENV: str(os.getpid())}
+    if threads and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
 
 
 def start_method(cfg) -> str:

@@ -111,7 +111,8 @@ def build(cfg, run_dir: Path, device: torch.device) -> Run:
     mesh = dims.build_mesh(device.type)
     expert_mesh = dims.build_expert_mesh(device.type) if dims.ep_enabled else None
     coords = dims.coords(rank)
-    log.info("rank %d of %d: mesh coordinates %s on %s", rank, dims.world_size, coords, device)
+    log.info("rank %d of %d: mesh coordinates %s on %s%s", rank, dims.world_size, coords, device,
+             f", {torch.get_num_threads()} CPU thread(s)" if device.type == "cpu" else "")
     start = find_start(cfg, run_dir, rank)
 
     # The full model from the seed, identical for every layout; parallelize takes it apart.

@@ -33,6 +33,14 @@ def test_quickstart_trains_and_writes_the_run_dir(cli, tmp_path):
     assert shown.returncode == 0 and OmegaConf.create(shown.stdout) == frozen
     assert sorted(p.name for p in (run_dir / "logs").glob("rank-*.log")) == ["rank-0.log", "rank-1.log"]
     assert "step     40" in (run_dir / "logs" / "rank-1.log").read_text()
+    # Each rank (forked from the rank server, the default here) has its share of the cores, set
+    # before the server imported torch: OpenMP reads OMP_NUM_THREADS once, as it loads.
+    from partrain.launch.cluster import usable_cores
+
+    share = max(1, usable_cores() // 2)
+    for rank in (0, 1):
+        log = (run_dir / "logs" / f"rank-{rank}.log").read_text()
+        assert f"on cpu, {share} CPU thread(s)" in log, log[:2000]
     assert "run summary" in res.stdout and "Traceback" not in res.stderr
     assert_no_abort(run_dir, res.stdout, res.stderr)
     assert processes_mentioning(str(run_dir)) == []

@@ -53,3 +53,20 @@ def test_a_killed_rank_is_named_by_how_it_ended(tmp_path):
     assert _restarted(tmp_path) == (
         "a rank on another node failed (this node's ranks lost their peers or were stopped; the "
         f"failed rank is in that node's output and its logs/rank-N.log) {start}")
+
+
+def test_a_forked_rank_gets_the_launchers_environment_with_its_own_variables(tmp_path,
+                                                                              monkeypatch):
+    """A spawned rank inherits the launcher's environment through Popen; a forked one holds the
+    rank server's, from before the launcher set what it sets later (the network interface, the
+    flight recorder): RunDirLogsSpecs(forked=True) hands each fork the launcher's environment,
+    the agent's variables first."""
+    (tmp_path / "logs").mkdir()
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "veth-late")
+    monkeypatch.setenv("RANK", "99")  # the launcher's own, if it had one: the agent's wins
+    forked, spawned = _envs([2, 3]), _envs([2, 3])
+    RunDirLogsSpecs(tmp_path / "logs", forked=True).reify(forked)
+    RunDirLogsSpecs(tmp_path / "logs").reify(spawned)
+    assert [env["GLOO_SOCKET_IFNAME"] for env in forked.values()] == ["veth-late"] * 2
+    assert [env["RANK"] for env in forked.values()] == ["2", "3"]
+    assert all("GLOO_SOCKET_IFNAME" not in env for env in spawned.values())

@@ -140,7 +140,9 @@ def test_launch_records_the_state_its_workers_ended_in(run_main, tmp_path, monke
 
     monkeypatch.setattr(local, "launch_workers", workers)
     monkeypatch.chdir(tmp_path)
-    result = run_main("launch", "launcher.device=cpu", "parallel.dp=1", "--run-dir", "run")
+    # spawn: no rank server to start for workers that are not started
+    result = run_main("launch", "launcher.device=cpu", "parallel.dp=1",
+                      "launcher.start_method=spawn", "--run-dir", "run")
     assert result.code == code and seen == ["running"]
     record = json.loads((tmp_path / "run" / "logs" / "state.json").read_text())
     assert (record["state"], record["exit_code"]) == (state, code)

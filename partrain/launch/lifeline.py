@@ -30,6 +30,8 @@ import sys
 import threading
 import time
 
+from partrain.observe.hang import parent_of
+
 LAUNCHER_PID_ENV = "PARTRAIN_LAUNCHER_PID"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 WATCH_PERIOD_S = 0.5
@@ -57,21 +59,12 @@ def _die_with_parent() -> bool:
     return libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
 
 
-def _parent_of(pid: int) -> int | None:
-    """pid's parent (Linux's /proc); None where it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return int(stat.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def _tied(launcher_pid: int, parent: int) -> bool:
     """Still the launcher's: the parent has not changed, and it is the launcher (a spawned rank)
     or the launcher's rank server (a forked rank; without /proc only the parent is watched)."""
     if os.getppid() != parent:
         return False
-    return parent == launcher_pid or _parent_of(parent) in (launcher_pid, None)
+    return parent == launcher_pid or parent_of(parent) in (launcher_pid, None)
 
 
 def _watch(launcher_pid: int, parent: int) -> None:

@@ -10,9 +10,10 @@ launcher.rdzv_timeout_s with a message naming the endpoint (exit 1), not a hang.
 nodes in the order of their addresses: --node-rank picks the host of the store, not the ranks.
 Each worker is `python -m partrain.train RUN_DIR` (launcher.start_method=spawn), or a fork of the
 node's rank server that already imported torch and partrain (forkserver; forked.py). If one rank
-fails, the agent stops the others within its monitor interval and shutdown timeout; we read the failed rank's elastic error file
-and exit 1 (when every rank stopped together, its message and code: 4 from the divergence guard,
-2 when the nodes do not see one run dir).
+fails, the agent stops the others within its monitor interval and shutdown timeout; we read the
+failed rank's elastic error file (and every other rank's that recorded one) and exit 1 (when
+every rank stopped together, its message and code: 4 from the divergence guard, 2 when the nodes
+do not see one run dir).
 SIGINT/SIGTERM reach the agent, which stops all workers; we exit 130. SIGUSR2 (SLURM's
 warning before a time limit or a preemption) is passed to the workers, which save a checkpoint at
 one step and end; we then exit 3, "relaunch to resume" (preemption.py). A launcher
@@ -169,7 +170,8 @@ def _quiet_agent_logs(run_dir: Path, spec: ElasticLaunch) -> Path:
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     # torch.multiprocessing: with forked ranks, its "Terminating process ... via signal SIGTERM"
     # when it stops the others after a failure.
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing"):
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher",
+                 "torch.multiprocessing"):
         logger = logging.getLogger(name)
         logger.handlers[:] = [handler]
         logger.setLevel(logging.INFO)

@@ -404,6 +404,16 @@ WORKER_MARKER = b"partrain.train"  # in a spawned rank's command line: python -m
 RANK_SERVER_MARKER = b"multiprocessing.forkserver"  # in the rank server's (and its forks')
 
 
+def parent_of(pid: int) -> int | None:
+    """pid's parent, from Linux's /proc/PID/stat (the name in parentheses may hold spaces); None
+    where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def local_workers(parent: int | None = None) -> list[int]:
     """The pids of this launcher's worker processes, from /proc: its children that run
     `python -m partrain.train` (launcher.start_method=spawn), and the children of its rank server
@@ -411,10 +421,11 @@ def local_workers(parent: int | None = None) -> list[int]:
     parent = parent or os.getpid()
     processes = {}
     for entry in Path("/proc").glob("[0-9]*"):
+        ppid = parent_of(int(entry.name))
         try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            processes[int(entry.name)] = (ppid, (entry / "cmdline").read_bytes())
-        except (OSError, ValueError, IndexError):
+            if ppid is not None:
+                processes[int(entry.name)] = (ppid, (entry / "cmdline").read_bytes())
+        except OSError:
             continue
     servers = {pid for pid, (ppid, cmdline) in processes.items()
                if ppid == parent and RANK_SERVER_MARKER in cmdline}

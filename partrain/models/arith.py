@@ -29,7 +29,12 @@ def mlp_params(cfg, layer: int, ep: int = 1, active: bool = False) -> int:
     """Parameters of block `layer`'s MLP: the dense SwiGLU, or a MoE's router, shared experts and
     routed experts (all of them, 1/ep of them under expert parallelism, or only the top_k a
     token uses when `active`)."""
-    if not is_moe_block(cfg, layer):
+    return _mlp_params(cfg, is_moe_block(cfg, layer), ep, active)
+
+
+def _mlp_params(cfg, moe_block: bool, ep: int = 1, active: bool = False) -> int:
+    """mlp_params by the kind of block: every dense MLP is the same size, as is every MoE."""
+    if not moe_block:
         return 3 * cfg.dim * ffn_dim(cfg)
     moe = cfg.moe
     routed = moe.top_k if active else moe.n_experts // ep
@@ -50,9 +55,12 @@ def _head_norm_params(cfg) -> int:
 
 def count_params(cfg, active: bool = False) -> int:
     """Parameters of the full model from its shape alone (used by `plan` for models never built);
-    `active`: those one token uses (a MoE's top_k experts, not all of them)."""
-    blocks = sum(_attention_params(cfg) + _head_norm_params(cfg)
-                 + mlp_params(cfg, i, active=active) + 2 * cfg.dim for i in range(cfg.n_layers))
+    `active`: those one token uses (a MoE's top_k experts, not all of them). Blocks come in two
+    kinds, dense and MoE, each the same size: the layout search asks this for every layout."""
+    moe = moe_block_count(cfg)
+    blocks = (cfg.n_layers * (_attention_params(cfg) + _head_norm_params(cfg) + 2 * cfg.dim)
+              + (cfg.n_layers - moe) * _mlp_params(cfg, False)
+              + (moe and moe * _mlp_params(cfg, True, active=active)))
     return blocks + vocab_matrices(cfg) * cfg.vocab_size * cfg.dim + cfg.dim
 
 
@@ -75,11 +83,12 @@ def count_params_per_rank(cfg, tp: int = 1, blocks=None, first: bool = True,
     ids = range(cfg.n_layers if blocks is None else blocks) if not isinstance(blocks, (list, range)) \
         else blocks
     vocab = (first or last) if tied(cfg) else first + last
-    split = sum(_attention_params(cfg) + (0 if is_moe_block(cfg, i) else mlp_params(cfg, i))
-                for i in ids) + vocab * cfg.vocab_size * cfg.dim
-    replicated = sum(2 * cfg.dim + _head_norm_params(cfg)
-                     + (mlp_params(cfg, i, ep) if is_moe_block(cfg, i) else 0)
-                     for i in ids)
+    n = len(ids)
+    moe = moe_blocks_among(cfg, ids)
+    split = (n * _attention_params(cfg) + (n - moe) * _mlp_params(cfg, False)
+             + vocab * cfg.vocab_size * cfg.dim)
+    replicated = (n * (2 * cfg.dim + _head_norm_params(cfg))
+                  + (moe and moe * _mlp_params(cfg, True, ep)))
     return split // tp + replicated + (cfg.dim if last else 0)
 
 
@@ -111,6 +120,19 @@ def is_moe_block(model_cfg, layer: int) -> bool:
         return False
     moe = model_cfg.moe
     return layer >= moe.first_dense and (layer - moe.first_dense) % moe.every == 0
+
+
+def moe_block_count(model_cfg) -> int:
+    """How many blocks are MoE blocks (is_moe_block), counted without a loop over the layers."""
+    if not moe_enabled(model_cfg):
+        return 0
+    moe = model_cfg.moe
+    return max(0, -(-(model_cfg.n_layers - moe.first_dense) // moe.every))
+
+
+def moe_blocks_among(model_cfg, blocks) -> int:
+    """How many of `blocks` (block ids) are MoE blocks."""
+    return sum(is_moe_block(model_cfg, i) for i in blocks) if moe_enabled(model_cfg) else 0
 
 
 def moe_blocks(model_cfg) -> list[int]:

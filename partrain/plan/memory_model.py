@@ -40,6 +40,7 @@ from partrain.models.arith import (
     ffn_dim,
     head_dim,
     is_moe_block,
+    moe_blocks_among,
 )
 from partrain.plan.costs import optimizer_state_bytes, zero_memory
 
@@ -140,7 +141,7 @@ def activations(model_cfg, blocks: list[int], s: Shape, tokens: int, in_flight: 
     if not blocks:
         return {"kept_bytes": 0, "backward_bytes": 0}
     # Blocks come in two kinds (dense, MoE), each kind the same size: count each once.
-    moe_count = sum(is_moe_block(model_cfg, i) for i in blocks)
+    moe_count = moe_blocks_among(model_cfg, blocks)
     counts = {kind: n for kind, n in ((False, len(blocks) - moe_count), (True, moe_count)) if n}
 
     def nbytes(kind, m):
@@ -186,7 +187,7 @@ def model_state(cfg, dims, params: int, blocks: list[int], dtype: str) -> dict:
     p, m = cfg.parallel, cfg.model
     experts = 0
     if dims.ep > 1 and getattr(m, "moe", None):
-        experts = (sum(is_moe_block(m, i) for i in blocks) * (m.moe.n_experts // dims.ep)
+        experts = (moe_blocks_among(m, blocks) * (m.moe.n_experts // dims.ep)
                    * expert_params(m))
     engine = getattr(p, "zero_backend", "deepspeed")
     moments = optimizer_state_bytes(getattr(cfg, "optim", None))

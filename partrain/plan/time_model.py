@@ -56,7 +56,13 @@ and GEMM_HALF_DIM.
 import math
 from dataclasses import dataclass
 
-from partrain.models.arith import count_params, ffn_dim, flops_per_token, head_dim, moe_blocks
+from partrain.models.arith import (
+    count_params,
+    ffn_dim,
+    flops_per_token,
+    head_dim,
+    moe_block_count,
+)
 from partrain.parallel.schedules import bubble_theory
 from partrain.plan.costs import cp_traffic, moe_traffic, tp_collectives
 from partrain.plan.hardware import Hardware
@@ -315,8 +321,8 @@ def _cp_per_micro_batch(model_cfg, L: Layout, seq_len: int, hw: Hardware, act_by
 def _ep_per_micro_batch(model_cfg, L: Layout, micro_tokens: int, hw: Hardware,
                         act_bytes: int) -> float:
     """The token all-to-alls of the stage's MoE blocks for a micro-batch."""
-    n_moe = len(moe_blocks(model_cfg)) / L.pp if getattr(model_cfg, "moe", None) else 0
-    if not (L.ep > 1 and n_moe):
+    n_moe = moe_block_count(model_cfg) / L.pp if L.ep > 1 else 0
+    if not n_moe:
         return 0.0
     # ep groups are consecutive dp ranks: ep of them, cp x tp apart.
     bw = group_bandwidth(hw, L.ep, L.cp * L.tp)

@@ -63,18 +63,33 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+def _on_meta() -> bool:
+    """Inside `with torch.device("meta")` (build_model, and the shape checks that build no
+    memory). There the constructor draws no embedding and computes no rotary tables, which
+    build_model makes again anyway: torch's meta kernels for normal_ and a float64 arange
+    import torch._dynamo, 1.7 s of CPU in every rank that builds the model."""
+    return torch.empty(0).is_meta
+
+
+def _embedding(num: int, dim: int) -> nn.Embedding:
+    if _on_meta():
+        return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+    return nn.Embedding(num, dim)
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.tok_embeddings = _embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.tie_weights()
         self.register_buffer("rope_cos", None, persistent=False)
         self.register_buffer("rope_sin", None, persistent=False)
-        self.init_rope()
+        if not _on_meta():
+            self.init_rope()
 
     def tie_weights(self) -> None:
         """With model.tie_embeddings, make the head's weight the embedding's Parameter (again

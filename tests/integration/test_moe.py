@@ -26,7 +26,7 @@ from tests.integration.conftest import (
 
 pytestmark = pytest.mark.slow
 
-MOE = ("moe-tiny", *PARITY_COMMON, "train.seq_len=64", "checkpoint.every=5")
+MOE = ("moe-tiny", *PARITY_COMMON, "checkpoint.every=5")
 ONE = ("parallel.dp=1", "--nproc-per-node", "1", "train.micro_batch_size=16")
 # Drops and the aux-loss-free bias: both depend on routing every token alike on every layout.
 CAPACITY = ("model.moe.capacity_factor=1.0", "model.moe.balance=bias",

@@ -14,7 +14,7 @@ import pytest
 from tests.integration.conftest import assert_no_abort, read_metrics
 
 COMMON = ("launcher.device=cpu", "launcher.nproc_per_node=2", "parallel.dp=2",
-          "parallel.zero_stage=3", "train.eval_every=0", "train.log_every=1")
+          "parallel.zero_stage=3", "train.eval_every=0", "train.log_every=1", "train.seq_len=64")
 STEPS = 6
 
 

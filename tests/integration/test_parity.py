@@ -60,7 +60,7 @@ def blend(tmp_path_factory):
         prepare_token_dir([jsonl], root / name, workers=1)
         dirs.append(root / name)
     return (f"data.blend=[{{path: {dirs[0]}, weight: 0.7}}, {{path: {dirs[1]}, weight: 0.3}}]",
-            "data.sampling=epochs", "train.document_masking=true")
+            "data.sampling=epochs", "train.document_masking=true", "train.seq_len=256")
 
 
 def _expand(overrides, blend) -> tuple:

@@ -29,7 +29,7 @@ def max_over_ranks(value: float) -> float:
 # The workers fork from one server process that imported torch, partrain and the benchmark script
 # once (multiprocessing's forkserver), not each worker of each row anew (spawn: ~2.5 s of CPU a
 # process). The server starts before any thread or process group exists.
-mp.set_forkserver_preload(["__main__", "torch", "partrain.train.loop"])
+mp.set_forkserver_preload(["__main__", "torch", "torch._dynamo", "partrain.train.loop"])
 
 
 def run_workers(worker, args, nprocs: int) -> dict:

@@ -66,8 +66,8 @@ def start(request: Request, dry_run: bool, out: Console, err: Console,
         print_dry_run(ready, resuming_from, out)
         return 0
     # Every check has passed: forked ranks' server starts now, its imports beside the launcher's.
-    server = (rank_server(run_dir, rank_env(ready)) if start_method(cfg) == "forkserver"
-              else nullcontext())
+    server = (rank_server(run_dir, rank_env(ready), ready.world.nproc_per_node)
+              if start_method(cfg) == "forkserver" else nullcontext())
     with server:
         from partrain.launch.local import launch_workers  # torch
 

@@ -32,7 +32,7 @@ def _entry(rank: int, fn, world_size: int, store_path: str, args: tuple) -> None
 # (spawn): about 2.5 s of CPU per rank on the 2-core CI machine. The server is started before any
 # thread or process group exists, so every rank still begins from a clean, single-threaded state.
 START_METHOD = "forkserver"
-PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.tensor",
+PRELOAD = ["torch", "torch.distributed.checkpoint", "torch.distributed.tensor", "torch._dynamo",
            "partrain.train.loop", "tests.distributed.helpers"]
 mp.set_forkserver_preload(PRELOAD)
 

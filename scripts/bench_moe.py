@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _spawn import join_group, max_over_ranks, run_workers  # noqa: E402
 
 from partrain.config.schema import Config  # noqa: E402
-from partrain.models.arith import moe_blocks  # noqa: E402
+from partrain.models.arith import moe_block_count  # noqa: E402
 from partrain.models.llama import build_model  # noqa: E402
 from partrain.parallel.data import apply_data_parallel  # noqa: E402
 from partrain.parallel.dist import end_distributed  # noqa: E402
@@ -109,7 +109,7 @@ def worker(rank, args, store_path, out_path):
         ddp.zero_grad(set_to_none=True)
         if rep:
             times.append(elapsed)
-    formula = moe_traffic(cfg, args.batch * args.seq, 1, args.ep, len(moe_blocks(cfg)))
+    formula = moe_traffic(cfg, args.batch * args.seq, 1, args.ep, moe_block_count(cfg))
     result = {"ep": args.ep, "tokens_per_s": args.world * args.batch * args.seq / statistics.median(times),
               "rows_sent": max_over_ranks(sent["rows_sent"]),
               "bytes_sent": max_over_ranks(sent["bytes_sent"] + sent["count_bytes"]),

@@ -60,7 +60,7 @@ def count_params(cfg, active: bool = False) -> int:
     moe = moe_block_count(cfg)
     blocks = (cfg.n_layers * (_attention_params(cfg) + _head_norm_params(cfg) + 2 * cfg.dim)
               + (cfg.n_layers - moe) * _mlp_params(cfg, False)
-              + (moe and moe * _mlp_params(cfg, True, active=active)))
+              + (moe * _mlp_params(cfg, True, active=active) if moe else 0))
     return blocks + vocab_matrices(cfg) * cfg.vocab_size * cfg.dim + cfg.dim
 
 
@@ -88,7 +88,7 @@ def count_params_per_rank(cfg, tp: int = 1, blocks=None, first: bool = True,
     split = (n * _attention_params(cfg) + (n - moe) * _mlp_params(cfg, False)
              + vocab * cfg.vocab_size * cfg.dim)
     replicated = (n * (2 * cfg.dim + _head_norm_params(cfg))
-                  + (moe and moe * _mlp_params(cfg, True, ep)))
+                  + (moe * _mlp_params(cfg, True, ep) if moe else 0))
     return split // tp + replicated + (cfg.dim if last else 0)
 
 

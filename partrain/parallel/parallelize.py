@@ -21,7 +21,7 @@ import torch
 
 from partrain.config.deepspeed import deepspeed_config
 from partrain.config.resolve import compute_dtype
-from partrain.models.arith import moe_blocks
+from partrain.models.arith import moe_block_count
 from partrain.models.family import blocks, is_user_model, recompute_full
 from partrain.models.llama import TransformerBlock
 from partrain.models.moe import MoE
@@ -67,7 +67,7 @@ def parallelize(model: torch.nn.Module, cfg, dims: ParallelDims, mesh, expert_me
         # Attention over the cp group; every other module works on this rank's tokens.
         model = apply_context_parallel(model, mesh["cp"], p, t.seq_len)
     # The MoE blocks learn their sequence groups before ep swaps their dispatcher.
-    n_moe_blocks = len(moe_blocks(cfg.model))
+    n_moe_blocks = moe_block_count(cfg.model)
     moe_load_group = setup_moe(moe_modules(model), n_moe_blocks, dims, mesh, sequence_parallel,
                                t.micro_batches)
     if dims.ep_enabled:

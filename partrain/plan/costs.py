@@ -175,15 +175,15 @@ def _fsdp_memory(stage: int, psi: int, nd: int, dtype: str, pipeline: bool, mome
 def true_size(model_cfg, tp: int = 1) -> int:
     """Bytes of the state a checkpoint holds, each tensor once: fp32 weights and two moments
     (12 bytes per parameter) and one 8-byte step per parameter tensor."""
-    from partrain.models.arith import count_params, moe_blocks, vocab_matrices
+    from partrain.models.arith import count_params, moe_block_count, vocab_matrices
 
     # embedding and head (one when tied), final norm; 9 per dense block; a MoE block has a
     # router and 3 stacked expert matrices (and 3 shared) for the 3 MLP matrices, and its expert
     # bias (4 bytes per expert, no moments)
-    moe = moe_blocks(model_cfg)
+    moe = moe_block_count(model_cfg)
     per_moe = 1 + (3 if moe and model_cfg.moe.n_shared_experts else 0)
-    tensors = vocab_matrices(model_cfg) + 9 * model_cfg.n_layers + 1 + per_moe * len(moe)
-    bias = 4 * model_cfg.moe.n_experts * len(moe) if moe else 0
+    tensors = vocab_matrices(model_cfg) + 9 * model_cfg.n_layers + 1 + per_moe * moe
+    bias = 4 * model_cfg.moe.n_experts * moe if moe else 0
     return 12 * count_params(model_cfg) + 8 * tensors + bias
 
 

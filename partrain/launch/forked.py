@@ -20,7 +20,9 @@ What differs from a spawned rank, each handled here or where it is used:
   run's processes;
 - SIGUSR2 is ignored in the server (rank_server.py) and in a fork until the rank takes it;
 - the rank returns to the agent at a clean end (multiprocessing then ends the process without
-  the interpreter's teardown, as `os._exit` does for a spawned rank).
+  the interpreter's teardown, as `os._exit` does for a spawned rank);
+- the server imports with Python's garbage collector off, and a rank freezes what it inherited
+  before it turns the collector on (heap.py).
 When the workers have ended, the launcher kills the server (it holds nothing of the run).
 """
 
@@ -31,6 +33,8 @@ import signal
 import sys
 from contextlib import contextmanager
 from pathlib import Path
+
+from partrain.launch.heap import after_fork
 
 RUN_DIR_ENV = "PARTRAIN_RUN_DIR"
 # rank_server first: from then on SIGUSR2 cannot end the server. The rest is what every rank
@@ -88,6 +92,7 @@ def _stop_server() -> None:
 def rank(run_dir: str) -> None:
     """The agent's entrypoint in a forked rank: train to the end and return (on a failure the
     rank ends itself with exit code 1, as a spawned one does)."""
+    after_fork()
     # As `python -u` does for a spawned rank: rank 0's progress reaches the console at once.
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True)

@@ -21,6 +21,7 @@ from partrain.config.frozen import CONFIG
 from partrain.errors import ConfigError
 from partrain.launch.cluster import usable_cores
 from partrain.launch.forked import rank_server
+from partrain.launch.heap import imports_without_gc
 from partrain.launch.lifeline import LAUNCHER_PID_ENV
 from partrain.launch.netif import set_ifname_variables
 from partrain.launch.preemption import FORWARDER
@@ -69,7 +70,8 @@ def start(request: Request, dry_run: bool, out: Console, err: Console,
     server = (rank_server(run_dir, rank_env(ready), ready.world.nproc_per_node)
               if start_method(cfg) == "forkserver" else nullcontext())
     with server:
-        from partrain.launch.local import launch_workers  # torch
+        with imports_without_gc():  # torch, and the elastic agent (heap.py)
+            from partrain.launch.local import launch_workers
 
         before = _config_before(run_dir, checkpoint)
         write_run_dir(cfg, run_dir, resuming=request.resume is not None)

@@ -17,6 +17,9 @@ TIMEOUT = timedelta(seconds=60)
 
 
 def _entry(rank: int, fn, world_size: int, store_path: str, args: tuple) -> None:
+    # What came from the server stays out of every collection (partrain/launch/heap.py): the
+    # gc.collect() below walks only what the body made.
+    gc.freeze()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=TIMEOUT)

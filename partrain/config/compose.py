@@ -5,12 +5,16 @@ so a recipe is a small diff over the defaults and `override model: llama-7b` wor
 app. Workers never call this: they load the frozen config.yaml that the launcher wrote.
 """
 
+import copy
 import shutil
 import tempfile
+from collections import OrderedDict
 from pathlib import Path
 
 import yaml
 from hydra import compose, initialize_config_dir
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -20,6 +24,7 @@ from partrain.config.keys import (
     check_no_interpolation,
     check_overrides,
     check_tree,
+    groups,
 )
 from partrain.config.ds_file import apply_deepspeed_file
 from partrain.config.paths import configs_dir, recipes_dir
@@ -183,11 +188,41 @@ def explain(e: Exception) -> str:
     return (f"{key}: " if key else "") + " ".join(parts)
 
 
-def _compose(path: Path, overrides: list[str], shown_as: Path) -> DictConfig:
-    search = f"hydra.searchpath=[file://{configs_dir()}]"
-    try:
+# Hydra composes in two parts: the defaults list (the recipe, partrain's defaults and the group
+# options, 20 YAML files loaded and merged: about 0.2 s), then the value overrides applied to it
+# (`ConfigLoaderImpl._apply_overrides_to_config`). The first part depends only on the recipe's
+# text and the group overrides (`model=llama-7b`): it is kept per process, for the last
+# COMPOSED_KEPT of them, and a later compose with other values (`plan --search` of several
+# shapes, the in-process CLI of the tests) applies its values to a copy with Hydra's own code.
+COMPOSED_KEPT = 16
+_composed: "OrderedDict[tuple, DictConfig]" = OrderedDict()
+
+
+def _defaults_composed(path: Path, chosen: list[str]) -> DictConfig:
+    """Hydra's composition of the recipe at `path` with the group overrides `chosen` only."""
+    # A user's recipe is a private copy alone in its folder: its text names all of it.
+    place = str(path.parent) if path.parent == recipes_dir().resolve() else None
+    key = (place, path.stem, path.read_bytes(), tuple(chosen))
+    if key not in _composed:
+        search = f"hydra.searchpath=[file://{configs_dir()}]"
         with initialize_config_dir(config_dir=str(path.parent), version_base=None):
-            return compose(config_name=path.stem, overrides=[search, *overrides])
+            _composed[key] = compose(config_name=path.stem, overrides=[search, *chosen])
+        while len(_composed) > COMPOSED_KEPT:
+            _composed.popitem(last=False)
+    _composed.move_to_end(key)
+    return copy.deepcopy(_composed[key])
+
+
+def _compose(path: Path, overrides: list[str], shown_as: Path) -> DictConfig:
+    """Hydra's composition of the recipe with the (checked) overrides: the group options first,
+    then every value, as Hydra orders them whatever their order on the command line."""
+    known = groups()
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        cfg = _defaults_composed(path, [o.input_line for o in parsed if o.key_or_group in known])
+        ConfigLoaderImpl._apply_overrides_to_config(
+            [o for o in parsed if o.key_or_group not in known], cfg)
+        return cfg
     except (HydraException, OmegaConfBaseException, ValueError) as e:
         # Name the user's file, never the private copy it was composed from.
         text = explain(e).replace(str(path), str(shown_as)).replace(f"'{path.stem}'",
@@ -256,8 +291,6 @@ def compose_config(config: str | None, overrides: list[str]) -> DictConfig:
 
 def _model_keys_given(overrides: list[str]) -> set[str]:
     """The model.* keys (without "model.") that the overrides set."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     parser = OverridesParser.create()
     keys = (parser.parse_override(text).key_or_group for text in overrides)
     return {key.removeprefix("model.") for key in keys if key.startswith("model.")}

@@ -47,15 +47,22 @@ PRELOAD = ["partrain.launch.rank_server", "partrain.train.rank", "partrain.launc
 # saves that much per rank (a dp2 x tp2 launch took 14.5 s of CPU instead of 17.7, dp4 x tp2
 # 21 instead of 27.6); one rank alone would only wait for the server's import (0.8 s later).
 SHARED_BY_RANKS = ["torch._dynamo"]
+# What torch.compile imports on its first call, inductor's compile_fx: about 2.5 s of CPU. A rank
+# of a DeepSpeed ZeRO run makes that call whether it compiles or not (DeepSpeed's check of the
+# optimizer imports its Muon optimizer, which decorates a function with torch.compile), as does
+# a run with train.compile; for such runs with two ranks or more a node the server imports it
+# once instead (a ZeRO-3 dp2 launch, with parallel/zero.py's LOCAL_SIZE: CPU 21.0 -> 16.7 s).
+COMPILER = ["torch._inductor.compile_fx"]
 
 
 @contextmanager
-def rank_server(run_dir: Path, env: dict[str, str], ranks: int = 1):
+def rank_server(run_dir: Path, env: dict[str, str], ranks: int = 1, compiles: bool = False):
     """The node's rank server, running for the block: started now, with `env` added to this
     environment (what must hold when torch is imported: OMP_NUM_THREADS, the launcher's pid), and
     killed at the end. Started before the launcher itself imports torch, so that the two imports
     run side by side; what the launcher sets later reaches each rank with elastic's variables
-    (local.py, RunDirLogsSpecs). `ranks`: this node's, for what the server preloads."""
+    (local.py, RunDirLogsSpecs). `ranks`: this node's, and `compiles` (the ranks will call
+    torch.compile), for what the server preloads."""
     import multiprocessing
     from multiprocessing import forkserver, resource_tracker
 
@@ -65,7 +72,8 @@ def rank_server(run_dir: Path, env: dict[str, str], ranks: int = 1):
     _stop_server()  # one this process started before holds another launch's environment
     os.environ.update(env)
     os.environ[RUN_DIR_ENV] = str(Path(run_dir).absolute())
-    multiprocessing.set_forkserver_preload(PRELOAD + SHARED_BY_RANKS * (ranks > 1))
+    shared = SHARED_BY_RANKS + COMPILER * compiles if ranks > 1 else []
+    multiprocessing.set_forkserver_preload(PRELOAD + shared)
     forkserver.ensure_running()
     try:
         yield

@@ -67,7 +67,7 @@ def start(request: Request, dry_run: bool, out: Console, err: Console,
         print_dry_run(ready, resuming_from, out)
         return 0
     # Every check has passed: forked ranks' server starts now, its imports beside the launcher's.
-    server = (rank_server(run_dir, rank_env(ready), ready.world.nproc_per_node)
+    server = (rank_server(run_dir, rank_env(ready), ready.world.nproc_per_node, compiles(cfg))
               if start_method(cfg) == "forkserver" else nullcontext())
     with server:
         with imports_without_gc():  # torch, and the elastic agent (heap.py)
@@ -250,6 +250,12 @@ def rank_env(ready: Ready) -> dict[str, str]:
     if threads and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(threads)
     return env
+
+
+def compiles(cfg) -> bool:
+    """The ranks will call torch.compile: train.compile, or DeepSpeed's ZeRO (forked.COMPILER)."""
+    return bool(cfg.train.compile or (cfg.parallel.zero_stage
+                                      and cfg.parallel.zero_backend == "deepspeed"))
 
 
 def start_method(cfg) -> str:

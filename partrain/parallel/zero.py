@@ -166,6 +166,11 @@ def deepspeed_accelerator(device_type: str) -> None:
     TORCH_CUDA_ARCH_LIST, put in a form they parse (`ds_arch_list`)."""
     if device_type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        # Its CPU accelerator's device count is LOCAL_SIZE, which DeepSpeed's own launcher sets
+        # to the ranks of the node; without it, it runs `numactl --hardware` to count NUMA nodes,
+        # and ZeRO-3 asks at every gradient bucket's reduce (a fork of the rank each time: about
+        # 0.9 s of a dp2 rank's 10 steps, py-spy).
+        os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", "1"))
         return
     given = os.environ.get("TORCH_CUDA_ARCH_LIST")
     parsed = ds_arch_list(given) if given else given

@@ -2,7 +2,7 @@
 
 Those imports create about 300,000 objects that live as long as the process. With the collector
 on, every allocation-triggered full collection during the import walks all of the objects made so
-far (a third of the import's CPU: 4.7 -> 3.1 s measured for a rank's imports), and later a full
+far (the rank server's imports: 3.2-4.1 s of CPU with it on, 2.6-3.6 s off), and later a full
 collection (end_distributed's, before the process group is destroyed) walks them again. In a
 rank forked from the rank server (forked.py) that walk also writes to every object's header and
 so copies each page it shares with the server.

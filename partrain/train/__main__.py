@@ -15,7 +15,7 @@ import sys  # noqa: E402
 
 from partrain.launch.heap import imports_without_gc  # noqa: E402
 
-with imports_without_gc():  # torch, DTensor, DCP and partrain: a third less CPU (heap.py)
+with imports_without_gc():  # torch, DTensor, DCP and partrain, with less CPU (heap.py)
     from partrain.train.rank import run  # noqa: E402
 
 run(sys.argv[1], _EARLY_SIGNAL)

@@ -161,10 +161,9 @@ def test_moe_checkpoint_reshards_across_ep(cli, tmp_path, moe_references):
 
 # Every token to experts 0-3 (ep rank 0's at ep=2): the other ep rank's experts get no row, in
 # every block, at every step. The DeepSeek bias only picks experts; frozen (rate 0), it holds.
-STARVED = ("model.moe.balance=bias", "model.moe.bias_update_rate=0")
-# The starved rows' steps are 8 sequences, not 16: a row with micro-batches of one sequence runs
-# half as many of them a step (DeepSpeed's and FSDP's per-micro-batch work dominates those rows).
-STARVED_BATCH = ("train.global_batch_size=8",)
+# Their steps are 8 sequences, not 16: a row with micro-batches of one sequence runs half as many
+# of them a step (DeepSpeed's and FSDP's per-micro-batch work dominates those rows).
+STARVED = ("model.moe.balance=bias", "model.moe.bias_update_rate=0", "train.global_batch_size=8")
 ONE_STARVED = ("parallel.dp=1", "--nproc-per-node", "1", "train.micro_batch_size=8")
 
 
@@ -184,7 +183,7 @@ def starved(tmp_path_factory):
     cli = CLI()
     root = tmp_path_factory.mktemp("starved")
     try:
-        first = cli.run("launch", *MOE, *ONE_STARVED, *STARVED, *STARVED_BATCH,
+        first = cli.run("launch", *MOE, *ONE_STARVED, *STARVED,
                         "train.max_steps=1", "checkpoint.every=1",
                         "--run-dir", str(root / "init"))
         assert first.returncode == 0, first.stderr[-3000:]
@@ -202,7 +201,7 @@ def starved(tmp_path_factory):
         (edited.parent / "latest").write_text(edited.name + "\n")
         json.loads((edited / "meta.json").read_text())
         init = f"model.init_from={edited}"
-        reference = _run(cli, root / "ref", *ONE_STARVED, *STARVED, *STARVED_BATCH, init)
+        reference = _run(cli, root / "ref", *ONE_STARVED, *STARVED, init)
     finally:
         cli.kill_all()
     return init, reference
@@ -236,7 +235,7 @@ def test_a_rank_whose_experts_get_no_token_keeps_step(cli, tmp_path, starved,
     run long, yet it enters every all-to-all with its group, and the run keeps parity with one
     process routing the same way."""
     init, reference = starved
-    steps = _run(cli, tmp_path / "run", *overrides, *STARVED, *STARVED_BATCH, init)
+    steps = _run(cli, tmp_path / "run", *overrides, *STARVED, init)
     assert_parity(steps, reference, f"starved ep rank, {label}")
     _assert_router_parity(steps, reference, f"starved ep rank, {label}")
     # Four experts of eight take every token: max over mean load is at least 2 in every block.

@@ -88,19 +88,27 @@ def say_hang(run_dir: Path, since: float, console_print) -> bool:
 def ending(exitcode: int) -> str:
     """How a process that recorded no error ended, from its exit code."""
     if exitcode < 0:
-        try:
-            return f"was killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            return f"was killed by signal {-exitcode}"
+        return f"was {killed_by(exitcode)}"
     return f"exited with code {exitcode} and recorded no error"
 
 
+def killed_by(exitcode: int) -> str:
+    """The signal that a negative exit code says killed the process, named."""
+    try:
+        return f"killed by {signal.Signals(-exitcode).name}"
+    except ValueError:
+        return f"killed by signal {-exitcode}"
+
+
 def failure_message(failure) -> str:
+    """A failed rank's recorded error; for one that recorded none, how it ended."""
     message = failure.message
     if isinstance(message, dict):
         message = message.get("message", str(message))
     if not message or message.startswith("To enable traceback"):
         message = f"exited with code {failure.exitcode} (no Python error recorded)"
+    elif failure.exitcode < 0 and message.startswith("Signal "):  # torch's words, no error file
+        message = f"{killed_by(failure.exitcode)} (no Python error recorded)"
     return message.strip()
 
 

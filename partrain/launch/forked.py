@@ -56,13 +56,13 @@ COMPILER = ["torch._inductor.compile_fx"]
 
 
 @contextmanager
-def rank_server(run_dir: Path, env: dict[str, str], ranks: int = 1, compiles: bool = False):
-    """The node's rank server, running for the block: started now, with `env` added to this
-    environment (what must hold when torch is imported: OMP_NUM_THREADS, the launcher's pid), and
-    killed at the end. Started before the launcher itself imports torch, so that the two imports
-    run side by side; what the launcher sets later reaches each rank with elastic's variables
-    (local.py, RunDirLogsSpecs). `ranks`: this node's, and `compiles` (the ranks will call
-    torch.compile), for what the server preloads."""
+def rank_server(run_dir: Path, ranks: int = 1, compiles: bool = False):
+    """The node's rank server, running for the block: started now, with this environment (which
+    holds what must hold when torch is imported: OMP_NUM_THREADS, the launcher's pid, start.py's
+    rank_env) and the run dir's path, and killed at the end. Started before the launcher itself
+    imports torch, so that the two imports run side by side; what the launcher sets later reaches
+    each rank with elastic's variables (local.py, RunDirLogsSpecs). `ranks`: this node's, and
+    `compiles` (the ranks will call torch.compile), for what the server preloads."""
     import multiprocessing
     from multiprocessing import forkserver, resource_tracker
 
@@ -70,7 +70,6 @@ def rank_server(run_dir: Path, env: dict[str, str], ranks: int = 1, compiles: bo
     # the run dir is in the environment, so that it is not taken for one of the run's processes.
     resource_tracker.ensure_running()
     _stop_server()  # one this process started before holds another launch's environment
-    os.environ.update(env)
     os.environ[RUN_DIR_ENV] = str(Path(run_dir).absolute())
     shared = SHARED_BY_RANKS + COMPILER * compiles if ranks > 1 else []
     multiprocessing.set_forkserver_preload(PRELOAD + shared)

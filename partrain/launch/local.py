@@ -53,7 +53,6 @@ from partrain.launch.failures import (
     where_to_resume,
     workers_started,
 )
-from partrain.launch.lifeline import LAUNCHER_PID_ENV
 from partrain.launch.netif import split_endpoint, wait_for_endpoint
 from partrain.launch.preemption import FORWARDER
 from partrain.observe import hang
@@ -149,7 +148,6 @@ class ElasticLaunch:
     rdzv_endpoint: str | None = None  # HOST:PORT of node 0; None = this machine, free port
     run_id: str = "partrain"
     rdzv_timeout_s: int = 120
-    cpu_threads: int | None = None  # OMP threads per worker on CPU
     local_addr: str | None = None  # this node's address as the other nodes reach it
     max_steps: int | None = None  # train.max_steps: a preemption save before it means exit 3
     max_restarts: int = 0  # launcher.max_restarts: the agent restarts this node's workers
@@ -187,8 +185,6 @@ def launch_workers(run_dir: Path, spec: ElasticLaunch, console_print=print) -> i
     # signal on and then exits 3, "relaunch to resume".
     FORWARDER.install()
     started = time.time()
-    if spec.cpu_threads:
-        os.environ.setdefault("OMP_NUM_THREADS", str(spec.cpu_threads))
     if spec.cuda:  # the NCCL flight recorder: who is at which collective, dumped on a hang
         (run_dir / "logs" / hang.TRACE_DIR).mkdir(exist_ok=True)
         for name, value in hang.flight_recorder_env(run_dir).items():
@@ -196,8 +192,6 @@ def launch_workers(run_dir: Path, spec: ElasticLaunch, console_print=print) -> i
     if spec.multi_node and spec.node_rank != 0 and not _node_0_reachable(spec, console_print):
         return EXIT_RANK_FAILED
     config = _launch_config(run_dir, spec, console_print)
-    # The agent copies this environment into every worker, which then dies with this process.
-    os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
     code = _run_agent(config, run_dir, spec, agent_log, console_print)
     if code != EXIT_OK:
         return code

@@ -11,7 +11,7 @@ import os
 import shlex
 import sys
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from rich.console import Console
@@ -67,9 +67,9 @@ def start(request: Request, dry_run: bool, out: Console, err: Console,
         print_dry_run(ready, resuming_from, out)
         return 0
     # Every check has passed: forked ranks' server starts now, its imports beside the launcher's.
-    server = (rank_server(run_dir, rank_env(ready), ready.world.nproc_per_node, compiles(cfg))
+    server = (rank_server(run_dir, ready.world.nproc_per_node, compiles(cfg))
               if start_method(cfg) == "forkserver" else nullcontext())
-    with server:
+    with _environment(rank_env(ready)), server:
         with imports_without_gc():  # torch, and the elastic agent (heap.py)
             from partrain.launch.local import launch_workers
 
@@ -95,6 +95,23 @@ def start(request: Request, dry_run: bool, out: Console, err: Console,
         # config.yaml is the one its checkpoints were trained with, not this try's overrides.
         (run_dir / CONFIG).write_text(before)
     return code
+
+
+@contextmanager
+def _environment(env: dict[str, str]):
+    """`env` in this process's environment for the block (the agent copies it into every rank;
+    the rank server takes it as it starts), and as it was after it: a launch run in-process (the
+    tests, a Python caller) leaves nothing behind for the next one."""
+    before = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _record(run_dir: Path, state: str, code: int | None, warn: Callable[[str], None]) -> None:
@@ -216,9 +233,7 @@ def print_start(ready: Ready, resuming_from: str, out: Console) -> None:
 
 
 def launch_spec(ready: Ready):
-    """The agent's view of this node: its place in the job, the rendezvous, and on CPU how many
-    OpenMP threads each worker gets (the cores this task may use, shared out: under SLURM the
-    step's, not the machine's)."""
+    """The agent's view of this node: its place in the job and the rendezvous."""
     from partrain.launch.local import ElasticLaunch
 
     cfg, world, node = ready.cfg, ready.world, ready.node
@@ -228,8 +243,7 @@ def launch_spec(ready: Ready):
         rdzv_endpoint=node.rdzv_endpoint,
         run_id=node.rdzv_id or (f"slurm-{job_id}" if job_id else cfg.name),
         rdzv_timeout_s=cfg.launcher.rdzv_timeout_s,
-        local_addr=node.network and node.network.addr, cpu_threads=cpu_threads(ready),
-        max_steps=cfg.train.max_steps, max_restarts=cfg.launcher.max_restarts,
+        local_addr=node.network and node.network.addr, max_steps=cfg.train.max_steps, max_restarts=cfg.launcher.max_restarts,
         cuda=runs_on_cuda(cfg), start_method=start_method(cfg))
 
 
@@ -242,9 +256,8 @@ def cpu_threads(ready: Ready) -> int | None:
 
 
 def rank_env(ready: Ready) -> dict[str, str]:
-    """What the rank server's environment must hold when it imports torch (OpenMP reads its
-    thread count then; a user's OMP_NUM_THREADS stays) and the lifeline's launcher pid; the
-    launcher sets the same again (local.py)."""
+    """What every rank's environment must hold when it imports torch (OpenMP reads its thread
+    count then; a user's OMP_NUM_THREADS stays) and the lifeline's launcher pid."""
     threads = cpu_threads(ready)
     env = {LAUNCHER_PID_ENV: str(os.getpid())}
     if threads and "OMP_NUM_THREADS" not in os.environ:

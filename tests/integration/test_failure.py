@@ -5,6 +5,7 @@ the launcher is killed with SIGKILL."""
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -45,6 +46,51 @@ def test_failing_rank_stops_the_job(cli, tmp_path, start_method):
     assert elapsed < 60, elapsed
     assert "injected fault" in (run_dir / "logs" / "rank-1.log").read_text()
     assert processes_mentioning(str(run_dir)) == []
+    # Either way a rank has its share of the cores (OMP_NUM_THREADS, set before torch loads).
+    from partrain.launch.cluster import usable_cores
+
+    share = max(1, usable_cores() // 2)
+    assert f"on cpu, {share} CPU thread(s)" in (run_dir / "logs" / "rank-0.log").read_text()
+
+
+@pytest.mark.parametrize("start_method, restarts", [("forkserver", 0), ("forkserver", 1),
+                                                     ("spawn", 1)])
+def test_a_rank_killed_by_a_signal_is_named_not_the_peer_it_broke(cli, tmp_path, start_method,
+                                                                    restarts):
+    """SIGKILL to rank 1 (the OOM killer's way): it records no error, and rank 0 fails at once on
+    the lost peer. The launcher names rank 1 and how it ended, not rank 0's symptom, and without
+    restarts, not a failure on another node with them (one node here)."""
+    run_dir = tmp_path / "run"
+    proc = cli.start("launch", "train.max_steps=40" if restarts else LONG[0], LONG[1],
+                     "checkpoint.every=2", f"launcher.max_restarts={restarts}",
+                     f"launcher.start_method={start_method}", "--run-dir", str(run_dir))
+    _wait_for_steps(run_dir, proc)
+    os.kill(_pid_of_rank(run_dir, 1), signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=180)
+    said = " ".join((stdout + stderr).split())
+    assert "rank 0 failed" not in said and "another node" not in said, said[-3000:]
+    if restarts:
+        assert proc.returncode == 0, said[-3000:]
+        assert "rank 1 was killed by SIGKILL (after step" in said, said[-3000:]
+        assert "restart 1 of 1 (launcher.max_restarts), from " in said
+        assert (run_dir / "checkpoints" / "step-00000040").is_dir()
+    else:
+        assert proc.returncode == 1, said[-3000:]
+        assert ("rank 1 failed: killed by SIGKILL (no Python error recorded) its log: "
+                f"{run_dir / 'logs' / 'rank-1.log'}") in said, said[-3000:]
+    assert processes_mentioning(str(run_dir)) == []
+
+
+def _pid_of_rank(run_dir, rank: int) -> int:
+    """The process that has the rank's log open."""
+    log = str(run_dir / "logs" / f"rank-{rank}.log")
+    for pid in ranks_of(run_dir):
+        try:
+            if any(os.readlink(fd) == log for fd in Path(f"/proc/{pid}/fd").iterdir()):
+                return pid
+        except OSError:
+            continue
+    raise AssertionError(f"no running rank has {log} open")
 
 
 @pytest.mark.parametrize("how", ["sigterm-launcher",

@@ -140,10 +140,14 @@ def test_launch_records_the_state_its_workers_ended_in(run_main, tmp_path, monke
 
     monkeypatch.setattr(local, "launch_workers", workers)
     monkeypatch.chdir(tmp_path)
+    environment = dict(os.environ)
     # spawn: no rank server to start for workers that are not started
     result = run_main("launch", "launcher.device=cpu", "parallel.dp=1",
                       "launcher.start_method=spawn", "--run-dir", "run")
     assert result.code == code and seen == ["running"]
+    # What the ranks' environment needed (OMP_NUM_THREADS, the launcher's pid) is not left in
+    # this process's for the next launch from it (a user's OMP_NUM_THREADS would be kept).
+    assert dict(os.environ) == environment
     record = json.loads((tmp_path / "run" / "logs" / "state.json").read_text())
     assert (record["state"], record["exit_code"]) == (state, code)
     assert read_run(tmp_path / "run").state == state

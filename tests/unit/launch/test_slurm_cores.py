@@ -9,7 +9,7 @@ import pytest
 
 from partrain.launch.cluster import NodePlace, usable_cores
 from partrain.launch.preflight import Ready, ThisNode
-from partrain.launch.start import launch_spec
+from partrain.launch.start import cpu_threads, launch_spec
 from tests.unit.helpers import resolved
 
 IN_A_JOB = {"SLURM_JOB_ID": "77", "SLURM_NODEID": "0", "SLURM_STEP_ID": "0"}
@@ -58,14 +58,14 @@ def test_each_worker_gets_its_share_of_the_steps_cores(affinity, monkeypatch, co
     affinity(cores)
     for name, value in {**IN_A_JOB, "SLURM_CPUS_PER_TASK": share}.items():
         monkeypatch.setenv(name, value)
-    assert launch_spec(_ready(nproc)).cpu_threads == threads
+    assert cpu_threads(_ready(nproc)) == threads
 
 
 def test_on_cuda_the_threads_are_not_set(monkeypatch):
     cfg, world, _ = resolved("launcher.device=cuda", "parallel.dp=auto", nproc=2)
     node = ThisNode(place=NodePlace(source="this machine"), rank=0, rdzv_endpoint=None,
                     network=None)
-    assert launch_spec(Ready(cfg=cfg, world=world, warnings=[], node=node)).cpu_threads is None
+    assert cpu_threads(Ready(cfg=cfg, world=world, warnings=[], node=node)) is None
 
 
 @pytest.mark.parametrize("device, asked, platform, method", [

@@ -81,10 +81,16 @@ def check_whole(checkpoint: store.Checkpoint, what: str) -> None:
     swapped config.yaml would otherwise fail inside the ranks)."""
     found, metadata = _read_whole(checkpoint.path)  # .metadata read once, for both checks
     if found:
+        folder = checkpoint.path.parent
+        if what in ("--resume", "--run-dir"):  # these take a run dir, and read its newest
+            instead = (f"Move it out of {folder} (a run dir resumes from its newest checkpoint) "
+                       "and run the same command again to go on from the one before it")
+        else:
+            instead = (f"Give an older one ({folder}/step-N), or move this one out of {folder} "
+                       "and give the run dir: its newest checkpoint left is read")
         raise ConfigError(
             f"{what}: the checkpoint {checkpoint.path} (step {checkpoint.step}) is broken: "
-            f"{'; '.join(found)}. Give an older one (RUN_DIR/{store.CHECKPOINTS}/step-N), or "
-            "move this one away to resume from the one before it")
+            f"{'; '.join(found)}. {instead}")
     from omegaconf import OmegaConf
 
     from partrain.checkpoint.resume import saved_config

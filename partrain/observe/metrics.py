@@ -16,6 +16,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from partrain.observe.width import width_for
+
 # Dense bf16 peak FLOP/s per GPU, by a substring of torch.cuda.get_device_name(), the first
 # that matches (the PCIe and NVL cards run at lower clocks than the SXM ones, whose names
 # carry no form factor: "NVIDIA H100 80GB HBM3").
@@ -57,8 +59,10 @@ class ProgressDisplay:
 
     def __init__(self, max_steps: int, log_every: int, enabled: bool):
         self.enabled, self.log_every, self.max_steps = enabled, log_every, max_steps
-        # Paths and names print as typed: no markup, no :emoji: codes.
-        self.console = Console(file=sys.stdout, markup=False, emoji=False)
+        # Paths and names print as typed: no markup, no :emoji: codes. A step's line is one line
+        # in a file or a pipe (soft_wrap), and the summary table is not fit to 80 columns there.
+        self.console = Console(file=sys.stdout, markup=False, emoji=False, soft_wrap=True,
+                               width=width_for(sys.stdout))
         self.live = enabled and self.console.is_terminal
         self.progress = None
         self._timed: list[tuple[int, float]] = []  # (step, when it was reported)

@@ -115,9 +115,21 @@ class DivergenceGuard:
                  if last["param"] else "every gradient was finite (the loss was not)")
         newest = store.newest(run_dir / store.CHECKPOINTS)
         lower = f"optim.lr={lr / 10:.3g}"
+        losses = {} if newest is None else recorded_losses(run_dir, (1, newest.step))
         if newest is None:
             where = ("No checkpoint was committed before it: start the run again with a lower "
                      f"learning rate, e.g. the same command with {lower}")
+        elif losses.get(newest.step, -math.inf) > losses.get(1, math.inf):
+            # Finite is all the guard asks of a checkpoint, but one whose loss is above the
+            # untrained model's was saved after the run had gone wrong: a resume from it, at any
+            # learning rate, trains on from broken weights.
+            where = (f"The newest good checkpoint, {newest.path} (step {newest.step}), has a loss "
+                     f"of {_num(losses[newest.step])}, above the untrained model's "
+                     f"{_num(losses[1])} at step 1: the run had gone wrong before it was saved, "
+                     "and a resume from it would go on from there. Start a new run (another "
+                     f"--run-dir) with a lower learning rate, e.g. {lower}, or resume from an "
+                     "older checkpoint whose loss was lower, if one is kept (move the newer ones "
+                     f"out of {newest.path.parent})")
         else:
             where = (f"The newest good checkpoint is {newest.path} (step {newest.step}); resume "
                      f"from it with a lower learning rate: partrain launch --resume {run_dir} "
@@ -127,6 +139,27 @@ class DivergenceGuard:
                 f"{last['step']}: loss {_num(last['loss'])}, grad_norm {_num(last['grad_norm'])}; "
                 f"{param}. Their updates were skipped: weights and optimizer state are those "
                 f"of the last good step. {where}")
+
+
+def recorded_losses(run_dir: Path, steps) -> dict[int, float]:
+    """The training loss metrics.jsonl records at each of `steps` that it holds (the last line of
+    a step, which a restart may have written again)."""
+    import json
+
+    wanted, found = set(steps), {}
+    try:
+        with open(run_dir / "metrics.jsonl", encoding="utf-8", errors="replace") as lines:
+            for line in lines:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if (isinstance(record, dict) and record.get("step") in wanted
+                        and isinstance(record.get("loss"), (int, float))):
+                    found[record["step"]] = float(record["loss"])
+    except OSError:
+        return {}
+    return found
 
 
 def _num(value: float) -> str:

@@ -195,8 +195,12 @@ def _broken(how: str):
     return build
 
 
+# What to do instead: a run dir's command goes on from the checkpoint before a broken one once
+# that is moved away; a command that takes a checkpoint's own folder can be given an older one.
+MOVE_IT, OLDER_ONE = "and run the same command again", "Give an older one ("
 ROWS_BROKEN = [
-    row(f"{command} of a checkpoint whose {what}", argv, *fragments)
+    row(f"{command} of a checkpoint whose {what}", argv, *fragments,
+        *(() if how == "swapped" else (MOVE_IT if command.startswith("launch --") else OLDER_ONE,)))
     for how, what, fragments in (
         ("missing", "shard is gone", ("__0_0.distcp is missing", "written by rank 0")),
         ("truncated", "shard is cut short", ("__0_0.distcp holds 10 of its",)),

@@ -36,3 +36,34 @@ def test_the_last_step_has_no_eta_and_a_skipped_step_is_always_said(capsys, monk
     assert len(lines) == 3
     assert "skipped (non-finite; 1 in a row, first in output.weight)" in lines[1]
     assert "eta" not in lines[2]
+
+
+def test_a_step_is_one_line_in_a_file_or_a_pipe(capsys, monkeypatch):
+    """Not a terminal and no COLUMNS (a SLURM job's log, `| tee`): a step's line with its MFU,
+    epoch and ETA is one line, not wrapped at rich's 80 columns."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    display = ProgressDisplay(max_steps=100000, log_every=1, enabled=True)
+    for step in range(1, 4):
+        display.update(_rec(step, mfu=0.45, epoch=1.25))
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3, lines
+    assert len(lines[2]) > 80 and "epoch 1.25" in lines[2] and " eta " in lines[2], lines
+
+
+def test_only_a_terminal_or_columns_sets_the_width(monkeypatch):
+    import os
+
+    from partrain.observe.width import READ_LATER_COLUMNS, width_for
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    read, write = os.pipe()
+    primary, secondary = os.openpty()
+    try:
+        with os.fdopen(write, "w") as pipe, os.fdopen(secondary, "w") as terminal:
+            assert width_for(pipe) == READ_LATER_COLUMNS
+            assert width_for(terminal) is None  # rich asks the terminal
+            monkeypatch.setenv("COLUMNS", "120")
+            assert width_for(pipe) is None  # rich reads COLUMNS
+    finally:
+        os.close(read)
+        os.close(primary)

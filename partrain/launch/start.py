@@ -243,8 +243,9 @@ def launch_spec(ready: Ready):
         rdzv_endpoint=node.rdzv_endpoint,
         run_id=node.rdzv_id or (f"slurm-{job_id}" if job_id else cfg.name),
         rdzv_timeout_s=cfg.launcher.rdzv_timeout_s,
-        local_addr=node.network and node.network.addr, max_steps=cfg.train.max_steps, max_restarts=cfg.launcher.max_restarts,
-        cuda=runs_on_cuda(cfg), start_method=start_method(cfg))
+        local_addr=node.network and node.network.addr, max_steps=cfg.train.max_steps,
+        max_restarts=cfg.launcher.max_restarts, cuda=runs_on_cuda(cfg),
+        start_method=start_method(cfg))
 
 
 def cpu_threads(ready: Ready) -> int | None:

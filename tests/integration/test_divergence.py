@@ -97,7 +97,8 @@ def test_a_diverging_run_stops_with_exit_4_and_keeps_its_good_checkpoints(cli, t
     loss = {s["step"]: s["loss"] for s in steps}
     advice = (("has a loss of", "above the untrained model's", "Start a new run (another "
                "--run-dir) with a lower learning rate, e.g. optim.lr=3")
-              if loss[newest.step] > loss[1] else (f"partrain launch --resume {run_dir} optim.lr=3",))
+              if loss[newest.step] > loss[1]
+              else (f"partrain launch --resume {run_dir} optim.lr=3",))
     for words in (f"the last at step {last['step']}", "train.max_skipped_steps=5", param,
                   "grad_norm nan" if math.isnan(last["grad_norm"]) else "grad_norm",
                   str(newest.path), *advice):

@@ -80,7 +80,7 @@ def launch(
     resume: Optional[Path] = typer.Option(
         None, "--resume", metavar="RUN_DIR", help="Continue the run in RUN_DIR from its newest "
         "checkpoint; OVERRIDEs may change the layout (parallel.*, launcher.*, micro-batches) and "
-        "raise train.max_steps"),
+        "train.max_steps (past the checkpoint's step)"),
     max_restarts: Optional[int] = typer.Option(
         None, "--max-restarts", "--max_restarts", metavar="N", parser=whole_flag("--max-restarts", 0),
         help="Restart every node's workers up to N times after a rank fails, from the newest "
@@ -304,7 +304,7 @@ def sample(
     model, cfg = checkpoint_model(checkpoint, "cuda" if on_cuda else "cpu")
     check_weights(model, checkpoint.path)  # a nan: refused before the prompt is printed
     run_dir = checkpoint.path.parent.parent
-    tokenizer = TextTokenizer(run_tokenizer_dir(run_dir, cfg.data))
+    tokenizer = TextTokenizer(run_tokenizer_dir(run_dir, cfg.data, cfg.model.vocab_size))
     ids = encode(tokenizer, prompt, cfg.model.vocab_size)
     err.print(f"{checkpoint.path} (step {checkpoint.step}), seed {seed}, temperature "
               f"{temperature}, top-k {top_k or 'all'}:")

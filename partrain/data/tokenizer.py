@@ -132,11 +132,13 @@ def copy_files(source: Path, out: Path) -> None:
             tmp.rename(out / name)
 
 
-def run_tokenizer_dir(run_dir: Path | None, data_cfg) -> Path | None:
+def run_tokenizer_dir(run_dir: Path | None, data_cfg, vocab_size: int | None = None) -> Path | None:
     """Where a run's tokenizer files are: its own copy, else its token dir; None: byte-level.
     A launch makes RUN_DIR/tokenizer/ only to copy a tokenizer.json into it: what is left of it
     without that file is a run that trained with a tokenizer whose files went missing, refused
-    rather than read as bytes (unless its token dir still holds the tokenizer.json)."""
+    rather than read as bytes (unless its token dir still holds the tokenizer.json). With
+    neither that folder nor a readable token dir, only a model of the byte-level vocabulary
+    (`vocab_size`) is taken for byte-level: any other is refused, as it may not be."""
     own = run_dir / RUN_TOKENIZER if run_dir is not None else None
     if own is not None and (own / TOKENIZER_FILE).is_file():
         return own
@@ -159,7 +161,16 @@ def run_tokenizer_dir(run_dir: Path | None, data_cfg) -> Path | None:
         try:
             meta = json.loads((Path(data_cfg.path) / "meta.json").read_text(encoding="utf-8-sig"))
             named = meta.get("tokenizer", BYTES) if isinstance(meta, dict) else BYTES
-        except (OSError, ValueError):
+        except (OSError, ValueError) as err:
+            if vocab_size not in (None, BYTE_VOCAB) and not (own is not None and own.exists()):
+                where = getattr(err, "strerror", None) or "its meta.json cannot be read"
+                raise ConfigError(
+                    f"the run's data.path={data_cfg.path} cannot be read from here ({where}; a "
+                    f"relative path is read from the directory you run in, {Path.cwd()}) and "
+                    f"the run dir holds no {RUN_TOKENIZER}/{TOKENIZER_FILE}: partrain cannot "
+                    "tell whether its tokens are bytes or a tokenizer's (its model.vocab_size="
+                    f"{vocab_size} is not the byte-level {BYTE_VOCAB}). Run it where data.path "
+                    f"can be read, or put the run's tokenizer.json in {own or 'RUN_DIR/tokenizer'}")
             named = BYTES  # the token dir is gone: partrain's own dirs without a tokenizer are bytes
         if named != BYTES:
             raise ConfigError(f"the run trained on data.path={data_cfg.path}, whose meta.json "

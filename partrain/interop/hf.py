@@ -109,7 +109,7 @@ def export_hf(checkpoint, out: Path, dtype: str = "fp32", max_shard_mb: int = 50
             f"{cfg.model.moe.n_experts}); --format hf writes Llama, Mistral and Qwen models, "
             "which have no experts")
     config = adapter.config(cfg.model, dtype)  # refuses keys no family has, before any work
-    tokenizer = run_tokenizer_dir(checkpoint.path.parent.parent, cfg.data)
+    tokenizer = run_tokenizer_dir(checkpoint.path.parent.parent, cfg.data, cfg.model.vocab_size)
     eot_id = None
     if tokenizer is not None:
         text_tokenizer = TextTokenizer(tokenizer)

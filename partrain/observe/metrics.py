@@ -131,11 +131,13 @@ def format_step(rec: dict) -> str:
 
 
 def _moe_text(rec: dict) -> str:
-    """The router's state: max/mean tokens per expert (1.00 = perfectly balanced) and the
-    auxiliary loss (with balance=aux_loss)."""
+    """The router's state: max/mean tokens per expert (1.00 = perfectly balanced), the
+    auxiliary loss (with balance=aux_loss) and the share of tokens dropped (with a capacity)."""
     text = f"load max/mean {rec['moe_load_balance']:.2f}"
     if "moe_aux_loss" in rec:
         text += f"  aux {rec['moe_aux_loss']:.4f}"
+    if "moe_dropped" in rec:
+        text += f"  dropped {rec['moe_dropped']:.1%}"
     return text
 
 

@@ -208,13 +208,17 @@ def _announce(run: Run, n_params: int, sequence_parallel: bool) -> None:
     # ZeRO-3 leaves each parameter empty and keeps this rank's shard in `ds_tensor`; FSDP's
     # parameters are DTensors whose local part is this rank's shard.
     rank_params = sum(local(getattr(q, "ds_tensor", q)).numel() for q in model.parameters())
+    named = f"your model {cfg.model.target}" if cfg.model.get("target") else cfg.model.name
     run.display.print(
-        f"partrain: {cfg.model.name} ({n_params:,} parameters, {rank_params:,} on rank "
+        f"partrain: {named} ({n_params:,} parameters, {rank_params:,} on rank "
         f"0), {run.batches.description}, layout pp={dims.pp} dp={dims.dp}"
         f"{f' (ep={dims.ep})' if dims.ep_enabled else ''}"
         f"{f' cp={dims.cp} ({p.cp_method})' if dims.cp_enabled else ''} tp={dims.tp}"
-        f"{' +sp' if sequence_parallel else ''}, {t.global_batch_size} x "
-        f"{t.seq_len} tokens per step ({t.micro_batches} micro-batches of "
+        f"{' +sp' if sequence_parallel else ''}"
+        f"{f' ZeRO-{p.zero_stage} ({p.zero_backend})' if p.zero_stage else ''}, "
+        f"{t.global_batch_size} x "
+        f"{t.seq_len} tokens per step ({t.micro_batches} "
+        f"micro-batch{'es' if t.micro_batches != 1 else ''} of "
         f"{t.micro_batch_size} per dp rank)"
         + (f", activation checkpointing {t.activation_checkpointing} "
            f"({checkpointed_blocks(model)} blocks on rank 0)"

@@ -280,6 +280,13 @@ ROWS_TOKENIZER = [
         GONE, "the tokenizer.json of data.path=tok"),
     row("sample: RUN_DIR/tokenizer is a file", _sample(_bpe_run(_tokenizer_dir_is_a_file)),
         GONE),
+    # The whole folder gone, and the token dir not readable from here (moved, or a relative
+    # data.path run from another directory): a vocabulary of 384 is not the byte-level one.
+    *[row(f"{command}: RUN_DIR/tokenizer removed, token dir unreadable",
+          how(_bpe_run(lambda run_dir: shutil.rmtree(run_dir / "tokenizer"), data_path="tok")),
+          "data.path=tok cannot be read from here", "no tokenizer/tokenizer.json",
+          "model.vocab_size=384 is not the byte-level 256", "run/tokenizer")
+      for command, how in (("sample", _sample), ("export", _export))],
     row("sample: tokenizer.json of another, bigger tokenizer", _sample(_bpe_run(
         _bigger_tokenizer)),
         "run/tokenizer/tokenizer.json", "tokens, more than the model's model.vocab_size=384",

@@ -67,3 +67,11 @@ def test_only_a_terminal_or_columns_sets_the_width(monkeypatch):
     finally:
         os.close(read)
         os.close(primary)
+
+
+def test_a_moe_steps_line_says_its_routing(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")
+    display = ProgressDisplay(max_steps=3, log_every=1, enabled=True)
+    display.update(_rec(1, moe_load_balance=2.06, moe_aux_loss=0.0432, moe_dropped=0.366))
+    [line] = capsys.readouterr().out.splitlines()
+    assert line.endswith("load max/mean 2.06  aux 0.0432  dropped 36.6%"), line

@@ -54,14 +54,14 @@ def test_failing_rank_stops_the_job(cli, tmp_path, start_method):
 
 
 @pytest.mark.parametrize("start_method, restarts", [("forkserver", 0), ("forkserver", 1),
-                                                     ("spawn", 1)])
+                                                     ("spawn", 0)])
 def test_a_rank_killed_by_a_signal_is_named_not_the_peer_it_broke(cli, tmp_path, start_method,
                                                                     restarts):
     """SIGKILL to rank 1 (the OOM killer's way): it records no error, and rank 0 fails at once on
     the lost peer. The launcher names rank 1 and how it ended, not rank 0's symptom, and without
     restarts, not a failure on another node with them (one node here)."""
     run_dir = tmp_path / "run"
-    proc = cli.start("launch", "train.max_steps=40" if restarts else LONG[0], LONG[1],
+    proc = cli.start("launch", "train.max_steps=20" if restarts else LONG[0], LONG[1],
                      "checkpoint.every=2", f"launcher.max_restarts={restarts}",
                      f"launcher.start_method={start_method}", "--run-dir", str(run_dir))
     _wait_for_steps(run_dir, proc)
@@ -73,7 +73,7 @@ def test_a_rank_killed_by_a_signal_is_named_not_the_peer_it_broke(cli, tmp_path,
         assert proc.returncode == 0, said[-3000:]
         assert "rank 1 was killed by SIGKILL (after step" in said, said[-3000:]
         assert "restart 1 of 1 (launcher.max_restarts), from " in said
-        assert (run_dir / "checkpoints" / "step-00000040").is_dir()
+        assert (run_dir / "checkpoints" / "step-00000020").is_dir()
     else:
         assert proc.returncode == 1, said[-3000:]
         assert ("rank 1 failed: killed by SIGKILL (no Python error recorded) its log: "

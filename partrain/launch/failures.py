@@ -12,12 +12,18 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from partrain.observe import hang
+from partrain.observe.metrics import recorded_losses
 
 
 # A rank whose peer died fails too, often first (its collective breaks at once); these are the
 # words gloo and NCCL use for that. The launcher names the rank with the real error instead.
 PEER_LOST = ("Connection closed", "Connection reset", "Broken pipe", "NCCL communicator was aborted",
              "remote process exited")
+
+
+def lost_a_peer(error: str) -> bool:
+    """The error is a collective broken by a peer that ended, not the rank's own."""
+    return any(words in error for words in PEER_LOST)
 
 
 def recorded(path: Path) -> str | None:
@@ -34,18 +40,10 @@ def recorded(path: Path) -> str | None:
 
 def last_step(run_dir: Path) -> int | None:
     """The last step metrics.jsonl records (rank 0 writes it; the run dir is shared)."""
-    try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if "loss" in record:
-            return record["step"]
-    return None
+    step = None
+    for step, _ in recorded_losses(run_dir):
+        pass
+    return step
 
 
 def restart_reporter(run_dir: Path, max_restarts: int, console_print):
@@ -60,7 +58,7 @@ def restart_reporter(run_dir: Path, max_restarts: int, console_print):
         the rank the agent saw fail first (negative: the signal that killed it)."""
         hung = say_hang(run_dir, since, console_print)
         failed = {rank: text for rank, text in errors.items()
-                  if text and not any(words in text for words in PEER_LOST)}
+                  if text and not lost_a_peer(text)}
         silent = {rank: code for rank, code in ended.items() if not errors.get(rank)}
         who = ("the hang ended every worker" if hung else
                "; ".join(f"rank {rank} failed: {text}" for rank, text in sorted(failed.items()))
@@ -135,7 +133,7 @@ def describe_failure(err: ChildFailedError) -> tuple[int, str]:
     and its message from its error file; the first failure if every one is a lost peer."""
     by_time = sorted(err.failures.items(), key=lambda item: item[1].timestamp)
     for rank, failure in by_time:
-        if not any(words in failure_message(failure) for words in PEER_LOST):
+        if not lost_a_peer(failure_message(failure)):
             return rank, failure_message(failure)
     rank, failure = err.get_first_failure()
     return rank, failure_message(failure)

@@ -41,11 +41,11 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from partrain.launch import forked
 from partrain.launch.failures import (
-    PEER_LOST,
     add_recorded,
     describe_failure,
     failure_message,
     first_line,
+    lost_a_peer,
     recorded,
     restart_reporter,
     say_hang,
@@ -279,7 +279,7 @@ def _run_agent(config: LaunchConfig, run_dir: Path, spec: ElasticLaunch, agent_l
                     console_print(f"error: {failure_message(failure)[len(prefix):]}")
                     return code
         rank, message = describe_failure(err)
-        if spec.multi_node and any(words in message for words in PEER_LOST):
+        if spec.multi_node and lost_a_peer(message):
             # Every rank here only lost a peer: the one that failed is on another node.
             console_print(f"a rank on another node failed: this node's rank {rank} lost its peer "
                           f"({message}){exhausted}; the failed rank and its error are in that "

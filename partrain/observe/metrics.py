@@ -4,6 +4,7 @@ progress display on a terminal (plain lines otherwise), MFU on CUDA, and the fin
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from rich.console import Console
@@ -51,6 +52,24 @@ class MetricsLog:
             self.file.close()
         if self.curves is not None:
             self.curves.close()
+
+
+def recorded_losses(run_dir: Path) -> Iterator[tuple[int, float]]:
+    """(step, loss) of each training step that RUN_DIR/metrics.jsonl records, in its order (a
+    restart may write a step again: the later line is the newer); eval and checkpoint lines, and
+    a line cut short, are passed over. Nothing if the file cannot be read."""
+    try:
+        with open(run_dir / "metrics.jsonl", encoding="utf-8", errors="replace") as lines:
+            for line in lines:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if (isinstance(record, dict) and isinstance(record.get("step"), int)
+                        and isinstance(record.get("loss"), (int, float))):
+                    yield record["step"], float(record["loss"])
+    except OSError:
+        return
 
 
 class ProgressDisplay:

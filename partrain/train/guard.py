@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from partrain.checkpoint import store
 from partrain.checkpoint.state import named_parameters
+from partrain.observe.metrics import recorded_losses
 from partrain.parallel.data import Update
 from partrain.parallel.dist import local
 
@@ -115,7 +116,7 @@ class DivergenceGuard:
                  if last["param"] else "every gradient was finite (the loss was not)")
         newest = store.newest(run_dir / store.CHECKPOINTS)
         lower = f"optim.lr={lr / 10:.3g}"
-        losses = {} if newest is None else recorded_losses(run_dir, (1, newest.step))
+        losses = {} if newest is None else losses_at(run_dir, (1, newest.step))
         if newest is None:
             where = ("No checkpoint was committed before it: start the run again with a lower "
                      f"learning rate, e.g. the same command with {lower}")
@@ -141,25 +142,11 @@ class DivergenceGuard:
                 f"of the last good step. {where}")
 
 
-def recorded_losses(run_dir: Path, steps) -> dict[int, float]:
+def losses_at(run_dir: Path, steps) -> dict[int, float]:
     """The training loss metrics.jsonl records at each of `steps` that it holds (the last line of
     a step, which a restart may have written again)."""
-    import json
-
-    wanted, found = set(steps), {}
-    try:
-        with open(run_dir / "metrics.jsonl", encoding="utf-8", errors="replace") as lines:
-            for line in lines:
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                if (isinstance(record, dict) and record.get("step") in wanted
-                        and isinstance(record.get("loss"), (int, float))):
-                    found[record["step"]] = float(record["loss"])
-    except OSError:
-        return {}
-    return found
+    wanted = set(steps)
+    return {step: loss for step, loss in recorded_losses(run_dir) if step in wanted}
 
 
 def _num(value: float) -> str:

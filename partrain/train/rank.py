@@ -9,11 +9,14 @@ import sys
 import time
 import traceback
 
-from partrain.launch.failures import PEER_LOST
+from partrain.launch.failures import lost_a_peer
 from partrain.launch.lifeline import hold_lifeline
 from partrain.launch.preemption import PreemptionFlag
 from partrain.observe.hang import listen_for_dumps
 from partrain.train.loop import main
+
+# How long a rank whose collective only lost a peer waits before it exits (run, below).
+LOST_PEER_GRACE_S = 2.0
 
 
 def run(run_dir: str, early_signals: list[float] = ()) -> None:
@@ -37,20 +40,10 @@ def run(run_dir: str, early_signals: list[float] = ()) -> None:
         traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()
-        if only_lost_a_peer(err):
+        if lost_a_peer(f"{err} {err.__cause__ or ''}"):
             # The rank that died first must be the one the agent sees end first: with forked
             # ranks it reports one failure a poll (every 0.2 s), the first process it finds
             # ended, and a rank killed by a signal recorded nothing to name it by otherwise.
             # The agent stops this rank before the grace is over.
             time.sleep(LOST_PEER_GRACE_S)
         os._exit(1)
-
-
-LOST_PEER_GRACE_S = 2.0
-
-
-def only_lost_a_peer(err: BaseException) -> bool:
-    """The error is a collective broken by a peer that ended (gloo's and NCCL's words for it),
-    not this rank's own."""
-    text = f"{err} {err.__cause__ or ''}"
-    return any(words in text for words in PEER_LOST)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from partrain.train.guard import DivergenceGuard, recorded_losses
+from partrain.train.guard import DivergenceGuard, losses_at
 from tests.unit.checkpoint.builders import write_checkpoint
 
 
@@ -45,5 +45,5 @@ def test_the_losses_are_read_by_step_the_last_line_winning(tmp_path):
     run_dir = _run(tmp_path, {1: 5.5, 8: 2.0})
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write('{"step": 8, "loss": 2.5}\n{"broken\n')  # a restart wrote step 8 again
-    assert recorded_losses(run_dir, (1, 8, 99)) == {1: 5.5, 8: 2.5}
-    assert recorded_losses(tmp_path / "nowhere", (1,)) == {}
+    assert losses_at(run_dir, (1, 8, 99)) == {1: 5.5, 8: 2.5}
+    assert losses_at(tmp_path / "nowhere", (1,)) == {}

@@ -72,8 +72,12 @@ def check_resumable(checkpoint: store.Checkpoint, cfg) -> list[str]:
     """Refuse (ConfigError, naming the key) a config that changes what the checkpoint trained;
     return what it changes that a resume may ("optim.lr 0.003 -> 0.0001"), for the launcher to
     say."""
-    saved = flat_keys(saved_config(checkpoint))
-    new = flat_keys(OmegaConf.to_container(cfg, resolve=True))
+    from partrain.config.paths import with_anchored_paths
+
+    # Paths compare as absolute: a checkpoint saved before they were frozen so holds them as typed.
+    saved = flat_keys(OmegaConf.to_container(
+        with_anchored_paths(OmegaConf.create(saved_config(checkpoint)))))
+    new = flat_keys(OmegaConf.to_container(with_anchored_paths(cfg), resolve=True))
     changed = []
     for key in sorted(saved.keys() | new.keys()):
         if saved.get(key) == new.get(key):

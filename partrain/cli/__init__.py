@@ -228,7 +228,9 @@ def show(
         return
     ready = preflight(Request(args, PLAN))
     cfg, warnings = ready.cfg, ready.warnings
-    sys.stdout.write(OmegaConf.to_yaml(cfg))
+    from partrain.config.paths import with_anchored_paths
+
+    sys.stdout.write(OmegaConf.to_yaml(with_anchored_paths(cfg)))  # as a run dir would freeze it
     if cfg.parallel.zero_stage > 0 and cfg.parallel.zero_backend == "deepspeed":
         from partrain.config.deepspeed import deepspeed_config
 

@@ -51,3 +51,42 @@ def what_is(path: Path) -> str:
     if stat.S_ISREG(mode):
         return "is a regular file"
     return "is not a regular file (a pipe, socket or device)"
+
+
+# The keys that name a file or directory the run reads or writes (and data.blend's paths). A
+# relative value is read from the directory the command was typed in, and checked and named as
+# typed; the config.yaml a run dir freezes holds it made absolute, so that a resume, a sample or
+# an export typed in another directory (a requeued job, another shell) finds the same files.
+PATH_KEYS = ("data.path", "model.init_from", "parallel.offload_nvme_path",
+             "parallel.deepspeed_config")
+
+
+def anchored(value: str) -> str:
+    """A path made absolute against the current directory (`..` folded, as the shell shows it);
+    `hf:DIR` keeps its prefix. An absolute path comes back as it is."""
+    from partrain.config.hf_families import HF_PREFIX
+
+    prefix = HF_PREFIX if value.startswith(HF_PREFIX) else ""
+    path = value[len(prefix):]
+    return value if not path or os.path.isabs(path) else prefix + os.path.abspath(path)
+
+
+def with_anchored_paths(cfg):
+    """A copy of `cfg` (a DictConfig) whose path keys are absolute: what a run dir freezes."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    cfg = cfg.copy()
+    for key in PATH_KEYS:
+        value = OmegaConf.select(cfg, key, default=None)
+        if isinstance(value, str):
+            OmegaConf.update(cfg, key, anchored(value))
+    blend = OmegaConf.select(cfg, "data.blend", default=None)
+    for entry in blend if isinstance(blend, ListConfig) else ():
+        if isinstance(entry, DictConfig) and isinstance(entry.get("path"), str):
+            entry.path = anchored(entry.path)
+    return cfg
+
+def relative_note(path) -> str:
+    """Said after a path that was not found: where a relative one was looked for."""
+    return "" if os.path.isabs(str(path)) else \
+        f" (a relative path is read from the current directory, {os.getcwd()})"

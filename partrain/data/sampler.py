@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 from omegaconf import OmegaConf
 
-from partrain.config.paths import what_is
+from partrain.config.paths import relative_note, what_is
 from partrain.data.tokenizer import TOKENIZER_FILE
 from partrain.data.tokens import check_data, load_tokens
 from partrain.errors import ConfigError
@@ -321,7 +321,8 @@ def check_sources(cfg) -> str:
     for k, entry in enumerate(cfg.data.blend):
         path = Path(entry.path)
         if what_is(path) == "does not exist":
-            raise ConfigError(f"data.blend[{k}].path={entry.path} does not exist; each source "
+            raise ConfigError(f"data.blend[{k}].path={entry.path} does not exist"
+                              f"{relative_note(entry.path)}; each source "
                               "is a token dir made by `partrain data prepare FILES... --out DIR`")
         one = OmegaConf.merge(cfg, {"data": {"source": "tokens", "path": str(path),
                                              "blend": None}})

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from partrain.config.paths import what_is
+from partrain.config.paths import relative_note, what_is
 from partrain.data.format import FORMAT_V1, SPLITS
 from partrain.data.token_files import (
     check_token_ids,
@@ -255,7 +255,8 @@ def check_data(cfg) -> str:
         _check_raw(Path(cfg.data.path))
         found = what_is(Path(cfg.data.path))
         if found != "is a directory":
-            raise ConfigError(f"data.path={cfg.data.path} is not a directory: it {found}")
+            raise ConfigError(f"data.path={cfg.data.path} is not a directory: it {found}"
+                              f"{relative_note(cfg.data.path)}")
     # load_tokens has checked every (sampled) id against the data's vocab_size, so this check
     # also keeps every id below model.vocab_size.
     splits = load_tokens(cfg.data)

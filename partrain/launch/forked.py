@@ -70,14 +70,19 @@ def rank_server(run_dir: Path, ranks: int = 1, compiles: bool = False):
     # the run dir is in the environment, so that it is not taken for one of the run's processes.
     resource_tracker.ensure_running()
     _stop_server()  # one this process started before holds another launch's environment
+    before = os.environ.get(RUN_DIR_ENV)
     os.environ[RUN_DIR_ENV] = str(Path(run_dir).absolute())
-    shared = SHARED_BY_RANKS + COMPILER * compiles if ranks > 1 else []
-    multiprocessing.set_forkserver_preload(PRELOAD + shared)
-    forkserver.ensure_running()
     try:
+        shared = SHARED_BY_RANKS + COMPILER * compiles if ranks > 1 else []
+        multiprocessing.set_forkserver_preload(PRELOAD + shared)
+        forkserver.ensure_running()
         yield
     finally:
         _stop_server()
+        if before is None:  # an in-process launch (the tests') leaves the environment as it was
+            os.environ.pop(RUN_DIR_ENV, None)
+        else:
+            os.environ[RUN_DIR_ENV] = before
 
 
 def _stop_server() -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from partrain.config.frozen import CONFIG
+from partrain.config.paths import with_anchored_paths
 from partrain.data.sampler import tokenizer_source
 from partrain.data.tokenizer import RUN_TOKENIZER, copy_files, data_tokenizer_dir
 from partrain.errors import ConfigError
@@ -35,9 +36,14 @@ def _same_config(path: Path, cfg: DictConfig) -> bool:
     from partrain.config.compose import read_yaml
 
     try:  # read_yaml refuses what is not a small regular file (a FIFO would block here)
-        return read_yaml(path) == OmegaConf.to_container(cfg)
+        frozen = read_yaml(path)
     except ConfigError:
         return False
+    # A run dir frozen before its paths were made absolute holds them as typed.
+    if not isinstance(frozen, dict):
+        return False
+    frozen = with_anchored_paths(OmegaConf.create(frozen))
+    return OmegaConf.to_container(frozen) == OmegaConf.to_container(with_anchored_paths(cfg))
 
 
 def _prepared_by_partrain(run_dir: Path) -> bool:
@@ -122,7 +128,7 @@ def write_run_dir(cfg: DictConfig, run_dir: Path, resuming: bool = False) -> Pat
     copied = not (run_dir / RUN_TOKENIZER).exists()  # and so removed again on a failure
     try:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        tmp.write_text(OmegaConf.to_yaml(cfg))
+        tmp.write_text(OmegaConf.to_yaml(with_anchored_paths(cfg)))
         tmp.rename(run_dir / CONFIG)
         tokenizer = data_tokenizer_dir(tokenizer_source(cfg.data))
         if tokenizer is not None:  # export and sample use the run's own copy

@@ -19,17 +19,23 @@ class CLI:
     def __init__(self):
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, *args: str, env: dict | None = None, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
-        """prefix: a command that runs partrain, e.g. ("ip", "netns", "exec", NS)."""
+    def start(self, *args: str, env: dict | None = None, prefix: tuple[str, ...] = (),
+              cwd: Path | None = None) -> subprocess.Popen:
+        """prefix: a command that runs partrain, e.g. ("ip", "netns", "exec", NS); cwd: the
+        directory it is typed in (this checkout's code is imported from any)."""
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        if cwd is not None:
+            full_env["PYTHONPATH"] = os.pathsep.join(
+                [str(Path(__file__).parents[2]), *filter(None, [full_env.get("PYTHONPATH")])])
         proc = subprocess.Popen([*prefix, sys.executable, "-m", "partrain", *args], env=full_env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+                                start_new_session=True, cwd=cwd)
         self.procs.append(proc)
         return proc
 
-    def run(self, *args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-        proc = self.start(*args, env=env)
+    def run(self, *args: str, env: dict | None = None, timeout: float = 240,
+            cwd: Path | None = None) -> subprocess.CompletedProcess:
+        proc = self.start(*args, env=env, cwd=cwd)
         stdout, stderr = proc.communicate(timeout=timeout)
         return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 

@@ -132,8 +132,16 @@ def test_prepared_token_data_end_to_end(cli, tmp_path):
     meta = json.loads((data_dir / "meta.json").read_text())
     assert (meta["tokenizer"], meta["dtype"], meta["vocab_size"]) == ("tokenizer.json", "uint16", 300)
     run_dir = tmp_path / "run"
-    res = cli.run("launch", "data=tokens", f"data.path={data_dir}", "model.vocab_size=384",
-                  "train.max_steps=30", "train.seq_len=64", "--run-dir", str(run_dir))
+    # data.path relative to where the launch is typed: the run dir freezes it absolute, so that
+    # a resume typed in another directory (a requeued job's, another shell's) reads the same.
+    res = cli.run("launch", "data=tokens", "data.path=tokens", "model.vocab_size=384",
+                  "train.max_steps=30", "train.seq_len=64", "--run-dir", str(run_dir),
+                  cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    checkpoint = run_dir / "checkpoints" / "step-00000030"
+    for config in (run_dir / "config.yaml", checkpoint / "config.yaml"):
+        assert OmegaConf.load(config).data.path == str(data_dir)
+    res = cli.run("launch", "--resume", str(run_dir), "train.max_steps=32")
     assert res.returncode == 0, res.stderr
     assert (run_dir / "tokenizer" / "tokenizer.json").read_bytes() == \
         (tmp_path / "tokenizer.json").read_bytes()

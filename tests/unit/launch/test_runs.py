@@ -154,6 +154,28 @@ def test_launch_records_the_state_its_workers_ended_in(run_main, tmp_path, monke
     assert "next:" not in result.stdout  # no checkpoint was saved: nothing to sample or resume
 
 
+def test_a_forked_launch_leaves_the_environment_as_it_was(run_main, tmp_path, monkeypatch):
+    """The rank server runs with the run dir in the environment (PARTRAIN_RUN_DIR, for anyone
+    looking for the run's processes); the next launch from this process does not inherit it."""
+    import partrain.launch.local as local
+    from partrain.launch.forked import RUN_DIR_ENV
+
+    seen = []
+
+    def workers(run_dir, spec, console_print):
+        seen.append(os.environ[RUN_DIR_ENV])
+        return 0
+
+    monkeypatch.setattr(local, "launch_workers", workers)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(RUN_DIR_ENV, raising=False)
+    environment = dict(os.environ)
+    result = run_main("launch", "launcher.device=cpu", "parallel.dp=1",
+                      "launcher.start_method=forkserver", "--run-dir", "run")
+    assert result.code == 0, result.stderr
+    assert seen == [str(tmp_path / "run")] and dict(os.environ) == environment
+
+
 def test_next_steps_name_the_run_dir(tmp_path):
     from partrain.launch.start import next_steps
     from tests.unit.helpers import compose, quick

@@ -137,6 +137,21 @@ class Checkpointer:
                        if ckpt_cfg.async_save else None)
         self.pending = None  # [future, step, reason, started, blocked_s]
         self.newest: store.Checkpoint | None = None
+        self._data: list[str] | None | bool = False  # rank 0's, at its first commit
+
+    def data(self) -> list[str] | None:
+        """The fingerprints of the token dirs the run trains on (sampler.data_fingerprints), for
+        meta.json: a resume compares them with its data. Taken once; None for the standard
+        library's source or where a dir cannot be read now (the resume then has no record)."""
+        if self._data is False:
+            from partrain.data.sampler import data_fingerprints
+
+            try:
+                self._data = data_fingerprints(OmegaConf.create(self.config_yaml).data)
+            except OSError as e:
+                log.warning("the data's fingerprint is not recorded in the checkpoints: %s", e)
+                self._data = None
+        return self._data
 
     def due(self, step: int, last: bool) -> bool:
         every = self.cfg.every
@@ -275,6 +290,8 @@ class Checkpointer:
         seconds = time.time() - started
         meta = {"reason": reason, "saved_at": time.time(), "seconds": round(seconds, 4),
                 "blocked_s": round(blocked_s, 4), "world_size": dist.get_world_size()}
+        if self.data() is not None:
+            meta["data"] = self.data()
         with self._undone_on_failure(step, f"committing the checkpoint of step {step}"):
             self.newest = store.commit(self.root, step, meta, self.config_yaml)
         pruned = store.prune(self.root, self.cfg.keep)

@@ -11,6 +11,10 @@ max_steps: warmup is unchanged, the decay stretches or, under wsd, moves to the 
 optimizer's schedule and hyperparameters (a lower optim.lr after a loss spike; optim.schedule=wsd
 from a cosine run's checkpoint).
 
+The data may move: data.path (or a data.blend path) may name another place on a resume when it
+holds the same tokens, as the fingerprints in the checkpoint's meta.json say (check_same_data);
+other tokens are refused at a new place and at the old one.
+
 Another optimizer is refused rather than started with fresh state: the moments (or SGD's
 momentum) are half of what a resume continues, and dropping them quietly makes a "resume" that is
 not one. Megatron-LM (--no-load-optim) and torchtitan (checkpoint.exclude_from_loading) make
@@ -75,12 +79,14 @@ def check_resumable(checkpoint: store.Checkpoint, cfg) -> list[str]:
     from partrain.config.paths import with_anchored_paths
 
     # Paths compare as absolute: a checkpoint saved before they were frozen so holds them as typed.
-    saved = flat_keys(OmegaConf.to_container(
-        with_anchored_paths(OmegaConf.create(saved_config(checkpoint)))))
-    new = flat_keys(OmegaConf.to_container(with_anchored_paths(cfg), resolve=True))
+    saved_tree = OmegaConf.to_container(
+        with_anchored_paths(OmegaConf.create(saved_config(checkpoint))))
+    new_tree = OmegaConf.to_container(with_anchored_paths(cfg), resolve=True)
+    saved, new = flat_keys(saved_tree), flat_keys(new_tree)
+    moved = _moved(saved_tree["data"], new_tree["data"])
     changed = []
     for key in sorted(saved.keys() | new.keys()):
-        if saved.get(key) == new.get(key):
+        if saved.get(key) == new.get(key) or (moved and key in ("data.path", "data.blend")):
             continue
         if _resumable(key):
             changed.append(f"{key} {shown(saved.get(key))} -> {shown(new.get(key))}")
@@ -93,12 +99,96 @@ def check_resumable(checkpoint: store.Checkpoint, cfg) -> list[str]:
             "optimizer's schedule and hyperparameters (optim.* but optim.name), logging, "
             "evaluation and checkpoint.*. To start "
             f"a new run from these weights: model.init_from={checkpoint.path} in a new run dir")
+    changed += check_same_data(checkpoint, saved_tree["data"], new_tree["data"], moved)
     if cfg.train.max_steps < checkpoint.step:
         raise ConfigError(
             f"train.max_steps={cfg.train.max_steps} is below the checkpoint's step "
             f"{checkpoint.step} ({checkpoint.path}); a resume continues from there (raise "
             "train.max_steps, or start a new run with model.init_from)")
     return changed
+
+
+def _moved(saved: dict, new: dict) -> list[tuple[str, str, str]]:
+    """Where the data section differs only in its token dirs' places: (key, old, new) for each
+    path that changed (data.path, data.blend[k].path); [] where nothing moved or more changed."""
+    def places(data):
+        return [("data.path", data.get("path"))] + [
+            (f"data.blend[{k}].path", entry.get("path"))
+            for k, entry in enumerate(data.get("blend") or [])]
+
+    def rest(data):
+        return {**data, "path": None,
+                "blend": [{**e, "path": None} for e in data["blend"]] if data.get("blend") else
+                data.get("blend")}
+
+    if saved == new or rest(saved) != rest(new):
+        return []
+    return [(key, old, now) for (key, old), (_, now) in zip(places(saved), places(new))
+            if old != now]
+
+
+def check_same_data(checkpoint: store.Checkpoint, saved: dict, new: dict,
+                    moved: list[tuple[str, str, str]]) -> list[str]:
+    """A resume reads the tokens the checkpoint trained on: the fingerprints its meta.json
+    recorded (sampler.data_fingerprints) against the data the resume names, at the same place
+    (a token dir prepared again in place is other data) or at a new one (`moved`: the same
+    tokens copied elsewhere may be read from there). A checkpoint saved before partrain recorded
+    them is compared through its old dirs where they still are. Returns what moved, for the
+    launcher to say."""
+    from partrain.data.sampler import data_fingerprints
+
+    recorded = checkpoint.meta.get("data")
+    recorded = recorded if isinstance(recorded, list) else None
+    if recorded is None and not moved:
+        return []  # saved before the record, read from where it was: nothing to compare with
+    keys = ", ".join(key for key, _, _ in moved)
+    start_new = ("to train on other data from these weights, start a new run: "
+                 f"model.init_from={checkpoint.path}")
+    if recorded is None:
+        try:
+            recorded = data_fingerprints(OmegaConf.create(saved))
+        except OSError:
+            olds = ", ".join(old for _, old, _ in moved)
+            raise ConfigError(
+                f"{keys} differs from the checkpoint at step {checkpoint.step} "
+                f"({checkpoint.path}), which was saved before partrain recorded what its data "
+                f"holds, and {olds} cannot be read to compare: put the token dir back there (a "
+                f"symbolic link to its new place will do) and resume without {keys}; or "
+                f"{start_new}") from None
+    try:
+        now = data_fingerprints(OmegaConf.create(new))
+    except OSError as e:  # check_sources has read it; a dir gone since
+        raise ConfigError(f"the data cannot be read to compare with the checkpoint at step "
+                          f"{checkpoint.step}: {e.strerror or e}") from None
+    if now != recorded:
+        said = (", ".join(f"{key}={place}" for key, _, place in moved) if moved else
+                f"data.path={new.get('path')}" if not new.get("blend") else "data.blend")
+        raise ConfigError(
+            f"{said} holds other tokens than the checkpoint at step {checkpoint.step} "
+            f"({checkpoint.path}) trained on: its meta.json, a shard or index file's size or its "
+            "tokenizer differs from what the checkpoint recorded (prepared again, or another "
+            "dir). A resume continues the same data (to move it, copy the token dir whole: "
+            f"cp -r, rsync); {start_new}")
+    return [f"{key} {old} -> {place} (the same tokens)" for key, old, place in moved]
+
+
+def check_data_there(cfg, run_dir: Path) -> None:
+    """Before a resume reads its data: a token dir that is gone from where the run read it is
+    named with the way to give its new place (the checks of the data itself come after)."""
+    from partrain.config.paths import relative_note, what_is
+
+    data = cfg.data
+    places = ([("data.path", data.path)] if data.blend is None and data.source == "tokens" else
+              [(f"data.blend[{k}].path", entry.path) for k, entry in enumerate(data.blend or [])])
+    for key, path in places:
+        if path and what_is(Path(path)) == "does not exist":
+            how = (f"`partrain launch --resume {run_dir} data.path=NEW`" if key == "data.path"
+                   else f"data.blend again with its new paths, in `partrain launch --resume "
+                        f"{run_dir} 'data.blend=[...]'`")
+            raise ConfigError(
+                f"{key}={path} does not exist{relative_note(path)}: this run trained on it. If "
+                f"the token dir moved, give its new place: {how}; the resume checks that it "
+                "holds the same tokens")
 
 
 def resume_config(run_dir: Path, overrides: list[str]):

@@ -41,7 +41,7 @@ from omegaconf import OmegaConf
 
 from partrain.config.paths import relative_note, what_is
 from partrain.data.tokenizer import TOKENIZER_FILE
-from partrain.data.tokens import check_data, load_tokens
+from partrain.data.tokens import check_data, fingerprint, load_tokens
 from partrain.errors import ConfigError
 
 # A period of up to this many samples is computed once (about a second of Python at most).
@@ -353,3 +353,15 @@ def tokenizer_source(data_cfg):
     if data_cfg.blend is None:
         return data_cfg
     return source_config(data_cfg, data_cfg.blend[0].path)
+
+
+def data_fingerprints(data_cfg) -> list[str] | None:
+    """The fingerprint (tokens.fingerprint) of each token dir the run reads, in order (one for
+    data.path, one per data.blend source); None for the standard library's source. A checkpoint
+    records them, so that a resume can tell the same data at another place from other data at
+    the same place. OSError where a dir cannot be read."""
+    if data_cfg.blend is not None:
+        return [fingerprint(Path(entry.path)) for entry in data_cfg.blend]
+    if data_cfg.source == "tokens":
+        return [fingerprint(Path(data_cfg.path))]
+    return None

@@ -15,6 +15,7 @@ A token dir is checked before any process starts, cheaply and for any file size 
 meta.json, the shard files, the document index, a bounded sample of the ids).
 """
 
+import hashlib
 import operator
 import os
 import re
@@ -34,7 +35,7 @@ from partrain.data.token_files import (
     scanned_documents,
     split_files,
 )
-from partrain.data.tokenizer import BYTE_VOCAB
+from partrain.data.tokenizer import BYTE_VOCAB, TOKENIZER_FILE
 from partrain.errors import ConfigError, reason
 
 
@@ -235,9 +236,33 @@ def _check_raw(path: Path) -> None:
             raise ConfigError(_prepare_hint(path, "a directory of text files"))
 
 
+FINGERPRINT_BYTES = 4096  # of each end of a shard or index file, in a token dir's fingerprint
+
+
 def _token_dir_file(name: str) -> bool:
     """Whether `name` is one of a token dir's own files (either format)."""
     return re.fullmatch(r"meta\.json|(train|val)(\.bin|-\d{5,}\.bin|\.idx\.npy)", name) is not None
+
+
+def fingerprint(path: Path) -> str:
+    """What makes a token dir the same data wherever it lies: its meta.json as written (the
+    counts of tokens and documents, the inputs, the tokenizer's name), its tokenizer.json, and
+    the name, size, first and last FINGERPRINT_BYTES of each shard and index file; sha256, its
+    first 16 hex digits. A copy (cp -r, rsync) has the same; a dir prepared again from other
+    text or with other settings has another. Reads a few KiB a file. OSError where the dir
+    cannot be read."""
+    digest = hashlib.sha256()
+    for entry in sorted(os.scandir(path), key=lambda e: e.name):
+        if entry.name == "meta.json" or entry.name == TOKENIZER_FILE:
+            digest.update(f"{entry.name}\0".encode() + Path(entry.path).read_bytes())
+        elif _token_dir_file(entry.name):
+            size = entry.stat().st_size
+            with open(entry.path, "rb") as f:
+                head = f.read(FINGERPRINT_BYTES)
+                f.seek(max(size - FINGERPRINT_BYTES, 0))
+                tail = f.read(FINGERPRINT_BYTES)
+            digest.update(f"{entry.name}\0{size}\0".encode() + head + tail)
+    return digest.hexdigest()[:16]
 
 
 def check_data(cfg) -> str:

@@ -19,11 +19,13 @@ the last step passes):
  5. This node in the job: its rank, the rendezvous endpoint, its address and interface
     (netif.pick_network) (launch).
  6. The data (check_sources: data.path's dir, or each of data.blend's and their one
-    tokenizer) (launch, slurm).
+    tokenizer; under --resume a dir gone from where the run read it is named first, with the
+    way to give its new place: check_data_there) (launch, slurm).
  7. The curves' packages (check_curves) (launch, slurm).
  8. The run dir (check_run_dir): slurm prepares a new or empty one; launch may also join one
     prepared for this very config, or continue the checkpoint in it (launch, slurm).
- 9. The checkpoint: the run dir's newest, which a resume may continue (check_resumable), else the
+ 9. The checkpoint: the run dir's newest, which a resume may continue (check_resumable; its data
+    the same tokens as the checkpoint recorded, at the same place or a new one), else the
     one model.init_from names, or its Hugging Face directory (check_init_from); a checkpoint's
     files are checked whole against its .metadata (checkpoint/verify) (launch, slurm).
 
@@ -41,6 +43,7 @@ from omegaconf import DictConfig, OmegaConf
 from partrain.checkpoint import store
 from partrain.checkpoint.resume import (
     NOT_SHAPE,
+    check_data_there,
     check_resumable,
     flat_keys,
     resume_config,
@@ -147,6 +150,8 @@ def preflight(request: Request) -> Ready:
     if checks.on_this_node:
         ready.node = this_node(request, place, world, warnings)
     if checks.data:
+        if resume is not None:
+            check_data_there(cfg, resume)
         ready.data = check_sources(cfg)
     if checks.curves:
         check_curves(cfg)

@@ -1,6 +1,7 @@
 """`partrain launch` end to end: the run dir, metrics, logs, a falling loss, clean exits."""
 
 import json
+import shutil
 from collections import Counter
 
 import pytest
@@ -118,6 +119,7 @@ def test_zero3_failure_ends_the_job(cli, tmp_path):
 def test_prepared_token_data_end_to_end(cli, tmp_path):
     """A BPE tokenizer trained here: `data prepare --tokenizer` on two worker processes, a launch
     on the token dir (which keeps a copy of the tokenizer), and a sample decoded with it."""
+    from partrain.data.tokens import fingerprint
     from tests.unit.data.test_prepare import train_bpe
 
     train_bpe(tmp_path / "tokenizer.json")
@@ -141,8 +143,12 @@ def test_prepared_token_data_end_to_end(cli, tmp_path):
     checkpoint = run_dir / "checkpoints" / "step-00000030"
     for config in (run_dir / "config.yaml", checkpoint / "config.yaml"):
         assert OmegaConf.load(config).data.path == str(data_dir)
-    res = cli.run("launch", "--resume", str(run_dir), "train.max_steps=32")
+    # The checkpoint records what the data holds; the same tokens moved elsewhere resume.
+    assert json.loads((checkpoint / "meta.json").read_text())["data"] == [fingerprint(data_dir)]
+    moved = shutil.move(data_dir, tmp_path / "moved")
+    res = cli.run("launch", "--resume", str(run_dir), "train.max_steps=32", f"data.path={moved}")
     assert res.returncode == 0, res.stderr
+    assert f"data.path {data_dir} -> {moved} (the same tokens)" in res.stdout
     assert (run_dir / "tokenizer" / "tokenizer.json").read_bytes() == \
         (tmp_path / "tokenizer.json").read_bytes()
     steps, evals = read_metrics(run_dir)

@@ -4,6 +4,7 @@ said at an in-job restart, a hang's summary, where to resume from, and a full di
 launcher (launch/local.py) decides the exit code; these say why."""
 
 import json
+import re
 import shutil
 import signal
 import time
@@ -147,11 +148,14 @@ def first_line(err: Exception) -> str:
 
 
 def workers_started(agent_log: Path) -> bool:
-    """Whether the agent got past the rendezvous and started this node's workers (it logs that)."""
+    """Whether the agent got past the rendezvous and started this node's workers: the
+    rendezvous's own line that this node joined a round (the agent's "Starting worker group"
+    does not reach the log: its logger is not the rendezvous's)."""
     try:
-        return "Starting worker group" in agent_log.read_text(errors="replace")
+        text = agent_log.read_text(errors="replace")
     except OSError:
         return False
+    return re.search(r"has joined round \d+ of the rendezvous", text) is not None
 
 
 def where_to_resume(run_dir: Path) -> str:

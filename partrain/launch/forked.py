@@ -68,7 +68,16 @@ def rank_server(run_dir: Path, ranks: int = 1, compiles: bool = False):
 
     # multiprocessing's resource tracker outlives the launcher by a moment: it is started before
     # the run dir is in the environment, so that it is not taken for one of the run's processes.
-    resource_tracker.ensure_running()
+    # It starts with SIGUSR2 blocked (a mask outlives exec; the tracker unblocks only SIGINT and
+    # SIGTERM): SLURM signals every process of the step before a time limit, and the default
+    # action would end it, and the tracker the ranks start again in its place prints a
+    # traceback for each shared-memory segment it never saw. Blocked here, not ignored, so that
+    # a signal for the launcher meanwhile waits for the forwarder instead of being lost.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     _stop_server()  # one this process started before holds another launch's environment
     before = os.environ.get(RUN_DIR_ENV)
     os.environ[RUN_DIR_ENV] = str(Path(run_dir).absolute())

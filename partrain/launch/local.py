@@ -288,14 +288,15 @@ def _run_agent(config: LaunchConfig, run_dir: Path, spec: ElasticLaunch, agent_l
             return EXIT_RANK_FAILED
         console_print(f"rank {rank} failed: {message}{exhausted}")
         console_print(f"  its log: {run_dir / 'logs' / f'rank-{rank}.log'}; every other rank "
-                      "was stopped")
+                      f"was stopped; {where_to_resume(run_dir)}")
         return EXIT_RANK_FAILED
     except RendezvousError as err:
         if workers_started(agent_log):
             # The store on node 0 went away mid-run: node 0's launcher ended or its node is gone.
             console_print(f"lost the rendezvous store at {spec.rdzv_endpoint} during the run "
-                          f"({first_line(err)}): node 0 ended or cannot be reached; this node's "
-                          f"workers were stopped. The agent's log: {agent_log}")
+                          f"({first_line(err)}): node 0 ended or cannot be reached (its output "
+                          f"says why); this node's workers were stopped; "
+                          f"{where_to_resume(run_dir)}. The agent's log: {agent_log}")
             return EXIT_RANK_FAILED
         console_print(f"rendezvous at {spec.rdzv_endpoint} failed: {first_line(err)}")
         console_print(f"  all {spec.nnodes} nodes must join within launcher.rdzv_timeout_s="

@@ -1,9 +1,11 @@
 """The run directory: config.yaml (frozen, exactly what the workers run), metrics.jsonl, logs/.
 
 The nodes of one job share a run directory on a shared file system, and `partrain slurm` prepares
-one before the job starts; so an existing run dir is joined, not refused, when nothing has
-trained in it yet and its config.yaml is the very config this node resolved. Anything else must be
-new or empty, so that the results of two runs never mix.
+one before the job starts; so an existing run dir is joined, not refused, when its config.yaml is
+the very config this node resolved and nothing has trained in it yet, or it trained without
+committing a checkpoint (stopped early; a requeued job), and the run starts again from its first
+step; one with a committed checkpoint of this config continues from it. Anything else must be new
+or empty, so that the results of two runs never mix.
 """
 
 import os
@@ -28,22 +30,40 @@ def default_run_dir(name: str, job_id: str | None = None) -> Path:
                            f"{name}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
-def _trained_in(run_dir: Path) -> bool:
+def trained_in(run_dir: Path) -> bool:
     return (run_dir / "metrics.jsonl").exists() or any((run_dir / "logs").glob("rank-*.log"))
 
 
-def _same_config(path: Path, cfg: DictConfig) -> bool:
+def _config_differences(path: Path, cfg: DictConfig) -> list[str] | None:
+    """How the frozen config at `path` differs from `cfg` ("train.max_steps: 20 there, 10
+    here"), [] for the very same config, None where `path` is no config partrain can read."""
+    from partrain.checkpoint.resume import flat_keys
     from partrain.config.compose import read_yaml
+    from partrain.config.keys import SECTIONS, shown
 
     try:  # read_yaml refuses what is not a small regular file (a FIFO would block here)
         frozen = read_yaml(path)
     except ConfigError:
-        return False
+        return None
+    if not isinstance(frozen, dict) or not SECTIONS <= frozen.keys():  # not a run's config
+        return None
     # A run dir frozen before its paths were made absolute holds them as typed.
-    if not isinstance(frozen, dict):
-        return False
-    frozen = with_anchored_paths(OmegaConf.create(frozen))
-    return OmegaConf.to_container(frozen) == OmegaConf.to_container(with_anchored_paths(cfg))
+    there = flat_keys(OmegaConf.to_container(with_anchored_paths(OmegaConf.create(frozen))))
+    here = flat_keys(OmegaConf.to_container(with_anchored_paths(cfg)))
+    return [f"{key}: {shown(there.get(key))} there, {shown(here.get(key))} here"
+            for key in sorted(there.keys() | here.keys()) if there.get(key) != here.get(key)]
+
+
+def _same_config(path: Path, cfg: DictConfig) -> bool:
+    return _config_differences(path, cfg) == []
+
+
+def _another_config(run_dir: Path, differences: list[str], resuming: bool) -> ConfigError:
+    more = f" and {len(differences) - 3} more" if len(differences) > 3 else ""
+    return ConfigError(
+        f"{'--resume' if resuming else '--run-dir'} {run_dir} holds another config "
+        f"({'; '.join(differences[:3])}{more}): every node of a run runs the same config (the "
+        "same command and overrides); give a new --run-dir for another run")
 
 
 def _prepared_by_partrain(run_dir: Path) -> bool:
@@ -93,9 +113,26 @@ def check_run_dir(run_dir: Path, cfg: DictConfig | None = None, resuming: bool =
                     f"holds a checkpoint at step {checkpoint.step} of another config; continue it "
                     f"with `partrain launch --resume {run_dir} [OVERRIDE...]` (the layout may "
                     "change), or give a new --run-dir")
-            joinable = checkpoint is not None or (
-                cfg is not None and not _trained_in(run_dir) and _prepared_by_partrain(run_dir)
-                and (not frozen.exists() or _same_config(frozen, cfg)))
+            # Prepared by partrain for this config (`partrain slurm`, another node), or trained
+            # in by it without a committed checkpoint (stopped early; a requeued job): the same
+            # command starts the run again from its first step.
+            joinable = checkpoint is not None or (cfg is not None and (
+                (not trained_in(run_dir) and _prepared_by_partrain(run_dir)
+                 and (not frozen.exists() or _same_config(frozen, cfg)))
+                or (trained_in(run_dir) and _same_config(frozen, cfg))))
+            differences = (_config_differences(frozen, cfg)
+                           if cfg is not None and not joinable and frozen.is_file() else None)
+            if differences:
+                raise _another_config(run_dir, differences, resuming)
+            kept = store.newest(run_dir / store.CHECKPOINTS) if cfg is None else None
+            if kept is not None and not resuming:  # `partrain slurm` prepares a new run dir
+                from partrain.launch.slurm import SCRIPT
+
+                script = run_dir / SCRIPT
+                again = (f"resubmit its script to continue it: sbatch {script}" if script.is_file()
+                         else f"continue it with `partrain launch --resume {run_dir}`")
+                raise refuse(f"holds a run with a checkpoint at step {kept.step}; {again}; or "
+                             "give a new --run-dir for a new run")
             if not joinable:
                 raise refuse("already exists and is not empty; give a new one (a run dir holds "
                              "one run: partrain writes only into a new or empty directory)")
@@ -129,7 +166,7 @@ def write_run_dir(cfg: DictConfig, run_dir: Path, resuming: bool = False) -> Pat
     try:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         tmp.write_text(OmegaConf.to_yaml(with_anchored_paths(cfg)))
-        tmp.rename(run_dir / CONFIG)
+        _put_config(tmp, run_dir, cfg, resuming)
         tokenizer = data_tokenizer_dir(tokenizer_source(cfg.data))
         if tokenizer is not None:  # export and sample use the run's own copy
             copy_files(tokenizer, run_dir / RUN_TOKENIZER)
@@ -143,6 +180,27 @@ def write_run_dir(cfg: DictConfig, run_dir: Path, resuming: bool = False) -> Pat
             pass  # the message below names the run dir; what could not be removed is in it
         raise ConfigError(f"--run-dir {run_dir} cannot be written: {e.strerror}") from None
     return run_dir
+
+
+def _put_config(tmp: Path, run_dir: Path, cfg: DictConfig, resuming: bool) -> None:
+    """config.yaml into place. A resume replaces it (its layout may change). A start writes it
+    only where none is yet (a hard link, which fails where another node's launcher wrote one
+    first) and otherwise checks that the one there is this very config, so that two nodes
+    started at once with different configs do not both go on, each believing its own."""
+    final = run_dir / CONFIG
+    if resuming:
+        tmp.rename(final)
+        return
+    try:
+        os.link(tmp, final)
+    except FileExistsError:
+        pass
+    except OSError:  # a file system without hard links: the rename, then the check below
+        tmp.rename(final)
+    tmp.unlink(missing_ok=True)
+    differences = _config_differences(final, cfg)
+    if differences:
+        raise _another_config(run_dir, differences, resuming)
 
 
 def _remove_made(run_dir: Path, existed: Path) -> None:

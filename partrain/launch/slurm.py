@@ -154,6 +154,22 @@ def _sbatch_quote(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def _time_limit_s(time: str) -> int | None:
+    """A SLURM time limit in seconds (man sbatch: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM,
+    D-HH:MM:SS); None for no limit (UNLIMITED, INFINITE, 0) or a text that is none of these."""
+    if not SLURM_TIME.fullmatch(time) or not time[0].isdigit():
+        return None
+    days, _, clock = time.rpartition("-")
+    parts = [int(p) for p in clock.split(":")]
+    if days:  # D-HH[:MM[:SS]]
+        parts += [0] * (3 - len(parts))
+        seconds = int(days) * 86400 + parts[0] * 3600 + parts[1] * 60 + parts[2]
+    else:  # MM, MM:SS, HH:MM:SS
+        seconds = {1: lambda: parts[0] * 60, 2: lambda: parts[0] * 60 + parts[1],
+                   3: lambda: parts[0] * 3600 + parts[1] * 60 + parts[2]}[len(parts)]()
+    return seconds or None
+
+
 def check_job(job: SlurmJob) -> None:
     """Refuse values that no quoting makes safe, naming the flag that carried them."""
     values = [("name", job.job_name), ("--run-dir", str(job.run_dir)),
@@ -174,6 +190,13 @@ def check_job(job: SlurmJob) -> None:
         raise ConfigError(
             f"--time {job.time!r} is not a SLURM time limit: give minutes, MM:SS, HH:MM:SS, "
             "D-HH, D-HH:MM or D-HH:MM:SS (e.g. 04:00:00 or 2-00:00:00), or UNLIMITED")
+    limit = _time_limit_s(job.time) if job.time is not None else None
+    if limit is not None and limit <= SIGNAL_BEFORE_END_S:
+        raise ConfigError(
+            f"--time {job.time} is {limit} s, no longer than the {SIGNAL_BEFORE_END_S} s before "
+            f"its end at which the job is told to save and requeue (--signal=USR2@"
+            f"{SIGNAL_BEFORE_END_S}): every start would be stopped at once and requeued without "
+            f"end; give a limit longer than {SIGNAL_BEFORE_END_S // 60} minutes")
     if job.mem is not None and not SLURM_MEM.fullmatch(job.mem):
         raise ConfigError(
             f"--mem {job.mem!r} is not a SLURM memory size: give a whole number of megabytes, or "

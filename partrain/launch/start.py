@@ -26,7 +26,7 @@ from partrain.launch.lifeline import LAUNCHER_PID_ENV
 from partrain.launch.netif import set_ifname_variables
 from partrain.launch.preemption import FORWARDER
 from partrain.launch.preflight import Ready, Request, preflight, runs_on_cuda
-from partrain.launch.rundir import write_run_dir
+from partrain.launch.rundir import trained_in, write_run_dir
 from partrain.launch.runs import ENDED, STATE_FILE, write_state
 from partrain.launch.slurm import (
     SlurmJob,
@@ -57,7 +57,9 @@ def start(request: Request, dry_run: bool, out: Console, err: Console,
                   f"{run_dir} train.max_steps=N)")
         return 0
     resuming_from = (f"; resuming from step {checkpoint.step} ({checkpoint.path})"
-                     if checkpoint is not None else "")
+                     if checkpoint is not None else
+                     "; it trained before without committing a checkpoint, so the run starts "
+                     "again from step 1" if trained_in(run_dir) else "")
     if ready.changed:  # after a spike: optim.lr 0.003 -> 0.0001, and any change of layout
         out.print("changed on resume: " + ", ".join(ready.changed))
     building = deepspeed_builds(cfg)

@@ -29,7 +29,7 @@ from partrain.observe.curves import Curves
 from partrain.observe.metrics import MetricsLog, ProgressDisplay, peak_flops
 from partrain.observe.trace import Tracer
 from partrain.parallel.data import DataParallelBackend
-from partrain.parallel.dist import attempt, local
+from partrain.parallel.dist import local
 from partrain.parallel.expert import finish_moe_step, moe_modules
 from partrain.parallel.float8 import float8_linears
 from partrain.parallel.mesh import ParallelDims
@@ -168,7 +168,7 @@ def build(cfg, run_dir: Path, device: torch.device) -> Run:
 
 def _outputs(cfg, run_dir: Path, rank: int, start: Start, first_step: int):
     """metrics.jsonl (and curves), the progress display and the checkpointer; rank 0 writes."""
-    if rank == 0 and (start.resume or attempt()):  # a restart before any checkpoint: from 0
+    if rank == 0:  # a start before any checkpoint (a restart, a requeue) trains from step 1
         _keep_metrics_until(run_dir / "metrics.jsonl", start.resume.step if start.resume else 0)
     metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=rank == 0,
                          curves=Curves(run_dir, cfg, first_step, enabled=rank == 0))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import processes_mentioning, ranks_of, survivors
+from tests.integration.conftest import processes_mentioning, ranks_of, read_metrics, survivors
 
 LONG = ("train.max_steps=100000", "train.eval_every=0")
 
@@ -51,6 +51,25 @@ def test_failing_rank_stops_the_job(cli, tmp_path, start_method):
 
     share = max(1, usable_cores() // 2)
     assert f"on cpu, {share} CPU thread(s)" in (run_dir / "logs" / "rank-0.log").read_text()
+
+
+def test_a_run_that_failed_before_its_first_checkpoint_starts_again_with_the_same_command(
+        cli, tmp_path):
+    """What a requeued job does: the same command in the same run dir. Nothing was committed,
+    so the run starts again from step 1 (it used to be refused: the run dir was not empty), and
+    metrics.jsonl holds each step once."""
+    run_dir = tmp_path / "run"
+    command = ("launch", "train.max_steps=6", "train.eval_every=0", "--run-dir", str(run_dir))
+    failed = cli.run(*command, env={"PARTRAIN_TEST_FAULT": "1:3"})
+    said = " ".join((failed.stdout + failed.stderr).split())
+    assert failed.returncode == 1 and "injected fault" in said, said[-3000:]
+    assert "no checkpoint was committed" in said and "the same command" in said, said[-3000:]
+    assert [s["step"] for s in read_metrics(run_dir)[0]] == [1, 2]
+    again = cli.run(*command)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert ("it trained before without committing a checkpoint, so the run starts again from "
+            "step 1") in " ".join(again.stdout.split())
+    assert [s["step"] for s in read_metrics(run_dir)[0]] == [1, 2, 3, 4, 5, 6]
 
 
 @pytest.mark.parametrize("start_method, restarts", [("forkserver", 0), ("forkserver", 1),

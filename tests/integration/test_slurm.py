@@ -144,6 +144,9 @@ def test_preempted_slurm_job_saves_requeues_and_resumes(cli, tmp_path, slurm_clu
     assert flat.count(launcher_says) == 2, log
     assert f"preemption signal: saved step {step} in " in flat, log
     assert flat.count("Exited with exit code 3") == 2, log  # srun's word on each node's launcher
+    # The signal reached every process of the steps, multiprocessing's resource tracker too: it
+    # must not die of it (the tracker started in its place printed a traceback per segment).
+    assert "Traceback" not in log and "resource_tracker" not in log, log
 
     # The requeued run: the same script resumed from that checkpoint and trained to the end.
     assert flat.count(f"resuming from step {step} ") == 3, log  # each launcher, and rank 0

@@ -38,7 +38,8 @@ def _run_dir_rows(command: list[str], name: str) -> list:
             "--run-dir", "notes", "not empty"),
         row(f"{name} run dir holds another config.yaml",
             lambda c: [*command, "--run-dir", _run_dir_with_other_config(c)],
-            "--run-dir", "other", "not empty"),
+            "--run-dir", "other", "holds another config (train.seed: 5 there, 0 here)"
+            if command[0] == "launch" else "not empty"),
         row(f"{name} run dir under /dev/null", [*command, "--run-dir", "/dev/null/run"],
             "--run-dir", "/dev/null/run", "is a file"),
         row(f"{name} run dir name too long",
@@ -264,6 +265,11 @@ ROWS_FLAGS = [
         "whole number"),
     row("slurm --time bogus", ["slurm", "--time", "bogus", "--nodes", "1", "--dry-run"],
         "--time", "bogus", "time limit"),
+    # A limit within the save signal's 120 s lead would preempt and requeue every start at once.
+    row("slurm --time 2 (minutes)", ["slurm", "--time", "2", "--nodes", "1", "--dry-run"],
+        "--time 2 is 120 s", "--signal=USR2@120", "longer than 2 minutes"),
+    row("slurm --time 0-0:1:30", ["slurm", "--time", "0-0:1:30", "--nodes", "1", "--dry-run"],
+        "--time 0-0:1:30 is 90 s"),
     row("slurm --nodes 0", ["slurm", "--nodes", "0", "--dry-run"], "--nodes=0", "at least 1"),
     row("slurm --nodes abc", ["slurm", "--nodes", "abc", "--dry-run"], "--nodes", "'abc'",
         "whole number"),

@@ -160,14 +160,17 @@ ROWS_RUN_DIR_WITH_CHECKPOINT = [
     row("launch --run-dir holding the recipe's checkpoint, with train.seed=5",
         lambda c: ["launch", "--dry-run", "train.seed=5", "--run-dir", _run(100)(c)],
         "--run-dir run", "of another config", "partrain launch --resume run"),
-    row("launch --run-dir that trained without a committed checkpoint",
-        lambda c: ["launch", "--run-dir", _run()(c)], "--run-dir run", "not empty"),
-    row("launch --run-dir whose run was killed in its first save",
-        lambda c: ["launch", "--dry-run", "--run-dir", _interrupted(c)],
-        "--run-dir run", "not empty"),
+    # The same config in it starts the run again (test_a_run_dir_without_a_checkpoint_...).
+    row("launch --run-dir that trained without a committed checkpoint, another config",
+        lambda c: ["launch", "--dry-run", "train.seed=5", "--run-dir", _run()(c)],
+        "--run-dir run", "holds another config (train.seed: 0 there, 5 here)"),
+    row("launch --run-dir whose run was killed in its first save, another config",
+        lambda c: ["launch", "--dry-run", "train.seed=5", "--run-dir", _interrupted(c)],
+        "--run-dir run", "holds another config (train.seed: 0 there, 5 here)"),
     row("slurm --run-dir holding a checkpoint",
         lambda c: ["slurm", "--nodes", "1", "--dry-run", "--run-dir", _run(100)(c)],
-        "--run-dir", "run", "not empty"),
+        "--run-dir", "run", "holds a run with a checkpoint at step 100",
+        "continue it with `partrain launch --resume ", "new --run-dir"),
 ]
 
 def _broken(how: str):
@@ -293,6 +296,17 @@ def test_resume_may_change_the_schedule(run_main, tmp_path, monkeypatch):
     assert ("changed on resume: optim.lr 0.003 -> 0.0001, optim.warmup_steps 20 -> 0, "
             "train.activation_checkpointing none -> full") in out
     assert "resuming from step 100 (run/checkpoints/step-00000100); nothing started" in out
+
+
+@pytest.mark.parametrize("made", [_run(), _interrupted], ids=["stopped", "killed-in-first-save"])
+def test_a_run_dir_without_a_checkpoint_starts_again_with_the_same_command(
+        made, run_main, tmp_path, monkeypatch):
+    """A run stopped (or killed in its first save) before it committed a checkpoint: the same
+    command in its run dir, as a requeued job runs it, starts it again from step 1."""
+    out = _allowed(run_main, tmp_path, monkeypatch,
+                   lambda c: ["launch", "--dry-run", "--run-dir", made(c)])
+    assert ("it trained before without committing a checkpoint, so the run starts again from "
+            "step 1") in out, out
 
 
 def test_resume_with_the_same_config_says_no_change(run_main, tmp_path, monkeypatch):

@@ -55,10 +55,10 @@ def test_a_run_dir_frozen_with_paths_as_typed_is_the_same_config(tmp_path, monke
     OmegaConf.save(old, run_dir / "config.yaml")
     check_run_dir(run_dir, cfg)
     other, _, _ = resolved("data.source=tokens", f"data.path={tmp_path / 'other'}")
-    with pytest.raises(ConfigError, match="already exists and is not empty"):
+    with pytest.raises(ConfigError, match="holds another config"):
         check_run_dir(run_dir, other)
     old.data.path = str(tmp_path / "tokens")  # as written today: typed elsewhere, the same
     OmegaConf.save(old, run_dir / "config.yaml")  # text names another directory
     os.chdir(tmp_path / "tokens")
-    with pytest.raises(ConfigError, match="already exists and is not empty"):
+    with pytest.raises(ConfigError, match="holds another config"):
         check_run_dir(run_dir, cfg)

@@ -5,6 +5,7 @@ the CLI where a user would meet them (exit 2, one message, nothing started)."""
 import socket
 
 import pytest
+from omegaconf import OmegaConf
 
 from partrain.errors import ConfigError
 from partrain.launch.cluster import (
@@ -215,10 +216,61 @@ def test_frozen_config_runs_as_is_and_refuses_overrides(run_main, tmp_path):
     assert result.code == 0, result.stderr  # the run dir holds this very config: joined
     result = run_main("launch", frozen, "train.max_steps=8", "--dry-run")
     assert result.code == 2 and "frozen config and takes no overrides" in result.stderr
-    # Another config, or a run dir that has trained, is refused.
+    # Another config is refused, saying how it differs (two nodes given other overrides).
     other, _, _ = resolved("train.max_steps=8")
-    with pytest.raises(ConfigError, match="already exists and is not empty"):
+    with pytest.raises(ConfigError, match=r"holds another config \(train.max_steps: 7 there, 8 "
+                                          r"here\): every node of a run runs the same config"):
         check_run_dir(run_dir, other)
+    # A run dir this config trained in without a checkpoint is joined (the run starts again);
+    # one that holds anything else is not partrain's to write into.
     (run_dir / "metrics.jsonl").write_text("{}\n")
+    check_run_dir(run_dir, cfg)
+    with pytest.raises(ConfigError, match="holds another config"):
+        check_run_dir(run_dir, other)
+    (run_dir / "config.yaml").unlink()
     with pytest.raises(ConfigError, match="already exists and is not empty"):
         check_run_dir(run_dir, cfg)
+
+
+def test_the_config_is_put_only_where_none_is_or_the_same(tmp_path):
+    """Two nodes started at once with other configs both pass check_run_dir before either
+    writes: the first config.yaml in place stays (a hard link fails where one is), and the
+    other node is refused, naming how the two differ. A resume replaces it."""
+    from partrain.launch.rundir import _put_config
+    from tests.unit.helpers import resolved
+
+    ten, _, _ = resolved("train.max_steps=10")
+    twenty, _, _ = resolved("train.max_steps=20")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+
+    def put(cfg, resuming=False):
+        tmp = run_dir / ".config.yaml.1.tmp"
+        tmp.write_text(OmegaConf.to_yaml(cfg))
+        _put_config(tmp, run_dir, cfg, resuming)
+        assert not tmp.exists()
+
+    put(ten)
+    put(ten)  # the other node, the same config
+    with pytest.raises(ConfigError, match=r"holds another config \(train.max_steps: 10 there, 20 "
+                                          r"here\)"):
+        put(twenty)
+    assert OmegaConf.load(run_dir / "config.yaml").train.max_steps == 10
+    put(twenty, resuming=True)
+    assert OmegaConf.load(run_dir / "config.yaml").train.max_steps == 20
+
+
+def test_slurm_on_a_run_dir_with_a_checkpoint_says_how_to_continue_it(tmp_path):
+    from partrain.launch.rundir import check_run_dir
+    from tests.unit.checkpoint.builders import write_run_dir
+
+    run_dir = write_run_dir(tmp_path / "run", 8)
+    with pytest.raises(ConfigError) as e:
+        check_run_dir(run_dir, None)
+    assert str(e.value) == (f"--run-dir {run_dir} holds a run with a checkpoint at step 8; "
+                            f"continue it with `partrain launch --resume {run_dir}`; or give a "
+                            "new --run-dir for a new run")
+    (run_dir / "job.sbatch").write_text("#!/bin/bash\n")
+    with pytest.raises(ConfigError, match=f"resubmit its script to continue it: sbatch "
+                                          f"{run_dir / 'job.sbatch'}; or give a new --run-dir"):
+        check_run_dir(run_dir, None)

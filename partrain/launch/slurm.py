@@ -252,6 +252,11 @@ def check_sbatch_arg(arg: str) -> None:
         raise ConfigError(f"--sbatch-arg {arg!r}: one option per --sbatch-arg, its value after "
                           "'=' (e.g. --sbatch-arg=--constraint=a100); sbatch reads this as one "
                           f"option named {name[2:]!r}")
+    options = re.split(r"\s+(?=--?[A-Za-z])", arg.strip())
+    if len(options) > 1:
+        each = " ".join(f"--sbatch-arg={option}" for option in options)
+        raise ConfigError(f"--sbatch-arg {arg!r} holds {len(options)} options; sbatch would read "
+                          f"them as one value of {name}: give each its own flag ({each})")
 
 
 def partrain_option(arg: str) -> tuple[str, str] | None:

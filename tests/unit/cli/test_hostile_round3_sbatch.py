@@ -82,6 +82,15 @@ ROWS_SBATCH = [
 ] + [
     row("--sbatch-arg two options in one", _sbatch("--hold --nice=10"),
         "--sbatch-arg '--hold --nice=10'", "one option per --sbatch-arg", "'hold --nice'"),
+    # After a value: sbatch took it all as --constraint's value (or lost --mail-type silently in
+    # a --comment's).
+    row("--sbatch-arg two options, the first with a value",
+        _sbatch("--constraint=a100 --mail-type=END"),
+        "--sbatch-arg '--constraint=a100 --mail-type=END' holds 2 options",
+        "one value of --constraint",
+        "--sbatch-arg=--constraint=a100 --sbatch-arg=--mail-type=END"),
+    row("--sbatch-arg a short option after a value", _sbatch("--comment=x -H"),
+        "holds 2 options", "--sbatch-arg=-H"),
     row("--sbatch-arg a value without its option", _sbatch("4"), "--sbatch-arg '4'",
         "must be an sbatch option"),
 ]

@@ -216,6 +216,32 @@ class SlurmEnvironment:
 
 
 ENVIRONMENTS = (TorchElasticEnvironment, SlurmEnvironment)
+SCONTROL_TIMEOUT_S = 10
+
+
+def slurm_node_address(endpoint: str, source: str) -> tuple[str, str]:
+    """The head node's endpoint as the other nodes reach it: its name where the name resolves,
+    else the NodeAddr that SLURM's configuration gives it (`scontrol show node`, as the script
+    of `partrain slurm` asks; a site whose NodeName is no host name). Returns it and what it
+    came from; the endpoint as it was where scontrol cannot say."""
+    import socket
+    import subprocess
+
+    host, _, port = endpoint.rpartition(":")
+    try:
+        socket.getaddrinfo(host, None)
+        return endpoint, source
+    except (socket.gaierror, UnicodeError):
+        pass
+    try:
+        shown = subprocess.run(["scontrol", "show", "node", "-o", host], capture_output=True,
+                               text=True, timeout=SCONTROL_TIMEOUT_S).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return endpoint, source
+    addr = re.search(r"(?:^|\s)NodeAddr=(\S+)", shown)
+    if addr is None or addr.group(1) == host:
+        return endpoint, source
+    return f"{addr.group(1)}:{port}", f"{source}, {host}'s NodeAddr in scontrol"
 
 
 def usable_cores(env: Mapping[str, str] | None = None) -> int:

@@ -57,7 +57,7 @@ from partrain.config.resolve import MAX_WORLD_SIZE, World, resolve_world
 from partrain.config.validate import check_startable, resolve_and_validate
 from partrain.data.sampler import check_sources
 from partrain.errors import ConfigError
-from partrain.launch.cluster import NodePlace, detect_place, usable_cores
+from partrain.launch.cluster import NodePlace, detect_place, slurm_node_address, usable_cores
 from partrain.launch.netif import NodeNetwork, check_local_addr, pick_network
 from partrain.launch.rundir import check_run_dir, default_run_dir
 from partrain.launch.torchrun import count_nproc
@@ -299,6 +299,8 @@ def this_node(request: Request, place: NodePlace, world: World, warnings: list[s
     if world.nnodes > 1 and not endpoint:
         endpoint, endpoint_from = (place.rdzv_endpoint,
                                    "the SLURM job's first node (SLURM_JOB_NODELIST)")
+        if endpoint:
+            endpoint, endpoint_from = slurm_node_address(endpoint, endpoint_from)
         if not endpoint:
             raise ConfigError(f"--nnodes={world.nnodes} needs --rdzv-endpoint HOST:PORT "
                               "(node 0's address), the same on every node")

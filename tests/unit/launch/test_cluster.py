@@ -2,6 +2,7 @@
 the rendezvous port of a job, the network interface choice, and the run-dir join rule; through
 the CLI where a user would meet them (exit 2, one message, nothing started)."""
 
+import os
 import socket
 
 import pytest
@@ -274,3 +275,28 @@ def test_slurm_on_a_run_dir_with_a_checkpoint_says_how_to_continue_it(tmp_path):
     with pytest.raises(ConfigError, match=f"resubmit its script to continue it: sbatch "
                                           f"{run_dir / 'job.sbatch'}; or give a new --run-dir"):
         check_run_dir(run_dir, None)
+
+
+def test_a_head_node_whose_name_does_not_resolve_is_reached_at_its_node_addr(
+        run_main, monkeypatch, tmp_path):
+    """`srun partrain launch` at a site whose NodeName is no host name (SLURM's NodeAddr holds
+    the address): the endpoint is the head node's NodeAddr, as `scontrol show node` gives it
+    (what the script of `partrain slurm` asks too). MOCKED: `scontrol` is a script on PATH
+    standing in for a cluster's controller, which the unit tests do not run."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(
+        '#!/bin/sh\n[ "$4" = "nohost-n1" ] && echo "NodeName=nohost-n1 Arch=x86_64 '
+        'CoresPerSocket=1 NodeAddr=127.0.0.1 NodeHostName=nohost-n1 State=IDLE"\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    for key, value in {**SLURM_TASK, "SLURM_JOB_NODELIST": "nohost-n[1-2]", "SLURM_NNODES": "2",
+                       "SLURM_NTASKS": "2", "SLURM_NODEID": "0"}.items():
+        monkeypatch.setenv(key, value)
+    result = run_main("launch", "parallel.dp=4", "--dry-run")
+    assert result.code == 0, result.stderr
+    assert "network: 127.0.0.1 on lo (the route to 127.0.0.1:30211)" in result.stdout, result.stdout
+    # A name scontrol does not know stays, and is refused as before, naming it.
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "nohost-m[1-2]")
+    result = run_main("launch", "parallel.dp=4", "--dry-run")
+    assert result.code == 2 and "nohost-m1:30211: the host does not resolve" in result.stderr

@@ -139,6 +139,29 @@ def pick_network(endpoint: str, local_addr: str | None, ifname: str | None,
     return NodeNetwork(interface_of(addr), addr, f"the route to {endpoint}")
 
 
+def network_warnings(network: NodeNetwork, endpoint: str) -> list[str]:
+    """What the flags chose that the other nodes will likely not reach: a loopback address
+    where the endpoint is not one (all nodes on one machine may share loopback), an address no
+    interface here holds (right only behind a NAT)."""
+    def is_loopback(host: str) -> bool:
+        try:
+            return host == "localhost" or ipaddress.ip_address(host).is_loopback
+        except ValueError:  # a host name other than localhost
+            return False
+
+    said = []
+    if is_loopback(network.addr) and not is_loopback(split_endpoint(endpoint)[0]):
+        said.append(f"this node offers {network.addr} ({network.how}), a loopback address the "
+                    f"other nodes cannot reach (the endpoint {endpoint} is not on this machine "
+                    "alone): give --ifname or --local-addr of the network the nodes share")
+    if network.ifname is None:
+        said.append(f"--local-addr {network.addr} is on no interface of this node: the other "
+                    "nodes must reach it there (behind a NAT); GLOO_SOCKET_IFNAME and "
+                    "NCCL_SOCKET_IFNAME are not set, so the ranks choose their interface "
+                    "themselves")
+    return said
+
+
 def set_ifname_variables(network: NodeNetwork, env=os.environ) -> list[str]:
     """GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME for the workers; a user's own setting stays.
     Returns `NAME=value (how)` lines to print."""

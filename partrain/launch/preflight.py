@@ -58,7 +58,12 @@ from partrain.config.validate import check_startable, resolve_and_validate
 from partrain.data.sampler import check_sources
 from partrain.errors import ConfigError
 from partrain.launch.cluster import NodePlace, detect_place, slurm_node_address, usable_cores
-from partrain.launch.netif import NodeNetwork, check_local_addr, pick_network
+from partrain.launch.netif import (
+    NodeNetwork,
+    check_local_addr,
+    network_warnings,
+    pick_network,
+)
 from partrain.launch.rundir import check_run_dir, default_run_dir
 from partrain.launch.torchrun import count_nproc
 from partrain.observe.curves import check_curves
@@ -308,6 +313,8 @@ def this_node(request: Request, place: NodePlace, world: World, warnings: list[s
     if local_addr:
         check_local_addr(local_addr)
     network = pick_network(endpoint, local_addr, ifname, endpoint_from) if endpoint else None
+    if network is not None:
+        warnings.extend(network_warnings(network, endpoint))
     if network is None and (local_addr or ifname):
         warnings.append("--local-addr / --ifname only matter for a multi-node job "
                         "(--rdzv-endpoint); this run stays on 127.0.0.1")

@@ -300,3 +300,21 @@ def test_a_head_node_whose_name_does_not_resolve_is_reached_at_its_node_addr(
     monkeypatch.setenv("SLURM_JOB_NODELIST", "nohost-m[1-2]")
     result = run_main("launch", "parallel.dp=4", "--dry-run")
     assert result.code == 2 and "nohost-m1:30211: the host does not resolve" in result.stderr
+
+
+@pytest.mark.parametrize("flags, warned", [
+    (["--ifname", "lo"], "this node offers 127.0.0.1 (given by --ifname, its address "
+                         "127.0.0.1), a loopback address the other nodes cannot reach"),
+    (["--local-addr", "10.9.9.9"], "--local-addr 10.9.9.9 is on no interface of this node"),
+    (["--ifname", "lo", "--local-addr", "127.0.0.1"], "a loopback address"),
+])
+def test_network_flags_the_other_nodes_cannot_reach_are_warned_of(run_main, flags, warned):
+    """The newcomer's finding: these went through without a word. Warned, not refused: two
+    nodes on one machine share loopback, and a NAT's address is on no interface."""
+    result = run_main("launch", "--nnodes", "2", "parallel.dp=4", "--rdzv-endpoint",
+                      "10.1.0.1:29400", *flags, "--dry-run")
+    assert result.code == 0, result.stderr
+    assert warned in " ".join(result.stderr.split()), result.stderr
+    on_one_machine = run_main("launch", "--nnodes", "2", "parallel.dp=4", "--rdzv-endpoint",
+                              "127.0.0.1:29400", "--ifname", "lo", "--dry-run")
+    assert "loopback" not in on_one_machine.stderr, on_one_machine.stderr

@@ -20,6 +20,7 @@ from partrain.config.paths import with_anchored_paths
 from partrain.data.sampler import tokenizer_source
 from partrain.data.tokenizer import RUN_TOKENIZER, copy_files, data_tokenizer_dir
 from partrain.errors import ConfigError
+from partrain.launch.runs import finished
 
 MIN_FREE_BYTES = 1 << 20  # a run dir with less room fails at its first write of metrics
 
@@ -124,6 +125,10 @@ def check_run_dir(run_dir: Path, cfg: DictConfig | None = None, resuming: bool =
                            if cfg is not None and not joinable and frozen.is_file() else None)
             if differences:
                 raise _another_config(run_dir, differences, resuming)
+            if checkpoint is None and joinable and trained_in(run_dir) and finished(run_dir):
+                raise refuse("holds a finished run of this very config that kept no checkpoint "
+                             "(checkpoint.every=0, checkpoint.save_last=false): its metrics.jsonl "
+                             "is its result; give a new --run-dir to run it again")
             kept = store.newest(run_dir / store.CHECKPOINTS) if cfg is None else None
             if kept is not None and not resuming:  # `partrain slurm` prepares a new run dir
                 from partrain.launch.slurm import SCRIPT

@@ -78,6 +78,12 @@ def _json(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
+def finished(run_dir: Path) -> bool:
+    """Whether the run dir's last launch ended its run (state `done`, logs/state.json)."""
+    record = _json(run_dir / STATE_FILE)
+    return record is not None and record.get("state") == ENDED[0]
+
+
 def _max_steps(run_dir: Path) -> int | None:
     import yaml
 

@@ -318,3 +318,26 @@ def test_network_flags_the_other_nodes_cannot_reach_are_warned_of(run_main, flag
     on_one_machine = run_main("launch", "--nnodes", "2", "parallel.dp=4", "--rdzv-endpoint",
                               "127.0.0.1:29400", "--ifname", "lo", "--dry-run")
     assert "loopback" not in on_one_machine.stderr, on_one_machine.stderr
+
+
+@pytest.mark.parametrize("state, code", [("done", 0), ("failed", 1), ("interrupted", 130),
+                                         ("running", None)])
+def test_a_run_dir_without_a_checkpoint_is_started_again_unless_its_run_finished(
+        tmp_path, state, code):
+    """Stopped before its first checkpoint (failed, interrupted, or a node that never recorded
+    the end: a requeued job's): the same config starts again. A run that finished without
+    keeping a checkpoint has its metrics as its result: not written over."""
+    from partrain.launch.rundir import check_run_dir, write_run_dir
+    from partrain.launch.runs import write_state
+    from tests.unit.helpers import resolved
+
+    cfg, _, _ = resolved("checkpoint.every=0", "checkpoint.save_last=false")
+    run_dir = write_run_dir(cfg, tmp_path / "run")
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.5}\n')
+    write_state(run_dir, state, code)
+    if state == "done":
+        with pytest.raises(ConfigError, match="holds a finished run of this very config that "
+                                              "kept no checkpoint"):
+            check_run_dir(run_dir, cfg)
+    else:
+        assert check_run_dir(run_dir, cfg) is None

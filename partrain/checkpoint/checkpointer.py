@@ -137,7 +137,9 @@ class Checkpointer:
                        if ckpt_cfg.async_save else None)
         self.pending = None  # [future, step, reason, started, blocked_s]
         self.newest: store.Checkpoint | None = None
-        self._data: list[str] | None | bool = False  # rank 0's, at its first commit
+        self._data: list[str] | None | bool = False  # rank 0's: taken now, before training
+        if self.rank == 0:
+            self.data()
 
     def data(self) -> list[str] | None:
         """The fingerprints of the token dirs the run trains on (sampler.data_fingerprints), for

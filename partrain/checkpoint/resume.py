@@ -22,6 +22,7 @@ dropping them something the user asks for; here that is `model.init_from`: the w
 optimizer of any kind. `check_resumable` returns what changed, which the launcher prints.
 """
 
+import os
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -79,8 +80,8 @@ def check_resumable(checkpoint: store.Checkpoint, cfg) -> list[str]:
     from partrain.config.paths import with_anchored_paths
 
     # Paths compare as absolute: a checkpoint saved before they were frozen so holds them as typed.
-    saved_tree = OmegaConf.to_container(
-        with_anchored_paths(OmegaConf.create(saved_config(checkpoint))))
+    typed = saved_config(checkpoint)
+    saved_tree = OmegaConf.to_container(with_anchored_paths(OmegaConf.create(typed)))
     new_tree = OmegaConf.to_container(with_anchored_paths(cfg), resolve=True)
     saved, new = flat_keys(saved_tree), flat_keys(new_tree)
     moved = _moved(saved_tree["data"], new_tree["data"])
@@ -99,7 +100,8 @@ def check_resumable(checkpoint: store.Checkpoint, cfg) -> list[str]:
             "optimizer's schedule and hyperparameters (optim.* but optim.name), logging, "
             "evaluation and checkpoint.*. To start "
             f"a new run from these weights: model.init_from={checkpoint.path} in a new run dir")
-    changed += check_same_data(checkpoint, saved_tree["data"], new_tree["data"], moved)
+    changed += check_same_data(checkpoint, saved_tree["data"], new_tree["data"], moved,
+                               typed["data"])
     if cfg.train.max_steps < checkpoint.step:
         raise ConfigError(
             f"train.max_steps={cfg.train.max_steps} is below the checkpoint's step "
@@ -108,13 +110,17 @@ def check_resumable(checkpoint: store.Checkpoint, cfg) -> list[str]:
     return changed
 
 
+def _moved_places(data: dict) -> list[tuple[str, str | None]]:
+    """(key, path) of each token dir a data section names: data.path, data.blend[k].path."""
+    return [("data.path", data.get("path"))] + [
+        (f"data.blend[{k}].path", entry.get("path"))
+        for k, entry in enumerate(data.get("blend") or [])]
+
+
 def _moved(saved: dict, new: dict) -> list[tuple[str, str, str]]:
     """Where the data section differs only in its token dirs' places: (key, old, new) for each
     path that changed (data.path, data.blend[k].path); [] where nothing moved or more changed."""
-    def places(data):
-        return [("data.path", data.get("path"))] + [
-            (f"data.blend[{k}].path", entry.get("path"))
-            for k, entry in enumerate(data.get("blend") or [])]
+    places = _moved_places
 
     def rest(data):
         return {**data, "path": None,
@@ -128,7 +134,7 @@ def _moved(saved: dict, new: dict) -> list[tuple[str, str, str]]:
 
 
 def check_same_data(checkpoint: store.Checkpoint, saved: dict, new: dict,
-                    moved: list[tuple[str, str, str]]) -> list[str]:
+                    moved: list[tuple[str, str, str]], typed: dict | None = None) -> list[str]:
     """A resume reads the tokens the checkpoint trained on: the fingerprints its meta.json
     recorded (sampler.data_fingerprints) against the data the resume names, at the same place
     (a token dir prepared again in place is other data) or at a new one (`moved`: the same
@@ -149,6 +155,15 @@ def check_same_data(checkpoint: store.Checkpoint, saved: dict, new: dict,
             recorded = data_fingerprints(OmegaConf.create(saved))
         except OSError:
             olds = ", ".join(old for _, old, _ in moved)
+            relative = [path for _, path in _moved_places(typed or {})
+                        if path and not os.path.isabs(path)]
+            if relative:  # as the run was launched: from another directory than this one
+                raise ConfigError(
+                    f"{keys} differs from the checkpoint at step {checkpoint.step} "
+                    f"({checkpoint.path}), which was saved before partrain recorded what its "
+                    f"data holds, with {', '.join(relative)} as typed: relative to the "
+                    "directory the run was launched in, not this one. Resume from that "
+                    f"directory without {keys}; or {start_new}") from None
             raise ConfigError(
                 f"{keys} differs from the checkpoint at step {checkpoint.step} "
                 f"({checkpoint.path}), which was saved before partrain recorded what its data "
@@ -175,13 +190,21 @@ def check_same_data(checkpoint: store.Checkpoint, saved: dict, new: dict,
 def check_data_there(cfg, run_dir: Path) -> None:
     """Before a resume reads its data: a token dir that is gone from where the run read it is
     named with the way to give its new place (the checks of the data itself come after)."""
-    from partrain.config.paths import relative_note, what_is
+    from partrain.config.frozen import CONFIG, load_frozen_config
+    from partrain.config.paths import anchored, relative_note, with_anchored_paths, what_is
 
-    data = cfg.data
-    places = ([("data.path", data.path)] if data.blend is None and data.source == "tokens" else
-              [(f"data.blend[{k}].path", entry.path) for k, entry in enumerate(data.blend or [])])
-    for key, path in places:
-        if path and what_is(Path(path)) == "does not exist":
+    def places(data):
+        return dict([("data.path", data.path)] if data.blend is None and data.source == "tokens"
+                    else [(f"data.blend[{k}].path", entry.path)
+                          for k, entry in enumerate(data.blend or [])])
+
+    try:  # what the run read, against an override's new place (checked as any data.path)
+        trained = places(with_anchored_paths(load_frozen_config(str(run_dir / CONFIG), [])).data)
+    except ConfigError:
+        return
+    for key, path in places(cfg.data).items():
+        if path and what_is(Path(path)) == "does not exist" and \
+                trained.get(key) == anchored(path):
             how = (f"`partrain launch --resume {run_dir} data.path=NEW`" if key == "data.path"
                    else f"data.blend again with its new paths, in `partrain launch --resume "
                         f"{run_dir} 'data.blend=[...]'`")

@@ -147,12 +147,15 @@ def first_line(err: Exception) -> str:
     return ": ".join(parts) or f"{type(err).__name__}: not all nodes joined in time"
 
 
-def workers_started(agent_log: Path) -> bool:
+def workers_started(agent_log: Path, since: int = 0) -> bool:
     """Whether the agent got past the rendezvous and started this node's workers: the
     rendezvous's own line that this node joined a round (the agent's "Starting worker group"
-    does not reach the log: its logger is not the rendezvous's)."""
+    does not reach the log: its logger is not the rendezvous's), after byte `since` of the log
+    (where this launch's agent began: a relaunch in the run dir appends)."""
     try:
-        text = agent_log.read_text(errors="replace")
+        with open(agent_log, "rb") as f:
+            f.seek(since)
+            text = f.read().decode(errors="replace")
     except OSError:
         return False
     return re.search(r"has joined round \d+ of the rendezvous", text) is not None

@@ -251,6 +251,13 @@ def _launch_config(run_dir: Path, spec: ElasticLaunch, console_print=print) -> L
     return LaunchConfig(**{k: v for k, v in options.items() if k in known})
 
 
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
 def _run_agent(config: LaunchConfig, run_dir: Path, spec: ElasticLaunch, agent_log: Path,
                console_print) -> int:
     """Run the workers under the agent; how it ended decides the exit code: EXIT_OK when every
@@ -258,6 +265,7 @@ def _run_agent(config: LaunchConfig, run_dir: Path, spec: ElasticLaunch, agent_l
     (a rank failed, or the rendezvous did: each said with the log to read) or
     EXIT_INTERRUPTED."""
     since = time.time()  # hang reports of this launch only
+    logged = _size(agent_log)  # the log is appended to: what this launch's agent says follows
     if spec.start_method == "forkserver":  # the rank server runs already (start.py)
         entrypoint, args = forked.rank, (str(run_dir),)
     else:
@@ -291,7 +299,7 @@ def _run_agent(config: LaunchConfig, run_dir: Path, spec: ElasticLaunch, agent_l
                       f"was stopped; {where_to_resume(run_dir)}")
         return EXIT_RANK_FAILED
     except RendezvousError as err:
-        if workers_started(agent_log):
+        if workers_started(agent_log, logged):
             # The store on node 0 went away mid-run: node 0's launcher ended or its node is gone.
             console_print(f"lost the rendezvous store at {spec.rdzv_endpoint} during the run "
                           f"({first_line(err)}): node 0 ended or cannot be reached (its output "

@@ -154,7 +154,7 @@ def network_warnings(network: NodeNetwork, endpoint: str) -> list[str]:
         said.append(f"this node offers {network.addr} ({network.how}), a loopback address the "
                     f"other nodes cannot reach (the endpoint {endpoint} is not on this machine "
                     "alone): give --ifname or --local-addr of the network the nodes share")
-    if network.ifname is None:
+    if network.ifname is None and "--local-addr" in network.how:
         said.append(f"--local-addr {network.addr} is on no interface of this node: the other "
                     "nodes must reach it there (behind a NAT); GLOO_SOCKET_IFNAME and "
                     "NCCL_SOCKET_IFNAME are not set, so the ranks choose their interface "

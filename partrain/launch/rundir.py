@@ -10,17 +10,19 @@ or empty, so that the results of two runs never mix.
 
 import os
 import shutil
+import socket
 import time
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from partrain.config.frozen import CONFIG
 from partrain.config.paths import with_anchored_paths
 from partrain.data.sampler import tokenizer_source
 from partrain.data.tokenizer import RUN_TOKENIZER, copy_files, data_tokenizer_dir
 from partrain.errors import ConfigError
-from partrain.launch.runs import finished
+from partrain.launch.runs import finished, running_here
 
 MIN_FREE_BYTES = 1 << 20  # a run dir with less room fails at its first write of metrics
 
@@ -49,7 +51,10 @@ def _config_differences(path: Path, cfg: DictConfig) -> list[str] | None:
     if not isinstance(frozen, dict) or not SECTIONS <= frozen.keys():  # not a run's config
         return None
     # A run dir frozen before its paths were made absolute holds them as typed.
-    there = flat_keys(OmegaConf.to_container(with_anchored_paths(OmegaConf.create(frozen))))
+    try:
+        there = flat_keys(OmegaConf.to_container(with_anchored_paths(OmegaConf.create(frozen))))
+    except OmegaConfBaseException:  # an edited file (a ${...} that does not resolve)
+        return None
     here = flat_keys(OmegaConf.to_container(with_anchored_paths(cfg)))
     return [f"{key}: {shown(there.get(key))} there, {shown(here.get(key))} here"
             for key in sorted(there.keys() | here.keys()) if there.get(key) != here.get(key)]
@@ -72,7 +77,7 @@ def _prepared_by_partrain(run_dir: Path) -> bool:
     frozen config (or its temporary file, mid-rename), logs/, the sbatch script."""
     from partrain.launch.slurm import SCRIPT
 
-    return all(entry.name in (CONFIG, "logs", SCRIPT) or
+    return all(entry.name in (CONFIG, "logs", SCRIPT, RUN_TOKENIZER) or
                (entry.name.startswith(f".{CONFIG}.") and entry.name.endswith(".tmp"))
                for entry in run_dir.iterdir())
 
@@ -125,10 +130,17 @@ def check_run_dir(run_dir: Path, cfg: DictConfig | None = None, resuming: bool =
                            if cfg is not None and not joinable and frozen.is_file() else None)
             if differences:
                 raise _another_config(run_dir, differences, resuming)
-            if checkpoint is None and joinable and trained_in(run_dir) and finished(run_dir):
-                raise refuse("holds a finished run of this very config that kept no checkpoint "
-                             "(checkpoint.every=0, checkpoint.save_last=false): its metrics.jsonl "
-                             "is its result; give a new --run-dir to run it again")
+            if checkpoint is None and joinable and trained_in(run_dir):  # to start again
+                live = running_here(run_dir)
+                if live is not None:
+                    raise refuse(f"is in use: a launch of this config runs in it (pid {live}, "
+                                 "logs/state.json); wait for it to end or stop it, or give a "
+                                 "new --run-dir")
+                if finished(run_dir, cfg.train.max_steps):
+                    raise refuse("holds a finished run of this very config that kept no "
+                                 "checkpoint (checkpoint.every=0, checkpoint.save_last=false): "
+                                 "its metrics.jsonl is its result; give a new --run-dir to run "
+                                 "it again")
             kept = store.newest(run_dir / store.CHECKPOINTS) if cfg is None else None
             if kept is not None and not resuming:  # `partrain slurm` prepares a new run dir
                 from partrain.launch.slurm import SCRIPT
@@ -166,7 +178,8 @@ def write_run_dir(cfg: DictConfig, run_dir: Path, resuming: bool = False) -> Pat
     it, what this call made is removed and the error names --run-dir."""
     check_run_dir(run_dir, cfg, resuming)
     made = _nearest_existing(run_dir)
-    tmp = run_dir / f".{CONFIG}.{os.getpid()}.tmp"
+    # pid and host: nodes in pid namespaces of their own (containers) may share a pid.
+    tmp = run_dir / f".{CONFIG}.{socket.gethostname()}-{os.getpid()}.tmp"
     copied = not (run_dir / RUN_TOKENIZER).exists()  # and so removed again on a failure
     try:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -204,6 +217,9 @@ def _put_config(tmp: Path, run_dir: Path, cfg: DictConfig, resuming: bool) -> No
         tmp.rename(final)
     tmp.unlink(missing_ok=True)
     differences = _config_differences(final, cfg)
+    if differences is None:
+        raise ConfigError(f"--run-dir {run_dir}: its {CONFIG} (written by another launch) is "
+                          "no config partrain can read; give a new --run-dir")
     if differences:
         raise _another_config(run_dir, differences, resuming)
 

@@ -78,10 +78,23 @@ def _json(path: Path) -> dict | None:
     return data if isinstance(data, dict) else None
 
 
-def finished(run_dir: Path) -> bool:
-    """Whether the run dir's last launch ended its run (state `done`, logs/state.json)."""
+def finished(run_dir: Path, max_steps: int) -> bool:
+    """Whether the run dir's run ended: its last launch said `done` (logs/state.json), or its
+    metrics reached `max_steps` (a run dir without that record)."""
     record = _json(run_dir / STATE_FILE)
-    return record is not None and record.get("state") == ENDED[0]
+    step, _ = last_step(run_dir)
+    return (record is not None and record.get("state") == ENDED[0]) or \
+        (step is not None and step >= max_steps)
+
+
+def running_here(run_dir: Path) -> int | None:
+    """The pid of a launch that says it is running in the run dir, on this host and alive (a
+    launch on another host, or one that died without a word, cannot be told from here)."""
+    record = _json(run_dir / STATE_FILE)
+    if record is None or record.get("state") != "running" or \
+            record.get("host") != socket.gethostname() or record.get("pid") == os.getpid():
+        return None
+    return record["pid"] if _alive(record.get("pid")) else None
 
 
 def _max_steps(run_dir: Path) -> int | None:

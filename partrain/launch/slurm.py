@@ -252,11 +252,14 @@ def check_sbatch_arg(arg: str) -> None:
         raise ConfigError(f"--sbatch-arg {arg!r}: one option per --sbatch-arg, its value after "
                           "'=' (e.g. --sbatch-arg=--constraint=a100); sbatch reads this as one "
                           f"option named {name[2:]!r}")
-    options = re.split(r"\s+(?=--?[A-Za-z])", arg.strip())
+    # A long option after a value ("--constraint=a100 --mail-type=END"): sbatch reads it all as
+    # the first one's value. (A short one may be a value's own text: --comment='run -x'.)
+    options = re.split(r"\s+(?=--[A-Za-z])", arg.strip())
     if len(options) > 1:
+        first = re.split(r"[=\s]", arg.strip(), maxsplit=1)[0]
         each = " ".join(f"--sbatch-arg={option}" for option in options)
         raise ConfigError(f"--sbatch-arg {arg!r} holds {len(options)} options; sbatch would read "
-                          f"them as one value of {name}: give each its own flag ({each})")
+                          f"them as one value of {first}: give each its own flag ({each})")
 
 
 def partrain_option(arg: str) -> tuple[str, str] | None:

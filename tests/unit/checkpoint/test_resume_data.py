@@ -108,14 +108,20 @@ def test_a_blend_source_may_move(tmp_path):
 
 
 def test_a_resume_whose_data_is_gone_says_how_to_give_its_new_place(tmp_path):
+    from partrain.launch.rundir import write_run_dir
+
     cfg, _, _ = validated(*_tokens(tmp_path / "gone"))
+    run_dir = write_run_dir(cfg, tmp_path / "run")
     with pytest.raises(ConfigError) as e:
-        check_data_there(cfg, tmp_path / "run")
+        check_data_there(cfg, run_dir)
     assert str(e.value) == (
         f"data.path={tmp_path / 'gone'} does not exist: this run trained on it. If the token dir "
-        f"moved, give its new place: `partrain launch --resume {tmp_path / 'run'} "
+        f"moved, give its new place: `partrain launch --resume {run_dir} "
         "data.path=NEW`; the resume checks that it holds the same tokens")
-    check_data_there(validated()[0], tmp_path / "run")  # the standard library's source
+    # A new place given that does not exist either is not what the run trained on: the data's
+    # own check names it.
+    check_data_there(validated(*_tokens(tmp_path / "typo"))[0], run_dir)
+    check_data_there(validated()[0], run_dir)  # the standard library's source
 
 
 def test_the_checkpointer_records_the_fingerprints(tmp_path):
@@ -128,3 +134,21 @@ def test_the_checkpointer_records_the_fingerprints(tmp_path):
     checkpointer = Checkpointer.__new__(Checkpointer)
     checkpointer.config_yaml, checkpointer._data = OmegaConf.to_yaml(cfg), False
     assert checkpointer.data() == [fingerprint(a)]
+
+
+def test_an_old_relative_data_path_read_from_elsewhere_says_where_to_resume(tmp_path,
+                                                                           monkeypatch):
+    """A checkpoint saved before paths were frozen absolute, with data.path as typed (relative)
+    and no fingerprints: resumed from another directory with the true place given, it cannot
+    compare, and says that the run's path was relative to where the run was launched."""
+    monkeypatch.chdir(tmp_path)
+    write_tokens(tmp_path / "a")
+    checkpoint = _checkpoint(tmp_path, *_tokens("a"), record=False)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    message = _refusal(checkpoint, *_tokens(tmp_path / "a"))
+    assert ("which was saved before partrain recorded what its data holds, with a as typed: "
+            "relative to the directory the run was launched in, not this one. Resume from that "
+            "directory without data.path") in message
+    monkeypatch.chdir(tmp_path)
+    assert _resume(checkpoint, *_tokens("a")) == []

@@ -89,8 +89,9 @@ ROWS_SBATCH = [
         "--sbatch-arg '--constraint=a100 --mail-type=END' holds 2 options",
         "one value of --constraint",
         "--sbatch-arg=--constraint=a100 --sbatch-arg=--mail-type=END"),
-    row("--sbatch-arg a short option after a value", _sbatch("--comment=x -H"),
-        "holds 2 options", "--sbatch-arg=-H"),
+    row("--sbatch-arg a long option after a short one's value",
+        _sbatch("-C a100 --mail-type=END"), "holds 2 options", "one value of -C:",
+        "--sbatch-arg=-C a100 --sbatch-arg=--mail-type=END"),
     row("--sbatch-arg a value without its option", _sbatch("4"), "--sbatch-arg '4'",
         "must be an sbatch option"),
 ]

@@ -320,24 +320,59 @@ def test_network_flags_the_other_nodes_cannot_reach_are_warned_of(run_main, flag
     assert "loopback" not in on_one_machine.stderr, on_one_machine.stderr
 
 
-@pytest.mark.parametrize("state, code", [("done", 0), ("failed", 1), ("interrupted", 130),
-                                         ("running", None)])
+@pytest.mark.parametrize("state, code, last_step", [
+    ("done", 0, 1), ("failed", 1, 1), ("interrupted", 130, 1), ("running", None, 1),
+    ("running-live", None, 1), ("failed", 1, 300), (None, None, 300), (None, None, 1)])
 def test_a_run_dir_without_a_checkpoint_is_started_again_unless_its_run_finished(
-        tmp_path, state, code):
-    """Stopped before its first checkpoint (failed, interrupted, or a node that never recorded
-    the end: a requeued job's): the same config starts again. A run that finished without
-    keeping a checkpoint has its metrics as its result: not written over."""
+        tmp_path, state, code, last_step):
+    """Stopped before its first checkpoint (failed, interrupted, or a launch that died without
+    recording its end: a requeued job's): the same config starts again. A run that finished
+    without keeping a checkpoint (said done, or its metrics at max_steps) has its metrics as
+    its result, and a launch still running in it (alive, on this host) its own: neither is
+    written over."""
+    import json
+    import subprocess
+    import sys
+
     from partrain.launch.rundir import check_run_dir, write_run_dir
-    from partrain.launch.runs import write_state
+    from partrain.launch.runs import STATE_FILE, write_state
     from tests.unit.helpers import resolved
 
-    cfg, _, _ = resolved("checkpoint.every=0", "checkpoint.save_last=false")
+    cfg, _, _ = resolved("checkpoint.every=0", "checkpoint.save_last=false")  # 300 steps
     run_dir = write_run_dir(cfg, tmp_path / "run")
-    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.5}\n')
-    write_state(run_dir, state, code)
-    if state == "done":
-        with pytest.raises(ConfigError, match="holds a finished run of this very config that "
-                                              "kept no checkpoint"):
-            check_run_dir(run_dir, cfg)
-    else:
-        assert check_run_dir(run_dir, cfg) is None
+    (run_dir / "metrics.jsonl").write_text(f'{{"step": {last_step}, "loss": 5.5}}\n')
+    if state is not None:
+        write_state(run_dir, state.removesuffix("-live"), code)
+    other = None
+    if state == "running-live":  # another launch on this host, alive
+        other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        record = json.loads((run_dir / STATE_FILE).read_text())
+        (run_dir / STATE_FILE).write_text(json.dumps({**record, "pid": other.pid}))
+    try:
+        if state == "running-live":
+            with pytest.raises(ConfigError, match=f"is in use: a launch of this config runs in "
+                                                  f"it \\(pid {other.pid}"):
+                check_run_dir(run_dir, cfg)
+        elif state == "done" or last_step == 300:
+            with pytest.raises(ConfigError, match="holds a finished run of this very config "
+                                                  "that kept no checkpoint"):
+                check_run_dir(run_dir, cfg)
+        else:
+            assert check_run_dir(run_dir, cfg) is None
+    finally:
+        if other is not None:
+            other.kill()
+            other.wait()
+
+
+def test_a_run_dir_prepared_with_the_tokenizer_is_joined(tmp_path):
+    """`partrain slurm` (or the first node) copies the data's tokenizer into the run dir with
+    its config: the other nodes join it (they were refused: 'not empty')."""
+    from partrain.launch.rundir import check_run_dir, write_run_dir
+    from tests.unit.helpers import resolved
+
+    cfg, _, _ = resolved()
+    run_dir = write_run_dir(cfg, tmp_path / "run")
+    (run_dir / "tokenizer").mkdir()
+    (run_dir / "tokenizer" / "tokenizer.json").write_text("{}")
+    assert check_run_dir(run_dir, cfg) is None

@@ -70,3 +70,24 @@ def test_a_forked_rank_gets_the_launchers_environment_with_its_own_variables(tmp
     assert [env["GLOO_SOCKET_IFNAME"] for env in forked.values()] == ["veth-late"] * 2
     assert [env["RANK"] for env in forked.values()] == ["2", "3"]
     assert all("GLOO_SOCKET_IFNAME" not in env for env in spawned.values())
+
+
+def test_workers_started_reads_only_this_launchs_part_of_the_agent_log(tmp_path):
+    """The agent's log is appended to by every launch in the run dir (a requeue, a resume): a
+    rendezvous that completed in an earlier launch must not make this launch's failed one
+    read as a store lost during the run."""
+    from partrain.launch.failures import workers_started
+
+    log = tmp_path / "launcher-node-1.log"
+    log.write_text("2026-11-28 13:12:55,178 torch.distributed.elastic.rendezvous.dynamic_"
+                   "rendezvous INFO The node 'n1_1_0' has joined round 0 of the rendezvous "
+                   "'quickstart' as rank 1 in a world of size 2.\n")
+    since = log.stat().st_size
+    assert workers_started(log) and not workers_started(log, since)
+    with log.open("a") as f:
+        f.write("... The node 'n1_2_0' attempts to join the next round of the rendezvous\n")
+    assert not workers_started(log, since)
+    with log.open("a") as f:
+        f.write("... The node 'n1_2_0' has joined round 1 of the rendezvous 'quickstart' ...\n")
+    assert workers_started(log, since)
+    assert not workers_started(tmp_path / "missing.log")

@@ -52,6 +52,7 @@ from partrain.launch.cluster import SLURM_BASE_PORT, SLURM_PORT_SPAN
 SCRIPT = "job.sbatch"
 PASSED_THROUGH = ("NCCL_", "TORCH_NCCL_", "GLOO_")  # network settings the workers need as set here
 SIGNAL_BEFORE_END_S = 120
+SIGNAL_EARLY_S = 60  # man sbatch, --signal: "may be sent up to 60 seconds earlier than specified"
 # Once one node's launcher has ended, srun stops the others after this many seconds (`--wait`):
 # after a run, a save or a failure they end within seconds of each other, unless one hangs.
 NODES_END_WITHIN_S = 60
@@ -191,12 +192,13 @@ def check_job(job: SlurmJob) -> None:
             f"--time {job.time!r} is not a SLURM time limit: give minutes, MM:SS, HH:MM:SS, "
             "D-HH, D-HH:MM or D-HH:MM:SS (e.g. 04:00:00 or 2-00:00:00), or UNLIMITED")
     limit = _time_limit_s(job.time) if job.time is not None else None
-    if limit is not None and limit <= SIGNAL_BEFORE_END_S:
+    least = SIGNAL_BEFORE_END_S + SIGNAL_EARLY_S
+    if limit is not None and limit <= least:
         raise ConfigError(
-            f"--time {job.time} is {limit} s, no longer than the {SIGNAL_BEFORE_END_S} s before "
-            f"its end at which the job is told to save and requeue (--signal=USR2@"
-            f"{SIGNAL_BEFORE_END_S}): every start would be stopped at once and requeued without "
-            f"end; give a limit longer than {SIGNAL_BEFORE_END_S // 60} minutes")
+            f"--time {job.time} is {limit} s, within the {SIGNAL_BEFORE_END_S} s before its end "
+            f"at which the job is told to save and requeue (--signal=USR2@{SIGNAL_BEFORE_END_S}; "
+            f"SLURM may send it up to {SIGNAL_EARLY_S} s earlier): every start would be stopped "
+            f"at once and requeued without end; give a limit longer than {least // 60} minutes")
     if job.mem is not None and not SLURM_MEM.fullmatch(job.mem):
         raise ConfigError(
             f"--mem {job.mem!r} is not a SLURM memory size: give a whole number of megabytes, or "

@@ -267,9 +267,10 @@ ROWS_FLAGS = [
         "--time", "bogus", "time limit"),
     # A limit within the save signal's 120 s lead would preempt and requeue every start at once.
     row("slurm --time 2 (minutes)", ["slurm", "--time", "2", "--nodes", "1", "--dry-run"],
-        "--time 2 is 120 s", "--signal=USR2@120", "longer than 2 minutes"),
-    row("slurm --time 0-0:1:30", ["slurm", "--time", "0-0:1:30", "--nodes", "1", "--dry-run"],
-        "--time 0-0:1:30 is 90 s"),
+        "--time 2 is 120 s", "--signal=USR2@120", "longer than 3 minutes"),
+    row("slurm --time 0-0:3:00 (SLURM may signal 60 s early)",
+        ["slurm", "--time", "0-0:3:00", "--nodes", "1", "--dry-run"],
+        "--time 0-0:3:00 is 180 s", "up to 60 s earlier"),
     row("slurm --nodes 0", ["slurm", "--nodes", "0", "--dry-run"], "--nodes=0", "at least 1"),
     row("slurm --nodes abc", ["slurm", "--nodes", "abc", "--dry-run"], "--nodes", "'abc'",
         "whole number"),

@@ -148,8 +148,9 @@ class Checkpointer:
         if self._data is False:
             from partrain.data.sampler import data_fingerprints
 
+            data = OmegaConf.create(self.config_yaml).get("data")
             try:
-                self._data = data_fingerprints(OmegaConf.create(self.config_yaml).data)
+                self._data = data_fingerprints(data) if data is not None else None
             except OSError as e:
                 log.warning("the data's fingerprint is not recorded in the checkpoints: %s", e)
                 self._data = None

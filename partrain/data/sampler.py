@@ -360,8 +360,8 @@ def data_fingerprints(data_cfg) -> list[str] | None:
     data.path, one per data.blend source); None for the standard library's source. A checkpoint
     records them, so that a resume can tell the same data at another place from other data at
     the same place. OSError where a dir cannot be read."""
-    if data_cfg.blend is not None:
+    if data_cfg.get("blend") is not None:
         return [fingerprint(Path(entry.path)) for entry in data_cfg.blend]
-    if data_cfg.source == "tokens":
+    if data_cfg.get("source") == "tokens" and data_cfg.get("path"):
         return [fingerprint(Path(data_cfg.path))]
     return None

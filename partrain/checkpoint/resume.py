@@ -120,8 +120,6 @@ def _moved_places(data: dict) -> list[tuple[str, str | None]]:
 def _moved(saved: dict, new: dict) -> list[tuple[str, str, str]]:
     """Where the data section differs only in its token dirs' places: (key, old, new) for each
     path that changed (data.path, data.blend[k].path); [] where nothing moved or more changed."""
-    places = _moved_places
-
     def rest(data):
         return {**data, "path": None,
                 "blend": [{**e, "path": None} for e in data["blend"]] if data.get("blend") else
@@ -129,7 +127,8 @@ def _moved(saved: dict, new: dict) -> list[tuple[str, str, str]]:
 
     if saved == new or rest(saved) != rest(new):
         return []
-    return [(key, old, now) for (key, old), (_, now) in zip(places(saved), places(new))
+    return [(key, old, now)
+            for (key, old), (_, now) in zip(_moved_places(saved), _moved_places(new))
             if old != now]
 
 
@@ -194,9 +193,7 @@ def check_data_there(cfg, run_dir: Path) -> None:
     from partrain.config.paths import anchored, relative_note, with_anchored_paths, what_is
 
     def places(data):
-        return dict([("data.path", data.path)] if data.blend is None and data.source == "tokens"
-                    else [(f"data.blend[{k}].path", entry.path)
-                          for k, entry in enumerate(data.blend or [])])
+        return dict(_moved_places(OmegaConf.to_container(data)))
 
     try:  # what the run read, against an override's new place (checked as any data.path)
         trained = places(with_anchored_paths(load_frozen_config(str(run_dir / CONFIG), [])).data)

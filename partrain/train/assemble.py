@@ -191,11 +191,28 @@ def _outputs(cfg, run_dir: Path, rank: int, start: Start, first_step: int):
 
 def _keep_metrics_until(path: Path, step: int) -> None:
     """On resume: drop the metrics lines of steps after the checkpoint (the interrupted run
-    trained them, and they are trained again), so that metrics.jsonl has one line per step."""
+    trained them, and they are trained again), so that metrics.jsonl has one line per step.
+    A line that is not a JSON object is dropped too, with a warning: the end of a line the
+    interrupted run was writing (a full disk, a node that lost power leaves it cut short or
+    padded with NUL bytes). Kept, it would stop every resume, and the next record appended to it
+    would be lost with it."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step]
+    kept, broken = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if not line.strip("\x00 \t\r"):
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict) or not isinstance(record.get("step", 0), int):
+            broken += 1
+        elif record.get("step", 0) <= step:
+            kept.append(line)
+    if broken:
+        log.warning(f"{path}: dropped {broken} line(s) that are not a metrics record (the end "
+                    "of a write the interrupted run did not finish)")
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, path)

@@ -92,11 +92,17 @@ def dp2_run(tmp_path_factory):
 
 
 def test_relaunch_resumes_bit_identical(cli, tmp_path, dp2_run):
-    """The same command again on a run dir with a checkpoint continues from it, exactly."""
+    """The same command again on a run dir with a checkpoint continues from it, exactly. The
+    killed job was writing a metrics line when it died (a full disk, a node without power): the
+    line is cut short and padded with NUL bytes; the resume drops it and says so."""
     source, uninterrupted = dp2_run
     run_dir = _interrupted_after_5(source, copy_to=tmp_path / "run")
+    with open(run_dir / "metrics.jsonl", "ab") as metrics:
+        metrics.write(b'{"step": 11, "loss": 4.7' + b"\0" * 64)
     res = _launch(cli, *PARITY_COMMON, *LAYOUTS["dp2"], *EVERY5, "--run-dir", str(run_dir))
     assert "resuming from step 5" in res.stdout
+    assert ("dropped 1 line(s) that are not a metrics record" in
+            (run_dir / "logs" / "rank-0.log").read_text())
     steps, _ = read_metrics(run_dir)
     _assert_identical(steps, uninterrupted)
     # One line per step: what the interrupted run trained after the checkpoint was dropped.

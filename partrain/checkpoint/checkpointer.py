@@ -13,7 +13,9 @@ import errno
 import itertools
 import logging
 import os
+import queue
 import shutil
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,11 +37,12 @@ from partrain.parallel.dist import attempt, local
 
 log = logging.getLogger("partrain")
 
-# Test-only hook: PARTRAIN_TEST_SAVE_PAUSE="RANK:STEP:before|during|after" makes that rank sleep
-# at that step's save: before it writes its part, once it has written its first file (in the
-# writer, a background thread with checkpoint.async_save), or after every part is written and
-# before the commit, so that a test can stop the job mid-save. It fires in the first attempt only
-# (launcher.max_restarts: the restarted run goes on).
+# Test-only hook: PARTRAIN_TEST_SAVE_PAUSE="RANK:STEP:before|during|after|prune[:SECONDS]" makes
+# that rank sleep (600 s, or SECONDS) at that step's save: before it writes its part, once it has
+# written its first file (in the writer, a background thread with checkpoint.async_save), after
+# every part is written and before the commit, so that a test can stop the job mid-save, or
+# before the background deletion of the checkpoints the commit pruned (a slow file system). It
+# fires in the first attempt only (launcher.max_restarts: the restarted run goes on).
 PAUSE_ENV = "PARTRAIN_TEST_SAVE_PAUSE"
 
 # Writer threads per rank, as Megatron's torch_dist checkpoints have them: a rank's files are
@@ -117,9 +120,10 @@ def storage_writer(path: Path, after_first_file=None) -> FileSystemWriter:
 
 
 def _test_pause(rank: int, step: int, where: str) -> None:
-    if not attempt() and os.environ.get(PAUSE_ENV) == f"{rank}:{step}:{where}":
+    asked = os.environ.get(PAUSE_ENV, "").split(":")
+    if not attempt() and asked[:3] == [str(rank), str(step), where]:
         log.info("%s: rank %d pauses %s writing step %d", PAUSE_ENV, rank, where, step)
-        time.sleep(600)
+        time.sleep(float(asked[3]) if len(asked) > 3 else 600)
 
 
 class Checkpointer:
@@ -136,6 +140,9 @@ class Checkpointer:
                                                     use_non_blocking_copy=False))
                        if ckpt_cfg.async_save else None)
         self.pending = None  # [future, step, reason, started, blocked_s]
+        # Rank 0's deletion of pruned checkpoints: a thread and its queue, started at the first.
+        self.deleting: threading.Thread | None = None
+        self.deletions: queue.SimpleQueue | None = None
         self.newest: store.Checkpoint | None = None
         self._data: list[str] | None | bool = False  # rank 0's: taken now, before training
         if self.rank == 0:
@@ -212,10 +219,40 @@ class Checkpointer:
                 staging.result()
                 self.pending[4] += time.perf_counter() - t0
 
-    def close(self) -> None:
+    def close(self, preempted: bool = False) -> None:
+        """The background save committed, and the deletion of pruned checkpoints waited for at a
+        normal end; after a preemption signal not, since the job has only its grace period left
+        (what a deletion cut short leaves, the next start removes)."""
         self.wait()
         if self.stager is not None:
             self.stager.close()
+        if not preempted:
+            self._deleted()
+
+    def _delete_in_background(self, paths: list[Path], step: int) -> None:
+        """Delete pruned checkpoints (already renamed out of the committed set, store.prune) in
+        a thread of their own, in order, as torchtitan's purge thread does: removing a large
+        checkpoint on a network file system can take minutes, while the other ranks would wait
+        for rank 0 in the next step, timed by the hang watch (launcher.hang_timeout_s)."""
+        if self.deleting is None:
+            self.deletions = queue.SimpleQueue()
+            self.deleting = threading.Thread(target=self._delete, name="partrain-prune",
+                                             daemon=True)
+            self.deleting.start()
+        self.deletions.put((paths, step))
+
+    def _delete(self) -> None:
+        while (job := self.deletions.get()) is not None:
+            paths, step = job
+            _test_pause(self.rank, step, "prune")
+            store.remove_trees(paths)
+
+    def _deleted(self) -> None:
+        """Wait for every deletion asked for so far."""
+        if self.deleting is not None:
+            self.deletions.put(None)
+            self.deleting.join()
+            self.deleting = None
 
     def poll(self) -> None:
         """At a step boundary: commit a finished background save (rank 0 only needs to)."""
@@ -297,7 +334,8 @@ class Checkpointer:
             meta["data"] = self.data()
         with self._undone_on_failure(step, f"committing the checkpoint of step {step}"):
             self.newest = store.commit(self.root, step, meta, self.config_yaml)
-        pruned = store.prune(self.root, self.cfg.keep)
+        pruned = store.prune(self.root, self.cfg.keep,
+                             lambda paths: self._delete_in_background(paths, step))
         record = {"step": step, "checkpoint": str(self.newest.path.relative_to(self.root.parent)),
                   "bytes": self.newest.meta["bytes"], "seconds": round(seconds, 4),
                   "blocked_s": round(blocked_s, 4), "reason": reason}

@@ -10,9 +10,10 @@ every rank only after the coordinator wrote .metadata), one rank writes meta.jso
 directory: the rename is the commit. A SIGKILL at any moment leaves either the old set of
 committed checkpoints or the new one. `latest` follows the rename; a reader that finds it stale
 (a kill between the two) takes the newest committed directory, which is always right. Older
-checkpoints are deleted only after a newer one is committed. A save that fails (a full disk, any
-rank's error) is discarded by its ranks at once; one that was killed leaves its temporary
-directory, which the next start removes. Pure file operations: no process group, so the launcher
+checkpoints are deleted only after a newer one is committed, each renamed to a temporary name
+first (`.tmp-pruned-step-N`): a kill mid-delete leaves a leftover, never half a checkpoint. A
+save that fails (a full disk, any rank's error) is discarded by its ranks at once; one that was
+killed leaves its temporary directory, which the next start removes. Pure file operations: no process group, so the launcher
 and the unit tests use them directly.
 """
 
@@ -166,12 +167,35 @@ def discard(root: Path, step: int) -> None:
     shutil.rmtree(tmp_dir(root, step), ignore_errors=True)
 
 
-def prune(root: Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` committed checkpoints (called after a commit)."""
+def prune(root: Path, keep: int, delete=None) -> list[Path]:
+    """Delete all but the newest `keep` committed checkpoints (called after a commit); returns
+    their paths. Each is first renamed out of the committed set under the temporary prefix (a
+    rename is atomic: a kill while a directory of many files is deleted never leaves part of a
+    checkpoint that still looks committed, and the next start removes what is left). Then
+    `delete(renamed paths)` deletes them; by default here and now. The checkpointer deletes in a
+    background thread: on a network file system removing a large checkpoint can take minutes,
+    and the other ranks would wait for rank 0 in their next step meanwhile."""
     old = committed(root)[:-keep] if keep > 0 else []
+    pruned, renamed = [], []
     for checkpoint in old:
-        shutil.rmtree(checkpoint.path, ignore_errors=True)
-    return [c.path for c in old]
+        gone = root / f"{TMP_PREFIX}pruned-{checkpoint.path.name}"
+        try:
+            os.rename(checkpoint.path, gone)
+        except OSError as err:
+            log.warning("%s could not be removed (kept beyond checkpoint.keep): %s",
+                        checkpoint.path, err)
+            continue
+        pruned.append(checkpoint.path)
+        renamed.append(gone)
+    if renamed:
+        _fsync_dir(root)
+        (delete or remove_trees)(renamed)
+    return pruned
+
+
+def remove_trees(paths: list[Path]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def find(path: Path, what: str) -> Checkpoint:

@@ -82,7 +82,7 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag,
                     break
                 run.checkpointer.poll()
         with watch.quiet():
-            run.checkpointer.close()
+            run.checkpointer.close(preempted=preempted_at is not None)
     finally:
         # Also on a failure: a live display left running would leave the terminal's cursor hidden.
         run.display.stop()

@@ -104,3 +104,29 @@ def test_a_pipeline_stage_names_the_transfer_it_waits_for(cli, tmp_path):
     assert ("rank 0 waits in wait() for the recv_b of micro-batch 0 (chunk 0) from rank 1, "
             "called at partrain/parallel/pipeline.py:") in said, said
     assert "rank 1 is in no collective" in said
+
+
+@pytest.mark.slow
+def test_a_slow_deletion_of_a_pruned_checkpoint_is_not_a_hang(cli, tmp_path):
+    """checkpoint.keep=1: the commit of step 4 prunes step 2's checkpoint, and deleting it takes
+    8 s, longer than the hang limit (a large checkpoint on a network file system; the test hook
+    pauses rank 0's deletion). Rank 0 deletes in the background, so rank 1 does not wait for it
+    in step 5 and the hang watch has nothing to say; the run ends with only its newest
+    checkpoint and no leftover."""
+    run_dir = tmp_path / "run"
+    res = cli.run("launch", "parallel.dp=2", *COMMON, "train.max_steps=8", "checkpoint.every=2",
+                  "checkpoint.keep=1", "--run-dir", str(run_dir),
+                  env={"PARTRAIN_TEST_SAVE_PAUSE": "0:4:prune:8"})
+    said = _said(res)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "hang" not in said, said
+    # No rank saw one either (a rank that reports a hang waits 5 s for the others' reports
+    # before it ends, and this run could end first).
+    assert not (run_dir / "logs" / "hang").exists()
+    for rank in (0, 1):
+        assert "no progress for" not in (run_dir / "logs" / f"rank-{rank}.log").read_text()
+    assert "rank 0 pauses prune writing step 4" in (run_dir / "logs" / "rank-0.log").read_text()
+    steps, _ = read_metrics(run_dir)
+    assert [s["step"] for s in steps] == list(range(1, 9))
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest",
+                                                                          "step-00000008"]

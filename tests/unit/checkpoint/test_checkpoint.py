@@ -198,6 +198,23 @@ def test_prune_deletes_only_older_committed(tmp_path):
     assert steps(root) == [40]
 
 
+def test_prune_takes_a_checkpoint_out_of_the_committed_set_before_deleting_it(tmp_path):
+    """The rename comes first: while a large checkpoint is deleted (in the checkpointer's
+    background thread) or if the deletion is killed, what is left is no checkpoint any reader
+    would take, and the next start removes it as a leftover."""
+    root = tmp_path / "checkpoints"
+    for step in (10, 20, 30):
+        write_checkpoint(root, step)
+    handed = []
+    assert names(store.prune(root, 1, delete=handed.extend)) == ["step-00000010", "step-00000020"]
+    assert steps(root) == [30], "no longer committed, though not deleted yet"
+    assert [p.name for p in handed] == [".tmp-pruned-step-00000010", ".tmp-pruned-step-00000020"]
+    assert all((p / "meta.json").is_file() for p in handed)
+    assert store.leftovers(root) == handed
+    assert store.clean_leftovers(root) == handed and not any(p.exists() for p in handed)
+    assert steps(root) == [30]
+
+
 # ------------------------------------------------------------------------------------------------
 # store: a checkpoint named by the user
 

@@ -23,7 +23,8 @@ the last step passes):
     way to give its new place: check_data_there) (launch, slurm).
  7. The curves' packages (check_curves) (launch, slurm).
  8. The run dir (check_run_dir): slurm prepares a new or empty one; launch may also join one
-    prepared for this very config, or continue the checkpoint in it (launch, slurm).
+    prepared for this very config, or continue the checkpoint in it (launch, slurm), unless a
+    launch on this host runs in it (check_not_in_use) (launch).
  9. The checkpoint: the run dir's newest, which a resume may continue (check_resumable; its data
     the same tokens as the checkpoint recorded, at the same place or a new one), else the
     one model.init_from names, or its Hugging Face directory (check_init_from); a checkpoint's
@@ -64,7 +65,7 @@ from partrain.launch.netif import (
     network_warnings,
     pick_network,
 )
-from partrain.launch.rundir import check_run_dir, default_run_dir
+from partrain.launch.rundir import check_not_in_use, check_run_dir, default_run_dir
 from partrain.launch.torchrun import count_nproc
 from partrain.observe.curves import check_curves
 
@@ -165,6 +166,8 @@ def preflight(request: Request) -> Ready:
         joins = checks.run_dir == "start"
         ready.checkpoint = check_run_dir(ready.run_dir, cfg if joins else None,
                                          resuming=resume is not None)
+        if joins:
+            check_not_in_use(ready.run_dir, world.nnodes, resuming=resume is not None)
     if checks.checkpoint:
         if ready.checkpoint is not None:
             ready.changed = check_resumable(ready.checkpoint, cfg)

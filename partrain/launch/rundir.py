@@ -130,12 +130,8 @@ def check_run_dir(run_dir: Path, cfg: DictConfig | None = None, resuming: bool =
                            if cfg is not None and not joinable and frozen.is_file() else None)
             if differences:
                 raise _another_config(run_dir, differences, resuming)
-            if checkpoint is None and joinable and trained_in(run_dir):  # to start again
-                live = running_here(run_dir)
-                if live is not None:
-                    raise refuse(f"is in use: a launch of this config runs in it (pid {live}, "
-                                 "logs/state.json); wait for it to end or stop it, or give a "
-                                 "new --run-dir")
+            if checkpoint is None and joinable and trained_in(run_dir) and \
+                    running_here(run_dir) is None:  # to start again (check_not_in_use)
                 if finished(run_dir, cfg.train.max_steps):
                     raise refuse("holds a finished run of this very config that kept no "
                                  "checkpoint (checkpoint.every=0, checkpoint.save_last=false): "
@@ -166,6 +162,22 @@ def check_run_dir(run_dir: Path, cfg: DictConfig | None = None, resuming: bool =
     except OSError as e:  # a path too long, a name the file system refuses, an I/O error
         raise refuse(f"cannot be used: {e.strerror}") from None
     return checkpoint
+
+
+def check_not_in_use(run_dir: Path, nnodes: int, resuming: bool) -> None:
+    """A run dir in which a launch on this host is training takes no other launch: two would
+    write each other's checkpoints, prune each other's, and interleave metrics.jsonl. Only the
+    launchers of one job's nodes run in one run dir together: a launch of several nodes passes
+    when the running one is of several too (on one host when the nodes are network namespaces
+    or containers). A launch on another host cannot be seen from here."""
+    live = running_here(run_dir)
+    if live is None or (nnodes > 1 and live[1] > 1):
+        return
+    pid, _ = live
+    raise ConfigError(f"{'--resume' if resuming else '--run-dir'} {run_dir} is in use: a launch "
+                      f"runs in it (pid {pid}, logs/state.json); wait for it to end, or stop it "
+                      f"(`kill -USR2 {pid}` saves a checkpoint first, then it exits 3) and "
+                      "launch again, or give a new --run-dir")
 
 
 def _read_only_fs(path: Path) -> bool:

@@ -29,10 +29,15 @@ TAIL_BYTES = 1 << 16  # metrics.jsonl is read from its end: its last step line i
 SMALL_FILE_BYTES = 1 << 20  # state.json and config.yaml of a run are far smaller
 
 
-def write_state(run_dir: Path, state: str, exit_code: int | None = None) -> None:
-    """Record the run's state in logs/state.json, whole or not at all (a rename)."""
+def write_state(run_dir: Path, state: str, exit_code: int | None = None,
+                nnodes: int = 1) -> None:
+    """Record the run's state in logs/state.json, whole or not at all (a rename): with the
+    launcher's pid, its start time (a pid the system gave to another process since is not this
+    launcher) and host, and the launch's node count (the launchers of one job's other nodes may
+    share the host: network namespaces, containers)."""
     record = {"state": state, "exit_code": exit_code, "pid": os.getpid(),
-              "host": socket.gethostname(), "at": time.time()}
+              "started": _start_ticks(os.getpid()), "host": socket.gethostname(),
+              "nnodes": nnodes, "at": time.time()}
     path = run_dir / STATE_FILE
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(record) + "\n")
@@ -87,14 +92,17 @@ def finished(run_dir: Path, max_steps: int) -> bool:
         (step is not None and step >= max_steps)
 
 
-def running_here(run_dir: Path) -> int | None:
-    """The pid of a launch that says it is running in the run dir, on this host and alive (a
-    launch on another host, or one that died without a word, cannot be told from here)."""
+def running_here(run_dir: Path) -> tuple[int, int] | None:
+    """(pid, node count) of a launch that says it is running in the run dir, on this host and
+    alive (a launch on another host, or one that died without a word, cannot be told from
+    here)."""
     record = _json(run_dir / STATE_FILE)
     if record is None or record.get("state") != "running" or \
             record.get("host") != socket.gethostname() or record.get("pid") == os.getpid():
         return None
-    return record["pid"] if _alive(record.get("pid")) else None
+    nnodes = record.get("nnodes")
+    return ((record["pid"], nnodes if isinstance(nnodes, int) else 1)
+            if _alive(record.get("pid"), record.get("started")) else None)
 
 
 def _max_steps(run_dir: Path) -> int | None:
@@ -132,7 +140,9 @@ def last_step(run_dir: Path) -> tuple[int | None, float | None]:
     return None, None
 
 
-def _alive(pid) -> bool:
+def _alive(pid, started=None) -> bool:
+    """Whether process `pid` runs, and is the one that started at `started` (clock ticks since
+    boot, `_start_ticks`) where that was recorded."""
     if not isinstance(pid, int) or pid <= 0:
         return False
     try:
@@ -140,10 +150,21 @@ def _alive(pid) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True  # someone else's process: alive
+        pass  # someone else's process: alive
     except OSError:
         return False
-    return True
+    now = _start_ticks(pid)
+    return not (isinstance(started, int) and now is not None and now != started)
+
+
+def _start_ticks(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (/proc/PID/stat, field 22); None
+    where there is no /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[19])  # after the name: state is field 3, starttime field 22
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _mtime(path: Path) -> float | None:
@@ -157,7 +178,8 @@ def _recorded_state(record: dict) -> str:
     state = record.get("state")
     if state != "running":
         return state if state in ENDED.values() else "unknown"
-    if record.get("host") == socket.gethostname() and not _alive(record.get("pid")):
+    if record.get("host") == socket.gethostname() and not _alive(record.get("pid"),
+                                                                  record.get("started")):
         return "killed"  # the launcher ended without a word: SIGKILL, out of memory, a reboot
     return "running"
 

@@ -79,14 +79,14 @@ def start(request: Request, dry_run: bool, out: Console, err: Console,
         write_run_dir(cfg, run_dir, resuming=request.resume is not None)
         records = ready.node.rank == 0  # node 0's launcher says the run's state (`partrain runs`)
         if records:
-            _record(run_dir, "running", None, warn)
+            _record(run_dir, "running", None, warn, ready.world.nnodes)
         print_start(ready, resuming_from, out)
         try:
             code = launch_workers(run_dir, launch_spec(ready), console_print=err.print)
         finally:
             remove_swap_dir(cfg.parallel, run_dir)  # offload to nvme: this node's swap folder
     if records:
-        _record(run_dir, ENDED.get(code, "failed"), code, warn)
+        _record(run_dir, ENDED.get(code, "failed"), code, warn, ready.world.nnodes)
     if code == 0:
         out.print(f"done: metrics in {run_dir / 'metrics.jsonl'}")
         if records:
@@ -116,10 +116,11 @@ def _environment(env: dict[str, str]):
                 os.environ[name] = value
 
 
-def _record(run_dir: Path, state: str, code: int | None, warn: Callable[[str], None]) -> None:
+def _record(run_dir: Path, state: str, code: int | None, warn: Callable[[str], None],
+            nnodes: int) -> None:
     """logs/state.json; a run dir that refuses it loses only what `partrain runs` shows."""
     try:
-        write_state(run_dir, state, code)
+        write_state(run_dir, state, code, nnodes)
     except OSError as e:
         warn(f"{run_dir / STATE_FILE} cannot be written ({e.strerror or e}); `partrain runs` "
              "will not show this run's state")

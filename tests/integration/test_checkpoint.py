@@ -150,6 +150,17 @@ def test_sigkill_mid_save_keeps_the_last_commit(cli, tmp_path, dp2_run, where):
     tmp = run_dir / "checkpoints" / ".tmp-step-00000004"
     _wait_for(lambda: paused[0].exists() and "pauses" in paused[0].read_text() and tmp.is_dir(),
               proc, "the save pause")
+    if where == "0:4:after":
+        # Meanwhile the run dir, which holds step 2's checkpoint, takes no other launch: neither
+        # the same command again nor a resume (a second shell, a job submitted twice).
+        for again in (("launch", *common, "--run-dir", str(run_dir)),
+                      ("launch", "--resume", str(run_dir), "optim.lr=0.001")):
+            refused = cli.run(*again)
+            assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
+            assert f"{run_dir} is in use: a launch runs in it (pid {proc.pid}" in " ".join(
+                refused.stderr.split()), refused.stderr
+            assert "Traceback" not in refused.stderr
+        assert tmp.is_dir() and proc.poll() is None
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its group; the workers die with it
     proc.wait()
     deadline = time.monotonic() + 10

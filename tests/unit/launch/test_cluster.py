@@ -334,8 +334,8 @@ def test_a_run_dir_without_a_checkpoint_is_started_again_unless_its_run_finished
     import subprocess
     import sys
 
-    from partrain.launch.rundir import check_run_dir, write_run_dir
-    from partrain.launch.runs import STATE_FILE, write_state
+    from partrain.launch.rundir import check_not_in_use, check_run_dir, write_run_dir
+    from partrain.launch.runs import STATE_FILE, _start_ticks, write_state
     from tests.unit.helpers import resolved
 
     cfg, _, _ = resolved("checkpoint.every=0", "checkpoint.save_last=false")  # 300 steps
@@ -347,12 +347,14 @@ def test_a_run_dir_without_a_checkpoint_is_started_again_unless_its_run_finished
     if state == "running-live":  # another launch on this host, alive
         other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
         record = json.loads((run_dir / STATE_FILE).read_text())
-        (run_dir / STATE_FILE).write_text(json.dumps({**record, "pid": other.pid}))
+        (run_dir / STATE_FILE).write_text(json.dumps(
+            {**record, "pid": other.pid, "started": _start_ticks(other.pid)}))
     try:
         if state == "running-live":
-            with pytest.raises(ConfigError, match=f"is in use: a launch of this config runs in "
-                                                  f"it \\(pid {other.pid}"):
-                check_run_dir(run_dir, cfg)
+            assert check_run_dir(run_dir, cfg) is None  # and preflight's next check refuses
+            with pytest.raises(ConfigError, match=f"is in use: a launch runs in it "
+                                                  f"\\(pid {other.pid}"):
+                check_not_in_use(run_dir, 1, resuming=False)
         elif state == "done" or last_step == 300:
             with pytest.raises(ConfigError, match="holds a finished run of this very config "
                                                   "that kept no checkpoint"):

@@ -190,3 +190,60 @@ def test_next_steps_name_the_run_dir(tmp_path):
     moe = next_steps(run, compose("model=tiny-moe", "train.max_steps=10"))
     assert not any("export" in line for line in moe)  # --format hf refuses a mixture of experts
     assert next_steps(_run_dir(tmp_path, "none"), quick()) == []
+
+
+@pytest.fixture
+def live_launch():
+    """Another process on this host, standing in for a launcher that runs."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def _says_running(run_dir, pid, **extra):
+    from partrain.launch.runs import _start_ticks
+
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    record = {"state": "running", "pid": pid, "started": _start_ticks(pid),
+              "host": socket.gethostname(), "nnodes": 1, **extra}
+    (run_dir / "logs" / "state.json").write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize("resuming", [False, True])
+def test_a_run_dir_a_launch_runs_in_takes_no_other(tmp_path, live_launch, resuming):
+    """A resume, or the same command again, while the run trains: both would write and prune
+    checkpoints in one run dir (a user's second shell, a job submitted twice)."""
+    from partrain.errors import ConfigError
+    from partrain.launch.rundir import check_not_in_use
+
+    run_dir = tmp_path / "run"
+    _says_running(run_dir, live_launch.pid)
+    flag = "--resume" if resuming else "--run-dir"
+    with pytest.raises(ConfigError, match=f"{flag} {run_dir} is in use: a launch runs in it "
+                                          f"\\(pid {live_launch.pid}, logs/state.json\\)"):
+        check_not_in_use(run_dir, 1, resuming)
+    # A launch of several nodes meets the one of its own job's node 0 (here on one host: network
+    # namespaces); one of a single node is refused by it, as it is by a single-node launch.
+    _says_running(run_dir, live_launch.pid, nnodes=2)
+    check_not_in_use(run_dir, 2, resuming)
+    with pytest.raises(ConfigError, match="is in use"):
+        check_not_in_use(run_dir, 1, resuming)
+    _says_running(run_dir, live_launch.pid, nnodes=1)
+    with pytest.raises(ConfigError, match="is in use"):
+        check_not_in_use(run_dir, 2, resuming)
+
+
+def test_a_pid_given_to_another_process_since_is_not_the_launch(tmp_path, live_launch):
+    """state.json says running with the pid of a launcher that died without a word, and the
+    system has since given that pid to another process (here: a live process whose start time
+    is not the recorded one): neither `runs` nor a new launch takes it for the launch."""
+    from partrain.launch.rundir import check_not_in_use
+    from partrain.launch.runs import _start_ticks
+
+    run_dir = tmp_path / "run"
+    _says_running(run_dir, live_launch.pid, started=_start_ticks(live_launch.pid) - 1)
+    check_not_in_use(run_dir, 1, resuming=True)
+    assert read_run(run_dir).state == "killed"
+    _says_running(run_dir, live_launch.pid)
+    assert read_run(run_dir).state == "running"

@@ -69,7 +69,15 @@ def saved_config(checkpoint: store.Checkpoint) -> dict:
     checkpoint was trained with."""
     from partrain.config.frozen import load_frozen_config
 
-    frozen = load_frozen_config(str(checkpoint.path / store.SAVED_CONFIG), [])
+    try:
+        frozen = load_frozen_config(str(checkpoint.path / store.SAVED_CONFIG), [])
+    except ConfigError as e:
+        folder = checkpoint.path.parent
+        raise ConfigError(
+            f"the checkpoint {checkpoint.path} (step {checkpoint.step}) cannot be used: {e} "
+            f"(the config it was saved with). Move it out of {folder} to go on from the one "
+            f"before it (a run dir's newest checkpoint is read), or give an older one "
+            f"({folder}/step-N)") from None
     return OmegaConf.to_container(frozen, resolve=True)
 
 
@@ -228,6 +236,12 @@ def resume_config(run_dir: Path, overrides: list[str]):
         raise ConfigError(f"--resume {run_dir} {rule}: give the run dir of a partrain run that "
                           "saved a checkpoint")
     if not frozen.is_file():
+        kept = store.newest(run_dir / store.CHECKPOINTS)
+        if kept is not None:  # its config.yaml deleted or lost: each checkpoint holds a copy
+            raise ConfigError(
+                f"--resume {run_dir} holds no {CONFIG}, though it holds the checkpoint "
+                f"{kept.path}: copy that checkpoint's {CONFIG} back ({kept.path / CONFIG} to "
+                f"{frozen}) and resume again")
         raise ConfigError(f"--resume {run_dir} holds no {CONFIG}: give the run dir of a partrain "
                           "run that saved a checkpoint")
     cfg = load_frozen_config(str(frozen), [])

@@ -145,7 +145,9 @@ def commit(root: Path, step: int, meta: dict, config_yaml: str) -> Checkpoint:
     tmp = tmp_dir(root, step)
     final = root / step_dir_name(step)
     meta = {**meta, "step": step, "bytes": dir_bytes(tmp)}
-    (tmp / SAVED_CONFIG).write_text(config_yaml)
+    # Both on disk before the rename (a power cut after it must not leave either empty); meta.json
+    # last, as it makes the directory count as committed.
+    _write_atomically(tmp / SAVED_CONFIG, config_yaml)
     _write_atomically(tmp / META, json.dumps(meta, indent=2) + "\n")
     _fsync_dir(tmp)
     if final.exists():  # the same step saved again (a resume that ended where it began)

@@ -66,6 +66,8 @@ def read_yaml(path: Path, what: str = "config file"):
     try:
         if path.is_dir():
             raise ConfigError(f"{what} {path} is a directory; give a YAML file")
+        if not path.exists() and not path.is_symlink():
+            raise ConfigError(f"{what} {path} does not exist")
         if not path.is_file():
             raise ConfigError(f"{what} {path} is not a regular file"
                               + (" (a broken or looping symbolic link)" if path.is_symlink()

@@ -39,6 +39,10 @@ def load_frozen_config(config: str, overrides: list[str]) -> DictConfig:
             f"{' '.join(overrides)}); compose from the recipe instead, e.g. "
             f"`partrain launch RECIPE {' '.join(overrides)}`")
     raw = read_yaml(Path(config), "frozen config")
+    if not isinstance(raw, dict):  # empty (a write a power cut lost), or a list, a scalar
+        raise ConfigError(f"frozen config {config} is {'empty' if raw is None else 'not a mapping'}"
+                          ": a run dir's config.yaml holds every section, exactly as the workers "
+                          "ran it")
     where = f"in the frozen config {config}"
     check_tree(raw, where)
     missing = sorted(SECTIONS - raw.keys())

@@ -62,6 +62,18 @@ def _without_saved_config(c: Ctx) -> str:
     return "run"
 
 
+def _without_run_config(c: Ctx) -> str:
+    write_run_dir(c.root / "run", 100)
+    (c.root / "run" / "config.yaml").unlink()
+    return "run"
+
+
+def _empty_saved_config(c: Ctx) -> str:
+    write_run_dir(c.root / "run", 50, 100)
+    (c.root / "run" / store.CHECKPOINTS / "step-00000100" / store.SAVED_CONFIG).write_text("")
+    return "run"
+
+
 def _resume(build, *args: str):
     return lambda c: ["launch", "--resume", build(c), *args]
 
@@ -112,7 +124,15 @@ ROWS_RESUME = [
     row("--resume checkpoint.keep=0", _resume(_run(100), "checkpoint.keep=0"),
         "checkpoint.keep=0", "at least 1"),
     row("--resume a checkpoint without its config.yaml", _resume(_without_saved_config),
-        "step-00000100/config.yaml", ("does not exist", "not a regular file")),
+        "step-00000100/config.yaml does not exist",
+        "Move it out of run/checkpoints to go on from the one before it"),
+    row("--resume a run dir whose config.yaml was deleted", _resume(_without_run_config),
+        "--resume run holds no config.yaml, though it holds the checkpoint "
+        "run/checkpoints/step-00000100", "copy that checkpoint's config.yaml back"),
+    # A power cut after the commit, before the file's data reached the disk (it is fsynced now).
+    row("--resume a checkpoint whose config.yaml is empty", _resume(_empty_saved_config),
+        "the checkpoint run/checkpoints/step-00000100 (step 100) cannot be used",
+        "step-00000100/config.yaml is empty", "Move it out of run/checkpoints"),
 ]
 
 ROWS_CHECKPOINT_KEYS = [

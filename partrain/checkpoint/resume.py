@@ -40,7 +40,7 @@ RESUMABLE = ("name", "parallel.", "launcher.", "checkpoint.", "train.micro_batch
              "train.micro_batches", "train.max_steps", "train.eval_every", "train.eval_batches",
              "train.log_every", "train.max_skipped_steps", "train.trace", "train.tensorboard", "train.wandb",
              "train.wandb_project", "train.activation_checkpointing", "train.compile",
-             "train.measure_memory", "model.init_from", "optim.lr", "optim.warmup_steps",
+             "train.measure_memory", "optim.lr", "optim.warmup_steps",
              "optim.min_lr_ratio", "optim.grad_clip", "optim.weight_decay", "optim.beta1",
              "optim.beta2", "optim.eps", "optim.schedule", "optim.decay_ratio", "optim.momentum",
              "optim.nesterov")
@@ -100,6 +100,13 @@ def check_resumable(checkpoint: store.Checkpoint, cfg) -> list[str]:
         if _resumable(key):
             changed.append(f"{key} {shown(saved.get(key))} -> {shown(new.get(key))}")
             continue
+        if key == "model.init_from":  # it would be written down, and never read
+            raise ConfigError(
+                f"model.init_from={shown(new.get(key))} differs from {shown(saved.get(key))} in "
+                f"the checkpoint at step {checkpoint.step} ({checkpoint.path}): a resume takes "
+                "its weights from that checkpoint, and model.init_from is read only at a run's "
+                "first start. To start from those weights, launch a new run (a new --run-dir, "
+                "no --resume) with it")
         raise ConfigError(
             f"{key}={shown(new.get(key))} differs from {shown(saved.get(key))} in the checkpoint "
             f"at step {checkpoint.step} ({checkpoint.path}): it changes the math of the run, so a "

@@ -126,6 +126,11 @@ ROWS_RESUME = [
     row("--resume a checkpoint without its config.yaml", _resume(_without_saved_config),
         "step-00000100/config.yaml does not exist",
         "Move it out of run/checkpoints to go on from the one before it"),
+    row("--resume model.init_from=another run (it would never be read)",
+        lambda c: ["launch", "--resume", _run(100)(c), "model.init_from=" + _run(50, name="a")(c)],
+        "model.init_from=", "differs from null in the checkpoint at step 100",
+        "model.init_from is read only at a run's first start",
+        "a new --run-dir, no --resume"),
     row("--resume a run dir whose config.yaml was deleted", _resume(_without_run_config),
         "--resume run holds no config.yaml, though it holds the checkpoint "
         "run/checkpoints/step-00000100", "copy that checkpoint's config.yaml back"),

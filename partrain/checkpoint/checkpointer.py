@@ -44,6 +44,9 @@ log = logging.getLogger("partrain")
 # before the background deletion of the checkpoints the commit pruned (a slow file system). It
 # fires in the first attempt only (launcher.max_restarts: the restarted run goes on).
 PAUSE_ENV = "PARTRAIN_TEST_SAVE_PAUSE"
+# Test-only hook: PARTRAIN_TEST_NONFINITE_STATE="RANK" adds a NaN to what that rank saves, in the
+# first attempt, so that a test can meet a save refused for a non-finite state.
+NONFINITE_STATE_ENV = "PARTRAIN_TEST_NONFINITE_STATE"
 
 # Writer threads per rank, as Megatron's torch_dist checkpoints have them: a rank's files are
 # written and fsync'ed two at a time. DCP's default of one left a tp2 save of a 75M model at
@@ -144,6 +147,7 @@ class Checkpointer:
         self.deleting: threading.Thread | None = None
         self.deletions: queue.SimpleQueue | None = None
         self.newest: store.Checkpoint | None = None
+        self.refused: str | None = None  # why the last save refused was (_refuse_nonfinite)
         self._data: list[str] | None | bool = False  # rank 0's: taken now, before training
         if self.rank == 0:
             self.data()
@@ -173,6 +177,8 @@ class Checkpointer:
         A state holding a NaN or an infinity on any rank is not written (False): the newest
         checkpoint stays the newest good one."""
         self.wait()
+        if not attempt() and os.environ.get(NONFINITE_STATE_ENV) == str(self.rank):
+            state = {**state, "test.nonfinite": torch.tensor(float("nan"))}
         if self._refuse_nonfinite(state, step):
             return False
         started = started or time.time()
@@ -200,12 +206,13 @@ class Checkpointer:
         bad = [(rank, key) for rank, key in enumerate(found) if key is not None]
         if not bad:
             return False
+        rank, key = bad[0]
+        self.refused = f"{key} on rank {rank} is not finite"  # every rank: the same words
         if self.rank == 0:
             kept = self.newest or store.newest(self.root)
-            rank, key = bad[0]
             log.warning("checkpoint of step %d not saved: %s holds a non-finite value on rank %d",
                         step, key, rank)
-            self.report({"step": step, "checkpoint_refused": f"{key} on rank {rank} is not finite",
+            self.report({"step": step, "checkpoint_refused": self.refused,
                          "newest": str(kept.path) if kept else None})
         return True
 

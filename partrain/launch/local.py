@@ -62,10 +62,11 @@ EXIT_OK, EXIT_RANK_FAILED, EXIT_PREEMPTED, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 
 # the launcher says its message as the error and exits with its code: the divergence guard
 # (partrain.train.guard), its check of the state a run starts from, the run-dir check of a
 # multi-node start (partrain.train.shared_dir), train.float8 on GPUs without FP8
-# (partrain.parallel.float8), and offload to nvme without libaio or a writable path
-# (partrain.parallel.zero).
+# (partrain.parallel.float8), offload to nvme without libaio or a writable path
+# (partrain.parallel.zero), and a preemption signal whose save was refused (partrain.train.loop).
 STOPPED = {"Diverged: ": EXIT_DIVERGED, "NonFiniteStart: ": 2, "RunDirNotShared: ": 2,
-           "Float8Unavailable: ": 2, "OffloadUnavailable: ": 2}
+           "Float8Unavailable: ": 2, "OffloadUnavailable: ": 2,
+           "PreemptedUnsaved: ": EXIT_PREEMPTED}
 
 
 class _AgentFailures(logging.Handler):

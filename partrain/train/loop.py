@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from partrain.checkpoint import store
 from partrain.checkpoint.state import build_state
 from partrain.config.frozen import CONFIG, load_frozen_config
 from partrain.launch.preemption import PreemptionFlag
@@ -50,6 +51,12 @@ log = logging.getLogger("partrain")
 FAULT_ENV = "PARTRAIN_TEST_FAULT"
 NONFINITE_ENV = "PARTRAIN_TEST_NONFINITE"
 HANG_ENV = "PARTRAIN_TEST_HANG"
+
+
+class PreemptedUnsaved(Exception):
+    """A preemption signal whose checkpoint every rank refused (the state held a NaN or an
+    infinity): the job stops as signalled (the launcher exits 3, and a requeued job resumes from
+    the newest good checkpoint), never as a run that finished."""
 
 
 def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag,
@@ -206,11 +213,19 @@ def save_if_due(run: Run, step: int, preemption: PreemptionFlag, skipped: bool) 
     if signalled is not None or (run.checkpointer.due(step, last) and (last or not skipped)):
         reason = ("preemption" if signalled is not None else
                   "every" if ckpt.every and step % ckpt.every == 0 else "last")
-        run.checkpointer.save(build_state(run.backend.model, run.backend.optimizer, run.tp_mesh,
-                                          run.dims.deepspeed_enabled),
-                              step, reason, started=signalled)
+        saved = run.checkpointer.save(build_state(run.backend.model, run.backend.optimizer,
+                                                  run.tp_mesh, run.dims.deepspeed_enabled),
+                                      step, reason, started=signalled)
     if signalled is None:
         return False
+    if not saved:  # every rank refused the same non-finite state: stop, and say it was not saved
+        kept = store.newest(run.run_dir / store.CHECKPOINTS)
+        raise PreemptedUnsaved(
+            f"preemption signal at step {step}: its checkpoint was not saved "
+            f"({run.checkpointer.refused}); "
+            + (f"the newest good checkpoint is {kept.path} (step {kept.step}): relaunch to resume "
+               f"from it (steps {kept.step + 1}-{step} are trained again)" if kept else
+               "no checkpoint was committed before it: relaunch to start again from step 1"))
     run.checkpointer.wait()
     run.display.print(f"preemption signal: saved step {step} in "
                       f"{time.time() - signalled:.2f} s after the signal; relaunch to resume")
@@ -265,7 +280,7 @@ def main(run_dir: str, preemption: PreemptionFlag | None = None) -> None:
             check_shared_run_dir(run_dir, rank, local_rank, int(os.environ.get("GROUP_RANK", 0)))
         # train() returns before the clean end: model, optimizer and mesh are unreferenced.
         train(cfg, run_dir, device, preemption or PreemptionFlag(), watch)
-    except (Diverged, NonFiniteStart, RunDirNotShared, Float8Unavailable,
+    except (Diverged, NonFiniteStart, PreemptedUnsaved, RunDirNotShared, Float8Unavailable,
             OffloadUnavailable) as err:
         # Every rank stops here together: end cleanly (out of the except block, whose
         # traceback still holds the run), then report.

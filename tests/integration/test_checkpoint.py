@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from partrain.checkpoint import store
 from tests.integration.conftest import (
     PARITY_COMMON,
     PARITY_STEPS,
@@ -211,6 +212,35 @@ def test_preemption_signal_saves_exits_3_and_resumes(cli, tmp_path, dp2_run):
     got = read_metrics(run_dir)[0]
     assert [s["step"] for s in got] == list(range(1, PARITY_STEPS + 1))
     _assert_identical(got, dp2_run[1], first=1)
+
+
+@pytest.mark.slow
+def test_a_preemption_whose_save_is_refused_exits_3_not_done(cli, tmp_path):
+    """The state holds a NaN when the signal comes (the test hook puts one in what rank 1
+    saves): nothing is saved, and the launcher says so and exits 3, so that a requeued job goes
+    on from the newest good checkpoint. It used to print `saved step N`, exit 0 and record the
+    run as done, short of train.max_steps."""
+    run_dir = tmp_path / "run"
+    proc = cli.start("launch", "launcher.device=cpu", "train.seq_len=64", "train.eval_every=0",
+                     "train.global_batch_size=16", *LAYOUTS["dp2"], "checkpoint.every=0",
+                     "train.log_every=1", "train.max_steps=200", "--run-dir", str(run_dir),
+                     env={"PARTRAIN_TEST_NONFINITE_STATE": "1"})
+    metrics = run_dir / "metrics.jsonl"
+    _wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 3, proc,
+              "three steps")
+    proc.send_signal(signal.SIGUSR2)
+    stdout, stderr = proc.communicate(timeout=120)
+    said = " ".join((stdout + stderr).split())
+    assert proc.returncode == 3, stdout[-2000:] + stderr[-2000:]
+    step = [r for r in _lines(run_dir) if "checkpoint_refused" in r][0]["step"]
+    assert (f"error: preemption signal at step {step}: its checkpoint was not saved "
+            "(test.nonfinite on rank 1 is not finite); no checkpoint was committed before it: "
+            "relaunch to start again from step 1") in said, said
+    assert "saved step" not in said and "done:" not in said and "Traceback" not in said
+    assert store.newest(run_dir / "checkpoints") is None
+    assert json.loads((run_dir / "logs" / "state.json").read_text())["state"] == "preempted"
+    assert processes_mentioning(str(run_dir)) == []
+    assert_no_abort(run_dir, stderr)
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ reduces and steps.
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -35,6 +36,7 @@ from partrain.parallel.float8 import float8_linears
 from partrain.parallel.mesh import ParallelDims
 from partrain.parallel.parallelize import checkpointed_blocks, parallelize
 from partrain.train.guard import DivergenceGuard, check_finite_start
+from partrain.train.shared_dir import LOOK_AGAIN_S
 from partrain.train.optim import build_optimizer, param_groups
 from partrain.train.step import loss_function
 
@@ -80,18 +82,43 @@ class Run:
 
 def find_start(cfg, run_dir: Path, rank: int) -> Start:
     """Resume from the newest committed checkpoint, if the run dir holds one. Rank 0 first removes
-    what an interrupted save left; the barrier keeps every rank's first write after that."""
+    what an interrupted save left, then decides (the newest checkpoint, or model.init_from's)
+    and every rank takes its choice: each looking for the newest itself could disagree (a
+    network file system that shows rank 0's newest commit late on another node, or a
+    model.init_from run that commits meanwhile), and ranks starting from different steps train
+    on silently apart. The broadcast also keeps every rank's first write after the cleanup."""
     ckpt_root = run_dir / store.CHECKPOINTS
+    resume = init_from = None
+    fresh_from = cfg.model.init_from
+    chosen = [None, None]
     if rank == 0:
         for path in store.clean_leftovers(ckpt_root):
             log.info("removed %s, left by an interrupted save", path)
-    resume = store.newest(ckpt_root)
-    fresh_from = cfg.model.init_from if resume is None else None
-    hf_from = hf_dir(fresh_from) if is_hf(fresh_from) else None
-    init_from = (store.find(Path(fresh_from), "model.init_from")
-                 if fresh_from and hf_from is None else None)
-    dist.barrier()
+        resume = store.newest(ckpt_root)
+        if resume is None and fresh_from and not is_hf(fresh_from):
+            init_from = store.find(Path(fresh_from), "model.init_from")
+        chosen = [resume and str(resume.path), init_from and str(init_from.path)]
+    dist.broadcast_object_list(chosen, src=0)
+    if rank != 0:
+        resume, init_from = (_committed_at(Path(p), rank) if p else None for p in chosen)
+    hf_from = hf_dir(fresh_from) if resume is None and is_hf(fresh_from) else None
     return Start(resume, init_from, hf_from)
+
+
+def _committed_at(path: Path, rank: int) -> store.Checkpoint:
+    """The committed checkpoint at `path`, which rank 0 chose; looked for again for a while, as a
+    network file system may show another client's new directory late."""
+    deadline = time.monotonic() + LOOK_AGAIN_S
+    while True:
+        found = [c for c in store.committed(path.parent) if c.path.name == path.name]
+        if found:
+            return found[0]
+        if time.monotonic() >= deadline:
+            raise RuntimeError(
+                f"rank {rank} does not find {path}, the committed checkpoint rank 0 starts from, "
+                f"after looking for {LOOK_AGAIN_S:g} s: every rank must read the same run dir "
+                "(one shared file system, mounted at the same path on every node)")
+        time.sleep(0.2)
 
 
 def load_start_weights(model: torch.nn.Module, start: Start, model_cfg, tp_mesh) -> None:

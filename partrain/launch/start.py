@@ -96,6 +96,11 @@ def start(request: Request, dry_run: bool, out: Console, err: Console,
         # A resume that failed before it saved anything leaves the run dir as it found it: its
         # config.yaml is the one its checkpoints were trained with, not this try's overrides.
         (run_dir / CONFIG).write_text(before)
+        if request.resume is not None and request.args:  # the command said above lacks them
+            again = " ".join(shlex.quote(a) for a in request.args)
+            err.print(f"  {run_dir / CONFIG} is as before this resume, which saved nothing: to "
+                      f"resume with its overrides again, partrain launch --resume "
+                      f"{shlex.quote(str(run_dir))} {again}")
     return code
 
 

@@ -256,6 +256,10 @@ def test_a_failed_resume_leaves_the_run_dirs_config_as_it_was(cli, tmp_path):
     assert "changed on resume: optim.lr" in failed.stdout
     assert "injected fault" in failed.stdout + failed.stderr
     assert (run_dir / "config.yaml").read_text() == before
+    # The command the failure message gives would resume without the overrides: said.
+    assert (f"{run_dir / 'config.yaml'} is as before this resume, which saved nothing: to resume "
+            f"with its overrides again, partrain launch --resume {run_dir} train.max_steps=4 "
+            "optim.lr=0.001") in " ".join(failed.stderr.split()), failed.stderr[-2000:]
     again = cli.run("launch", "--resume", str(run_dir), "train.max_steps=3", "--dry-run")
     assert again.returncode == 0 and "changed on resume: train.max_steps 2 -> 3" in again.stdout, \
         again.stdout[-2000:] + again.stderr[-2000:]

@@ -85,6 +85,30 @@ def committed(root: Path) -> list[Checkpoint]:
     return sorted(found, key=lambda c: c.step)
 
 
+def not_committed(root: Path, after: int = -1) -> list[tuple[Path, str]]:
+    """The `step-N` directories under `root` past step `after` that do not count as committed,
+    each with why. A save is renamed to its step name only once whole, so one of these was
+    damaged or copied in part since: a start takes the newest committed checkpoint before it,
+    and says so."""
+    found = []
+    try:
+        entries = sorted(root.iterdir())
+    except OSError:
+        return []
+    for entry in entries:
+        match = STEP_DIR.fullmatch(entry.name)
+        if not match or int(match.group(1)) <= after or not entry.is_dir():
+            continue
+        meta = _read_meta(entry)
+        if not (entry / DCP_METADATA).is_file():
+            found.append((entry, f"it has no {DCP_METADATA}"))
+        elif meta is None:
+            found.append((entry, f"its {META} is missing or not JSON"))
+        elif meta.get("step") != int(match.group(1)):
+            found.append((entry, f"its {META} says step {meta.get('step')!r}"))
+    return found
+
+
 def newest(root: Path) -> Checkpoint | None:
     found = committed(root)
     return found[-1] if found else None

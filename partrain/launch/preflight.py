@@ -168,6 +168,12 @@ def preflight(request: Request) -> Ready:
                                          resuming=resume is not None)
         if joins:
             check_not_in_use(ready.run_dir, world.nnodes, resuming=resume is not None)
+        if ready.checkpoint is not None:
+            root = ready.checkpoint.path.parent
+            for path, why in store.not_committed(root, ready.checkpoint.step):
+                warnings.append(f"{path} is not a committed checkpoint ({why}), so the run goes "
+                                f"on from the newest one before it, step {ready.checkpoint.step}; "
+                                f"move it out of {root} to keep this from being said again")
     if checks.checkpoint:
         if ready.checkpoint is not None:
             ready.changed = check_resumable(ready.checkpoint, cfg)

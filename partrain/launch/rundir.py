@@ -107,9 +107,11 @@ def check_run_dir(run_dir: Path, cfg: DictConfig | None = None, resuming: bool =
         if run_dir.exists() and not run_dir.is_dir():
             raise refuse("is an existing file; give a new directory")
         if resuming and (not run_dir.is_dir() or store.newest(run_dir / store.CHECKPOINTS) is None):
-            raise refuse(f"holds no committed checkpoint in {store.CHECKPOINTS}/; give the run dir "
-                         "of a run that saved one (every checkpoint.every steps, at the end, and "
-                         "on SIGUSR2)")
+            broken = "".join(f" ({path.name}: {why})" for path, why in
+                             store.not_committed(run_dir / store.CHECKPOINTS)[-1:])
+            raise refuse(f"holds no committed checkpoint in {store.CHECKPOINTS}/{broken}; give the "
+                         "run dir of a run that saved one (every checkpoint.every steps, at the "
+                         "end, and on SIGUSR2)")
         if run_dir.is_dir() and any(run_dir.iterdir()):
             frozen = run_dir / CONFIG
             checkpoint = store.newest(run_dir / store.CHECKPOINTS) if cfg is not None else None

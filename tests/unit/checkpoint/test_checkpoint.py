@@ -58,6 +58,29 @@ def test_committed_counts_only_complete_step_dirs(tmp_path):
     assert [(c.step, c.path.name) for c in found] == [(4, "step-00000004"), (20, "step-00000020")]
     assert found[-1].meta == {"step": 20, "reason": "every"} and found[-1].reason == "every"
     assert store.newest(root).step == 20
+    # The step dirs past the newest that do not count, and why: a start says it passes them.
+    assert [(p.name, why) for p, why in store.not_committed(root, 20)] == [
+        ("step-00000040", "it has no .metadata"),
+        ("step-00000050", "its meta.json is missing or not JSON"),
+        ("step-00000060", "its meta.json says step 61"),
+        ("step-00000070", "its meta.json is missing or not JSON"),
+        ("step-00000080", "its meta.json says step None"),
+        ("step-00000090", "its meta.json is missing or not JSON")]
+    assert store.not_committed(root, 90) == []
+
+
+def test_a_start_says_it_passes_a_broken_newer_step_dir(tmp_path, run_main, monkeypatch):
+    """step-8 lost its .metadata (a damaged disk, a copy cut short): the resume goes on from
+    step 5, and says why it does not take step 8, instead of rolling back without a word."""
+    monkeypatch.chdir(tmp_path)
+    write_run_dir(tmp_path / "run", 50, 100)
+    (tmp_path / "run" / "checkpoints" / "step-00000100" / store.DCP_METADATA).unlink()
+    result = run_main("launch", "--resume", "run", "--dry-run")
+    assert result.code == 0, result.stderr
+    said = one_line(result.stderr + result.stdout)
+    assert ("run/checkpoints/step-00000100 is not a committed checkpoint (it has no .metadata), "
+            "so the run goes on from the newest one before it, step 50") in said, said
+    assert "resuming from step 50" in said, said
 
 
 def test_newest_of_nothing(tmp_path):

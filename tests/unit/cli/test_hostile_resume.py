@@ -88,7 +88,8 @@ ROWS_RESUME = [
     row("--resume a run dir without a checkpoint", _resume(_run()),
         "--resume run", "holds no committed checkpoint in checkpoints/"),
     row("--resume a run dir with only interrupted saves", _resume(_interrupted),
-        "--resume run", "holds no committed checkpoint"),
+        "--resume run", "holds no committed checkpoint in checkpoints/ (step-00000050: it has "
+        "no .metadata)"),
     row("--resume a step dir, not its run dir",
         lambda c: ["launch", "--resume", _run(100)(c) + "/checkpoints/step-00000100"],
         "--resume run/checkpoints/step-00000100", "is a checkpoint, not a run dir",

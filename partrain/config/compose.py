@@ -65,7 +65,9 @@ def read_yaml(path: Path, what: str = "config file"):
     wrong: not a regular file, unreadable, too large, not UTF-8, not YAML, a key given twice."""
     try:
         if path.is_dir():
-            raise ConfigError(f"{what} {path} is a directory; give a YAML file")
+            inside = path / "config.yaml"  # a run dir: its frozen config is meant
+            raise ConfigError(f"{what} {path} is a directory; give a YAML file"
+                              + (f" (the run dir's config: {inside})" if inside.is_file() else ""))
         if not path.exists() and not path.is_symlink():
             raise ConfigError(f"{what} {path} does not exist")
         if not path.is_file():

@@ -117,10 +117,13 @@ def check_run_dir(run_dir: Path, cfg: DictConfig | None = None, resuming: bool =
             checkpoint = store.newest(run_dir / store.CHECKPOINTS) if cfg is not None else None
             if checkpoint is not None and not resuming and not (
                     frozen.exists() and _same_config(frozen, cfg)):
+                differences = (_config_differences(frozen, cfg) if frozen.is_file() else None) or []
+                more = f" and {len(differences) - 3} more" if len(differences) > 3 else ""
+                which = f" ({'; '.join(differences[:3])}{more})" if differences else ""
                 raise refuse(
-                    f"holds a checkpoint at step {checkpoint.step} of another config; continue it "
-                    f"with `partrain launch --resume {run_dir} [OVERRIDE...]` (the layout may "
-                    "change), or give a new --run-dir")
+                    f"holds a checkpoint at step {checkpoint.step} of another config{which}; "
+                    f"continue it with `partrain launch --resume {run_dir} [OVERRIDE...]` (the "
+                    "layout may change), or give a new --run-dir")
             # Prepared by partrain for this config (`partrain slurm`, another node), or trained
             # in by it without a committed checkpoint (stopped early; a requeued job): the same
             # command starts the run again from its first step.

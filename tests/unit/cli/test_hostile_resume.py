@@ -180,12 +180,16 @@ ROWS_INIT_FROM = [
 ]
 
 ROWS_RUN_DIR_WITH_CHECKPOINT = [
+    row("show RUN_DIR (its config.yaml was meant)", lambda c: ["show", "./" + _run(100)(c)],
+        "/run is a directory; give a YAML file (the run dir's config: ", "/run/config.yaml)"),
     row("launch RECIPE --run-dir holding a checkpoint of another config",
         lambda c: ["launch", "quickstart", "--run-dir", _run(100, config_text=_seed5())(c)],
-        "--run-dir run", "checkpoint at step 100 of another config", "--resume run"),
+        "--run-dir run", "checkpoint at step 100 of another config (train.seed: 5 there, 0 here)",
+        "--resume run"),
     row("launch --run-dir holding the recipe's checkpoint, with train.seed=5",
         lambda c: ["launch", "--dry-run", "train.seed=5", "--run-dir", _run(100)(c)],
-        "--run-dir run", "of another config", "partrain launch --resume run"),
+        "--run-dir run", "of another config (train.seed: 0 there, 5 here)",
+        "partrain launch --resume run"),
     # The same config in it starts the run again (test_a_run_dir_without_a_checkpoint_...).
     row("launch --run-dir that trained without a committed checkpoint, another config",
         lambda c: ["launch", "--dry-run", "train.seed=5", "--run-dir", _run()(c)],

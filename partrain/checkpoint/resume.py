@@ -81,10 +81,12 @@ def saved_config(checkpoint: store.Checkpoint) -> dict:
     return OmegaConf.to_container(frozen, resolve=True)
 
 
-def check_resumable(checkpoint: store.Checkpoint, cfg) -> list[str]:
+def check_resumable(checkpoint: store.Checkpoint, cfg, from_file: Path | None = None,
+                    given: frozenset = frozenset()) -> list[str]:
     """Refuse (ConfigError, naming the key) a config that changes what the checkpoint trained;
     return what it changes that a resume may ("optim.lr 0.003 -> 0.0001"), for the launcher to
-    say."""
+    say. `from_file`: the run dir's config.yaml a --resume read, where a value no override
+    (`given`, the keys typed) set comes from: an edit of that file is named as one."""
     from partrain.config.paths import with_anchored_paths
 
     # Paths compare as absolute: a checkpoint saved before they were frozen so holds them as typed.
@@ -107,8 +109,14 @@ def check_resumable(checkpoint: store.Checkpoint, cfg) -> list[str]:
                 "its weights from that checkpoint, and model.init_from is read only at a run's "
                 "first start. To start from those weights, launch a new run (a new --run-dir, "
                 "no --resume) with it")
+        # Not typed, and no typed key that a resume keeps differs (which could bring it along):
+        # the value is the file's.
+        typed = any(k in given and not _resumable(k) and saved.get(k) != new.get(k)
+                    for k in saved.keys() | new.keys())
+        edited = (f" (in {from_file}, not an override: was it edited?)"
+                  if from_file is not None and not typed else "")
         raise ConfigError(
-            f"{key}={shown(new.get(key))} differs from {shown(saved.get(key))} in the checkpoint "
+            f"{key}={shown(new.get(key))}{edited} differs from {shown(saved.get(key))} in the checkpoint "
             f"at step {checkpoint.step} ({checkpoint.path}): it changes the math of the run, so a "
             "resume keeps it; a resume may change the layout (parallel.*, launcher.*, nodes, the "
             "micro-batch split, activation checkpointing, compile), train.max_steps, the "

@@ -176,7 +176,9 @@ def preflight(request: Request) -> Ready:
                                 f"move it out of {root} to keep this from being said again")
     if checks.checkpoint:
         if ready.checkpoint is not None:
-            ready.changed = check_resumable(ready.checkpoint, cfg)
+            typed = frozenset(item.split("=", 1)[0].lstrip("+~") for item in request.args or ())
+            ready.changed = check_resumable(
+                ready.checkpoint, cfg, ready.run_dir / "config.yaml" if resume else None, typed)
             check_whole(ready.checkpoint, "--resume" if resume is not None else "--run-dir")
         else:
             check_init_from(cfg)

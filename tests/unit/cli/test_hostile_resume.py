@@ -62,6 +62,12 @@ def _without_saved_config(c: Ctx) -> str:
     return "run"
 
 
+def _edited_dim(c: Ctx) -> str:
+    write_run_dir(c.root / "run", 100)
+    (c.root / "run" / "config.yaml").write_text(_dim256())
+    return "run"
+
+
 def _without_run_config(c: Ctx) -> str:
     write_run_dir(c.root / "run", 100)
     (c.root / "run" / "config.yaml").unlink()
@@ -103,7 +109,9 @@ ROWS_RESUME = [
     row("--resume train.seed=5", _resume(_run(100), "train.seed=5"),
         "train.seed=5", "differs from 0", "step 100", "model.init_from="),
     row("--resume --dry-run model.dim=256", _resume(_run(100), "--dry-run", "model.dim=256"),
-        "model.dim=256", "differs from 128"),
+        "model.dim=256 differs from 128", absent=("was it edited",)),
+    row("--resume a run dir whose config.yaml was edited (model.dim)", _resume(_edited_dim),
+        "model.dim=256 (in run/config.yaml, not an override: was it edited?) differs from 128"),
     row("--resume train.global_batch_size=32 (the split follows, the batch may not)",
         _resume(_run(100), "train.global_batch_size=32"),
         "train.global_batch_size=32", "differs from 16"),

@@ -67,22 +67,31 @@ def _read_meta(path: Path) -> dict | None:
     return meta if isinstance(meta, dict) else None
 
 
-def committed(root: Path) -> list[Checkpoint]:
-    """The committed checkpoints under `root`, oldest first. A directory counts only with its
-    step name, DCP's .metadata and partrain's meta.json (written before the commit's rename)."""
-    found = []
+def _step_dirs(root: Path) -> list[tuple[Path, int, dict | None, str | None]]:
+    """Each `step-N` directory under `root`, by step: (path, step, its meta.json, why it does not
+    count as committed: None when it does)."""
     try:
         entries = list(root.iterdir())
     except OSError:
         return []
+    found = []
     for entry in entries:
         match = STEP_DIR.fullmatch(entry.name)
-        if not match or not entry.is_dir() or not (entry / DCP_METADATA).is_file():
+        if not match or not entry.is_dir():
             continue
-        meta = _read_meta(entry)
-        if meta is not None and meta.get("step") == int(match.group(1)):
-            found.append(Checkpoint(entry, int(match.group(1)), meta))
-    return sorted(found, key=lambda c: c.step)
+        step, meta = int(match.group(1)), _read_meta(entry)
+        why = (f"it has no {DCP_METADATA}" if not (entry / DCP_METADATA).is_file() else
+               f"its {META} is missing or not JSON" if meta is None else
+               f"its {META} says step {meta.get('step')!r}" if meta.get("step") != step else None)
+        found.append((entry, step, meta, why))
+    return sorted(found, key=lambda found: found[1])
+
+
+def committed(root: Path) -> list[Checkpoint]:
+    """The committed checkpoints under `root`, oldest first. A directory counts only with its
+    step name, DCP's .metadata and partrain's meta.json (written before the commit's rename)."""
+    return [Checkpoint(path, step, meta) for path, step, meta, why in _step_dirs(root)
+            if why is None]
 
 
 def not_committed(root: Path, after: int = -1) -> list[tuple[Path, str]]:
@@ -90,23 +99,8 @@ def not_committed(root: Path, after: int = -1) -> list[tuple[Path, str]]:
     each with why. A save is renamed to its step name only once whole, so one of these was
     damaged or copied in part since: a start takes the newest committed checkpoint before it,
     and says so."""
-    found = []
-    try:
-        entries = sorted(root.iterdir())
-    except OSError:
-        return []
-    for entry in entries:
-        match = STEP_DIR.fullmatch(entry.name)
-        if not match or int(match.group(1)) <= after or not entry.is_dir():
-            continue
-        meta = _read_meta(entry)
-        if not (entry / DCP_METADATA).is_file():
-            found.append((entry, f"it has no {DCP_METADATA}"))
-        elif meta is None:
-            found.append((entry, f"its {META} is missing or not JSON"))
-        elif meta.get("step") != int(match.group(1)):
-            found.append((entry, f"its {META} says step {meta.get('step')!r}"))
-    return found
+    return [(path, why) for path, step, _, why in _step_dirs(root)
+            if why is not None and step > after]
 
 
 def newest(root: Path) -> Checkpoint | None:

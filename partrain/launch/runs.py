@@ -233,8 +233,11 @@ def list_runs(root: Path) -> list[RunInfo]:
                 is_dir = entry.is_dir()
             except OSError:
                 is_dir = False
-            if is_dir and not entry.name.startswith("."):
-                runs.append(read_run(Path(root) / entry.name))
+            path = Path(root) / entry.name
+            # A checkpoint holds a config.yaml too (`--root RUN_DIR/checkpoints`): not a run.
+            if is_dir and not entry.name.startswith(".") and \
+                    not (path / store.DCP_METADATA).exists():
+                runs.append(read_run(path))
     return sorted(runs, key=lambda r: (r.updated or 0, r.path))
 
 

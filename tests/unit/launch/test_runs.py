@@ -31,6 +31,7 @@ def _run_dir(root, name, *, max_steps=10, steps=(), state=None, pid=None, host=N
         ckpt.mkdir(parents=True)
         (ckpt / ".metadata").write_bytes(b"")
         (ckpt / "meta.json").write_text(json.dumps({"step": checkpoint, "reason": reason}))
+        (ckpt / "config.yaml").write_text((run / "config.yaml").read_text())
     if error:
         (run / "logs" / "error-rank-1.json").write_text("{}")
     return run
@@ -106,6 +107,12 @@ def test_a_run_dir_without_a_state_file_is_read_from_what_it_holds(tmp_path, mad
 def test_one_run_dir_as_root_is_itself(run_main, runs_root):
     result = run_main("runs", "--root", str(runs_root / "done"), "--json")
     assert [run["state"] for run in json.loads(result.stdout)] == ["done"]
+
+
+def test_a_run_dirs_checkpoints_are_no_runs(run_main, runs_root):
+    """`--root RUN_DIR/checkpoints`: each checkpoint holds a config.yaml, and is not a run."""
+    result = run_main("runs", "--root", str(runs_root / "done" / "checkpoints"), "--json")
+    assert result.code == 0 and json.loads(result.stdout) == [], result.stdout
 
 
 def test_no_runs_and_a_missing_root(run_main, tmp_path, monkeypatch):

@@ -137,11 +137,16 @@ def check_run_dir(run_dir: Path, cfg: DictConfig | None = None, resuming: bool =
                 raise _another_config(run_dir, differences, resuming)
             if checkpoint is None and joinable and trained_in(run_dir) and \
                     running_here(run_dir) is None:  # to start again (check_not_in_use)
-                if finished(run_dir, cfg.train.max_steps):
+                # Refused where the config keeps no checkpoint at the end: its metrics are its
+                # result. One that does (save_last) and has none lost that save (a Ctrl-C or a
+                # kill during it): nothing was kept, and the run starts again, as said then.
+                ckpt, steps = cfg.checkpoint, cfg.train.max_steps
+                final_save = ckpt.save_last or bool(ckpt.every and steps % ckpt.every == 0)
+                if not final_save and finished(run_dir, steps):
                     raise refuse("holds a finished run of this very config that kept no "
-                                 "checkpoint (checkpoint.every=0, checkpoint.save_last=false): "
-                                 "its metrics.jsonl is its result; give a new --run-dir to run "
-                                 "it again")
+                                 "checkpoint (its config saves none at the end: "
+                                 "checkpoint.save_last=false): its metrics.jsonl is its result; "
+                                 "give a new --run-dir to run it again")
             kept = store.newest(run_dir / store.CHECKPOINTS) if cfg is None else None
             if kept is not None and not resuming:  # `partrain slurm` prepares a new run dir
                 from partrain.launch.slurm import SCRIPT

@@ -367,6 +367,25 @@ def test_a_run_dir_without_a_checkpoint_is_started_again_unless_its_run_finished
             other.wait()
 
 
+@pytest.mark.parametrize("state", ["interrupted", "running", None])
+def test_a_run_that_lost_its_final_save_starts_again(tmp_path, state):
+    """Its metrics reached max_steps, and its config saves at the end (save_last), but there is
+    no checkpoint: a Ctrl-C (or a kill) during that save. Nothing was kept, as the interrupt
+    said, and the same command starts the run again; it was refused as a finished run that
+    keeps no checkpoint."""
+    from partrain.launch.rundir import check_run_dir, write_run_dir
+    from partrain.launch.runs import write_state
+    from tests.unit.helpers import resolved
+
+    cfg, _, _ = resolved("train.max_steps=40", "checkpoint.every=0")  # save_last: true
+    run_dir = write_run_dir(cfg, tmp_path / "run")
+    (run_dir / "metrics.jsonl").write_text('{"step": 40, "loss": 5.5}\n')
+    (run_dir / "checkpoints" / ".tmp-step-00000040").mkdir(parents=True)
+    if state is not None:
+        write_state(run_dir, state, 130 if state == "interrupted" else None)
+    assert check_run_dir(run_dir, cfg) is None
+
+
 def test_a_run_dir_prepared_with_the_tokenizer_is_joined(tmp_path):
     """`partrain slurm` (or the first node) copies the data's tokenizer into the run dir with
     its config: the other nodes join it (they were refused: 'not empty')."""

@@ -68,12 +68,13 @@ def rank_server(run_dir: Path, ranks: int = 1, compiles: bool = False):
 
     # multiprocessing's resource tracker outlives the launcher by a moment: it is started before
     # the run dir is in the environment, so that it is not taken for one of the run's processes.
-    # It starts with SIGUSR2 blocked (a mask outlives exec; the tracker unblocks only SIGINT and
-    # SIGTERM): SLURM signals every process of the step before a time limit, and the default
-    # action would end it, and the tracker the ranks start again in its place prints a
-    # traceback for each shared-memory segment it never saw. Blocked here, not ignored, so that
-    # a signal for the launcher meanwhile waits for the forwarder instead of being lost.
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+    # It starts with SIGUSR2 and SIGHUP blocked (a mask outlives exec; the tracker unblocks only
+    # SIGINT and SIGTERM): SLURM signals every process of the step before a time limit, a closed
+    # terminal hangs up every process of its session, either default action would end it, and
+    # the tracker the ranks start again in its place prints a traceback for each shared-memory
+    # segment it never saw. Blocked here, not ignored, so that a signal for the launcher
+    # meanwhile waits for its handler instead of being lost.
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2, signal.SIGHUP})
     try:
         resource_tracker.ensure_running()
     finally:
@@ -84,7 +85,16 @@ def rank_server(run_dir: Path, ranks: int = 1, compiles: bool = False):
     try:
         shared = SHARED_BY_RANKS + COMPILER * compiles if ranks > 1 else []
         multiprocessing.set_forkserver_preload(PRELOAD + shared)
-        forkserver.ensure_running()
+        # The server starts with SIGINT blocked, for good (a mask outlives exec and fork): a
+        # Ctrl-C reaches every process of the terminal's group, and during its imports it
+        # printed a KeyboardInterrupt traceback (multiprocessing ignores SIGINT in the server
+        # only after them); the launcher stops it either way. A pending signal is not passed to
+        # a fork, and each rank unblocks SIGINT (train/rank.py).
+        interrupts = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            forkserver.ensure_running()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, interrupts)
         yield
     finally:
         _stop_server()

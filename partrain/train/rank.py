@@ -5,6 +5,7 @@ launcher.start_method=spawn) or forked from the node's rank server (partrain.lau
 launcher.start_method=forkserver)."""
 
 import os
+import signal
 import sys
 import time
 import traceback
@@ -27,6 +28,12 @@ def run(run_dir: str, early_signals: list[float] = ()) -> None:
     # launcher that asks for this rank's stack (a hang elsewhere) gets it.
     hold_lifeline()
     listen_for_dumps()
+    # SIGINT raises KeyboardInterrupt, whatever this rank inherited: a forked rank's server
+    # blocks it (forked.rank_server), and a launch started in the background by a script (`cmd
+    # &`) ignores it. The agent stops the ranks with the signal it got: ignored, a Ctrl-C left
+    # them training (and saving) until it killed them 5 s later.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     # Then: SIGUSR2 asks for a checkpoint and a clean stop (the launcher passes SLURM's on).
     preemption = PreemptionFlag()
     preemption.install()

@@ -113,8 +113,13 @@ def _pid_of_rank(run_dir, rank: int) -> int:
 
 
 @pytest.mark.parametrize("how", ["sigterm-launcher",
-                                 pytest.param("ctrl-c-group", marks=pytest.mark.slow)])
+                                 pytest.param("ctrl-c-group", marks=pytest.mark.slow),
+                                 pytest.param("hangup-group", marks=pytest.mark.slow)])
 def test_interrupt_stops_all_workers(cli, tmp_path, how):
+    """SIGTERM to the launcher, a Ctrl-C, or a closed terminal (SIGHUP to every process of its
+    session): exit 130, the newest checkpoint and the command, no traceback (a hangup ended
+    multiprocessing's resource tracker, and the one started in its place printed one for each
+    shared-memory segment it never saw)."""
     run_dir = tmp_path / "run"
     proc = cli.start("launch", *LONG, "checkpoint.every=1", "--run-dir", str(run_dir))
     _wait_for_steps(run_dir, proc)
@@ -124,10 +129,11 @@ def test_interrupt_stops_all_workers(cli, tmp_path, how):
     assert len(ranks_of(run_dir)) == 2, processes_mentioning(str(run_dir))
     if how == "sigterm-launcher":
         proc.send_signal(signal.SIGTERM)
-    else:  # a terminal's Ctrl-C reaches the whole foreground process group
-        os.killpg(proc.pid, signal.SIGINT)
+    else:  # a terminal's Ctrl-C, or its hangup, reaches the whole process group
+        os.killpg(proc.pid, signal.SIGINT if how == "ctrl-c-group" else signal.SIGHUP)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr
+    assert "Traceback" not in stdout + stderr, stderr
     # What to do next: the newest checkpoint and the command.
     import re
 
@@ -141,6 +147,31 @@ def test_interrupt_stops_all_workers(cli, tmp_path, how):
     assert committed.get(named.group(1)) == int(named.group(2)), (named.group(0), committed)
     assert f"partrain launch --resume {run_dir}" in said, stderr
     assert processes_mentioning(str(run_dir)) == []
+
+
+@pytest.mark.slow
+def test_a_ctrl_c_while_the_rank_server_imports_says_no_traceback(cli, tmp_path):
+    """A Ctrl-C in the first seconds, while the node's rank server imports torch: it printed a
+    KeyboardInterrupt traceback from the server, and sometimes nothing else. Now: exit 130,
+    no traceback, and nothing left running."""
+    run_dir = tmp_path / "run"
+    proc = cli.start("launch", *LONG, "--run-dir", str(run_dir))
+    deadline = time.monotonic() + 60
+
+    def server():  # multiprocessing's forkserver, the run dir in its environment
+        return [pid for pid in processes_mentioning(str(run_dir)) if b"forkserver" in
+                Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+    while not server():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    assert not list((run_dir / "logs").glob("rank-*.log")), "the ranks began already"
+    os.killpg(proc.pid, signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stdout[-2000:] + stderr[-2000:]
+    assert "Traceback" not in stdout + stderr and "KeyboardInterrupt" not in stdout + stderr, \
+        stderr
+    assert not survivors(lambda: processes_mentioning(str(run_dir)), 5)
 
 
 @START_METHODS

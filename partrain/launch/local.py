@@ -24,6 +24,7 @@ import dataclasses
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 import time
@@ -200,7 +201,7 @@ def launch_workers(run_dir: Path, spec: ElasticLaunch, console_print=print) -> i
     if saved is not None:
         console_print(f"saved at step {saved.step} on a preemption signal ({saved.path}, "
                       f"{saved.meta.get('seconds', 0):.2f} s from signal to commit); relaunch "
-                      "to resume")
+                      f"to resume: partrain launch --resume {shlex.quote(str(run_dir))}")
         return EXIT_PREEMPTED
     return EXIT_OK
 

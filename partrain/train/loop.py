@@ -228,7 +228,7 @@ def save_if_due(run: Run, step: int, preemption: PreemptionFlag, skipped: bool) 
                "no checkpoint was committed before it: relaunch to start again from step 1"))
     run.checkpointer.wait()
     run.display.print(f"preemption signal: saved step {step} in "
-                      f"{time.time() - signalled:.2f} s after the signal; relaunch to resume")
+                      f"{time.time() - signalled:.2f} s after the signal")
     return True
 
 

@@ -199,7 +199,7 @@ def test_preemption_signal_saves_exits_3_and_resumes(cli, tmp_path, dp2_run):
     step = saved[0]["step"]
     assert 3 <= step < PARITY_STEPS
     assert f"saved at step {step} on a preemption signal" in stderr
-    assert "relaunch to resume" in stderr
+    assert f"relaunch to resume: partrain launch --resume {run_dir}" in " ".join(stderr.split())
     assert "s from signal to commit" in stderr
     assert 0 <= saved[0]["seconds"] < time.monotonic() - signalled
     meta = json.loads((run_dir / "checkpoints" / f"step-{step:08d}" / "meta.json").read_text())

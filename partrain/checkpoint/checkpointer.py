@@ -236,11 +236,13 @@ class Checkpointer:
         if not preempted:
             self._deleted()
 
-    def _delete_in_background(self, paths: list[Path], step: int) -> None:
-        """Delete pruned checkpoints (already renamed out of the committed set, store.prune) in
-        a thread of their own, in order, as torchtitan's purge thread does: removing a large
+    def delete_in_background(self, paths: list[Path], step: int = 0) -> None:
+        """Delete pruned checkpoints (already renamed out of the committed set, store.prune), or
+        what interrupted saves left (renamed aside at the start, store.clean_leftovers), in a
+        thread of their own, in order, as torchtitan's purge thread does: removing a large
         checkpoint on a network file system can take minutes, while the other ranks would wait
-        for rank 0 in the next step, timed by the hang watch (launcher.hang_timeout_s)."""
+        for rank 0, in the next step timed by the hang watch (launcher.hang_timeout_s), at the
+        start in a collective (launcher.collective_timeout_s)."""
         if self.deleting is None:
             self.deletions = queue.SimpleQueue()
             self.deleting = threading.Thread(target=self._delete, name="partrain-prune",
@@ -342,7 +344,7 @@ class Checkpointer:
         with self._undone_on_failure(step, f"committing the checkpoint of step {step}"):
             self.newest = store.commit(self.root, step, meta, self.config_yaml)
         pruned = store.prune(self.root, self.cfg.keep,
-                             lambda paths: self._delete_in_background(paths, step))
+                             lambda paths: self.delete_in_background(paths, step))
         record = {"step": step, "checkpoint": str(self.newest.path.relative_to(self.root.parent)),
                   "bytes": self.newest.meta["bytes"], "seconds": round(seconds, 4),
                   "blocked_s": round(blocked_s, 4), "reason": reason}

@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import shutil
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,14 +117,29 @@ def leftovers(root: Path) -> list[Path]:
         return []
 
 
-def clean_leftovers(root: Path) -> list[Path]:
-    """Remove the leftovers of interrupted saves (one rank, before any rank writes)."""
-    removed = leftovers(root)
+def clean_leftovers(root: Path, delete=None) -> list[Path]:
+    """Remove the leftovers of interrupted saves and deletions (one rank, before any rank
+    writes); returns them. With `delete`, each directory is first renamed to a name of its own,
+    which no save of this start writes to (a leftover `.tmp-step-N` would take in a new save of
+    step N), and `delete(renamed)` removes them: in the background on rank 0 (a large checkpoint
+    on a network file system takes minutes, while the other ranks wait for rank 0)."""
+    removed, dirs = leftovers(root), []
     for path in removed:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
+        if not path.is_dir() or path.is_symlink():
             path.unlink(missing_ok=True)
+            continue
+        if delete is not None:
+            name = path.name[len(TMP_PREFIX):]
+            name = name.split("-", 2)[2] if name.startswith("gone-") else name
+            gone = root / f"{TMP_PREFIX}gone-{uuid.uuid4().hex[:8]}-{name}"
+            try:
+                os.rename(path, gone)
+                path = gone
+            except OSError:
+                pass  # removed where it is, then
+        dirs.append(path)
+    if dirs:
+        (delete or remove_trees)(dirs)
     return removed
 
 

@@ -199,9 +199,12 @@ def launch_workers(run_dir: Path, spec: ElasticLaunch, console_print=print) -> i
         return code
     saved = _preemption_save(run_dir, started, spec.max_steps)
     if saved is not None:
+        again = ("every node's command again (a `partrain slurm` job requeues itself)"
+                 if spec.multi_node else
+                 f"partrain launch --resume {shlex.quote(str(run_dir))}")
         console_print(f"saved at step {saved.step} on a preemption signal ({saved.path}, "
                       f"{saved.meta.get('seconds', 0):.2f} s from signal to commit); relaunch "
-                      f"to resume: partrain launch --resume {shlex.quote(str(run_dir))}")
+                      f"to resume: {again}")
         return EXIT_PREEMPTED
     return EXIT_OK
 

@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Callable
@@ -50,6 +50,9 @@ class Start:
     resume: store.Checkpoint | None
     init_from: store.Checkpoint | None
     hf_from: Path | None
+    # Rank 0: what interrupted saves left, renamed out of the way, for the checkpointer to delete
+    # in the background (store.clean_leftovers).
+    leftovers: list[Path] = field(default_factory=list)
 
 
 @dataclass
@@ -90,9 +93,10 @@ def find_start(cfg, run_dir: Path, rank: int) -> Start:
     ckpt_root = run_dir / store.CHECKPOINTS
     resume = init_from = None
     fresh_from = cfg.model.init_from
+    leftovers: list[Path] = []
     chosen = [None, None]
     if rank == 0:
-        for path in store.clean_leftovers(ckpt_root):
+        for path in store.clean_leftovers(ckpt_root, leftovers.extend):
             log.info("removed %s, left by an interrupted save", path)
         resume = store.newest(ckpt_root)
         if resume is None and fresh_from and not is_hf(fresh_from):
@@ -102,7 +106,7 @@ def find_start(cfg, run_dir: Path, rank: int) -> Start:
     if rank != 0:
         resume, init_from = (_committed_at(Path(p), rank) if p else None for p in chosen)
     hf_from = hf_dir(fresh_from) if resume is None and is_hf(fresh_from) else None
-    return Start(resume, init_from, hf_from)
+    return Start(resume, init_from, hf_from, leftovers)
 
 
 def _committed_at(path: Path, rank: int) -> store.Checkpoint:
@@ -213,6 +217,8 @@ def _outputs(cfg, run_dir: Path, rank: int, start: Start, first_step: int):
                       + (f" ({record['reason']})" if record["reason"] != "every" else ""))
 
     checkpointer = Checkpointer(run_dir, cfg.checkpoint, OmegaConf.to_yaml(cfg), report)
+    if start.leftovers:
+        checkpointer.delete_in_background(start.leftovers)
     return metrics, display, checkpointer
 
 

@@ -25,8 +25,12 @@ def _start(rank, world_size, tmp):
     assert start.resume.step == 10, (rank, start.resume)
     assert start.resume.path == tmp / "view0" / store.CHECKPOINTS / "step-00000010"
     assert start.init_from is None and start.hf_from is None
-    if rank == 0:
-        assert store.leftovers(run_dir / store.CHECKPOINTS) == []
+    if rank == 0:  # the killed save's leftover, renamed aside for the checkpointer to delete
+        [gone] = start.leftovers
+        assert gone.name.startswith(".tmp-gone-") and gone.name.endswith("-step-00000015")
+        assert store.leftovers(run_dir / store.CHECKPOINTS) == [gone]
+    else:
+        assert start.leftovers == []
     init_from = tmp / f"source{rank}"
     start = find_start(OmegaConf.create({"model": {"init_from": str(init_from)}}),
                        tmp / f"new{rank}", rank)

@@ -486,3 +486,22 @@ def test_resume_config_needs_the_run_dirs_config(tmp_path):
     os.remove(run_dir / "config.yaml")
     with pytest.raises(ConfigError, match=r"--resume \S+run holds no config.yaml"):
         resume_config(run_dir, [])
+
+
+def test_clean_leftovers_renames_aside_what_it_hands_to_a_deleter(tmp_path):
+    """At a start, rank 0 renames each leftover directory to a name no save of this start
+    writes to, and hands them on (the checkpointer deletes them in the background): a large
+    half-written save on a slow file system no longer holds up the other ranks. A name given
+    before (a start that ended first) is not stacked."""
+    root = tmp_path / "checkpoints"
+    write_checkpoint(root, 20)
+    half = write_checkpoint(root, 30, name=".tmp-step-00000030")
+    again = write_checkpoint(root, 10, name=".tmp-gone-0123abcd-pruned-step-00000010")
+    (root / ".tmp-latest.77").write_text("step-00000020\n")
+    handed = []
+    assert store.clean_leftovers(root, handed.extend) == sorted(
+        [half, again, root / ".tmp-latest.77"])
+    assert sorted(p.name[19:] for p in handed) == ["pruned-step-00000010", "step-00000030"]
+    assert all(p.name.startswith(".tmp-gone-") and (p / "meta.json").is_file() for p in handed)
+    assert not half.exists() and not again.exists() and not (root / ".tmp-latest.77").exists()
+    assert store.leftovers(root) == sorted(handed) and steps(root) == [20]

@@ -223,18 +223,34 @@ def _poison_checkpoint(checkpoint: Path, key: str, tmp: Path) -> None:
         (checkpoint / name).write_bytes(data)
 
 
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    """A dp2 run of two steps with a checkpoint at each, made once for the rows that poison a
+    copy of it."""
+    from tests.integration.conftest import CLI
+
+    cli, run_dir = CLI(), tmp_path_factory.mktemp("nan") / "run"
+    try:
+        first = cli.run("launch", "launcher.device=cpu", "parallel.dp=2", "train.seq_len=64",
+                        "train.eval_every=0", "train.max_steps=2", "checkpoint.every=1",
+                        "--run-dir", str(run_dir))
+    finally:
+        cli.kill_all()
+    assert first.returncode == 0, first.stderr[-2000:]
+    return run_dir
+
+
 @pytest.mark.parametrize("key", ["model.layers.1.feed_forward.w2.weight",
                                  pytest.param("optim.output.weight.exp_avg_sq",
                                               marks=pytest.mark.slow)])
-def test_a_checkpoint_holding_a_nan_is_not_trained_from(cli, tmp_path, key):
+def test_a_checkpoint_holding_a_nan_is_not_trained_from(cli, tmp_path, two_steps, key):
     """Resuming from a checkpoint with a NaN weight or moment (one committed before the guard
     existed) trained every step to NaN; now every rank refuses it before the first step: exit
     2 naming the tensor and the checkpoint, nothing trained."""
+    import shutil
+
     run_dir = tmp_path / "run"
-    common = ("launcher.device=cpu", "parallel.dp=2", "train.seq_len=64", "train.eval_every=0")
-    first = cli.run("launch", *common, "train.max_steps=2", "checkpoint.every=1",
-                    "--run-dir", str(run_dir))
-    assert first.returncode == 0, first.stderr[-2000:]
+    shutil.copytree(two_steps, run_dir)
     newest = store.newest(run_dir / store.CHECKPOINTS)
     _poison_checkpoint(newest.path, key, tmp_path)
     before = (run_dir / "metrics.jsonl").read_text()

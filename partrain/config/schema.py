@@ -311,7 +311,9 @@ class LauncherConfig:
     """Seconds nodes wait for each other at start."""
     max_restarts: int = 0
     """Times the workers of every node are restarted after a rank fails, each time resuming
-    from the newest committed checkpoint (--max-restarts wins; torchrun's --max-restarts)."""
+    from the newest committed checkpoint (--max-restarts wins; torchrun's --max-restarts). Not
+    after the ranks stopped together on purpose (divergence, a refused preemption save, a bad
+    setup): those exit at once."""
     hang_timeout_s: Optional[int] = None
     """Seconds a step may make no progress before the launcher calls it a hang: every rank's
     stack is dumped, one summary says who waits in which collective, and the job ends (exit 1)

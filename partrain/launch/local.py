@@ -70,6 +70,17 @@ STOPPED = {"Diverged: ": EXIT_DIVERGED, "NonFiniteStart: ": 2, "RunDirNotShared:
            "PreemptedUnsaved: ": EXIT_PREEMPTED}
 
 
+class StoppedTogether(Exception):
+    """Raised by the agent's next start of the workers in place of a restart (launcher.max_restarts)
+    when they ended on one of STOPPED's errors: the guard's, a refused preemption save, a bad
+    setup. A restart would diverge again, or train on after a preemption signal it no longer
+    knows of, until the job is killed without a requeue."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.message, self.code = message, code
+
+
 class _AgentFailures(logging.Handler):
     """How the agent's workers ended: it logs the first failed one of each attempt ("failed
     (exitcode: -9) local_rank: 1 ..."); kept by local rank, to say how a rank that recorded no
@@ -125,9 +136,14 @@ class RunDirLogsSpecs(LogsSpecs):
             ended = {self.ranks[local]: code for local, code in self.ended.exitcodes.items()
                      if local in self.ranks}
             self.ended.exitcodes.clear()
-            self.on_restart(attempt, {int(env["RANK"]): recorded(
+            said = {int(env["RANK"]): recorded(
                 Path(self._root_log_dir) / f"error-rank-{env['RANK']}.json")
-                for env in envs.values()}, ended)
+                for env in envs.values()}
+            for text in said.values():  # every rank stopped on purpose: no restart helps
+                for prefix, code in STOPPED.items():
+                    if text and text.startswith(prefix):
+                        raise StoppedTogether(text[len(prefix):], code)
+            self.on_restart(attempt, said, ended)
         self.ranks = {local: int(env["RANK"]) for local, env in envs.items()}
         hang.clear_reports(Path(self._root_log_dir).parent, (env["RANK"] for env in envs.values()))
         for local_rank, env in envs.items():
@@ -303,6 +319,9 @@ def _run_agent(config: LaunchConfig, run_dir: Path, spec: ElasticLaunch, agent_l
         console_print(f"  its log: {run_dir / 'logs' / f'rank-{rank}.log'}; every other rank "
                       f"was stopped; {where_to_resume(run_dir)}")
         return EXIT_RANK_FAILED
+    except StoppedTogether as stop:
+        console_print(f"error: {stop.message}")
+        return stop.code
     except RendezvousError as err:
         if workers_started(agent_log, logged):
             # The store on node 0 went away mid-run: node 0's launcher ended or its node is gone.

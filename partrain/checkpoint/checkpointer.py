@@ -168,8 +168,7 @@ class Checkpointer:
         return self._data
 
     def due(self, step: int, last: bool) -> bool:
-        every = self.cfg.every
-        return bool((every and step % every == 0) or (last and self.cfg.save_last))
+        return store.saves_at(self.cfg, step, last)
 
     def save(self, state: dict, step: int, reason: str, started: float | None = None) -> bool:
         """Write `state` as the checkpoint of `step`. `started`: when the save was asked for (a

@@ -13,8 +13,8 @@ committed checkpoints or the new one. `latest` follows the rename; a reader that
 checkpoints are deleted only after a newer one is committed, each renamed to a temporary name
 first (`.tmp-pruned-step-N`): a kill mid-delete leaves a leftover, never half a checkpoint. A
 save that fails (a full disk, any rank's error) is discarded by its ranks at once; one that was
-killed leaves its temporary directory, which the next start removes. Pure file operations: no process group, so the launcher
-and the unit tests use them directly.
+killed leaves its temporary directory, which the next start removes. Pure file operations: no
+process group, so the launcher and the unit tests use them directly.
 """
 
 import json
@@ -102,6 +102,19 @@ def not_committed(root: Path, after: int = -1) -> list[tuple[Path, str]]:
     and says so."""
     return [(path, why) for path, step, _, why in _step_dirs(root)
             if why is not None and step > after]
+
+
+def committed_at(path: Path) -> Checkpoint | None:
+    """The committed checkpoint whose directory is `path`, if it is one."""
+    found = [c for c in committed(path.parent) if c.path.name == path.name]
+    return found[0] if found else None
+
+
+def saves_at(ckpt_cfg, step: int, last: bool) -> bool:
+    """Whether checkpoint.* saves at `step`: every `every` steps, and at the last one
+    (`last`: train.max_steps) with save_last."""
+    every = ckpt_cfg.every
+    return bool((every and step % every == 0) or (last and ckpt_cfg.save_last))
 
 
 def newest(root: Path) -> Checkpoint | None:
@@ -244,9 +257,9 @@ def find(path: Path, what: str) -> Checkpoint:
             if found:
                 return found
     for candidate in candidates:
-        found = [c for c in committed(candidate.parent) if c.path.name == candidate.name]
+        found = committed_at(candidate)
         if found:
-            return found[0]
+            return found
     if not path.exists():
         raise ConfigError(f"{what}={path} does not exist; give a checkpoint directory "
                           "(RUN_DIR/checkpoints/step-N) or a run dir that holds one")

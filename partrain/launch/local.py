@@ -70,6 +70,14 @@ STOPPED = {"Diverged: ": EXIT_DIVERGED, "NonFiniteStart: ": 2, "RunDirNotShared:
            "PreemptedUnsaved: ": EXIT_PREEMPTED}
 
 
+def stopped(message: str | None) -> tuple[str, int] | None:
+    """(what to say, exit code) when a rank's recorded error is one of STOPPED's."""
+    for prefix, code in STOPPED.items():
+        if message and message.startswith(prefix):
+            return message[len(prefix):], code
+    return None
+
+
 class StoppedTogether(Exception):
     """Raised by the agent's next start of the workers in place of a restart (launcher.max_restarts)
     when they ended on one of STOPPED's errors: the guard's, a refused preemption save, a bad
@@ -140,9 +148,8 @@ class RunDirLogsSpecs(LogsSpecs):
                 Path(self._root_log_dir) / f"error-rank-{env['RANK']}.json")
                 for env in envs.values()}
             for text in said.values():  # every rank stopped on purpose: no restart helps
-                for prefix, code in STOPPED.items():
-                    if text and text.startswith(prefix):
-                        raise StoppedTogether(text[len(prefix):], code)
+                if stopped(text):
+                    raise StoppedTogether(*stopped(text))
             self.on_restart(attempt, said, ended)
         self.ranks = {local: int(env["RANK"]) for local, env in envs.items()}
         hang.clear_reports(Path(self._root_log_dir).parent, (env["RANK"] for env in envs.values()))
@@ -303,10 +310,10 @@ def _run_agent(config: LaunchConfig, run_dir: Path, spec: ElasticLaunch, agent_l
             console_print(f"  every worker was stopped{exhausted}; {where_to_resume(run_dir)}")
             return EXIT_RANK_FAILED
         for failure in err.failures.values():
-            for prefix, code in STOPPED.items():
-                if failure_message(failure).startswith(prefix):
-                    console_print(f"error: {failure_message(failure)[len(prefix):]}")
-                    return code
+            if stopped(failure_message(failure)):
+                said, code = stopped(failure_message(failure))
+                console_print(f"error: {said}")
+                return code
         rank, message = describe_failure(err)
         if spec.multi_node and lost_a_peer(message):
             # Every rank here only lost a peer: the one that failed is on another node.

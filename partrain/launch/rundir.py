@@ -64,11 +64,16 @@ def _same_config(path: Path, cfg: DictConfig) -> bool:
     return _config_differences(path, cfg) == []
 
 
-def _another_config(run_dir: Path, differences: list[str], resuming: bool) -> ConfigError:
+def _listed(differences: list[str]) -> str:
+    """The first three differences, and how many more."""
     more = f" and {len(differences) - 3} more" if len(differences) > 3 else ""
+    return f"{'; '.join(differences[:3])}{more}"
+
+
+def _another_config(run_dir: Path, differences: list[str], resuming: bool) -> ConfigError:
     return ConfigError(
         f"{'--resume' if resuming else '--run-dir'} {run_dir} holds another config "
-        f"({'; '.join(differences[:3])}{more}): every node of a run runs the same config (the "
+        f"({_listed(differences)}): every node of a run runs the same config (the "
         "same command and overrides); give a new --run-dir for another run")
 
 
@@ -118,8 +123,7 @@ def check_run_dir(run_dir: Path, cfg: DictConfig | None = None, resuming: bool =
             if checkpoint is not None and not resuming and not (
                     frozen.exists() and _same_config(frozen, cfg)):
                 differences = (_config_differences(frozen, cfg) if frozen.is_file() else None) or []
-                more = f" and {len(differences) - 3} more" if len(differences) > 3 else ""
-                which = f" ({'; '.join(differences[:3])}{more})" if differences else ""
+                which = f" ({_listed(differences)})" if differences else ""
                 raise refuse(
                     f"holds a checkpoint at step {checkpoint.step} of another config{which}; "
                     f"continue it with `partrain launch --resume {run_dir} [OVERRIDE...]` (the "
@@ -140,9 +144,9 @@ def check_run_dir(run_dir: Path, cfg: DictConfig | None = None, resuming: bool =
                 # Refused where the config keeps no checkpoint at the end: its metrics are its
                 # result. One that does (save_last) and has none lost that save (a Ctrl-C or a
                 # kill during it): nothing was kept, and the run starts again, as said then.
-                ckpt, steps = cfg.checkpoint, cfg.train.max_steps
-                final_save = ckpt.save_last or bool(ckpt.every and steps % ckpt.every == 0)
-                if not final_save and finished(run_dir, steps):
+                steps = cfg.train.max_steps
+                if not store.saves_at(cfg.checkpoint, steps, last=True) and \
+                        finished(run_dir, steps):
                     raise refuse("holds a finished run of this very config that kept no "
                                  "checkpoint (its config saves none at the end: "
                                  "checkpoint.save_last=false): its metrics.jsonl is its result; "

@@ -114,9 +114,9 @@ def _committed_at(path: Path, rank: int) -> store.Checkpoint:
     network file system may show another client's new directory late."""
     deadline = time.monotonic() + LOOK_AGAIN_S
     while True:
-        found = [c for c in store.committed(path.parent) if c.path.name == path.name]
+        found = store.committed_at(path)
         if found:
-            return found[0]
+            return found
         if time.monotonic() >= deadline:
             raise RuntimeError(
                 f"rank {rank} does not find {path}, the committed checkpoint rank 0 starts from, "

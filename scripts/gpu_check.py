@@ -28,6 +28,7 @@ What one GPU cannot show (NCCL between ranks, tp/pp/cp/ep across GPUs) is the CP
 """
 
 import argparse
+import collections
 import json
 import os
 import shutil
@@ -125,11 +126,18 @@ def run_case(name: str, overrides: list[str], work: Path, warmup: int) -> dict:
     run_dir = run_dir_of(name, work)
     shutil.rmtree(run_dir, ignore_errors=True)  # a rerun in the same --work starts over
     start = time.perf_counter()
-    res = partrain("launch", *overrides, "--run-dir", str(run_dir))
+    # the launch's lines go on to stderr as they come (a stage stopped at its limit still shows
+    # how far each case got); the last of them stay for the row of a failed case
+    tail = collections.deque(maxlen=200)
+    with subprocess.Popen([sys.executable, "-m", "partrain", "launch", *overrides, "--run-dir",
+                           str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, bufsize=1) as proc:
+        for line in proc.stdout:
+            sys.stderr.write(f"[{name}] {line}")
+            tail.append(line)
     wall = time.perf_counter() - start
-    if res.returncode:
-        tail = (res.stdout + res.stderr)[-4000:]
-        row = {"case": name, "failed": f"exit {res.returncode}", "log": tail}
+    if proc.returncode:
+        row = {"case": name, "failed": f"exit {proc.returncode}", "log": "".join(tail)[-4000:]}
         # the failing rank's traceback is in its own log, which stays on the device machine
         ranks = sorted((run_dir / "logs").glob("rank-*.log"))
         if ranks:

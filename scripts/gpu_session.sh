@@ -6,22 +6,29 @@
 #   bash scripts/gpu_session.sh full:140 nvme:300  # the device tool's command, carry [".whl"]
 #
 # A session has 15 minutes of device time and a call 10: give each stage a limit (below) and
-# put several in a call. Measured on an H200 (wall, stage included): cp 13 s, side 121 s, full
-# 96 s, mb8 66 s, fp8 327 s (about 100 s a case at 200 steps), nvme 172 s for its host case
-# (110 s, its op's first build included) and the disk's first failing one; the disk's case
-# trained 23.8 s a first step. On a warm machine /tmp/gpuwork's token dir is reused.
+# put several in a call. .whl/ is made here by `bash scripts/gpu_wheels.sh`. Measured on an
+# H200 (wall, stage included): cp 13 s, side 121 s, full 96 s, mb8 66 s, fp8 327 s (about 100 s
+# a case at 200 steps), fp8w 139 s for two of its three cases, fork 37 s, pp 88 s alone; nvme's
+# host case 111 s (its op's first build included) and the disk's case of the 1B shape more than
+# 185 s for 4 steps (23.8 s its first): nvme-s for the disk's figure. On a warm machine
+# /tmp/gpuwork's token dir is reused.
 # Stages:
 #   cp     scripts/check_cp_fused.py: the ring's fused CUDA block against the written-out one
 #   check  scripts/gpu_check.py: ddp, ddp + compile, fsdp2, zero3, zero3 + nvme
 #   nvme   the same, ZeRO-3's optimizer on the host against on the disk, 6 steps (point 7;
 #          libaio from .whl/libaio where the image has none)
+#   nvme-s the same on a smaller model (4 of the 1B shape's layers, a 32,000 vocabulary: 0.37B
+#          parameters), where the disk's 6 steps fit a stage (the 1B shape's 4 did not in 185 s)
 #   side   scripts/gpu_side_by_side.py: partrain against torchtitan, no checkpointing
 #   full   the same with full activation checkpointing
 #   prof   both trainers profiled (torch.profiler, 3 steps after the warm-up): where the time goes
 #   fp8    FP8 (tensorwise, rowwise) against bf16, compiled, 200 steps: tokens/s and loss gap
 #   fp8r   FP8 rowwise alone against bf16, 200 steps (fp8's third case, cut from it by a limit once)
 #   fp8w   the same on Llama-3-8B's block in 4 layers, 30 steps (where matmuls dominate)
+#   fp8wr  FP8 rowwise alone on that block against bf16 (fp8w's third case, cut by its limit once)
 #   mb8    partrain alone at micro-batch 8 (one micro-batch a step): point 2's micro-batch size
+#   fork   scripts/bench_start.py on CUDA: the tiny run forked from the rank server
+#          (launcher.start_method=forkserver) against spawned, 20 steps each: it must train alike
 #   pp     scripts/bench_pp.py on the machine's 16 CPU cores (no GPU needed: last, if time is left)
 #   pp-bg  the same in the background on cores 0 and 1 (one pinned rank each), every later stage
 #          pinned to the other cores; the call waits for it at the end
@@ -56,6 +63,9 @@ for spec in "$@"; do
             --json > "$OUT/check.json" 2> "$OUT/check.log" ;;
         nvme) run python3 scripts/gpu_check.py --work /tmp/gpuwork --steps 6 --warmup 2 \
             --only "zero3 + offload" "zero3 + nvme" --json > "$OUT/nvme.json" 2> "$OUT/nvme.log" ;;
+        nvme-s) run python3 scripts/gpu_check.py --work /tmp/gpuwork --steps 6 --warmup 2 \
+            --only "zero3 + offload" "zero3 + nvme" --extra model.n_layers=4 model.vocab_size=32000 \
+            --json > "$OUT/nvme-s.json" 2> "$OUT/nvme-s.log" ;;
         side) run python3 scripts/gpu_side_by_side.py --site /tmp/site --work /tmp/gpuwork --json \
             > "$OUT/side.json" 2> "$OUT/side.log" ;;
         full) run python3 scripts/gpu_side_by_side.py --site /tmp/site --work /tmp/gpuwork --ckpt full --json \
@@ -71,8 +81,14 @@ for spec in "$@"; do
             --only "ddp + compile" "float8 tensorwise" "float8 rowwise" \
             --extra model.dim=4096 model.n_heads=32 model.n_kv_heads=8 model.ffn_dim=14336 \
             model.n_layers=4 --json > "$OUT/fp8w.json" 2> "$OUT/fp8w.log" ;;
+        fp8wr) run python3 scripts/gpu_check.py --work /tmp/gpuwork --steps 30 --warmup 10 \
+            --only "ddp + compile" "float8 rowwise" \
+            --extra model.dim=4096 model.n_heads=32 model.n_kv_heads=8 model.ffn_dim=14336 \
+            model.n_layers=4 --json > "$OUT/fp8wr.json" 2> "$OUT/fp8wr.log" ;;
         mb8) run python3 scripts/gpu_side_by_side.py --site /tmp/site --work /tmp/gpuwork --only partrain \
             --micro-batch 8 --json > "$OUT/mb8.json" 2> "$OUT/mb8.log" ;;
+        fork) run python3 scripts/bench_start.py --device cuda --layouts dp1 --reps 1 --steps 20 \
+            --json > "$OUT/fork.json" 2> "$OUT/fork.log" ;;
         pp) run python3 scripts/bench_pp.py --json > "$OUT/pp.json" 2> "$OUT/pp.log" ;;
         pp-bg) taskset -c 0,1 timeout -k 5 "$limit" python3 scripts/bench_pp.py --json \
                 > "$OUT/pp.json" 2> "$OUT/pp.log" &

@@ -11,9 +11,9 @@ with the model; partrain's its chunked one.
 
 torchtitan is 0.2.2, the newest release that runs on the device's torch 2.11 (0.3.0 imports
 torch.distributed.fsdp.DataParallelMeshDims, which 2.11 lacks). It and what it needs beyond the
-device's image travel as wheels in .whl/ (not tracked; `python3 -m pip download --no-deps ...
--d .whl` of torchtitan==0.2.2, torchdata, datasets, tyro, einops, dill, multiprocess,
-docstring-parser, typeguard), installed to --site on the device.
+device's image travel as wheels in .whl/ (not tracked; `bash scripts/gpu_wheels.sh` makes it:
+torchtitan==0.2.2, torchdata, datasets, tyro, dill, multiprocess, docstring-parser, typeguard,
+tomli, beside partrain's own), installed to --site on the device.
 
 Per trainer, over the steps after --warmup: tokens/s, MFU by one formula for both (partrain's
 plan FLOPs per token x tokens/s / the GPU's bf16 peak; torchtitan's own MFU beside it), peak

@@ -303,8 +303,8 @@ class LauncherConfig:
     """auto | spawn | forkserver: how the ranks start (torchrun's --start-method). spawn: each
     rank is a new `python -m partrain.train` that imports torch itself; forkserver: ranks fork
     from one process per node that imported torch and partrain once (seconds less per rank).
-    auto = forkserver on CPU under Linux, spawn on CUDA (the forked start is not yet measured on
-    GPUs) and elsewhere."""
+    auto = forkserver on CPU under Linux, spawn on CUDA (forked ranks trained alike on one GPU;
+    several GPUs under NCCL are not checked yet) and elsewhere."""
     collective_timeout_s: int = 120
     """Process-group timeout in seconds; short so that a broken job fails fast."""
     rdzv_timeout_s: int = 120

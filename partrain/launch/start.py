@@ -282,7 +282,8 @@ def compiles(cfg) -> bool:
 
 def start_method(cfg) -> str:
     """launcher.start_method with auto resolved: forkserver on CPU under Linux (the lifeline
-    asks /proc), spawn on CUDA and elsewhere."""
+    asks /proc), spawn on CUDA (the forked start is checked on one GPU, not yet on a node of
+    several under NCCL) and elsewhere."""
     if cfg.launcher.start_method != "auto":
         return cfg.launcher.start_method
     return "forkserver" if sys.platform.startswith("linux") and not runs_on_cuda(cfg) else "spawn"

@@ -168,16 +168,22 @@ def test_the_launcher_signals_a_worker_that_did_not_report(tmp_path):
         child.wait()
 
 
+# Under the main-module guard: each fork imports this script again as __mp_main__ (forkserver
+# prepares a child as spawn does), and without the guard that import started processes of its own
+# and failed, so the forks died within a second; on a busy machine they were gone before the test
+# looked (a flake: ProcessLookupError reading their /proc status, or no workers found).
 RANK_SERVER_LAUNCHER = """
 import multiprocessing, time
 from multiprocessing import forkserver
-multiprocessing.set_forkserver_preload(["partrain.launch.rank_server"])
-ranks = [multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(60,))
-         for _ in range(2)]
-for rank in ranks:
-    rank.start()
-print(forkserver._forkserver._forkserver_pid, *(rank.pid for rank in ranks), flush=True)
-time.sleep(60)
+
+if __name__ == "__main__":
+    multiprocessing.set_forkserver_preload(["partrain.launch.rank_server"])
+    ranks = [multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(60,))
+             for _ in range(2)]
+    for rank in ranks:
+        rank.start()
+    print(forkserver._forkserver._forkserver_pid, *(rank.pid for rank in ranks), flush=True)
+    time.sleep(60)
 """
 
 

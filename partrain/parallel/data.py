@@ -40,6 +40,7 @@ from torch.nn.parallel import DistributedDataParallel
 from partrain.parallel.dist import local
 from partrain.parallel.expert import average_expert_gradients
 from partrain.parallel.grads import average_gradients, clip_grads, global_grad_norm
+from partrain.parallel.mesh import flattened
 from partrain.parallel.tensor import sync_sequence_parallel_grads
 
 
@@ -116,9 +117,9 @@ class DDPBackend:
         self.module = model.module if isinstance(model, DistributedDataParallel) else model
         self.max_norm = grad_clip if grad_clip > 0 else math.inf
         # Under pp the executor, not DDP, runs backward: the backend averages over dp x cp.
-        self.dp_group = mesh["dp_cp"].get_group() if dims.pp_enabled and dims.dp_cp > 1 else None
+        self.dp_group = flattened(mesh, "dp_cp").get_group() if dims.pp_enabled and dims.dp_cp > 1 else None
         # Expert slices: summed over the ranks holding the same experts, / (dp x cp).
-        self.edp_group = expert_mesh["edp_cp"].get_group() if expert_mesh is not None else None
+        self.edp_group = flattened(expert_mesh, "edp_cp").get_group() if expert_mesh is not None else None
         self.dp_cp = dims.dp_cp
         self.tp_group = mesh["tp"].get_group() if dims.tp_enabled else None
         self.pp_group = mesh["pp"].get_group() if dims.pp_enabled else None

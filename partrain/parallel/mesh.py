@@ -12,6 +12,26 @@ import itertools
 from dataclasses import dataclass
 
 DIM_NAMES = ("pp", "dp", "cp", "tp")
+FLATTENED = "_partrain_flattened"  # a built mesh's attribute: {name: its flattened 1-D mesh}
+
+
+def flattened(mesh, name: str):
+    """The 1-D mesh that a build_*mesh below flattened under `name` ("dp_cp", "dp_shard_cp",
+    "edp_cp"), as `_flatten` returned it: torch 2.10 and later warn on slicing a flattened dim
+    from the root mesh ("users need to bookkeep the flattened mesh directly") and mean to stop
+    allowing it. A mesh built elsewhere (a test's own) is sliced as before."""
+    kept = getattr(mesh, FLATTENED, {})
+    return kept[name] if name in kept else mesh[name]
+
+
+def _flatten(mesh, dims: tuple[str, ...], name: str):
+    """Flatten mesh[dims] under name, keep the result on mesh (flattened), return mesh."""
+    kept = getattr(mesh, FLATTENED, None)
+    if kept is None:
+        kept = {}
+        setattr(mesh, FLATTENED, kept)
+    kept[name] = mesh[dims]._flatten(name)
+    return mesh
 
 
 @dataclass(frozen=True)
@@ -99,8 +119,7 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=DIM_NAMES)
-        mesh["dp", "cp"]._flatten("dp_cp")
-        return mesh
+        return _flatten(mesh, ("dp", "cp"), "dp_cp")
 
     def build_hsdp_mesh(self, device_type: str):
         """The same ranks as (pp, dp_replicate, dp_shard, cp, tp), dp split into dp_replicate
@@ -113,8 +132,7 @@ class ParallelDims:
         shape = (self.pp, self.dp_replicate, self.dp // self.dp_replicate, self.cp, self.tp)
         mesh = DeviceMesh(device_type, torch.arange(self.world_size).view(shape),
                           mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"))
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        return mesh
+        return _flatten(mesh, ("dp_shard", "cp"), "dp_shard_cp")
 
     def build_expert_mesh(self, device_type: str):
         """The same ranks as (pp, edp, ep, cp, tp), dp split into dp/ep groups of ep consecutive
@@ -125,8 +143,7 @@ class ParallelDims:
         shape = (self.pp, self.dp // self.ep, self.ep, self.cp, self.tp)
         mesh = DeviceMesh(device_type, torch.arange(self.world_size).view(shape),
                           mesh_dim_names=("pp", "edp", "ep", "cp", "tp"))
-        mesh["edp", "cp"]._flatten("edp_cp")
-        return mesh
+        return _flatten(mesh, ("edp", "cp"), "edp_cp")
 
     def build_expert_shard_mesh(self, device_type: str):
         """The expert mesh's ranks as (pp, ep, edp, cp, tp): FSDP shards an ep rank's experts
@@ -140,5 +157,4 @@ class ParallelDims:
                                                    self.cp, self.tp)
         mesh = DeviceMesh(device_type, ranks.transpose(1, 2).contiguous(),
                           mesh_dim_names=("pp", "ep", "edp", "cp", "tp"))
-        mesh["edp", "cp"]._flatten("edp_cp")
-        return mesh
+        return _flatten(mesh, ("edp", "cp"), "edp_cp")

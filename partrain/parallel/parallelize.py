@@ -30,7 +30,7 @@ from partrain.parallel.data import DataParallelBackend, DDPBackend, apply_data_p
 from partrain.parallel.expert import apply_expert_parallel, moe_modules
 from partrain.parallel.float8 import apply_float8, check_float8
 from partrain.parallel.fsdp import ExpertSharding, FSDPBackend, apply_fsdp
-from partrain.parallel.mesh import ParallelDims
+from partrain.parallel.mesh import ParallelDims, flattened
 from partrain.parallel.nvme import on_nvme, run_swap_dir
 from partrain.parallel.pipeline import apply_pipeline_parallel
 from partrain.parallel.tensor import apply_tensor_parallel
@@ -121,7 +121,7 @@ def parallelize(model: torch.nn.Module, cfg, dims: ParallelDims, mesh, expert_me
         if dims.dp_cp > 1 and not dims.pp_enabled:
             # Gradients are averaged over dp x cp. Under pp the executor runs forward and
             # backward; the backend averages after the schedule instead.
-            model = apply_data_parallel(model, mesh["dp_cp"])
+            model = apply_data_parallel(model, flattened(mesh, "dp_cp"))
         backend = DDPBackend(model, build_optimizer(model), dims, mesh, expert_mesh,
                              sequence_parallel, cfg.optim.grad_clip)
     return Parallelized(backend, moe_load_group, n_moe_blocks, sequence_parallel)
@@ -132,12 +132,13 @@ def fsdp_meshes(dims: ParallelDims, mesh):
     FSDP's shards of tp-split weights on: FSDP's dims and tp, or None without tp). FSDP: dp x cp;
     HSDP (dp_replicate > 1): (dp_replicate, dp_shard x cp)."""
     with warnings.catch_warnings():
-        # torch would have flattened meshes kept apart from the root; the slice is what it was.
+        # The 1-D flattened meshes are kept (mesh.flattened); a 2-D one of a root dim and a
+        # flattened dim has no such handle before torch's _unflatten, so it is still sliced.
         warnings.filterwarnings("ignore", message=".*flattened dim.*")
         if dims.dp_replicate == 1:
-            return mesh["dp_cp"], mesh["dp_cp"], mesh["dp_cp", "tp"] if dims.tp_enabled else None
+            return flattened(mesh, "dp_cp"), flattened(mesh, "dp_cp"), mesh["dp_cp", "tp"] if dims.tp_enabled else None
         hsdp = dims.build_hsdp_mesh(mesh.device_type)
-        return (hsdp["dp_replicate", "dp_shard_cp"], hsdp["dp_shard_cp"],
+        return (hsdp["dp_replicate", "dp_shard_cp"], flattened(hsdp, "dp_shard_cp"),
                 hsdp["dp_replicate", "dp_shard_cp", "tp"] if dims.tp_enabled else None)
 
 
@@ -147,7 +148,7 @@ def expert_sharding(dims: ParallelDims, device_type: str) -> ExpertSharding:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*flattened dim.*")
         mesh = dims.build_expert_shard_mesh(device_type)
-        return ExpertSharding(mesh["edp_cp"], mesh["ep", "edp_cp"], dims.dp_cp)
+        return ExpertSharding(flattened(mesh, "edp_cp"), mesh["ep", "edp_cp"], dims.dp_cp)
 
 
 def fsdp_param_dtype(cfg, device_type: str) -> torch.dtype | None:
@@ -176,7 +177,7 @@ def setup_moe(layers, n_moe_blocks: int, dims: ParallelDims, mesh, sequence_para
         moe.seq_group, moe.seq_scale, moe.aux_scale = seq_group, dims.cp, 1.0 / micro_batches
     if sequence_parallel:
         return mesh["dp", "cp", "tp"]._flatten("dp_cp_tp").get_group()
-    return mesh["dp_cp"].get_group() if dims.dp_cp > 1 else None
+    return flattened(mesh, "dp_cp").get_group() if dims.dp_cp > 1 else None
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> torch.nn.Module:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from partrain.parallel.data import Update
+from partrain.parallel.mesh import flattened
 from partrain.parallel.nvme import nvme_problem, on_nvme
 from partrain.parallel.tensor import sync_sequence_parallel_grads
 
@@ -55,7 +56,7 @@ class MeshMPU:
         # Under cp the data-parallel group is dp x cp: cp ranks hold the same parameters and
         # their gradients are averaged like dp's (DeepSpeed then counts each sequence cp times in
         # its batch size: partrain.config.deepspeed.derived_config).
-        self._dp = mesh["dp_cp"].get_group()
+        self._dp = flattened(mesh, "dp_cp").get_group()
         self._tp = mesh["tp"].get_group()
         self._pp = mesh["pp"].get_group()
         # One group per replica (the ranks sharing a dp coordinate); every rank takes part in

@@ -15,7 +15,7 @@ from partrain.data.batches import sampler_micro_batches
 from partrain.observe.trace import Tracer
 from partrain.parallel.context import shard_batch
 from partrain.parallel.data import DataParallelBackend, Update
-from partrain.parallel.mesh import ParallelDims
+from partrain.parallel.mesh import ParallelDims, flattened
 from partrain.parallel.tensor import vocab_parallel_cross_entropy
 from partrain.models.loss import compiled_cross_entropy, cross_entropy
 
@@ -37,7 +37,7 @@ def global_mean(value: torch.Tensor, dims: ParallelDims, mesh) -> float:
     if dims.pp_enabled:
         dist.all_reduce(value, group=mesh["pp"].get_group())
     if dims.dp_cp > 1:
-        dist.all_reduce(value, group=mesh["dp_cp"].get_group())
+        dist.all_reduce(value, group=flattened(mesh, "dp_cp").get_group())
         value = value / dims.dp_cp
     return value.item()
 

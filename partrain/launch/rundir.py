@@ -12,6 +12,7 @@ import os
 import shutil
 import socket
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -187,11 +188,88 @@ def check_not_in_use(run_dir: Path, nnodes: int, resuming: bool) -> None:
     live = running_here(run_dir)
     if live is None or (nnodes > 1 and live[1] > 1):
         return
-    pid, _ = live
-    raise ConfigError(f"{'--resume' if resuming else '--run-dir'} {run_dir} is in use: a launch "
-                      f"runs in it (pid {pid}, logs/state.json); wait for it to end, or stop it "
-                      f"(`kill -USR2 {pid}` saves a checkpoint first, then it exits 3) and "
-                      "launch again, or give a new --run-dir")
+    raise _in_use(run_dir, live[0], resuming, "logs/state.json")
+
+
+def _in_use(run_dir: Path, pid, resuming: bool, seen_in: str) -> ConfigError:
+    return ConfigError(f"{'--resume' if resuming else '--run-dir'} {run_dir} is in use: a launch "
+                       f"runs in it (pid {pid}, {seen_in}); wait for it to end, or stop it "
+                       f"(`kill -USR2 {pid}` saves a checkpoint first, then it exits 3) and "
+                       "launch again, or give a new --run-dir")
+
+
+def lock_path(run_dir: Path, node_rank: int) -> Path:
+    """This host's lock file for a node's launch in run_dir: in the temporary directory, named
+    by a hash of the run dir's real path (a lock file inside the run dir would outlive a launch
+    that fails before it writes anything there)."""
+    import hashlib
+    import tempfile
+
+    key = hashlib.sha256(os.path.realpath(run_dir).encode()).hexdigest()[:32]
+    return (Path(tempfile.gettempdir()) / f"partrain-run-dirs-{os.getuid()}"
+            / f"{key}-node{node_rank}.lock")
+
+
+@contextmanager
+def hold_run_dir(run_dir: Path, node_rank: int, resuming: bool):
+    """Hold this host's lock on run_dir for this node's launch until the block ends: a second
+    launch there (the same node of another job, or any single-node one) is refused with exit 2,
+    also one started in the same second, before the first has said it runs in logs/state.json
+    (check_not_in_use reads that, and names launches on this host only). flock: the kernel lets
+    go when the launcher ends, however it ends, and no process it starts inherits the lock. Where
+    no lock file can be made, the launch goes on with check_not_in_use alone."""
+    path = lock_path(run_dir, node_rank)
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = _locked(path)
+    except _Held as held:
+        raise _in_use(run_dir, held.pid, resuming, f"its lock {path}") from None
+    except OSError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        # Removed while held: a launch that opened the file meanwhile finds it gone once it holds
+        # it, and starts over on a new one (_locked)
+        try:
+            path.unlink()
+        except OSError:
+            pass
+        os.close(fd)
+
+
+class _Held(Exception):
+    def __init__(self, pid: str):
+        super().__init__(pid)
+        self.pid = pid
+
+
+def _locked(path: Path) -> int:
+    """An fd of path holding its flock, with this pid written in it; _Held (the holder's pid, as
+    it wrote it) where another process holds it."""
+    import fcntl
+
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            held_by = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise _Held(held_by) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            return fd
+        os.close(fd)  # its holder removed it as it let go: the next one is this path's
 
 
 def _read_only_fs(path: Path) -> bool:

@@ -26,7 +26,7 @@ from partrain.launch.lifeline import LAUNCHER_PID_ENV
 from partrain.launch.netif import set_ifname_variables
 from partrain.launch.preemption import FORWARDER
 from partrain.launch.preflight import Ready, Request, preflight, runs_on_cuda
-from partrain.launch.rundir import trained_in, write_run_dir
+from partrain.launch.rundir import hold_run_dir, trained_in, write_run_dir
 from partrain.launch.runs import ENDED, STATE_FILE, write_state
 from partrain.launch.slurm import (
     SlurmJob,
@@ -68,25 +68,28 @@ def start(request: Request, dry_run: bool, out: Console, err: Console,
     if dry_run:
         print_dry_run(ready, resuming_from, out)
         return 0
-    # Every check has passed: forked ranks' server starts now, its imports beside the launcher's.
-    server = (rank_server(run_dir, ready.world.nproc_per_node, compiles(cfg))
-              if start_method(cfg) == "forkserver" else nullcontext())
-    with _environment(rank_env(ready)), server:
-        with imports_without_gc():  # torch, and the elastic agent (heap.py)
-            from partrain.launch.local import launch_workers
+    # Every check has passed: this node's hold on the run dir (a launch started beside this one
+    # is refused now, not once this one says it runs), then forked ranks' server starts, its
+    # imports beside the launcher's.
+    with hold_run_dir(run_dir, ready.node.rank, resuming=request.resume is not None):
+        server = (rank_server(run_dir, ready.world.nproc_per_node, compiles(cfg))
+                  if start_method(cfg) == "forkserver" else nullcontext())
+        with _environment(rank_env(ready)), server:
+            with imports_without_gc():  # torch, and the elastic agent (heap.py)
+                from partrain.launch.local import launch_workers
 
-        before = _config_before(run_dir, checkpoint)
-        write_run_dir(cfg, run_dir, resuming=request.resume is not None)
-        records = ready.node.rank == 0  # node 0's launcher says the run's state (`partrain runs`)
+            before = _config_before(run_dir, checkpoint)
+            write_run_dir(cfg, run_dir, resuming=request.resume is not None)
+            records = ready.node.rank == 0  # node 0's launcher says the run's state (`runs`)
+            if records:
+                _record(run_dir, "running", None, warn, ready.world.nnodes)
+            print_start(ready, resuming_from, out)
+            try:
+                code = launch_workers(run_dir, launch_spec(ready), console_print=err.print)
+            finally:
+                remove_swap_dir(cfg.parallel, run_dir)  # offload to nvme: this node's swap folder
         if records:
-            _record(run_dir, "running", None, warn, ready.world.nnodes)
-        print_start(ready, resuming_from, out)
-        try:
-            code = launch_workers(run_dir, launch_spec(ready), console_print=err.print)
-        finally:
-            remove_swap_dir(cfg.parallel, run_dir)  # offload to nvme: this node's swap folder
-    if records:
-        _record(run_dir, ENDED.get(code, "failed"), code, warn, ready.world.nnodes)
+            _record(run_dir, ENDED.get(code, "failed"), code, warn, ready.world.nnodes)
     if code == 0:
         out.print(f"done: metrics in {run_dir / 'metrics.jsonl'}")
         if records:

@@ -101,6 +101,29 @@ def test_existing_run_dir_is_refused(cli, tmp_path):
     assert (tmp_path / "config.yaml").read_text() == "name: old\n"
 
 
+def test_two_launches_started_together_in_one_run_dir_train_once(cli, tmp_path):
+    """The same command twice at once: the run dir's in-use check reads logs/state.json, which
+    a launch writes only once its ranks' server runs and it has imported torch; in those seconds
+    the second launch passed it too, and both trained in the run dir (each committing and pruning
+    the other's checkpoints). Now each launch holds this host's lock on the run dir from its last
+    check on: one trains, the other is refused at once, naming the first."""
+    run_dir = tmp_path / "run"
+    args = ("launch", "parallel.dp=1", "train.max_steps=4", "train.eval_every=0",
+            "checkpoint.every=2", "--run-dir", str(run_dir))
+    first, second = cli.start(*args), cli.start(*args)
+    outputs = {proc.pid: proc.communicate(timeout=240) for proc in (first, second)}
+    codes = {proc.pid: proc.returncode for proc in (first, second)}
+    assert sorted(codes.values()) == [0, 2], {pid: (codes[pid], out[1][-2000:])
+                                              for pid, out in outputs.items()}
+    trained = next(pid for pid, code in codes.items() if code == 0)
+    refused = next(pid for pid, code in codes.items() if code == 2)
+    assert (f"{run_dir} is in use: a launch runs in it (pid {trained}, "
+            in " ".join(outputs[refused][1].split())), outputs[refused][1]
+    assert "Traceback" not in outputs[refused][1]
+    steps, _ = read_metrics(run_dir)
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]  # one run's steps, once each
+
+
 @pytest.mark.slow
 def test_zero3_failure_ends_the_job(cli, tmp_path):
     """A rank failing under ZeRO-3 at 4 ranks ends the job with exit 1, nothing left running.

@@ -241,6 +241,44 @@ def test_a_run_dir_a_launch_runs_in_takes_no_other(tmp_path, live_launch, resumi
         check_not_in_use(run_dir, 2, resuming)
 
 
+HOLDER = """
+import sys, time
+from pathlib import Path
+from partrain.launch.rundir import hold_run_dir
+with hold_run_dir(Path(sys.argv[1]), int(sys.argv[2]), False):
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_the_run_dir_lock_is_one_launchs_per_node_and_goes_with_it(tmp_path):
+    """hold_run_dir, a real flock held by another process: this node's lock refuses a second
+    holder naming the first, another node's is its own, and once the holder is killed outright
+    (no handler runs) the lock is free again at once."""
+    from partrain.errors import ConfigError
+    from partrain.launch.rundir import hold_run_dir, lock_path
+
+    run_dir = tmp_path / "run"  # not made yet: a fresh run's launch holds it before it writes
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir), "0"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        for resuming, flag in ((False, "--run-dir"), (True, "--resume")):
+            with pytest.raises(ConfigError, match=f"{flag} {run_dir} is in use: a launch runs in it "
+                                                  f"\\(pid {holder.pid}, its lock "):
+                with hold_run_dir(run_dir, 0, resuming):
+                    pass
+        with hold_run_dir(run_dir, 1, False):  # node 1 of the same job, on this host
+            pass
+    finally:
+        holder.kill()
+        holder.wait()
+    with hold_run_dir(run_dir, 0, False):
+        assert lock_path(run_dir, 0).read_text() == f"{os.getpid()}\n"
+    assert not lock_path(run_dir, 0).exists()  # let go and removed: nothing piles up in /tmp
+    assert not run_dir.exists()
+
+
 def test_a_pid_given_to_another_process_since_is_not_the_launch(tmp_path, live_launch):
     """state.json says running with the pid of a launcher that died without a word, and the
     system has since given that pid to another process (here: a live process whose start time

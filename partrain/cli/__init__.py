@@ -21,7 +21,7 @@ from rich.text import Text
 from partrain.cli.consoles import err, out
 from partrain.cli.data import data_app
 from partrain.cli.parsers import nnodes_flag, nproc_flag, number_flag, whole_flag
-from partrain.cli.usage import meant
+from partrain.cli.usage import meant, missing_value
 from partrain.errors import ConfigError
 
 app = typer.Typer(add_completion=False, no_args_is_help=False, pretty_exceptions_enable=False,
@@ -375,6 +375,9 @@ def console() -> None:
 def _run() -> int:
     """Run the command line; its exit code."""
     try:
+        problem = missing_value(typer.main.get_command(app), sys.argv[1:])
+        if problem is not None:
+            raise ConfigError(problem)
         code = app(standalone_mode=False)
     except ConfigError as e:
         _error(str(e))

@@ -46,3 +46,42 @@ def meant(e, ctx) -> str:
         return (f"{e.message} (partrain slurm sets where the nodes meet itself: node ranks from "
                 "SLURM, the rendezvous on the job's first node)")
     return e.format_message()
+
+
+# Flags whose value is a path: an empty one ("$UNSET") would mean the current directory.
+PATH_WORDS = ("dir", "out", "resume", "root", "path")
+
+
+def missing_value(command, args: list[str]) -> str | None:
+    """A flag that takes a value given none, as click would take it: the next word, even when
+    that is another of the command's flags (`--run-dir --dry-run` trained into a folder named
+    --dry-run; `--partition --dry-run` submitted the job), or an empty path (`--run-dir ""`, an
+    unset variable: the current directory). The message, or None. `command` is the click
+    command of the whole CLI (typer.main.get_command)."""
+    name = []
+    while hasattr(command, "commands"):  # a group: down to the subcommand named
+        words = [i for i, word in enumerate(args) if not word.startswith("-")]
+        if not words or args[words[0]] not in command.commands:
+            return None
+        name.append(args[words[0]])
+        command, args = command.commands[args[words[0]]], args[words[0] + 1:]
+    options = [p for p in command.params if getattr(p, "param_type_name", "") == "option"]
+    flags = {opt for p in options for opt in (*p.opts, *getattr(p, "secondary_opts", ()))}
+    takes = {opt for p in options if not p.is_flag and not p.count for opt in p.opts}
+    for i, word in enumerate(args):
+        if word == "--":
+            break
+        flag, given, value = word.partition("=")
+        if flag not in takes:
+            continue
+        if not given:
+            if i + 1 == len(args):
+                return None  # click says "requires an argument"
+            value = args[i + 1]
+            if value.partition("=")[0] in flags | {"--help"}:
+                return (f"{flag} takes a value and got none: the word after it, {value}, is a "
+                        f"flag of `partrain {' '.join(name)}` (a value that starts with '-' is "
+                        f"written {flag}=VALUE)")
+        if value == "" and any(part in flag for part in PATH_WORDS):
+            return f"{flag} is empty; give it a path (for the current directory: {flag} .)"
+    return None

@@ -270,6 +270,12 @@ def resume_config(run_dir: Path, overrides: list[str]):
             raise ConfigError(f"--resume takes key=value overrides of existing keys; got {item!r}")
         plain.append(item.lstrip("+"))
     given = {item.split("=", 1)[0] for item in plain}
+    if "parallel.deepspeed_config" in given:  # it was recorded, and its file never read
+        raise ConfigError(
+            "--resume takes no parallel.deepspeed_config: a DeepSpeed file is read once, at a "
+            f"run's start, into the keys it sets, which {frozen} holds; a resume reads those. "
+            "Give what the resume changes as keys instead (optim.lr=..., optim.grad_clip=..., "
+            "parallel.zero_stage=..., ++parallel.deepspeed.KEY=... for DeepSpeed's own keys)")
     try:
         cfg.merge_with(OmegaConf.from_dotlist(plain))
     except Exception as e:  # a value of the wrong type for the schema

@@ -140,6 +140,13 @@ ROWS_RESUME = [
         "model.init_from=", "differs from null in the checkpoint at step 100",
         "model.init_from is read only at a run's first start",
         "a new --run-dir, no --resume"),
+    # It was recorded as changed, and the run trained on with the old file's settings
+    row("--resume parallel.deepspeed_config=another file",
+        lambda c: ["launch", "--resume", _run(100)(c),
+                   "parallel.deepspeed_config=" + c.file("z1.json", '{"zero_optimization": '
+                                                         '{"stage": 1}}')],
+        "--resume takes no parallel.deepspeed_config", "read once, at a run's start",
+        "run/config.yaml holds", "optim.lr=..."),
     row("--resume a run dir whose config.yaml was deleted", _resume(_without_run_config),
         "--resume run holds no config.yaml, though it holds the checkpoint "
         "run/checkpoints/step-00000100", "copy that checkpoint's config.yaml back"),

@@ -210,6 +210,7 @@ def save_if_due(run: Run, step: int, preemption: PreemptionFlag, skipped: bool) 
     # Every rank learns whether any was signalled (SIGUSR2), so all save this same step.
     signalled = preemption.agreed(run.device)
     last = step == run.cfg.train.max_steps
+    saved = None
     if signalled is not None or (run.checkpointer.due(step, last) and (last or not skipped)):
         reason = ("preemption" if signalled is not None else
                   "every" if ckpt.every and step % ckpt.every == 0 else "last")
@@ -217,6 +218,20 @@ def save_if_due(run: Run, step: int, preemption: PreemptionFlag, skipped: bool) 
                                                   run.tp_mesh, run.dims.deepspeed_enabled),
                                       step, reason, started=signalled)
     if signalled is None:
+        if last and saved is False:  # refused: the state held a NaN or an infinity
+            # The final state is not finite: a run that ended `done` here would name no good
+            # result (an update from a broken optimizer state, with a finite loss and gradient,
+            # is one the guard cannot skip)
+            kept = store.newest(run.run_dir / store.CHECKPOINTS)
+            lower = f"optim.lr={run.cfg.optim.lr / 10:.3g}"
+            raise Diverged(
+                f"the state at step {step}, the last (train.max_steps), is not finite "
+                f"({run.checkpointer.refused}): its checkpoint was not saved and the run did not "
+                "finish. " + (f"The newest good checkpoint is {kept.path} (step {kept.step}); "
+                              f"resume from it with a lower learning rate: partrain launch "
+                              f"--resume {run.run_dir} {lower}" if kept else
+                              "No checkpoint was committed before it: start the run again with a "
+                              f"lower learning rate, e.g. the same command with {lower}"))
         return False
     if not saved:  # every rank refused the same non-finite state: stop, and say it was not saved
         kept = store.newest(run.run_dir / store.CHECKPOINTS)

@@ -243,6 +243,27 @@ def test_a_preemption_whose_save_is_refused_exits_3_not_done(cli, tmp_path):
     assert_no_abort(run_dir, stderr)
 
 
+def test_a_run_whose_final_save_is_refused_exits_4_not_done(cli, tmp_path):
+    """The state at train.max_steps holds a NaN (the test hook; a hostile tester got there with a
+    damaged optimizer state, whose update made the weights NaN from a finite loss and gradient):
+    its final checkpoint is refused, and the run must not end `done`, exit 0, with `next:` lines
+    to train on. It stops as diverged (exit 4), saying so and what to do."""
+    run_dir = tmp_path / "run"
+    res = cli.run("launch", "launcher.device=cpu", "parallel.dp=1", "train.max_steps=3",
+                  "train.eval_every=0", "checkpoint.every=0", "--run-dir", str(run_dir),
+                  env={"PARTRAIN_TEST_NONFINITE_STATE": "0"})
+    said = " ".join((res.stdout + res.stderr).split())
+    assert res.returncode == 4, said[-3000:]
+    assert ("the state at step 3, the last (train.max_steps), is not finite (test.nonfinite on "
+            "rank 0 is not finite): its checkpoint was not saved and the run did not finish. No "
+            "checkpoint was committed before it: start the run again with a lower learning "
+            "rate") in said, said[-3000:]
+    assert "done:" not in said and "next:" not in said and "Traceback" not in said
+    assert store.newest(run_dir / "checkpoints") is None
+    assert json.loads((run_dir / "logs" / "state.json").read_text())["state"] != "done"
+    assert processes_mentioning(str(run_dir)) == []
+
+
 @pytest.mark.slow
 def test_async_save_matches_sync(cli, tmp_path, dp2_run):
     """Background saving changes nothing in training and commits every checkpoint."""

@@ -105,8 +105,62 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
     if p.zero_stage > 0 and p.zero_backend == "deepspeed":
         from partrain.config.deepspeed import deepspeed_config
 
-        deepspeed_config(cfg)  # raises on a raw key that contradicts a derived one
+        derived = deepspeed_config(cfg)  # raises on a raw key that contradicts a derived one
+        if p.get("deepspeed"):
+            check_raw_deepspeed(derived)
     return _warnings(cfg, world)
+
+
+# DeepSpeed's config models, by the section of its JSON each reads (their errors name fields
+# inside the section).
+DS_SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedBF16Config": "bf16",
+               "DeepSpeedFP16Config": "fp16", "DeepSpeedActivationCheckpointingConfig":
+               "activation_checkpointing", "DeepSpeedFlopsProfilerConfig": "flops_profiler",
+               "DeepSpeedZeroOffloadOptimizerConfig": "zero_optimization.offload_optimizer",
+               "DeepSpeedZeroOffloadParamConfig": "zero_optimization.offload_param",
+               "DeepSpeedMonitorConfig": "monitor", "CommsConfig": "comms_logger"}
+
+
+def check_raw_deepspeed(derived: dict) -> None:
+    """The whole DeepSpeed JSON, raw keys (parallel.deepspeed, a deepspeed_config file's
+    section) included, read by DeepSpeed's own config models before anything starts: a value of
+    the wrong type or an unknown key inside a section (`reduce_bucket_size=abc`) passed every
+    check and failed inside the ranks with exit 1. Only with raw keys given: DeepSpeed's import
+    costs about a second."""
+    import contextlib
+    import io
+    import logging
+    import sys
+
+    import pydantic
+
+    # Its batch check counts this process's world (one): the batch keys are partrain's, checked
+    # by its own rules, so they are left to DeepSpeed's defaults here.
+    batchless = {k: v for k, v in derived.items()
+                 if k not in ("train_batch_size", "gradient_accumulation_steps")}
+    # DeepSpeed's logger writes to stdout (its accelerator, as it is imported): not in the
+    # output of `partrain show`, or anywhere a check says nothing
+    quiet = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(quiet):
+            from deepspeed.runtime.config import DeepSpeedConfig
+
+            DeepSpeedConfig(batchless)
+    except pydantic.ValidationError as e:
+        section = DS_SECTIONS.get(e.title)
+        found = []
+        for error in e.errors():
+            key = ".".join(str(part) for part in (section, *error["loc"]) if part is not None)
+            found.append(f"{key}={error.get('input')!r}: {error['msg']}")
+        raise ConfigError(f"parallel.deepspeed: DeepSpeed's config refuses "
+                          f"{'; '.join(found)} (parallel.deepspeed.KEY sets DeepSpeed's "
+                          "own keys, as DeepSpeed reads them)") from None
+    finally:
+        from deepspeed.utils.logging import logger as ds_logger
+
+        for handler in ds_logger.handlers:  # made during the import: give it the process's
+            if isinstance(handler, logging.StreamHandler) and handler.stream is quiet:
+                handler.setStream(sys.__stdout__)
 
 
 def _value(cfg: DictConfig, key: str):

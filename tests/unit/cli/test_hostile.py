@@ -88,6 +88,15 @@ ROWS_UNKNOWN_KEYS = [
     row("deepspeed key contradicts zero_stage",
         ["show", "+parallel.deepspeed.zero_optimization.stage=2", "parallel.zero_stage=1"],
         "parallel.deepspeed.zero_optimization.stage=2", "contradicts"),
+    # DeepSpeed's own config models read the raw keys before anything starts: these passed every
+    # check and --dry-run, and failed inside the ranks with exit 1 (a pydantic dump)
+    row("deepspeed raw key of the wrong type",
+        ["show", "+parallel.deepspeed.zero_optimization.reduce_bucket_size=abc",
+         "parallel.zero_stage=1"],
+        "DeepSpeed's config refuses zero_optimization.reduce_bucket_size='abc'", "valid integer"),
+    row("deepspeed raw key unknown inside a section",
+        ["show", "+parallel.deepspeed.zero_optimization.bogus=1", "parallel.zero_stage=2"],
+        "zero_optimization.bogus=1", "Extra inputs are not permitted"),
 ]
 
 

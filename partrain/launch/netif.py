@@ -162,6 +162,22 @@ def network_warnings(network: NodeNetwork, endpoint: str) -> list[str]:
     return said
 
 
+def check_ifname_variables(env=os.environ) -> None:
+    """A user's GLOO_SOCKET_IFNAME must name interfaces this node has (a comma-separated list,
+    as gloo takes it): partrain keeps it, and a name that is not there failed every rank at its
+    first collective (gloo's `Unable to find address for: NAME`), after the run dir was written.
+    NCCL_SOCKET_IFNAME is NCCL's to read (prefixes, `^` to exclude, `=` for exact names)."""
+    given = env.get("GLOO_SOCKET_IFNAME")
+    if not given:
+        return
+    known = {name for _, name in socket.if_nameindex()}
+    missing = [name for name in given.split(",") if name.strip() not in known]
+    if missing:
+        raise ConfigError(f"GLOO_SOCKET_IFNAME={given}: no interface {', '.join(missing)} on this "
+                          f"node (it has: {', '.join(sorted(known))}); unset it to let partrain "
+                          "pick the interface, or name one of these")
+
+
 def set_ifname_variables(network: NodeNetwork, env=os.environ) -> list[str]:
     """GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME for the workers; a user's own setting stays.
     Returns `NAME=value (how)` lines to print."""

@@ -61,6 +61,7 @@ from partrain.errors import ConfigError
 from partrain.launch.cluster import NodePlace, detect_place, slurm_node_address, usable_cores
 from partrain.launch.netif import (
     NodeNetwork,
+    check_ifname_variables,
     check_local_addr,
     network_warnings,
     pick_network,
@@ -323,6 +324,7 @@ def this_node(request: Request, place: NodePlace, world: World, warnings: list[s
     local_addr, ifname = request.local_addr, request.ifname
     if local_addr:
         check_local_addr(local_addr)
+    check_ifname_variables()
     network = pick_network(endpoint, local_addr, ifname, endpoint_from) if endpoint else None
     if network is not None:
         warnings.extend(network_warnings(network, endpoint))

@@ -199,6 +199,15 @@ ROWS_NETWORK = [
         "--rdzv-endpoint", UNRESOLVABLE, "does not resolve"),
     row("--ifname nosuchif0", ["launch", "--dry-run", "--ifname", "nosuchif0", *MULTI_NODE],
         "--ifname", "nosuchif0", "no such interface"),
+    # partrain keeps a user's GLOO_SOCKET_IFNAME: a name the node lacks passed --dry-run, wrote the
+    # run dir and failed every rank (gloo's "Unable to find address for: nosuchif0", exit 1)
+    row("GLOO_SOCKET_IFNAME=nosuchif0, one node",
+        lambda c: c.setenv(GLOO_SOCKET_IFNAME="nosuchif0") or ["launch", "--dry-run"],
+        "GLOO_SOCKET_IFNAME=nosuchif0", "no interface nosuchif0 on this node"),
+    row("GLOO_SOCKET_IFNAME=lo,nosuchif0, two nodes",
+        lambda c: c.setenv(GLOO_SOCKET_IFNAME="lo,nosuchif0") or ["launch", "--dry-run",
+                                                                  *MULTI_NODE],
+        "GLOO_SOCKET_IFNAME=lo,nosuchif0", "no interface nosuchif0"),
     row("--nnodes 2 without --rdzv-endpoint", ["launch", "--dry-run", "--nnodes", "2",
                                                "parallel.dp=4"],
         "--nnodes=2", "--rdzv-endpoint"),

@@ -149,7 +149,14 @@ def preflight(request: Request) -> Ready:
     place = detect_place(request.nproc_per_node if isinstance(request.nproc_per_node, int)
                          else None) if checks.on_this_node else None
     cfg, world, warnings = resolve(request, place)
-    if checks.on_this_node and runs_on_cuda(cfg):
+    on_cuda = checks.on_this_node and runs_on_cuda(cfg)
+    if cfg.train.dtype == "fp16" and (cfg.launcher.device == "cpu" or
+                                      (checks.on_this_node and not on_cuda)):
+        # DeepSpeed's CPU accelerator has no fp16: every rank failed at the engine's start
+        raise ConfigError("train.dtype=fp16 on CPU: DeepSpeed (which scales fp16's loss) does "
+                          "not train in fp16 there; use train.dtype=bf16 or fp32 on CPU, fp16 on "
+                          "GPUs (a DeepSpeed file's fp16 section sets train.dtype=fp16)")
+    if on_cuda:
         check_memory(cfg, world, warnings)
     if checks.startable:
         check_startable(world)

@@ -94,6 +94,10 @@ ROWS_UNKNOWN_KEYS = [
         ["show", "+parallel.deepspeed.zero_optimization.reduce_bucket_size=abc",
          "parallel.zero_stage=1"],
         "DeepSpeed's config refuses zero_optimization.reduce_bucket_size='abc'", "valid integer"),
+    # DeepSpeed's CPU accelerator has no fp16: every rank failed at the engine's start, exit 1
+    row("fp16 with ZeRO on CPU", ["launch", "--dry-run", "train.dtype=fp16",
+                                  "parallel.zero_stage=2", "launcher.device=cpu"],
+        "train.dtype=fp16 on CPU", "bf16 or fp32"),
     row("deepspeed raw key unknown inside a section",
         ["show", "+parallel.deepspeed.zero_optimization.bogus=1", "parallel.zero_stage=2"],
         "zero_optimization.bogus=1", "Extra inputs are not permitted"),

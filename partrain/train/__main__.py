@@ -13,6 +13,17 @@ import logging  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 
+# Started by hand or by torchrun (`torchrun -m partrain.train OVERRIDES`): one clear line, not an
+# IndexError or a KeyError from deep inside (the agent gives a rank its run dir and RANK)
+if len(sys.argv) != 2 or not os.path.isfile(os.path.join(sys.argv[1], "config.yaml")) or \
+        "RANK" not in os.environ:
+    sys.stderr.write(
+        "error: python -m partrain.train is the worker that `partrain launch` starts, one per "
+        "rank, with the run dir it wrote; it takes no config or overrides and is not started by "
+        "hand or by torchrun. Run `partrain launch [CONFIG] [OVERRIDE...] --nproc-per-node N` "
+        "instead: it starts the ranks itself (docs/coming-from.md, From torchrun)\n")
+    sys.exit(2)
+
 from partrain.launch.heap import imports_without_gc  # noqa: E402
 
 with imports_without_gc():  # torch, DTensor, DCP and partrain, with less CPU (heap.py)

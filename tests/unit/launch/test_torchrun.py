@@ -214,3 +214,28 @@ def test_slurm_says_it_sets_the_rendezvous(run_main):
 def test_hydra_config_flags_point_at_the_first_argument(run_main):
     result = run_main("launch", "--config-name", "quickstart")
     assert result.code == 2 and "the config is the first argument" in result.stderr
+
+
+@pytest.mark.parametrize("argv, env", [
+    ([], {}),  # by hand, nothing given: it was an IndexError
+    (["launcher.device=cpu", "train.max_steps=2"], {"RANK": "0", "WORLD_SIZE": "1"}),  # torchrun
+    (["RUN_DIR"], {}),  # a run dir, and no agent's RANK: it was a KeyError
+])
+def test_the_worker_started_by_hand_or_torchrun_says_what_to_run(tmp_path, argv, env):
+    """`torchrun -m partrain.train OVERRIDES`, an Accelerate user's habit, and the worker started
+    by hand: one line that names `partrain launch`, exit 2, no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("name: x\n")
+    argv = [str(run_dir) if a == "RUN_DIR" else a for a in argv]
+    clean = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    done = subprocess.run([sys.executable, "-m", "partrain.train", *argv], capture_output=True,
+                          text=True, env={**clean, **env}, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("error: python -m partrain.train is the worker that "
+                                  "`partrain launch` starts"), done.stderr
+    assert "Run `partrain launch" in done.stderr and "Traceback" not in done.stderr

@@ -10,6 +10,11 @@ directory stands for the files under it, recursively, in sorted order, hidden na
 suffix says the kind (.jsonl/.ndjson, .parquet, .arrow, anything else text). A directory that
 `datasets.Dataset.save_to_disk` wrote (state.json, dataset_info.json, data-*.arrow) stands for
 its Arrow files in state.json's order.
+
+Refused rather than read (`input_files`): a partrain token dir, given or found under a directory
+(its meta.json, shards and indexes are not text; a token dir written beside the text, as
+`data prepare data/ --out data/tokens` does, is the case), and a file read twice, whether given
+twice, found under two inputs, or both an input and a --val input (a val split of training text).
 """
 
 import itertools
@@ -46,17 +51,20 @@ def _check_file(file: Path) -> None:
     raise ConfigError(f"input file {file} {found}{hint}")
 
 
-def collect_inputs(paths: list[Path]) -> list[Path]:
+def collect_inputs(paths: list[Path], flag: str = "input") -> list[Path]:
     """The files the inputs stand for, in order: a directory's regular files recursively, in
-    sorted order, hidden files and directories skipped."""
+    sorted order, hidden files and directories skipped. A partrain token dir, given or under a
+    directory, is refused. `flag` names the inputs in messages ("input", "--val")."""
     files = []
     for path in paths:
         if not path.is_dir():
             _check_file(path)
+            _refuse_token_dir_file(path, flag)
             files.append(path)
             continue
         found = []
         for root, dirs, names in os.walk(path, onerror=_walk_error):
+            _refuse_token_dir(Path(root), path, flag)
             dataset = _hf_dataset_files(Path(root))
             if dataset is not None:  # its Arrow files, not its JSON files as text
                 found += dataset
@@ -69,6 +77,95 @@ def collect_inputs(paths: list[Path]) -> list[Path]:
             raise ConfigError(f"input directory {path} holds no files (hidden ones are skipped)")
         files += found
     return files
+
+
+def input_files(inputs: list[Path], val_inputs: list[Path]) -> tuple[list[Path], list[Path]]:
+    """The files of the inputs and of the --val inputs (collect_inputs), each file once: one
+    read twice (the same input given twice, a file also under a directory given, a --val input
+    that is also an input) is refused, naming both inputs."""
+    seen: dict[str, tuple[str, Path, Path]] = {}  # real path -> (flag, input given, file)
+    out = []
+    for flag, given in (("input", inputs), ("--val", val_inputs)):
+        files = []
+        for path in given:
+            for file in collect_inputs([path], flag):
+                key = os.path.realpath(file)
+                if key in seen:
+                    raise ConfigError(_read_twice(seen[key], (flag, path, file)))
+                seen[key] = (flag, path, file)
+                files.append(file)
+        out.append(files)
+    return out[0], out[1]
+
+
+def _read_twice(first: tuple[str, Path, Path], second: tuple[str, Path, Path]) -> str:
+    """The message for a file that two inputs (or one, given twice) would read: each is
+    (flag, input given, file)."""
+    (flag1, given1, file1), (flag2, given2, file2) = first, second
+
+    def named(flag, given, file):
+        return f"{flag} {given}" + ("" if file == given else f" (its file {file})")
+
+    def read_as(flag, given, file, other):
+        if file == given:
+            return f"{flag} {given}"
+        return f"part of {flag} {given}" + ("" if file == other else f" (as {file})")
+
+    if flag1 != flag2:
+        move = f" (move {file2} out of {given1})" if file1 != given1 else ""
+        return (f"{named(flag2, given2, file2)} is also read for training, as "
+                f"{read_as(flag1, given1, file1, file2)}: a val split of the training text "
+                f"measures nothing; give --val inputs that are not among the inputs{move}")
+    if given1 == given2 and file1 == file2:
+        return f"{flag1} {given1} is given twice: its text would be read twice; give it once"
+    if given1 == given2:
+        both = f"{flag1} {given1} holds {file1} and {file2}, which are the same file"
+    elif file1 == given1 and file2 == given2:
+        both = f"{flag2} {given2} is the same file as {flag1} {given1}"
+    elif file2 == given2:
+        both = f"{flag2} {given2} is also read as {read_as(flag1, given1, file1, file2)}"
+    elif file1 == given1:
+        both = f"{flag1} {given1} is also read as {read_as(flag2, given2, file2, file1)}"
+    else:
+        both = f"{named(flag1, given1, file1)} and {named(flag2, given2, file2)} are the same file"
+    return f"{both}: its text would be read twice; give each file once"
+
+
+def _token_dir_format(directory: Path) -> str | None:
+    """The format of the partrain token dir `directory` is (its meta.json's "format"), or None."""
+    meta = directory / "meta.json"
+    try:
+        # A token dir's meta.json is a few hundred bytes; a big one is some other file.
+        if not meta.is_file() or meta.stat().st_size > 1 << 20:
+            return None
+        value = json.loads(meta.read_text(encoding="utf-8-sig"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    found = value.get("format") if isinstance(value, dict) else None
+    # Any version of partrain's format, a later one too (format.FORMATS are the ones read).
+    return found if isinstance(found, str) and found.startswith("partrain-tokens/") else None
+
+
+def _refuse_token_dir(directory: Path, given: Path, flag: str) -> None:
+    found = _token_dir_format(directory)
+    if found is None:
+        return
+    what = (f"{flag} directory {given} is a partrain token dir" if directory == given else
+            f"{flag} directory {given} holds a partrain token dir, {directory}")
+    raise ConfigError(
+        f"{what} (its meta.json says format {found!r}); data prepare reads text, and would read "
+        "the token dir's meta.json, shards and indexes as text; give the text files instead"
+        + (f" (train on the token dir as it is: data=tokens data.path={directory})"
+           if directory == given else f", or move the token dir out of {given}"))
+
+
+def _refuse_token_dir_file(file: Path, flag: str) -> None:
+    found = _token_dir_format(file.parent)
+    if found is not None:
+        raise ConfigError(
+            f"{flag} file {file} is a file of the partrain token dir {file.parent} (its "
+            f"meta.json says format {found!r}): data prepare reads text; give the text files "
+            f"instead (train on the token dir as it is: data=tokens data.path={file.parent})")
 
 
 def _walk_error(e: OSError) -> None:

@@ -36,7 +36,7 @@ from typing import Iterator
 import numpy as np
 
 from partrain.data import tokenizer as tk
-from partrain.data.inputs import collect_inputs, documents
+from partrain.data.inputs import documents, input_files
 from partrain.data.format import (
     FORMAT,
     INDEX_DTYPE,
@@ -328,8 +328,8 @@ def prepare_token_dir(inputs: list[Path], out: Path, val_fraction: float | None 
         check_out(out)
     except OSError as e:
         raise ConfigError(f"--out {out} cannot be inspected: {reason(e)}") from None
-    sources = {"train": collect_inputs(inputs),
-               "val": collect_inputs(val_inputs) if val_inputs else []}
+    train_files, val_files = input_files(inputs, val_inputs or [])
+    sources = {"train": train_files, "val": val_files}
     meta = {"format": FORMAT}
     if tokenizer is None:
         meta.update(tokenizer=tk.BYTES, dtype="uint8", vocab_size=tk.BYTE_VOCAB)

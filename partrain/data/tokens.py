@@ -12,7 +12,8 @@ one document. `max_token_id` (the largest id in either split) is optional: dirs 
 it existed, or by other tools, are still read.
 
 A token dir is checked before any process starts, cheaply and for any file size (token_files.py:
-meta.json, the shard files, the document index, a bounded sample of the ids).
+meta.json, the shard files, the document index, a bounded sample of the ids), and its
+tokenizer.json loaded as `partrain sample` and `export` will load the run's copy of it.
 """
 
 import hashlib
@@ -117,6 +118,7 @@ class TokenSplits:
     # document may be the end of one that began in train. Not given: the split is one document.
     train_docs: np.ndarray | None = None
     val_docs: np.ndarray | None = None
+    meta: dict | None = None  # the token dir's meta.json; None for the stdlib's source
 
     def __post_init__(self):
         if self.train_docs is None:
@@ -183,7 +185,7 @@ def load_tokens(data_cfg) -> TokenSplits:
         docs = {split: None for split in SPLITS}
     return TokenSplits(splits["train"], splits["val"], meta["vocab_size"],
                        f"{path} ({meta['tokenizer']}, {meta['train_tokens']:,} train tokens)",
-                       docs["train"], docs["val"])
+                       docs["train"], docs["val"], meta)
 
 
 # What `partrain data prepare` reads (prepare.py: JSON Lines, Parquet, Arrow, anything else as
@@ -265,6 +267,36 @@ def fingerprint(path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
+def check_tokenizer(path: Path, meta: dict) -> None:
+    """A token dir's tokenizer.json, loaded as `partrain sample` and `export` load the run's copy
+    of it (the library reads it, an end-of-text token is found, it has no more tokens than the
+    ids' vocab_size): a launch copies it into RUN_DIR/tokenizer/, and a run trained beside a
+    tokenizer they refuse could be neither sampled nor exported."""
+    from partrain.data import tokenizer as tk
+
+    file = path / TOKENIZER_FILE
+    source = meta.get("tokenizer_source")
+    fix = ("; put back the tokenizer.json the dir was prepared with"
+           + (f" ({source}, as meta.json tokenizer_source says)" if isinstance(source, str) else "")
+           + ", or prepare the dir again with `partrain data prepare ... --tokenizer PATH`")
+    try:
+        tok = tk.load(file, f"data.path={path}:")
+    except ConfigError as e:
+        raise ConfigError(f"{e}{fix}") from None
+    try:
+        tk.end_of_text(tok, file)
+    except ConfigError:
+        raise ConfigError(
+            f"data.path={path}: {file} has no end-of-text token (no eos_token in the "
+            f"{tk.TOKENIZER_CONFIG} beside it, none of {', '.join(tk.EOT_NAMES)} in its "
+            f"vocabulary), which `partrain sample` and `export` need{fix}") from None
+    size = tok.get_vocab_size(with_added_tokens=True)
+    if size > meta["vocab_size"]:
+        raise ConfigError(
+            f"data.path={path}: {file} has {size:,} tokens, more than meta.json vocab_size="
+            f"{meta['vocab_size']:,}: it is not the tokenizer these ids were made with{fix}")
+
+
 def check_data(cfg) -> str:
     """Everything about the data that can be wrong, found before any process starts."""
     if cfg.data.source != "tokens" and cfg.data.path:
@@ -285,6 +317,8 @@ def check_data(cfg) -> str:
     # load_tokens has checked every (sampled) id against the data's vocab_size, so this check
     # also keeps every id below model.vocab_size.
     splits = load_tokens(cfg.data)
+    if splits.meta is not None and splits.meta["tokenizer"] == TOKENIZER_FILE:
+        check_tokenizer(Path(cfg.data.path), splits.meta)
     source = (f"data.path={cfg.data.path}" if cfg.data.source == "tokens" else
               f"data.source=stdlib with data.stdlib_max_bytes={cfg.data.stdlib_max_bytes}")
     if splits.vocab_size > cfg.model.vocab_size:

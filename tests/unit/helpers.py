@@ -78,6 +78,19 @@ def finish(proc: subprocess.Popen, timeout: float = 60) -> CliResult:
     return CliResult(proc.returncode, out, err)
 
 
+def word_tokenizer(words: int, eot: bool = True, prefix: str = "w") -> str:
+    """A small tokenizer.json the tokenizers library reads: `words` words (prefix0, prefix1, ...),
+    and <|endoftext|> after them when `eot`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"{prefix}{i}": i for i in range(words)}
+    if eot:
+        vocab["<|endoftext|>"] = words
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=f"{prefix}0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tok.to_str()
+
+
 def one_line(text: str) -> str:
     """Rich wraps stdout at the terminal width; compare messages with whitespace collapsed."""
     return " ".join(text.split())

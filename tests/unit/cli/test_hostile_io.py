@@ -19,6 +19,7 @@ from tests.unit.cli.hostile import (
     isolated,  # noqa: F401 (isolated: an autouse fixture)
     row,
 )
+from tests.unit.helpers import word_tokenizer
 
 
 def _run_dir_with_other_config(c: Ctx) -> str:
@@ -80,6 +81,18 @@ def _tokens(**kwargs):
                       "data.path=" + c.tokens("tok", **kwargs)]
 
 
+def _tokenizer_dir(c: Ctx, tokenizer: str, name: str = "tok") -> str:
+    """A byte-sized token dir whose meta.json names a tokenizer.json holding `tokenizer`."""
+    path = c.tokens(name, meta={"tokenizer": "tokenizer.json"})
+    c.file(f"{name}/tokenizer.json", tokenizer)
+    return path
+
+
+def _with_tokenizer(tokenizer: str):
+    return lambda c: ["launch", "--dry-run", "data=tokens",
+                      "data.path=" + _tokenizer_dir(c, tokenizer)]
+
+
 ROWS_DATA = [
     row("tokens: data vocab above model.vocab_size",
         _tokens(dtype="uint16", vocab=1000, train=np.arange(600) % 1000),
@@ -118,6 +131,24 @@ ROWS_DATA = [
         "data.path=", "afile", "not a token dir", "partrain data prepare"),
     row("tokens: no data.path", ["launch", "--dry-run", "data=tokens"],
         "data.source=tokens", "data.path"),
+    # A launch trained beside these and copied them into the run dir, which sample and export
+    # then refused: a run that could be neither sampled nor exported.
+    row("tokens: tokenizer.json is garbage", _with_tokenizer("not a tokenizer\n"),
+        "data.path=", "tok/tokenizer.json", "is not a tokenizer.json the tokenizers library reads",
+        "put back"),
+    row("tokens: tokenizer.json is JSON of another kind", _with_tokenizer('{"model": 3}'),
+        "data.path=", "tok/tokenizer.json", "is not a tokenizer.json the tokenizers library reads"),
+    row("tokens: tokenizer.json has no end-of-text token",
+        _with_tokenizer(word_tokenizer(10, eot=False)),
+        "data.path=", "tok/tokenizer.json", "no end-of-text token", "sample"),
+    row("tokens: tokenizer.json bigger than vocab_size", _with_tokenizer(word_tokenizer(300)),
+        "data.path=", "tok/tokenizer.json", "301 tokens", "vocab_size=256",
+        "not the tokenizer these ids were made with"),
+    row("tokens: a blend source's tokenizer.json is garbage",
+        lambda c: ["launch", "--dry-run",
+                   f"data.blend=[{{path: {_tokenizer_dir(c, '{}')}, weight: 1}}]"],
+        "data.blend[0]", "tok/tokenizer.json",
+        "is not a tokenizer.json the tokenizers library reads"),
     row("data.stdlib_max_bytes=0", ["launch", "--dry-run", "data.stdlib_max_bytes=0"],
         "data.stdlib_max_bytes", "0"),
 ]
@@ -125,6 +156,21 @@ ROWS_DATA = [
 
 def _prepare(*extra, out="out"):
     return lambda c: ["data", "prepare", c.text(), "--out", c.path(out), *extra]
+
+
+def _text_beside_a_token_dir(c: Ctx) -> str:
+    """data/ of text, and data/tokens that `data prepare data/ --out data/tokens` wrote."""
+    from partrain.data.prepare import prepare_token_dir
+
+    c.text("data/a.txt")
+    c.text("data/b.txt", 3000)
+    prepare_token_dir([c.root / "data"], c.root / "data" / "tokens", workers=1)
+    return c.path("data")
+
+
+def _linked(c: Ctx) -> str:
+    os.symlink("a.txt", c.root / "data" / "link.txt")
+    return c.path("data", "link.txt")
 
 
 ROWS_PREPARE = [
@@ -175,6 +221,44 @@ ROWS_PREPARE = [
     row("prepare: no inputs", lambda c: ["data", "prepare", "--out", c.path("out")], "INPUTS",
         "Missing"),
     row("data: unknown command", ["data", "bogus"], "bogus", "No such command"),
+    # Read as text before: a token dir's meta.json, shards and indexes, exit 0.
+    row("prepare: input holds the token dir prepare wrote there",
+        lambda c: ["data", "prepare", _text_beside_a_token_dir(c), "--out", c.path("data/tokens2")],
+        "input directory", "data holds a partrain token dir", "data/tokens",
+        "'partrain-tokens/2'", "move the token dir out of"),
+    row("prepare: input is a token dir",
+        lambda c: ["data", "prepare", c.tokens("tok"), "--out", c.path("out")],
+        "input directory", "tok is a partrain token dir", "'partrain-tokens/1'",
+        "give the text files", "data.path="),
+    row("prepare: input is a file of a token dir",
+        lambda c: ["data", "prepare", c.tokens("tok") + "/train.bin", "--out", c.path("out")],
+        "input file", "tok/train.bin", "is a file of the partrain token dir"),
+    row("prepare: --val holds a token dir",
+        lambda c: ["data", "prepare", c.text(), "--val", _text_beside_a_token_dir(c), "--out",
+                   c.path("out")],
+        "--val directory", "data holds a partrain token dir", "data/tokens"),
+    row("prepare: input given twice",
+        lambda c: ["data", "prepare", c.text(), c.path("in.txt"), "--out", c.path("out")],
+        "input", "in.txt is given twice", "read twice"),
+    row("prepare: input dir given twice",
+        lambda c: ["data", "prepare", c.dir("data", a="abc\n" * 50), c.path("data"), "--out",
+                   c.path("out")],
+        "input", "data is given twice", "read twice"),
+    row("prepare: input file also under an input dir",
+        lambda c: ["data", "prepare", c.dir("data", a="abc\n" * 50, b="def\n" * 50),
+                   c.path("data", "b"), "--out", c.path("out")],
+        "input", "data/b is also read as part of input", "read twice"),
+    row("prepare: input and a link to it",
+        lambda c: ["data", "prepare", c.text("data/a.txt"), _linked(c), "--out", c.path("out")],
+        "input", "link.txt is the same file as input", "a.txt", "read twice"),
+    row("prepare: --val is an input",
+        lambda c: ["data", "prepare", c.text(), "--val", c.path("in.txt"), "--out", c.path("out")],
+        "--val", "in.txt is also read for training", "measures nothing"),
+    row("prepare: --val is a file under an input dir",
+        lambda c: ["data", "prepare", c.dir("data", a="abc\n" * 50, b="def\n" * 50), "--val",
+                   c.path("data", "b"), "--out", c.path("out")],
+        "--val", "data/b is also read for training, as part of input", "move",
+        "out of"),
 ]
 
 ROWS_NETWORK = [
@@ -450,3 +534,21 @@ def test_dry_run_into_an_empty_run_dir_writes_nothing(run_main, tmp_path):
     result = run_main("launch", "--dry-run", "--run-dir", str(run_dir))
     assert result.code == 0, result.stderr
     assert list(run_dir.iterdir()) == []
+
+
+def test_a_token_dir_with_a_tokenizer_the_library_reads_launches(run_main, tmp_path):
+    # The control of the tokenizer rows: a small tokenizer of its own with an end-of-text token.
+    path = _tokenizer_dir(Ctx(tmp_path, None), word_tokenizer(200))
+    result = run_main("launch", "--dry-run", "data=tokens", f"data.path={path}")
+    assert result.code == 0, result.stderr
+
+
+def test_prepare_reads_a_meta_json_that_is_not_a_token_dirs_as_text(run_main, tmp_path):
+    # The control of the token-dir rows: a corpus's own meta.json is text like any other file.
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_text("abc\n" * 200)
+    (data / "meta.json").write_text('{"format": "my-corpus/1", "author": "me"}\n')
+    result = run_main("data", "prepare", str(data), "--out", str(tmp_path / "out"))
+    assert result.code == 0, result.stderr
+    assert '"files": 2' in (tmp_path / "out" / "meta.json").read_text()

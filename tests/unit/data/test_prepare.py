@@ -200,11 +200,12 @@ def test_a_tokenizer_without_an_end_of_text_token_is_refused(tmp_path):
 def test_a_failure_with_workers_running_leaves_nothing(tmp_path, bpe):
     """The bad file comes after enough text for the pool to have started and written."""
     path, _ = bpe
-    big = tmp_path / "big.txt"
+    big, more = tmp_path / "big.txt", tmp_path / "more.txt"
     big.write_text("".join(DOCS) * 800)  # > 2 chunks of 1 MiB
+    more.write_text("".join(DOCS) * 800)
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"\xff")
-    assert "is not UTF-8 text" in _refusal(tmp_path, [big, big, bad], tokenizer=path, workers=2)
+    assert "is not UTF-8 text" in _refusal(tmp_path, [big, more, bad], tokenizer=path, workers=2)
     assert not multiprocessing.active_children()
 
 

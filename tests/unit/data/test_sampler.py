@@ -20,7 +20,7 @@ from partrain.data.sampler import (
     check_sources,
 )
 from partrain.errors import ConfigError
-from tests.unit.helpers import validated
+from tests.unit.helpers import validated, word_tokenizer
 
 SEQ = 8
 GLOBAL = 12
@@ -308,12 +308,12 @@ def test_two_different_tokenizer_files_are_two_tokenizers(dirs, tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     shutil.copytree(dirs[0], one)
     shutil.copytree(dirs[1], two)
-    _retokenize(one, "tokenizer.json", '{"model": "one"}')
-    _retokenize(two, "tokenizer.json", '{"model": "two"}')
+    _retokenize(one, "tokenizer.json", word_tokenizer(100, prefix="one"))
+    _retokenize(two, "tokenizer.json", word_tokenizer(100, prefix="two"))
     with pytest.raises(ConfigError) as info:
         check_sources(_config((one, 1), (two, 1)))
     assert str(info.value).count("tokenizer.json (sha256 ") == 2
-    _retokenize(two, "tokenizer.json", '{"model": "one"}')
+    _retokenize(two, "tokenizer.json", word_tokenizer(100, prefix="one"))
     check_sources(_config((one, 1), (two, 1)))
 
 

@@ -233,11 +233,14 @@ def test_val_with_a_val_fraction_is_refused(tmp_path, text_files):
 
 def test_val_through_the_cli(run_main, tmp_path, text_files):
     a, b = map(str, text_files)
-    result = run_main("data", "prepare", a, "--val", b, "--val", a, "--out", str(tmp_path / "tok"))
+    c = tmp_path / "c.txt"
+    c.write_bytes(text_files[0].read_bytes())  # the same text as a, another file
+    result = run_main("data", "prepare", a, "--val", b, "--val", str(c), "--out",
+                      str(tmp_path / "tok"))
     assert result.code == 0, result.stderr
     meta = json.loads((tmp_path / "tok" / "meta.json").read_text())
-    assert meta["val_sources"] == [b, a]
-    assert meta["val_tokens"] == len(text_files[1].read_bytes()) + 1 + len(text_files[0].read_bytes())
+    assert meta["val_sources"] == [b, str(c)]
+    assert meta["val_tokens"] == len(text_files[1].read_bytes()) + 1 + len(c.read_bytes())
     refused = run_main("data", "prepare", a, "--val", b, "--val-fraction", "0.05",
                        "--out", str(tmp_path / "other"))
     assert refused.code == 2 and "Traceback" not in refused.stderr
@@ -250,8 +253,9 @@ def test_val_through_the_cli(run_main, tmp_path, text_files):
 def test_a_prepare_interrupted_in_the_encoder_leaves_nothing(tmp_path, monkeypatch, workers, error):
     path = tmp_path / "tokenizer.json"
     train_bpe(path)
-    text = tmp_path / "t.jsonl"
-    text.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    texts = [tmp_path / f"t{k}.jsonl" for k in range(3)]
+    for text in texts:
+        text.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
     real, calls = tokenizer_module.encode, []
 
     def failing(*args):
@@ -263,9 +267,10 @@ def test_a_prepare_interrupted_in_the_encoder_leaves_nothing(tmp_path, monkeypat
     monkeypatch.setattr(tokenizer_module, "encode", failing)
     monkeypatch.setattr(prepare_module, "CHUNK_CHARS", 100)  # a task per document or two
     with pytest.raises(error):
-        prepare_token_dir([text] * 3, tmp_path / "new" / "tok", 0.1, tokenizer=path,
+        prepare_token_dir(texts, tmp_path / "new" / "tok", 0.1, tokenizer=path,
                           workers=workers)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jsonl", "tokenizer.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == \
+        ["t0.jsonl", "t1.jsonl", "t2.jsonl", "tokenizer.json"]
     assert not multiprocessing.active_children()
 
 
@@ -275,7 +280,9 @@ def test_arrow_inputs_and_their_refusals(tmp_path):
     single = tmp_path / "table.arrow"
     with ipc.new_file(str(single), table.schema) as writer:
         writer.write_table(table)
-    prepare_token_dir([single], tmp_path / "tok", field="body", val_inputs=[single])
+    val = tmp_path / "val.arrow"
+    val.write_bytes(single.read_bytes())
+    prepare_token_dir([single], tmp_path / "tok", field="body", val_inputs=[val])
     splits = _load(tmp_path / "tok")
     assert np.asarray(splits.train).tobytes() == b"one\ntwo"
     np.testing.assert_array_equal(splits.train_docs, [0, 4])

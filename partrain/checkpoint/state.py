@@ -7,6 +7,12 @@ Keys (all tensors, so that DCP plans, de-duplicates and reshards them):
     optim.<name>.exp_avg_sq       its second moment
     optim.<name>.step             its step count for that parameter (a scalar)
     optim.<name>.momentum_buffer  SGD's instead: its momentum buffer (zeros with momentum 0)
+    model.<buffer>                a persistent buffer (one module.state_dict() holds), as it is
+    rng.rank<R>.cpu, .cuda        rank R's torch generator states (dropout), restored only onto
+                                  the layout that saved them
+
+A frozen parameter (requires_grad=False) is saved as its weight alone: no optimizer holds it.
+Under ZeRO its value is the module's (DeepSpeed keeps no fp32 copy of it; ZeRO-3 gathers it).
 
 The optimizer's state names are torch's (`optimizer.state[param]`), which DeepSpeed keeps too, so
 one key name reaches both. A checkpoint's optimizer is its config's optim.name; a resume may not
@@ -34,6 +40,7 @@ helpers (deepspeed.utils.safe_set_full_*) afterwards.
 """
 
 import errno
+import logging
 import re
 from contextlib import contextmanager
 
@@ -48,6 +55,8 @@ from partrain.parallel.dist import local
 WRAPPER_PREFIX = re.compile(r"^(?:module\.|chunks\.\d+\.)+")
 MOMENTS = ("exp_avg", "exp_avg_sq")
 MOMENTUM = ("momentum_buffer",)
+
+log = logging.getLogger("partrain")
 
 
 @contextmanager
@@ -119,10 +128,39 @@ def named_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
 
 
 def checkpointed_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Buffers that are training state, by canonical name: a MoE's expert bias (DeepSeek-V3
-    balancing), saved as `model.<name>` like a weight, without moments."""
-    return {canonical_name(name): buf for name, buf in model.named_buffers()
-            if name.endswith("expert_bias")}
+    """The persistent buffers (those module.state_dict() holds: a MoE's expert bias, a user's
+    counter or BatchNorm statistics), by canonical name, saved as `model.<name>` like a weight,
+    without moments. Non-persistent ones (the rotary tables) are derived from the config and stay
+    out. Buffers are never sharded: each pipeline stage holds its own, tp and dp ranks each a
+    copy (DCP writes one)."""
+    found = {}
+    for prefix, module in model.named_modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                found[canonical_name(f"{prefix}.{name}" if prefix else name)] = buf
+    return found
+
+
+def trainable(params: dict[str, nn.Parameter]) -> dict[str, nn.Parameter]:
+    """The parameters an optimizer holds: a frozen one (requires_grad=False) has no state."""
+    return {name: param for name, param in params.items() if param.requires_grad}
+
+
+def rng_keys(rank: int) -> dict[str, str]:
+    """This rank's generator states in a checkpoint: torch's CPU one, and CUDA's where used."""
+    return {"cpu": f"rng.rank{rank}.cpu", "cuda": f"rng.rank{rank}.cuda"}
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    keys = rng_keys(_rank())
+    state = {keys["cpu"]: torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state[keys["cuda"]] = torch.cuda.get_rng_state()
+    return state
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def _local_shape(param: nn.Parameter) -> torch.Size:
@@ -293,7 +331,13 @@ def build_state(model: nn.Module, optimizer, tp_mesh, zero: bool) -> dict[str, t
         if made:
             _link_zero_state(optimizer)
         on_disk = _gather_swapped(optimizer, params, keys if made else [])
-    for name, param in params.items():
+        frozen = _zero_frozen_weights(params)
+    else:
+        frozen = {name: param.detach() for name, param in params.items()
+                  if not param.requires_grad}
+    for name, weight in frozen.items():
+        state[f"model.{name}"] = as_saved(weight, params[name], tp_mesh)
+    for name, param in trainable(params).items():
         if zero:
             full = on_disk.get(name, {})
             weight = (full["weight"] if full else
@@ -318,7 +362,24 @@ def build_state(model: nn.Module, optimizer, tp_mesh, zero: bool) -> dict[str, t
             state[f"optim.{name}.step"] = torch.tensor(param_step, dtype=torch.float64)
     for name, buf in checkpointed_buffers(model).items():
         state[f"model.{name}"] = buf.detach().clone()
+    state.update(_rng_state())
     return state
+
+
+def _zero_frozen_weights(params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
+    """The frozen parameters' weights under ZeRO, which DeepSpeed's helpers do not give (no fp32
+    master copy: None): the module's own tensor, gathered under ZeRO-3, which partitions frozen
+    parameters too (collective over the dp group, so every rank gathers the same list). In fp32,
+    as every weight is saved (the value the forward reads: bf16 where DeepSpeed made it so)."""
+    frozen = {name: param for name, param in params.items() if not param.requires_grad}
+    partitioned = [param for param in frozen.values() if hasattr(param, "ds_id")]
+    if partitioned:
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+
+        with GatheredParameters(partitioned, modifier_rank=None):
+            return {name: param.detach().float().clone().reshape(_local_shape(param))
+                    for name, param in frozen.items()}
+    return {name: param.detach().float().clone() for name, param in frozen.items()}
 
 
 def _template(shapes: dict[str, tuple[nn.Parameter, torch.Size]], tp_mesh, keys) -> dict:
@@ -341,7 +402,7 @@ def load_weights(model: nn.Module, path, tp_mesh) -> None:
     Collective: every rank calls it."""
     params = named_parameters(model)
     state = _template({n: (p, p.shape) for n, p in params.items()}, tp_mesh, ["weight"])
-    buffers = checkpointed_buffers(model)
+    buffers = _saved_buffers(model, path)
     state.update({f"model.{name}": torch.zeros_like(buf) for name, buf in buffers.items()})
     with said(f"reading the weights of {path}"):
         dcp.load(state, checkpoint_id=path)
@@ -351,11 +412,49 @@ def load_weights(model: nn.Module, path, tp_mesh) -> None:
         buf.copy_(state[f"model.{name}"])
 
 
+def _saved_keys(path) -> set[str]:
+    return set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+
+
+def _saved_buffers(model: nn.Module, path) -> dict[str, torch.Tensor]:
+    """The model's persistent buffers that the checkpoint holds. One saved before partrain kept
+    a user's buffers (only a MoE's expert bias) lacks the others: they keep the builder's value,
+    and the log says so."""
+    buffers, saved = checkpointed_buffers(model), _saved_keys(path)
+    missing = [name for name in buffers if f"model.{name}" not in saved]
+    if missing:
+        log.warning("%s holds no %s (saved before partrain checkpointed a model's buffers): "
+                    "they start from the model's own values", path, ", ".join(missing))
+    return {name: buf for name, buf in buffers.items() if name not in missing}
+
+
+def load_rng(path, same_layout: bool) -> bool:
+    """Restore this rank's generator states from the checkpoint at `path` (not collective), when
+    it was saved on this layout (`same_layout`: rank R then has rank R's role, so dropout draws
+    what the uninterrupted run drew); True when restored. On another layout, or from a
+    checkpoint without them, the generators stay as the start left them (seeded by train.seed)."""
+    keys = rng_keys(_rank())
+    saved = _saved_keys(path)
+    if not same_layout or keys["cpu"] not in saved:
+        return False
+    state = {keys["cpu"]: torch.get_rng_state()}
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized() and keys["cuda"] in saved
+    if cuda:
+        state[keys["cuda"]] = torch.cuda.get_rng_state()
+    with said(f"reading the generator states of {path}"):
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    torch.set_rng_state(state[keys["cpu"]])
+    if cuda:
+        torch.cuda.set_rng_state(state[keys["cuda"]])
+    return True
+
+
 @torch.no_grad()
 def load_optimizer(model: nn.Module, optimizer, path, tp_mesh, zero: bool) -> None:
     """Fill the optimizer's state (moments and step) from the checkpoint, after the optimizer (or
-    DeepSpeed's engine) is built. Collective: every rank calls it."""
-    params = named_parameters(model)
+    DeepSpeed's engine) is built. Collective: every rank calls it. A frozen parameter has no
+    optimizer state (its weight came with the model's, before the engine was built)."""
+    params = trainable(named_parameters(model))
     shapes = {n: (p, _local_shape(p)) for n, p in params.items()}
     moments, steps = state_keys(optimizer), _counts_steps(optimizer)
     keys = (["weight"] if zero else []) + [*moments] + (["step"] if steps else [])

@@ -65,12 +65,16 @@ def shape_problems(metadata, model_cfg) -> list[str]:
             model = load_builder(model_cfg.target)(model_cfg)
         else:
             model = Transformer(model_cfg)
+    from partrain.checkpoint.state import checkpointed_buffers
+
     wanted = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    wanted.update({name: tuple(b.shape) for name, b in model.named_buffers()
-                   if name.endswith("expert_bias")})
+    buffers = {name: tuple(b.shape) for name, b in checkpointed_buffers(model).items()}
+    wanted.update(buffers)
     found = [f"{name} is {list(saved[name])} there and {list(shape)} in the model"
              for name, shape in wanted.items() if name in saved and saved[name] != shape]
-    found += [f"it has no {name}" for name in wanted if name not in saved]
+    # A checkpoint saved before partrain kept a user's buffers lacks them: the model's own
+    # values stand in (partrain.checkpoint.state.load_weights says so).
+    found += [f"it has no {name}" for name in wanted if name not in saved and name not in buffers]
     found += [f"it has {name}, which the model has not" for name in saved if name not in wanted]
     return found
 

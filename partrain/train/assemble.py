@@ -21,7 +21,8 @@ from omegaconf import OmegaConf
 
 from partrain.checkpoint import store
 from partrain.checkpoint.checkpointer import Checkpointer
-from partrain.checkpoint.state import load_optimizer, load_weights
+from partrain.checkpoint.resume import saved_config
+from partrain.checkpoint.state import load_optimizer, load_rng, load_weights
 from partrain.config.resolve import compute_dtype
 from partrain.data.sampler import Batches, build_batches
 from partrain.interop.hf import hf_dir, is_hf, load_hf_weights
@@ -134,6 +135,18 @@ def load_start_weights(model: torch.nn.Module, start: Start, model_cfg, tp_mesh)
         load_hf_weights(model, start.hf_from, model_cfg, tp_mesh)
 
 
+def same_layout(cfg, checkpoint: store.Checkpoint) -> bool:
+    """Whether `checkpoint` was saved by ranks in the roles these have (the same parallel.* keys,
+    micro-batch size and world size): only then is rank R's generator state rank R's to go on
+    with (dropout would otherwise draw masks the uninterrupted run never drew, and tp ranks that
+    must draw alike could differ)."""
+    saved = saved_config(checkpoint)
+    now = OmegaConf.to_container(cfg, resolve=True)
+    return (checkpoint.meta.get("world_size") == dist.get_world_size()
+            and saved["parallel"] == now["parallel"]
+            and saved["train"]["micro_batch_size"] == now["train"]["micro_batch_size"])
+
+
 def build(cfg, run_dir: Path, device: torch.device) -> Run:
     p, t = cfg.parallel, cfg.train
     rank = dist.get_rank()
@@ -163,6 +176,10 @@ def build(cfg, run_dir: Path, device: torch.device) -> Run:
     if start.resume:
         load_optimizer(backend.model, backend.optimizer, start.resume.path, tp_mesh,
                        dims.deepspeed_enabled)
+        # Last, so that nothing draws from the generators between here and the first step.
+        if not load_rng(start.resume.path, same_layout(cfg, start.resume)):
+            log.info("the random generators (dropout) start from train.seed's state, not the "
+                     "checkpoint's: it was saved on another layout or holds none")
     source = start.resume or start.init_from
     if source or start.hf_from:
         check_finite_start(backend.model, backend.optimizer,

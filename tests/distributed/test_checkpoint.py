@@ -375,6 +375,12 @@ def test_state_has_the_single_process_names(layout, runs):
              for rank in range(world)]
     reference = dict(build_model(cfg.model, cfg.train.seed).named_parameters())
 
+    # Each rank's own generator states (dropout), under its rank: restored on the same layout.
+    for rank, r in enumerate(ranks):
+        rng = {key for key in r["facts"] if key.startswith("rng.")}
+        assert rng == {f"rng.rank{rank}.cpu"}, (rank, sorted(rng))
+        for key in rng:
+            del r["facts"][key]
     held = [set(r["facts"]) for r in ranks]
     union = set().union(*held)
     assert {k for k in union if k.startswith("model.")} == {f"model.{n}" for n in reference}

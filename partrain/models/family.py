@@ -24,7 +24,8 @@ weights. The module's contract, the one the built-in model keeps:
 
 What a model does not declare still trains with DDP, DeepSpeed ZeRO, FSDP2, checkpoints, resume
 and metrics; tp and pp without a plan or a split are refused before anything starts, naming
-what is missing (`check_user_model`).
+what is missing (`check_user_model`), and so is a parameter shared between modules (one
+Parameter under two names) that the layout would split into copies (partrain.models.shared).
 
 A registered family (`Family`, added with `register_family`) declares, besides its builder, what
 partrain asks of a family from its config alone, without building it; None (or False) where it
@@ -58,6 +59,7 @@ from typing import Callable
 
 from partrain.errors import ConfigError
 from partrain.models import arith, llama_hf
+from partrain.models.shared import check_shared_parameters
 
 # torch is imported where a model is built: validation and `plan` import this module too.
 
@@ -215,6 +217,12 @@ class UserModel:
 def probe(model_cfg) -> UserModel:
     """Build the user's model (or a registered family's) on the meta device and read what it
     declares."""
+    return declared(build_on_meta(model_cfg))
+
+
+def build_on_meta(model_cfg):
+    """The user's model (or a registered family's) built on the meta device, or one ConfigError
+    saying why it could not be."""
     import torch
     from torch import nn
 
@@ -234,6 +242,13 @@ def probe(model_cfg) -> UserModel:
                           f"{type(e).__name__}: {e}") from None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"{what} returned a {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def declared(model) -> UserModel:
+    """What a built model declares (the module docstring's contract)."""
+    from torch import nn
+
     layers = getattr(model, "layers", None)
     return UserModel(
         params=sum(p.numel() for p in model.parameters()),
@@ -255,7 +270,8 @@ def check_user_model(cfg) -> UserModel | None:
                               "model.target is unset: set model.target=package.module:function")
         check_family(cfg)
         return None
-    found = probe(m)
+    model = build_on_meta(m)
+    found = declared(model)
     needs = []
     if p.tp > 1 and not found.tensor_parallel_plan:
         needs.append(f"parallel.tp={p.tp} needs the model's tensor_parallel_plan() "
@@ -282,6 +298,7 @@ def check_user_model(cfg) -> UserModel | None:
             needs.append(f"{key} is not for a user model: {why}")
     if needs:
         raise ConfigError(f"model.target={m.target}: " + "; ".join(needs))
+    check_shared_parameters(model, cfg, f"model.target={m.target}")
     return found
 
 

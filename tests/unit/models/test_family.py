@@ -266,3 +266,73 @@ def test_sample_and_export_build_the_llama_family_only(toy, tmp_path):
     lines = next_steps(run, compose(toy, "train.max_steps=10"))
     assert [line.split("   #")[0] for line in lines] == [
         f"next: partrain launch --resume '{run}' train.max_steps=20"]
+
+
+# A parameter shared between modules (one Parameter under two names) stays one only where the
+# layout keeps the modules holding it together; elsewhere it would become copies trained apart
+# (partrain.models.shared). Checked by `launch --dry-run` and `plan`, before anything starts.
+USER_MODELS = "model.target=tests.unit.models.user_models:"
+SHARED_WEIGHT = "layers.0.mlp.up.weight = layers.1.mlp.up.weight"
+SHARED_BIAS = "layers.0.mlp.up.bias = layers.1.mlp.up.bias"
+SHARED_ADVICE = ("give each module its own parameter, name a tied input embedding and head "
+                 "tok_embeddings and output")
+FSDP = ("parallel.zero_stage=3", "parallel.zero_backend=fsdp")
+
+
+@pytest.mark.parametrize("builder, overrides, key, named, not_named", [
+    ("shared_block", ("parallel.pp=2",),
+     "parallel.pp=2 would train a copy of it on each pipeline stage",
+     [SHARED_WEIGHT, SHARED_BIAS], []),
+    ("shared_block", ("parallel.pp=2", "parallel.pp_virtual_stages=2",
+                      "parallel.pp_schedule=interleaved_1f1b", "model.args.n_layers=4"),
+     "parallel.pp=2 would train a copy", [SHARED_WEIGHT, SHARED_BIAS], []),
+    # tp ties again the weights of modules its plan splits alike; a split bias is its own copy.
+    ("shared_block", ("parallel.tp=2",), "parallel.tp=2 would shard it into separate copies",
+     [SHARED_BIAS], [SHARED_WEIGHT]),
+    ("shared_block", FSDP, "parallel.zero_backend=fsdp would fail as it builds",
+     [SHARED_WEIGHT, SHARED_BIAS], []),
+    ("shared_block", ("parallel.zero_stage=2", "parallel.zero_backend=fsdp"),
+     "parallel.zero_backend=fsdp would fail", [SHARED_WEIGHT], []),
+    # The tie pp keeps is named tok_embeddings/output; Hugging Face GPT-2's names are not it.
+    ("tied_hf", ("parallel.pp=2",), "parallel.pp=2 would train a copy",
+     ["wte.weight = lm_head.weight"], []),
+])
+def test_a_parameter_shared_between_modules_that_the_layout_splits_is_refused(
+        run_main, tmp_path, builder, overrides, key, named, not_named):
+    for command in (("launch", "--dry-run", "--run-dir", str(tmp_path / "run")), ("plan",)):
+        res = run_main(*command, USER_MODELS + builder, *overrides, "launcher.device=cpu")
+        assert res.code == 2, (command, res.stdout, res.stderr)
+        message = " ".join(res.stderr.split())
+        assert message.startswith(f"error: {USER_MODELS}{builder}: a parameter your model "
+                                  "shares between modules"), message
+        for fragment in (key, *named, SHARED_ADVICE,
+                         "ZeRO with parallel.zero_backend=deepspeed"):
+            assert fragment in message, (fragment, message)
+        for fragment in not_named:
+            assert fragment not in message, (fragment, message)
+        assert res.stderr.count("error:") == 1 and "Traceback" not in res.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("builder, overrides", [
+    # DDP and DeepSpeed ZeRO keep one parameter on every rank.
+    ("shared_block", ("parallel.dp=2",)),
+    ("shared_block", ("parallel.dp=2", "parallel.zero_stage=2")),
+    ("shared_block", ("parallel.dp=2", "parallel.zero_stage=3")),
+    # Both sharing blocks on one pipeline stage: one Parameter there.
+    ("shared_block", ("parallel.pp=2", "model.args.n_layers=3", "parallel.pp_layers=[2,1]")),
+    # The tie partrain keeps: pp sums its two copies' gradients, tp's plan splits both over the
+    # vocabulary, FSDP holds both in the root's unit.
+    ("tied", ("parallel.pp=2",)),
+    ("tied", ("parallel.tp=2",)),
+    ("tied", FSDP),
+    ("tied", ("parallel.pp=2", "parallel.tp=2", "parallel.dp=2", *FSDP)),
+    ("tied_hf", ("parallel.tp=2",)),
+    ("tied_hf", FSDP),
+])
+def test_a_parameter_shared_between_modules_that_the_layout_keeps_is_accepted(
+        run_main, tmp_path, builder, overrides):
+    res = run_main("launch", "--dry-run", "--run-dir", str(tmp_path / "run"),
+                   USER_MODELS + builder, *overrides, "launcher.device=cpu")
+    assert res.code == 0, res.stderr
+    assert "nothing started" in res.stdout, res.stdout

@@ -66,3 +66,89 @@ class Dropped(Plain):
 
 def dropped(model_cfg) -> nn.Module:
     return Dropped(model_cfg.vocab_size, model_cfg.args.get("dim", 16))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.mlp = MLP(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class Stack(nn.Module):
+    """Embedding, blocks and head with a tp plan and a pipeline split; `embedding` and `head`
+    are the names of the first and last modules (GPT-2's in Hugging Face are wte and lm_head)."""
+
+    def __init__(self, vocab_size: int, dim: int, n_layers: int, embedding: str = "tok_embeddings",
+                 head: str = "output"):
+        super().__init__()
+        self.dim, self.names = dim, (embedding, head)
+        setattr(self, embedding, nn.Embedding(vocab_size, dim))
+        self.layers = nn.ModuleDict({str(i): Block(dim) for i in range(n_layers)})
+        setattr(self, head, nn.Linear(dim, vocab_size, bias=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        embedding, head = (getattr(self, name, None) for name in self.names)
+        if embedding is not None:
+            x = embedding(x)
+        for block in self.layers.values():
+            x = block(x)
+        return x if head is None else head(x)
+
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        plan = {self.names[0]: "vocab_embedding", self.names[1]: "vocab_head"}
+        for i in self.layers:
+            plan.update({f"layers.{i}.norm": "norm", f"layers.{i}.mlp": "region",
+                         f"layers.{i}.mlp.up": "colwise", f"layers.{i}.mlp.down": "rowwise"})
+        return plan
+
+    def pipeline_chunk(self, layer_ids, first: bool, last: bool) -> nn.Module:
+        chunk = Stack.__new__(Stack)
+        nn.Module.__init__(chunk)
+        chunk.dim, chunk.names = self.dim, self.names
+        if first:
+            setattr(chunk, self.names[0], getattr(self, self.names[0]))
+        chunk.layers = nn.ModuleDict({str(i): self.layers[str(i)] for i in layer_ids})
+        if last:
+            setattr(chunk, self.names[1], getattr(self, self.names[1]))
+        return chunk
+
+
+def _stack(model_cfg, **names) -> Stack:
+    return Stack(model_cfg.vocab_size, model_cfg.args.get("dim", 16),
+                 model_cfg.args.get("n_layers", 2), **names)
+
+
+def shared_block(model_cfg) -> nn.Module:
+    """ALBERT-style sharing: block 1's mlp.up (weight and bias) is block 0's."""
+    model = _stack(model_cfg)
+    model.layers["1"].mlp.up.weight = model.layers["0"].mlp.up.weight
+    model.layers["1"].mlp.up.bias = model.layers["0"].mlp.up.bias
+    return model
+
+
+def tied(model_cfg) -> nn.Module:
+    """The input embedding tied to the head by partrain's names (tok_embeddings, output)."""
+    model = _stack(model_cfg)
+    model.output.weight = model.tok_embeddings.weight
+    return model
+
+
+def tied_hf(model_cfg) -> nn.Module:
+    """The same tie by Hugging Face GPT-2's names (wte, lm_head)."""
+    model = _stack(model_cfg, embedding="wte", head="lm_head")
+    model.lm_head.weight = model.wte.weight
+    return model

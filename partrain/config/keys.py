@@ -49,6 +49,11 @@ SECTIONS = {f.name for f in dataclasses.fields(Config) if dataclasses.is_datacla
 ALL_SECTIONS = {key.rsplit(".", i)[0] for key in SCHEMA_KEYS for i in range(1, key.count(".") + 1)}
 
 
+def _is_switch(t) -> bool:
+    """A key declared bool (or bool or null)."""
+    return t is bool or (typing.get_origin(t) is typing.Union and bool in typing.get_args(t))
+
+
 def float_keys() -> list[str]:
     """Keys declared as (optional) floats: each must be a finite number."""
     def is_float(t) -> bool:
@@ -218,6 +223,12 @@ def check_overrides(overrides: list[str]) -> list[str]:
                                   f"choose its option with {key}={value}")
             accepted.append(text)
         elif key in SCHEMA_KEYS:
+            if _is_switch(SCHEMA_KEYS[key]) and not override.is_delete():
+                value = override.value()
+                # OmegaConf takes any number for a bool: sequence_parallel=2 was true, compile=0
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    raise ConfigError(f"{key}={value} is not a switch value: {key} is true or "
+                                      "false")
             accepted.append(text)
         elif _is_open(key):
             accepted.append(text if text.startswith(("+", "~")) else "++" + text)

@@ -280,6 +280,10 @@ ROWS_TYPES_AND_CHOICES = [
         "Integer"),
     row("type: optim.lr=abc", ["show", "optim.lr=abc"], "optim.lr", "'abc'", "Float"),
     row("type: model.dim={a:1}", ["show", "model.dim={a:1}"], "model.dim", "'a'", "Integer"),
+    # OmegaConf takes any number for a bool: 2 was true, 0 false, without a word
+    row("type: parallel.sequence_parallel=2", ["show", "parallel.sequence_parallel=2"],
+        "parallel.sequence_parallel=2", "true or false"),
+    row("type: train.compile=0", ["show", "train.compile=0"], "train.compile=0", "true or false"),
     row("type: parallel.sequence_parallel=maybe", ["show", "parallel.sequence_parallel=maybe"],
         "parallel.sequence_parallel", "'maybe'", "bool"),
     row("type: parallel.deepspeed=5", ["show", "parallel.deepspeed=5"], "parallel.deepspeed",

@@ -296,6 +296,16 @@ def check_user_model(cfg) -> UserModel | None:
              "the built-in attention takes the documents' mask")):
         if value:
             needs.append(f"{key} is not for a user model: {why}")
+    # The contract (docs/models.md): built in fp32; train.dtype sets the compute precision. One
+    # built in bf16 trained bf16 weights under train.dtype=fp32 without a word.
+    import torch
+
+    low = sorted({str(param.dtype).removeprefix("torch.") for param in model.parameters()
+                  if param.is_floating_point() and param.dtype != torch.float32})
+    if low:
+        needs.append(f"its builder makes {', '.join(low)} parameters; build the model in fp32 "
+                     f"(train.dtype={t.dtype} sets the precision it computes in, and the "
+                     "optimizer keeps fp32 weights)")
     if needs:
         raise ConfigError(f"model.target={m.target}: " + "; ".join(needs))
     check_shared_parameters(model, cfg, f"model.target={m.target}")

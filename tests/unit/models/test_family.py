@@ -56,6 +56,9 @@ def test_a_plain_model_runs_every_data_parallel_backend():
     ("tests.unit.models.user_models:broken", "the builder failed with model.args={}: "
                                              "ValueError: dim must be even"),
     ("tests.unit.models.user_models:not_a_module", "returned a int, not an nn.Module"),
+    # built in bf16: it trained bf16 weights under train.dtype=fp32 without a word
+    ("tests.unit.models.user_models:half", "its builder makes bfloat16 parameters; build the "
+                                           "model in fp32"),
 ])
 def test_a_target_that_cannot_build_is_one_clear_message(run_main, target, fragment):
     res = run_main("show", f"model.target={target}")

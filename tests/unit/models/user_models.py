@@ -20,6 +20,11 @@ def plain(model_cfg) -> nn.Module:
     return Plain(model_cfg.vocab_size, model_cfg.args.get("dim", 16))
 
 
+def half(model_cfg) -> nn.Module:
+    """Built in bf16, against the contract (built in fp32; train.dtype is the compute's)."""
+    return plain(model_cfg).to(torch.bfloat16)
+
+
 def broken(model_cfg) -> nn.Module:
     raise ValueError("dim must be even")
 

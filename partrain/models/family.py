@@ -10,7 +10,7 @@ weights. The module's contract, the one the built-in model keeps:
 
 - `forward(tokens: LongTensor[batch, seq]) -> logits[batch, seq, vocab]` (under tp: this rank's
   vocabulary shard, when the plan splits the head with "vocab_head");
-- optional `tensor_parallel_plan() -> {module name: style}` (partrain.parallel.tensor.STYLES:
+- optional `tensor_parallel_plan() -> {module name: style}` (partrain.models.tp_plan.STYLES:
   colwise, rowwise, vocab, vocab_head, norm, replicated, region, attention, head_norm) for
   `parallel.tp`;
 - optional `layers` (an `nn.ModuleDict` of blocks, keyed "0", "1", ...) and
@@ -276,6 +276,15 @@ def check_user_model(cfg) -> UserModel | None:
     if p.tp > 1 and not found.tensor_parallel_plan:
         needs.append(f"parallel.tp={p.tp} needs the model's tensor_parallel_plan() "
                      "(module name -> style)")
+    elif p.tp > 1:
+        from partrain.models.tp_plan import plan_problems
+
+        try:
+            problems = plan_problems(model, p.tp)
+        except Exception as e:  # the user's plan raised
+            problems = [f"tensor_parallel_plan() failed: {type(e).__name__}: {e}"]
+        needs += [f"its tensor-parallel plan at parallel.tp={p.tp}: {problem}"
+                  for problem in problems]
     if p.pp > 1 and not found.pipeline_split:
         needs.append(f"parallel.pp={p.pp} needs the model's `layers` (an nn.ModuleDict of "
                      "blocks), pipeline_chunk(layer_ids, first, last) and `dim` (the hidden "

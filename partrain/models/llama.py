@@ -106,7 +106,7 @@ class Transformer(nn.Module):
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
     def tensor_parallel_plan(self) -> dict[str, str]:
-        """Which module gets which tensor-parallel treatment (partrain.parallel.tensor.STYLES).
+        """Which module gets which tensor-parallel treatment (partrain.models.tp_plan.STYLES).
 
         Attention and MLP are tp regions entered once (one backward all-reduce each); their q/k/v
         and w1/w3 are column-parallel, wo and w2 row-parallel (one forward all-reduce each). The

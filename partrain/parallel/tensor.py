@@ -38,6 +38,7 @@ from torch import nn
 from torch.autograd import Function
 
 from partrain.models.layers import rms_norm
+from partrain.models.tp_plan import STYLES
 from partrain.parallel.dist import local
 from partrain.parallel.tp_collectives import (
     copy_to_tp_region,
@@ -47,10 +48,6 @@ from partrain.parallel.tp_collectives import (
     note_collective,
     scatter_to_tp_region,
 )
-
-# Module treatments a model's plan can ask for.
-STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head", "region", "attention", "norm",
-          "head_norm", "replicated")
 
 # ---------------------------------------------------------------------------------------------
 # Sharded layers. Each is built from the full weight and keeps only its slice.

@@ -339,3 +339,33 @@ def test_a_parameter_shared_between_modules_that_the_layout_keeps_is_accepted(
                    USER_MODELS + builder, *overrides, "launcher.device=cpu")
     assert res.code == 0, res.stderr
     assert "nothing started" in res.stdout, res.stdout
+
+
+@pytest.mark.parametrize("target, overrides, fragments", [
+    ("misplanned", ["parallel.tp=2", "parallel.dp=1"],
+     ["layers.1.mlp.up: unknown style 'columnwise'", "layers.0.ghost: the model has no such module",
+      "layers.0.mlp.down (rowwise): a bias, which only colwise layers keep"]),
+    # the byte vocabulary's 256 rows split at tp2; 257 do not
+    ("stack", ["parallel.tp=2", "parallel.dp=1", "model.vocab_size=257"],
+     ["tok_embeddings (vocab_embedding): its 257 vocabulary rows do not split into "
+      "parallel.tp=2", "output (vocab_head): its 257 vocabulary rows"]),
+    ("unplanned", ["parallel.tp=2", "parallel.dp=1"],
+     ["tensor_parallel_plan() returned NoneType, not a mapping"]),
+])
+def test_a_tp_plan_the_ranks_cannot_follow_is_refused_before_the_start(run_main, target, overrides,
+                                                                       fragments):
+    """Mistakes in a user's plan failed inside every rank (exit 1, a traceback in the rank log,
+    and 'the same command starts the run again'): now exit 2, each named, from the model built on
+    the meta device."""
+    res = run_main("launch", "--dry-run", f"model.target=tests.unit.models.user_models:{target}",
+                   *overrides)
+    said = " ".join(res.stderr.split())
+    assert res.code == 2, res.stderr
+    for fragment in fragments:
+        assert fragment in said, said
+    assert "Traceback" not in said
+
+
+def test_the_examples_plan_passes_the_check(run_main):
+    res = run_main("launch", "--dry-run", GPT2, "parallel.tp=2", "parallel.dp=1")
+    assert res.code == 0, res.stderr

@@ -137,6 +137,10 @@ def _stack(model_cfg, **names) -> Stack:
                  model_cfg.args.get("n_layers", 2), **names)
 
 
+def stack(model_cfg) -> nn.Module:
+    return _stack(model_cfg)
+
+
 def shared_block(model_cfg) -> nn.Module:
     """ALBERT-style sharing: block 1's mlp.up (weight and bias) is block 0's."""
     model = _stack(model_cfg)
@@ -157,3 +161,30 @@ def tied_hf(model_cfg) -> nn.Module:
     model = _stack(model_cfg, embedding="wte", head="lm_head")
     model.lm_head.weight = model.wte.weight
     return model
+
+
+class Misplanned(Stack):
+    """A Stack whose tp plan carries the mistakes users make (each failed inside the ranks):
+    an unknown style, a module that is not there, a bias on a rowwise layer."""
+
+    def __init__(self, vocab_size: int, dim: int, n_layers: int):
+        super().__init__(vocab_size, dim, n_layers)
+        self.layers["0"].mlp.down = nn.Linear(4 * dim, dim)  # with a bias
+
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        return {**super().tensor_parallel_plan(), "layers.1.mlp.up": "columnwise",
+                "layers.0.ghost": "colwise"}
+
+
+def misplanned(model_cfg) -> nn.Module:
+    return Misplanned(model_cfg.vocab_size, model_cfg.args.get("dim", 16),
+                      model_cfg.args.get("n_layers", 2))
+
+
+class Unplanned(Stack):
+    def tensor_parallel_plan(self):
+        return None
+
+
+def unplanned(model_cfg) -> nn.Module:
+    return Unplanned(model_cfg.vocab_size, 16, 2)

@@ -245,6 +245,42 @@ def build_on_meta(model_cfg):
     return model
 
 
+def forward_problems(model, model_cfg) -> list[str]:
+    """The forward's contract (docs/models.md), read on the meta model: forward(tokens) alone,
+    logits of model.vocab_size classes. A forward that takes a mask too failed inside every
+    rank with a TypeError, a transformers model (its output an object) with an AttributeError;
+    logits of another size trained on without a word. A forward the meta device cannot run (an
+    op without a meta kernel, a value read out) is left to the ranks."""
+    import inspect
+
+    import torch
+
+    try:
+        required = [p.name for p in inspect.signature(model.forward).parameters.values()
+                    if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY,
+                                                            p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        required = []
+    if len(required) > 1:
+        return [f"its forward takes {', '.join(required)}; partrain calls forward(tokens) "
+                "alone (give the others defaults)"]
+    seq = max(1, min(8, int(model_cfg.get("max_seq_len") or 8)))
+    try:
+        with torch.no_grad():
+            out = model(torch.zeros(1, seq, dtype=torch.long, device="meta"))
+    except Exception:  # noqa: BLE001 - not a verdict: the ranks run it on a real device
+        return []
+    if not isinstance(out, torch.Tensor):
+        wrap = (" (a transformers model: return its output's .logits)"
+                if hasattr(out, "logits") else "")
+        return [f"its forward(tokens) returns {type(out).__name__}, not the logits tensor "
+                f"(batch, seq, vocabulary){wrap}"]
+    if out.dim() != 3 or out.shape[-1] != model_cfg.vocab_size:
+        return [f"its forward(tokens) returns logits of shape {list(out.shape)} for tokens of "
+                f"{[1, seq]}; partrain needs (batch, seq, model.vocab_size={model_cfg.vocab_size})"]
+    return []
+
+
 def declared(model) -> UserModel:
     """What a built model declares (the module docstring's contract)."""
     from torch import nn
@@ -305,6 +341,7 @@ def check_user_model(cfg) -> UserModel | None:
              "the built-in attention takes the documents' mask")):
         if value:
             needs.append(f"{key} is not for a user model: {why}")
+    needs += forward_problems(model, m)
     # The contract (docs/models.md): built in fp32; train.dtype sets the compute precision. One
     # built in bf16 trained bf16 weights under train.dtype=fp32 without a word.
     import torch

@@ -59,6 +59,14 @@ def test_a_plain_model_runs_every_data_parallel_backend():
     # built in bf16: it trained bf16 weights under train.dtype=fp32 without a word
     ("tests.unit.models.user_models:half", "its builder makes bfloat16 parameters; build the "
                                            "model in fp32"),
+    # the forward's contract, read on the meta model (each failed inside the ranks, or trained a
+    # wrong model without a word)
+    ("tests.unit.models.user_models:wrong_vocab", "returns logits of shape [1, 8, 259]"),
+    ("tests.unit.models.user_models:masked", "its forward takes tokens, attention_mask; partrain "
+                                             "calls forward(tokens) alone"),
+    ("tests.unit.models.user_models:hf_like", "returns Output, not the logits tensor (batch, seq, "
+                                              "vocabulary) (a transformers model: return its "
+                                              "output's .logits)"),
 ])
 def test_a_target_that_cannot_build_is_one_clear_message(run_main, target, fragment):
     res = run_main("show", f"model.target={target}")

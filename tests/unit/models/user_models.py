@@ -188,3 +188,33 @@ class Unplanned(Stack):
 
 def unplanned(model_cfg) -> nn.Module:
     return Unplanned(model_cfg.vocab_size, 16, 2)
+
+
+def wrong_vocab(model_cfg) -> nn.Module:
+    """Logits of three classes more than model.vocab_size."""
+    return Plain(model_cfg.vocab_size + 3, 16)
+
+
+class Masked(Plain):
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return super().forward(tokens)
+
+
+def masked(model_cfg) -> nn.Module:
+    return Masked(model_cfg.vocab_size, 16)
+
+
+class Output:
+    """What a transformers model returns: an object holding the logits."""
+
+    def __init__(self, logits: torch.Tensor):
+        self.logits = logits
+
+
+class HFLike(Plain):
+    def forward(self, tokens: torch.Tensor) -> Output:
+        return Output(super().forward(tokens))
+
+
+def hf_like(model_cfg) -> nn.Module:
+    return HFLike(model_cfg.vocab_size, 16)

@@ -55,9 +55,11 @@ def _resume(cli, run_dir, copy, layout):
     ("sgd + wsd, dp2 x tp2",
      ("optim.name=sgd", "optim.lr=0.1", "optim.schedule=wsd", "optim.decay_ratio=0.5"),
      ("parallel.dp=2", "parallel.tp=2", "train.micro_batch_size=4"), True, ONE_PROCESS),
-    # Adam (L2 weight decay) as DeepSpeed builds it (Adam with adam_w_mode off).
+    # Adam (L2 weight decay) as DeepSpeed builds it (Adam with adam_w_mode off). At 1e-3: at the
+    # default 3e-3 the run's gradient norm spikes at step 10 on some machines (1.75 -> 4.95 on an
+    # AVX-512 EPYC), where rounding differences of 1e-7 grow to 3e-4, plain DDP's as ZeRO's.
     ("adam + linear, zero2 dp2",
-     ("optim.name=adam", "optim.schedule=linear", "optim.weight_decay=0.01"),
+     ("optim.name=adam", "optim.lr=1e-3", "optim.schedule=linear", "optim.weight_decay=0.01"),
      ("parallel.dp=2", "parallel.zero_stage=2", "train.micro_batch_size=8"), True, None),
     # SGD with Nesterov momentum on FSDP2's DTensor shards; its momentum buffer read into
     # DeepSpeed's flat partitions (ZeRO-2), which then saves it at step 10. (No resume on its own
@@ -91,7 +93,10 @@ def test_optimizer_and_schedule_parity_and_resume(cli, tmp_path, label, optim, l
         assert_parity(other, reference, f"{label}, resumed at step 5 on {' '.join(resume_on)}")
         # What the other layout saved at step 10 is the state of the uninterrupted run: the
         # weights and the optimizer's tensors (SGD's momentum buffers), each within 1e-4.
-        ours, theirs = (_saved(d / "checkpoints" / "step-00000010", tmp_path / f"{d.name}.pt")
+        # (each rank's generator states, rng.rank<R>.*, are the layout's own: not compared)
+        ours, theirs = ({k: v for k, v in _saved(d / "checkpoints" / "step-00000010",
+                                                 tmp_path / f"{d.name}.pt").items()
+                         if not k.startswith("rng.")}
                         for d in (tmp_path / "run", tmp_path / "other"))
         assert ours.keys() == theirs.keys()
         state = [k for k in ours if k.startswith("optim.") and not k.endswith(".step")]

@@ -257,7 +257,7 @@ def test_a_full_disk_fails_loudly_and_loses_nothing(cli, small_disk, tmp_path, h
     assert problems(kept.path) == []
     dcp_to_torch_save(kept.path, tmp_path / "kept.pt")  # every tensor of it reads back
     tensors = torch.load(tmp_path / "kept.pt")
-    assert {key.split(".")[0] for key in tensors} == {"model", "optim"}
+    assert {key.split(".")[0] for key in tensors} == {"model", "optim", "rng"}
     assert all(torch.isfinite(t).all() for t in tensors.values())
     assert not survivors(lambda: processes_mentioning(str(run_dir)), 5)
 

@@ -152,8 +152,8 @@ def local_tensors(state: dict) -> dict:
 
 def digests(tensors: dict) -> dict:
     return {k: (torch.sum(v, dtype=torch.float64).item(),
-                torch.linalg.vector_norm(v, dtype=torch.float64).item())
-            for k, v in local_tensors(tensors).items()}
+                torch.linalg.vector_norm(v.double()).item())
+            for k, v in local_tensors(tensors).items()}  # (the generator states are bytes)
 
 
 def save_raw(state: dict, path: Path) -> None:

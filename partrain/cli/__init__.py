@@ -10,6 +10,7 @@ nothing started and nothing written.
 import json
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -365,6 +366,12 @@ def console() -> None:
     """The console script and `python -m partrain`: main(), then the process ends without the
     interpreter's teardown (unloading torch module by module: about 0.4 s of CPU after every
     launch or plan). Every command has closed its files by then; what it printed is flushed."""
+    # Signals a parent left blocked stay blocked across exec: a launcher started so (a job
+    # runner's mask; it was seen under the test suite) took no Ctrl-C, SIGTERM or preemption
+    # signal and trained on until killed. Unblocked here; an ignored one (a background job's
+    # SIGINT) stays ignored, as the shell meant.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP,
+                                                signal.SIGUSR2})
     code = _run()
     logging.shutdown()
     sys.stdout.flush()

@@ -9,6 +9,7 @@ a user reads on stdout, the workers' failures and the progress of a submission o
 
 import os
 import shlex
+import signal
 import sys
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
@@ -75,8 +76,14 @@ def start(request: Request, dry_run: bool, out: Console, err: Console,
         server = (rank_server(run_dir, ready.world.nproc_per_node, compiles(cfg))
                   if start_method(cfg) == "forkserver" else nullcontext())
         with _environment(rank_env(ready)), server:
-            with imports_without_gc():  # torch, and the elastic agent (heap.py)
-                from partrain.launch.local import launch_workers
+            # SIGINT waits for the end of the import (blocked, then delivered): a Ctrl-C inside
+            # it could land in a library's bare `except:` and be lost, and the run trained on
+            interrupts = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                with imports_without_gc():  # torch, and the elastic agent (heap.py)
+                    from partrain.launch.local import launch_workers
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, interrupts)
 
             before = _config_before(run_dir, checkpoint)
             write_run_dir(cfg, run_dir, resuming=request.resume is not None)

@@ -13,7 +13,9 @@ its Arrow files in state.json's order.
 
 Refused rather than read (`input_files`): a partrain token dir, given or found under a directory
 (its meta.json, shards and indexes are not text; a token dir written beside the text, as
-`data prepare data/ --out data/tokens` does, is the case), and a file read twice, whether given
+`data prepare data/ --out data/tokens` does, is the case), a partrain run dir the same way (its
+checkpoints, logs and metrics: `data prepare . --out tokens` in a project whose runs/ holds
+runs), and a file read twice, whether given
 twice, found under two inputs, or both an input and a --val input (a val split of training text).
 """
 
@@ -23,6 +25,7 @@ import os
 from pathlib import Path
 from typing import Iterator
 
+from partrain.config.frozen import CONFIG
 from partrain.config.paths import what_is
 from partrain.errors import ConfigError, reason
 
@@ -60,11 +63,13 @@ def collect_inputs(paths: list[Path], flag: str = "input") -> list[Path]:
         if not path.is_dir():
             _check_file(path)
             _refuse_token_dir_file(path, flag)
+            _refuse_run_dir(path.parent, path, flag)
             files.append(path)
             continue
         found = []
         for root, dirs, names in os.walk(path, onerror=_walk_error):
             _refuse_token_dir(Path(root), path, flag)
+            _refuse_run_dir(Path(root), path, flag)
             dataset = _hf_dataset_files(Path(root))
             if dataset is not None:  # its Arrow files, not its JSON files as text
                 found += dataset
@@ -166,6 +171,35 @@ def _refuse_token_dir_file(file: Path, flag: str) -> None:
             f"{flag} file {file} is a file of the partrain token dir {file.parent} (its "
             f"meta.json says format {found!r}): data prepare reads text; give the text files "
             f"instead (train on the token dir as it is: data=tokens data.path={file.parent})")
+
+
+# Beside its frozen config, what a launch writes into a run dir (launch/rundir.py, checkpoint/store.py).
+RUN_DIR_ENTRIES = ("checkpoints", "metrics.jsonl", "logs")
+
+
+def _is_run_dir(directory: Path) -> bool:
+    """Whether `directory` is a partrain run dir: its frozen config and what a launch wrote."""
+    try:
+        return ((directory / CONFIG).is_file()
+                and any((directory / entry).exists() for entry in RUN_DIR_ENTRIES))
+    except OSError:
+        return False
+
+
+def _refuse_run_dir(directory: Path, given: Path, flag: str) -> None:
+    if not _is_run_dir(directory):
+        return
+    if given == directory:
+        what = f"{flag} directory {given} is a partrain run dir"
+    elif given.is_dir():
+        what = f"{flag} directory {given} holds a partrain run dir, {directory}"
+    else:
+        what = f"{flag} file {given} is a file of the partrain run dir {directory}"
+    where = "" if given.is_file() or given == directory else f", or move the run dir out of {given}"
+    raise ConfigError(
+        f"{what} ({CONFIG} and {', '.join(e for e in RUN_DIR_ENTRIES if (directory / e).exists())}); "
+        "data prepare reads text, and would read its checkpoints, logs and metrics as text; give "
+        f"the text files instead{where}")
 
 
 def _walk_error(e: OSError) -> None:

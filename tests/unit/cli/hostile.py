@@ -1,6 +1,7 @@
-"""Shared pieces of the hostile-input tables (test_hostile.py: config; test_hostile_io.py: files,
-run dirs, data, flags, the environment; test_hostile_disks.py, test_hostile_subprocess.py): what a row builds in its test's directory, and the checks
-every row must pass. The tables' module docstrings say what they prove."""
+"""Shared pieces of the hostile-input tables (test_hostile.py: config; test_hostile_io.py: run
+dirs, flags, the environment; test_hostile_data.py: token dirs and `data prepare`;
+test_hostile_disks.py, test_hostile_subprocess.py): what a row builds in its test's directory,
+and the checks every row must pass. The tables' module docstrings say what they prove."""
 
 import dataclasses
 import functools

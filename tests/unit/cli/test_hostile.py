@@ -1,5 +1,6 @@
 """Hostile and careless input: tables that prove the exit-2 contract edge by edge (this file:
-config keys, values and files; test_hostile_io.py: run dirs, data, flags and the environment).
+config keys, values and files; test_hostile_io.py: run dirs, flags and the environment;
+test_hostile_data.py: token dirs and `data prepare`).
 
 Every row is an input a user can type by mistake or a file they can hand partrain: non-finite or
 out-of-range numbers, unknown keys and group options, config files partrain cannot read, run dirs

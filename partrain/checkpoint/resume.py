@@ -283,7 +283,9 @@ def resume_config(run_dir: Path, overrides: list[str]):
 
         raise ConfigError(f"--resume {run_dir}: {explain(e)}") from None
     t, p = cfg.train, cfg.parallel
-    # The global batch stays; of the split, what the overrides give stays and the rest follows.
+    # The global batch stays; of the split, what the overrides give stays and the rest follows
+    # (given neither, the micro-batch size stays where the new dp allows it, else the largest
+    # that fits and is no larger: config/resolve.py's resplit).
     if "train.micro_batches" not in given:
         t.micro_batches = None
     elif "train.micro_batch_size" not in given:

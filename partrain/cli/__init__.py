@@ -87,9 +87,10 @@ def launch(
         help="Restart every node's workers up to N times after a rank fails, from the newest "
         "checkpoint (launcher.max_restarts)"),
     start_method: Optional[str] = typer.Option(
-        None, "--start-method", "--start_method", metavar="spawn|forkserver",
+        None, "--start-method", "--start_method", metavar="spawn|forkserver|auto",
         help="How the ranks start (launcher.start_method; torchrun's flag): spawn, a new "
-        "interpreter each; forkserver, forks of one process per node that imported torch once"),
+        "interpreter each; forkserver, forks of one process per node that imported torch once; "
+        "auto (the default), forkserver on CPU and spawn on CUDA"),
     dry_run: bool = typer.Option(False, "--dry-run", help="Validate and show the plan; start nothing"),
 ) -> None:
     """Compose, validate, write the run dir and train on this node's ranks (or continue the run

@@ -108,9 +108,14 @@ def resolve_dp(p: DictConfig, world: World) -> int:
     return p.dp
 
 
-def resolve_batch(t: DictConfig, dp: int) -> tuple[int, int, int]:
-    """global_batch_size = micro_batch_size * micro_batches * dp; any two fix the third."""
+def resolve_batch(t: DictConfig, dp: int, resplit: bool = False) -> tuple[int, int, int]:
+    """global_batch_size = micro_batch_size * micro_batches * dp; any two fix the third.
+    `resplit` (a resume that names neither micro-batch key: its split is derived again for the
+    new layout): where the kept micro_batch_size does not fit the new dp, the largest one that
+    does and is no larger (no more memory per micro-batch than the run had)."""
     g, b, m = t.global_batch_size, t.micro_batch_size, t.micro_batches
+    if resplit and g is not None and b is not None and m is None and g % (b * dp) and not g % dp:
+        b = max(d for d in range(1, b + 1) if (g // dp) % d == 0)
     given = sum(v is not None for v in (g, b, m))
     if given < 2:
         raise ConfigError(

@@ -67,8 +67,9 @@ def check_startable(world: World) -> None:
             "(--nnodes) or smaller degrees")
 
 
-def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
-    """Fill in dp and the batch triple in place; raise ConfigError on the first broken rule."""
+def resolve_and_validate(cfg: DictConfig, world: World, resplit: bool = False) -> list[str]:
+    """Fill in dp and the batch triple in place; raise ConfigError on the first broken rule.
+    `resplit`: a resume's micro-batch split is derived again (resolve_batch)."""
     p, t = cfg.parallel, cfg.train
     _check_name(cfg.name)
     _check_each_key(cfg)
@@ -83,7 +84,7 @@ def resolve_and_validate(cfg: DictConfig, world: World) -> list[str]:
     dp = resolve_dp(p, world)
     check_world(p, dp, world)
     check_hsdp(p, dp)
-    g, b, mb = resolve_batch(t, dp)
+    g, b, mb = resolve_batch(t, dp, resplit)
     check_micro_batches(p, mb)
     if user is None:
         check_cp(cfg)

@@ -238,7 +238,11 @@ def resolve(request: Request, place: NodePlace | None) -> tuple[DictConfig, Worl
         world = dataclasses.replace(world, nproc_from=f"--world-size={request.world_size}")
     if nproc_from is not None:
         world = dataclasses.replace(world, nproc_from=nproc_from)
-    warnings = resolve_and_validate(cfg, world)
+    # A resume that names neither micro-batch key has its split derived again (resume.py).
+    given = {item.split("=", 1)[0].lstrip("+") for item in split_args(request.args)[1]}
+    resplit = request.resume is not None and not given & {"train.micro_batch_size",
+                                                          "train.micro_batches"}
+    warnings = resolve_and_validate(cfg, world, resplit)
     return cfg, world, warnings
 
 

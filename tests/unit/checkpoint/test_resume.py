@@ -168,6 +168,35 @@ def test_resume_config_derives_the_split_again(tmp_path, overrides, batch):
     check_resumable(store.newest(run_dir / store.CHECKPOINTS), cfg)
 
 
+@pytest.mark.parametrize("overrides, said", [
+    # micro_batch_size 4 * dp 8 > the global batch 16: the size is derived again, no larger
+    ((), "train.micro_batch_size 4 -> 2"),
+    (("train.micro_batches=1",), "train.micro_batch_size 4 -> 2"),
+])
+def test_a_resume_on_more_ranks_derives_a_micro_batch_that_fits(tmp_path, run_main, monkeypatch,
+                                                                overrides, said):
+    """The split is derived again for the new dp (docs/checkpoints.md): the kept micro-batch size
+    where it fits, else the largest that does and is no larger. It was refused: `global_batch_size=
+    16 is not divisible by micro_batch_size(4) * dp(8)`, a size the user never typed."""
+    monkeypatch.chdir(tmp_path)
+    write_run_dir(tmp_path / "run", 100)
+    result = run_main("launch", "--resume", "run", "--dry-run", "parallel.dp=8",
+                      "launcher.nproc_per_node=8", *overrides)
+    assert result.code == 0, result.stderr
+    assert said in one_line(result.stdout), result.stdout
+    assert "train.micro_batches 2 -> 1" in one_line(result.stdout), result.stdout
+
+
+def test_a_resume_keeps_a_micro_batch_size_it_is_given(tmp_path, run_main, monkeypatch):
+    """Given by the user, the size stays, and a split it cannot make is refused as at a start."""
+    monkeypatch.chdir(tmp_path)
+    write_run_dir(tmp_path / "run", 100)
+    result = run_main("launch", "--resume", "run", "--dry-run", "parallel.dp=8",
+                      "launcher.nproc_per_node=8", "train.micro_batch_size=4")
+    assert result.code == 2
+    assert "micro_batch_size(4) * dp(8) = 32" in one_line(result.stderr), result.stderr
+
+
 def test_resume_config_derives_pp_layers_again(tmp_path):
     text = frozen_text().replace("  pp: 1\n", "  pp: 2\n").replace(
         "  pp_layers: null\n", "  pp_layers:\n  - 1\n  - 3\n").replace(

@@ -50,6 +50,8 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor, Shard
 
+from partrain.checkpoint import zero_state
+from partrain.checkpoint.zero_state import local_shape
 from partrain.parallel.dist import local
 
 WRAPPER_PREFIX = re.compile(r"^(?:module\.|chunks\.\d+\.)+")
@@ -163,11 +165,6 @@ def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
-def _local_shape(param: nn.Parameter) -> torch.Size:
-    """This rank's shape of the parameter (ZeRO-3 leaves the parameter empty: ds_shape)."""
-    return getattr(param, "ds_shape", None) or param.shape
-
-
 def as_saved(local: torch.Tensor, param: nn.Parameter, tp_mesh) -> torch.Tensor:
     """`local` (this rank's tensor for `param`, or state shaped like it) as it goes into the
     checkpoint: a DTensor slice of the full tensor if the parameter is a tp shard, or an
@@ -229,93 +226,6 @@ def _counts_steps(optimizer) -> bool:
     return not isinstance(_inner(optimizer), torch.optim.SGD)
 
 
-def _zero_stage(optimizer) -> int:
-    return 3 if hasattr(optimizer, "fp32_partitioned_groups_flat") else 2
-
-
-def _zero_flat_partitions(optimizer) -> list[torch.Tensor]:
-    """DeepSpeed's flat fp32 partitions, the tensors its inner AdamW steps."""
-    if hasattr(optimizer, "fp32_partitioned_groups_flat"):
-        return list(optimizer.fp32_partitioned_groups_flat)
-    return list(optimizer.single_partition_of_fp32_groups)
-
-
-def _zero_swapped(optimizer, group: int) -> bool:
-    """Whether ZeRO-3 keeps this partition and its optimizer state on nvme (offload_optimizer=
-    nvme; DeepSpeed keeps partitions too small to be worth it in memory)."""
-    return (getattr(optimizer, "swap_optimizer", False)
-            and optimizer._swappable_optimizer_subgroup(group))
-
-
-def _zero_swapped_params(optimizer, params: dict[str, nn.Parameter]) -> dict[int, list]:
-    """The (name, parameter) pairs of each partition that ZeRO-3 keeps on nvme, by partition."""
-    groups = {group: [] for group in range(len(_zero_flat_partitions(optimizer)))
-              if _zero_swapped(optimizer, group)}
-    for name, param in params.items():
-        if groups and param.requires_grad:
-            group = optimizer.grad_position[optimizer.get_param_id(param)][0]
-            if group in groups:
-                groups[group].append((name, param))
-    return groups
-
-
-def _zero3_fragment(optimizer, flat: torch.Tensor, param, key: str) -> torch.Tensor:
-    """This rank's fragment of `param` in a ZeRO-3 fp32 partition read in (`key` "weight") or in
-    one of its state tensors, where DeepSpeed's set_full_hp_param and get_full_hp_param find it."""
-    _, offset, count = optimizer.grad_position[optimizer.get_param_id(param)]
-    source = flat if key == "weight" else optimizer.optimizer.state[flat][key]
-    return source.narrow(0, offset, count)
-
-
-def _fill_zero3_fragment(optimizer, flat: torch.Tensor, param, values: dict) -> None:
-    """What DeepSpeed's ZeRO-3 set_full_hp_param writes (this rank's slice of the full tensor,
-    into the fp32 partition or one of its state tensors), for a partition already read in."""
-    for key, value in values.items():
-        target = _zero3_fragment(optimizer, flat, param, key)
-        start = target.numel() * optimizer._get_param_partition_rank(param)
-        target.copy_(value.flatten().narrow(0, start, target.numel()))
-
-
-def _gather_swapped(optimizer, params: dict[str, nn.Parameter], keys) -> dict[str, dict]:
-    """Offloaded to nvme: the full fp32 weight and `keys` state of each parameter whose ZeRO-3
-    partition is on disk, each partition read in once and left as it was on disk (DeepSpeed's
-    helpers read the whole partition once per parameter and key: 38 s against 0.4 s to save a
-    25M model at dp2). Collective over each parameter's partition group."""
-    full = {}
-    for group, members in _zero_swapped_params(optimizer, params).items():
-        optimizer._optimizer_states_and_gradient_swap_in(group)
-        flat = _zero_flat_partitions(optimizer)[group]
-        for name, param in members:
-            full[name] = {key: optimizer._fp32_state_allgather(
-                param, _zero3_fragment(optimizer, flat, param, key)) for key in ["weight", *keys]}
-        optimizer._release_swap_buffers(group)
-    return full
-
-
-def _zero_has_state(optimizer) -> bool:
-    """Whether the inner optimizer has made its state (at its first step)."""
-    inner = optimizer.optimizer
-    return any(inner.state.get(flat) for flat in _zero_flat_partitions(optimizer))
-
-
-def _zero_step(optimizer) -> float:
-    steps = [optimizer.optimizer.state[flat].get("step", 0)
-             for flat in _zero_flat_partitions(optimizer) if flat in optimizer.optimizer.state]
-    return max((float(s) for s in steps), default=0.0)
-
-
-def _link_zero_state(optimizer) -> None:
-    """Point each parameter's DeepSpeed fragment at its part of the inner optimizer's state.
-
-    ZeRO-1/2 link them once, after the first step of the first parameter group, when the inner
-    AdamW has no state yet for the others (the no-decay group): their fragments stay empty and
-    safe_get_full_optimizer_state fails. Linking again when every group has state fixes that;
-    ZeRO-3 looks the state up at each call and needs nothing."""
-    if _zero_stage(optimizer) < 3:
-        optimizer._hp_optimizer_states_linked = False
-        optimizer._lazy_init_hp_params_optimizer_state()
-
-
 def build_state(model: nn.Module, optimizer, tp_mesh, zero: bool) -> dict[str, torch.Tensor]:
     """The checkpoint's state on this rank (collective under ZeRO: every dp rank calls it)."""
     state = {}
@@ -327,11 +237,11 @@ def build_state(model: nn.Module, optimizer, tp_mesh, zero: bool) -> dict[str, t
             safe_get_full_optimizer_state,
         )
 
-        step, made = _zero_step(optimizer), _zero_has_state(optimizer)
+        step, made = zero_state.step_count(optimizer), zero_state.has_state(optimizer)
         if made:
-            _link_zero_state(optimizer)
-        on_disk = _gather_swapped(optimizer, params, keys if made else [])
-        frozen = _zero_frozen_weights(params)
+            zero_state.link_state(optimizer)
+        on_disk = zero_state.gather_swapped(optimizer, params, keys if made else [])
+        frozen = zero_state.frozen_weights(params)
     else:
         frozen = {name: param.detach() for name, param in params.items()
                   if not param.requires_grad}
@@ -341,10 +251,10 @@ def build_state(model: nn.Module, optimizer, tp_mesh, zero: bool) -> dict[str, t
         if zero:
             full = on_disk.get(name, {})
             weight = (full["weight"] if full else
-                      safe_get_full_fp32_param(param)).reshape(_local_shape(param))
+                      safe_get_full_fp32_param(param)).reshape(local_shape(param))
             moments = {key: ((full[key] if full else safe_get_full_optimizer_state(param, key))
-                             .reshape(_local_shape(param)) if made
-                             else torch.zeros(_local_shape(param)))
+                             .reshape(local_shape(param)) if made
+                             else torch.zeros(local_shape(param)))
                        for key in keys}
             param_step = step
         else:
@@ -364,22 +274,6 @@ def build_state(model: nn.Module, optimizer, tp_mesh, zero: bool) -> dict[str, t
         state[f"model.{name}"] = buf.detach().clone()
     state.update(_rng_state())
     return state
-
-
-def _zero_frozen_weights(params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
-    """The frozen parameters' weights under ZeRO, which DeepSpeed's helpers do not give (no fp32
-    master copy: None): the module's own tensor, gathered under ZeRO-3, which partitions frozen
-    parameters too (collective over the dp group, so every rank gathers the same list). In fp32,
-    as every weight is saved (the value the forward reads: bf16 where DeepSpeed made it so)."""
-    frozen = {name: param for name, param in params.items() if not param.requires_grad}
-    partitioned = [param for param in frozen.values() if hasattr(param, "ds_id")]
-    if partitioned:
-        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
-
-        with GatheredParameters(partitioned, modifier_rank=None):
-            return {name: param.detach().float().clone().reshape(_local_shape(param))
-                    for name, param in frozen.items()}
-    return {name: param.detach().float().clone() for name, param in frozen.items()}
 
 
 def _template(shapes: dict[str, tuple[nn.Parameter, torch.Size]], tp_mesh, keys) -> dict:
@@ -455,7 +349,7 @@ def load_optimizer(model: nn.Module, optimizer, path, tp_mesh, zero: bool) -> No
     DeepSpeed's engine) is built. Collective: every rank calls it. A frozen parameter has no
     optimizer state (its weight came with the model's, before the engine was built)."""
     params = trainable(named_parameters(model))
-    shapes = {n: (p, _local_shape(p)) for n, p in params.items()}
+    shapes = {n: (p, local_shape(p)) for n, p in params.items()}
     moments, steps = state_keys(optimizer), _counts_steps(optimizer)
     keys = (["weight"] if zero else []) + [*moments] + (["step"] if steps else [])
     state = _template(shapes, tp_mesh, keys)
@@ -468,37 +362,4 @@ def load_optimizer(model: nn.Module, optimizer, path, tp_mesh, zero: bool) -> No
                    if steps else {}),
                 **{key: _as_param(state[f"optim.{name}.{key}"], param) for key in moments}}
         return
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
-    # DeepSpeed's inner optimizer creates its state at the first step; make it now, then write
-    # each parameter's fragment of it through DeepSpeed's helpers.
-    step = max((float(state[f"optim.{name}.step"]) for name in params), default=0.0) \
-        if steps else 0.0
-    inner = optimizer.optimizer
-    on_disk = _zero_swapped_params(optimizer, params)
-    for group, flat in enumerate(_zero_flat_partitions(optimizer)):
-        value = (torch.tensor(step, dtype=torch.float32)
-                 if isinstance(inner, torch.optim.Optimizer) and type(inner).__module__.startswith("torch")
-                 else int(step))
-        # Offloaded to nvme, a partition is on disk (an empty tensor here): read it in once, make
-        # its state at its size, fill every parameter's fragment and write it all out (the
-        # helpers below would read and write the whole partition once per parameter and key:
-        # 126 s against 21 s to resume a 25M model at dp2).
-        if group in on_disk:
-            optimizer._optimizer_states_and_gradient_swap_in(group)
-        inner.state[flat] = {**({"step": value} if steps else {}),
-                             **{key: torch.zeros_like(flat) for key in moments}}
-        if group in on_disk:
-            for name, param in on_disk[group]:
-                _fill_zero3_fragment(optimizer, flat, param, {
-                    "weight": local(state[f"model.{name}"]),
-                    **{key: local(state[f"optim.{name}.{key}"]) for key in moments}})
-            optimizer._optimizer_states_and_gradient_swap_out(group)
-    _link_zero_state(optimizer)
-    filled = {name for members in on_disk.values() for name, _ in members}
-    for name, param in params.items():
-        if name in filled:
-            continue
-        safe_set_full_fp32_param(param, local(state[f"model.{name}"]))
-        for key in moments:
-            safe_set_full_optimizer_state(param, local(state[f"optim.{name}.{key}"]), key)
+    zero_state.load(optimizer, params, state, moments, steps)

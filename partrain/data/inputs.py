@@ -16,7 +16,8 @@ Refused rather than read (`input_files`): a partrain token dir, given or found u
 `data prepare data/ --out data/tokens` does, is the case), a partrain run dir the same way (its
 checkpoints, logs and metrics: `data prepare . --out tokens` in a project whose runs/ holds
 runs), and a file read twice, whether given
-twice, found under two inputs, or both an input and a --val input (a val split of training text).
+twice, found under two inputs, or both an input and a --val input (a val split of training text),
+under one name or two (a symbolic or a hard link: the same device and inode is the same file).
 """
 
 import itertools
@@ -88,13 +89,19 @@ def input_files(inputs: list[Path], val_inputs: list[Path]) -> tuple[list[Path],
     """The files of the inputs and of the --val inputs (collect_inputs), each file once: one
     read twice (the same input given twice, a file also under a directory given, a --val input
     that is also an input) is refused, naming both inputs."""
-    seen: dict[str, tuple[str, Path, Path]] = {}  # real path -> (flag, input given, file)
+    # Keyed by the file itself, (device, inode), not by its real path: a hard link
+    # (`ln train.txt val.txt`) has a real path of its own and is the same text.
+    seen: dict[tuple[int, int], tuple[str, Path, Path]] = {}  # -> (flag, input given, file)
     out = []
     for flag, given in (("input", inputs), ("--val", val_inputs)):
         files = []
         for path in given:
             for file in collect_inputs([path], flag):
-                key = os.path.realpath(file)
+                try:
+                    st = os.stat(file)
+                except OSError as e:
+                    raise ConfigError(f"{flag} file {file} cannot be read: {reason(e)}") from None
+                key = (st.st_dev, st.st_ino)
                 if key in seen:
                     raise ConfigError(_read_twice(seen[key], (flag, path, file)))
                 seen[key] = (flag, path, file)

@@ -141,6 +141,12 @@ def _linked(c: Ctx) -> str:
     return c.path("data", "link.txt")
 
 
+def _hard_linked(c: Ctx, name: str = "val.txt") -> str:
+    """A second name of in.txt (`ln in.txt val.txt`): its own real path, the same file."""
+    os.link(c.root / "in.txt", c.root / name)
+    return c.path(name)
+
+
 ROWS_PREPARE = [
     row("prepare: out under a file",
         lambda c: ["data", "prepare", c.text(), "--out", c.file("afile") + "/out"],
@@ -239,6 +245,14 @@ ROWS_PREPARE = [
     row("prepare: --val is an input",
         lambda c: ["data", "prepare", c.text(), "--val", c.path("in.txt"), "--out", c.path("out")],
         "--val", "in.txt is also read for training", "measures nothing"),
+    # Read before: a hard link has a real path of its own, and validation read training text.
+    row("prepare: --val is a hard link to an input",
+        lambda c: ["data", "prepare", c.text(), "--val", _hard_linked(c), "--out", c.path("out")],
+        "--val", "val.txt is also read for training, as input", "in.txt", "measures nothing"),
+    row("prepare: input and a hard link to it",
+        lambda c: ["data", "prepare", c.text(), _hard_linked(c, "copy.txt"), "--out",
+                   c.path("out")],
+        "input", "copy.txt is the same file as input", "in.txt", "read twice"),
     row("prepare: --val is a file under an input dir",
         lambda c: ["data", "prepare", c.dir("data", a="abc\n" * 50, b="def\n" * 50), "--val",
                    c.path("data", "b"), "--out", c.path("out")],

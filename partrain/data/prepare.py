@@ -8,7 +8,8 @@ in pieces), a JSON Lines line, a Parquet row or an Arrow record is one (its `--f
 Two tokenizers:
 - bytes (the default): a token per byte of the file, documents joined by a newline, ids uint8;
 - `--tokenizer tokenizer.json` (the `tokenizers` library): every document followed by the
-  end-of-text token, ids uint16 when the vocabulary fits, else uint32, encoded by as many worker
+  end-of-text token, ids uint16 when the highest id fits, else uint32 (the vocab_size recorded
+  is the highest id + 1, not the token count: a vocabulary may skip ids), encoded by as many worker
   processes as cores, each tokenizing ~1 MiB of text at a time, the results written in input order.
 
 The ids stream to shard files of at most `--shard-mb` (train-00000.bin, ...) as they come, the
@@ -337,8 +338,8 @@ def prepare_token_dir(inputs: list[Path], out: Path, val_fraction: float | None 
         file = tk.tokenizer_file(tokenizer)
         tok = tk.load(file)
         eot, eot_id = tk.end_of_text(tok, file, eot)
-        vocab = tok.get_vocab_size(with_added_tokens=True)
-        meta.update(tokenizer=tk.TOKENIZER_FILE, dtype="uint16" if vocab <= 1 << 16 else "uint32",
+        vocab = tk.id_span(tok)  # the highest id + 1, not the token count: ids may have gaps
+        meta.update(tokenizer=tk.TOKENIZER_FILE, dtype=tk.id_dtype(vocab),
                     vocab_size=vocab, eot_token=eot, eot_id=eot_id)
     itemsize = np.dtype(meta["dtype"]).itemsize
     if shard_bytes < itemsize:

@@ -56,6 +56,19 @@ def load(file: Path, flag: str = "--tokenizer"):
                      f"({reason})") from None
 
 
+def id_span(tok) -> int:
+    """How many ids the tokenizer's ids need: its highest id + 1 (at least its token count). Not
+    `get_vocab_size`, a count: a vocabulary with a gap (65,000 words and <|endoftext|> at id
+    70000) has ids past it, and an id dtype or a model sized by the count would not hold them."""
+    ids = tok.get_vocab(with_added_tokens=True).values()
+    return max(tok.get_vocab_size(with_added_tokens=True), max(ids, default=-1) + 1)
+
+
+def id_dtype(span: int) -> str:
+    """The smallest unsigned dtype that holds ids 0 .. span - 1 (uint16, else uint32)."""
+    return "uint16" if span <= 1 << 16 else "uint32"
+
+
 def _configured_eot(config_file: Path) -> str | None:
     """tokenizer_config.json's eos_token: a string, or an added-token object with `content`."""
     try:
@@ -190,7 +203,7 @@ class TextTokenizer:
         file = directory / TOKENIZER_FILE
         self._tok = load(file, "the run's tokenizer")
         self.name = str(file)
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.vocab_size = id_span(self._tok)  # every id is below it, the highest one too
         self.eot_id = end_of_text(self._tok, file, flag="the run's tokenizer")[1]
 
     def encode(self, text: str) -> list[int]:
@@ -242,11 +255,18 @@ def encode(tok, eot_id: int, dtype: str, documents: list[str], ends: list[bool] 
     encodings = tok.encode_batch_fast(documents, add_special_tokens=False)
     sizes = np.fromiter((len(e.ids) + end for e, end in zip(encodings, ends)), dtype=np.int64,
                         count=len(encodings))
-    ids = np.empty(int(sizes.sum()), dtype=dtype)
+    # Filled as int64 and narrowed after a check: numpy 1.x wraps an id too big for `dtype`
+    # silently (and numpy 2 raises a bare OverflowError); a wrapped id is another token.
+    wide = np.empty(int(sizes.sum()), dtype=np.int64)
     at = 0
     for encoding, size, end in zip(encodings, sizes.tolist(), ends):
-        ids[at:at + len(encoding.ids)] = encoding.ids
+        wide[at:at + len(encoding.ids)] = encoding.ids
         if end:
-            ids[at + size - 1] = eot_id
+            wide[at + size - 1] = eot_id
         at += size
-    return ids, sizes
+    top = np.iinfo(dtype).max
+    if len(wide) and int(wide.max()) > top:
+        raise ConfigError(f"the tokenizer gave id {int(wide.max())}, which the token dir's "
+                          f"dtype={dtype} (ids up to {top}) cannot hold; its tokenizer.json "
+                          "changed while data prepare ran? Run data prepare again")
+    return wide.astype(dtype), sizes

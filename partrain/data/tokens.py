@@ -290,10 +290,11 @@ def check_tokenizer(path: Path, meta: dict) -> None:
             f"data.path={path}: {file} has no end-of-text token (no eos_token in the "
             f"{tk.TOKENIZER_CONFIG} beside it, none of {', '.join(tk.EOT_NAMES)} in its "
             f"vocabulary), which `partrain sample` and `export` need{fix}") from None
-    size = tok.get_vocab_size(with_added_tokens=True)
+    size, count = tk.id_span(tok), tok.get_vocab_size(with_added_tokens=True)
     if size > meta["vocab_size"]:
+        has = f"{size:,} tokens" if size == count else f"ids up to {size - 1:,}"
         raise ConfigError(
-            f"data.path={path}: {file} has {size:,} tokens, more than meta.json vocab_size="
+            f"data.path={path}: {file} has {has}, more than meta.json vocab_size="
             f"{meta['vocab_size']:,}: it is not the tokenizer these ids were made with{fix}")
 
 

@@ -111,6 +111,44 @@ def test_a_big_vocabulary_is_stored_as_uint32_and_the_model_must_cover_it(tmp_pa
     assert load_tokens(cfg.data).train.dtype == np.uint32
 
 
+def test_a_vocabulary_with_a_gap_is_sized_by_its_highest_id(tmp_path):
+    # 1,000 words and <|endoftext|> at id 70000: 1,001 tokens, but ids up to 70000. Sized by the
+    # count, the dir was uint16 and the end-of-text id wrapped to 4464 (numpy 1) or raised a
+    # bare OverflowError (numpy 2).
+    vocab = {f"w{i}": i for i in range(1000)} | {"<|endoftext|>": 70_000}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    assert tok.get_vocab_size(with_added_tokens=True) == 1001
+    (tmp_path / "a.txt").write_text("w1 w2 w3 " * 40)
+    (tmp_path / "b.txt").write_text("w4 w5 " * 40)
+    meta = prepare_token_dir([tmp_path / "a.txt", tmp_path / "b.txt"], tmp_path / "tok", 0.5,
+                             tokenizer=path, workers=1)
+    assert (meta["dtype"], meta["vocab_size"], meta["eot_id"]) == ("uint32", 70_001, 70_000)
+    _, ids = _ids(tmp_path / "tok")
+    assert ids.tolist() == [1, 2, 3] * 40 + [70_000] + [4, 5] * 40 + [70_000]
+    assert meta["max_token_id"] == 70_000
+    cfg = quick("data.source=tokens", f"data.path={tmp_path / 'tok'}", "train.seq_len=8",
+                f"model.vocab_size={vocab_to_use(70_001)}")
+    assert "tokenizer.json" in check_data(cfg)
+    # sample draws from the logits of ids below the tokenizer's vocab_size: the end-of-text too.
+    from partrain.data.tokenizer import TextTokenizer
+    assert TextTokenizer(tmp_path / "tok").vocab_size == 70_001
+
+
+def test_an_id_too_big_for_the_dtype_is_refused_not_wrapped():
+    from partrain.data.tokenizer import encode
+
+    vocab = {"a": 0, "b": 1, "<|endoftext|>": 70_000}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="a"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    ids, sizes = encode(tok, 70_000, "uint32", ["a b", "b"])
+    assert ids.tolist() == [0, 1, 70_000, 1, 70_000] and sizes.tolist() == [3, 2]
+    with pytest.raises(ConfigError, match="id 70000.*dtype=uint16"):
+        encode(tok, 70_000, "uint16", ["a b"])
+
+
 def test_the_cli_prints_throughput_and_the_vocab_to_use(run_main, tmp_path, bpe, corpus):
     path, _ = bpe
     out = tmp_path / "tok"

@@ -8,7 +8,8 @@ in pieces), a JSON Lines line, a Parquet row or an Arrow record is one (its `--f
 Two tokenizers:
 - bytes (the default): a token per byte of the file, documents joined by a newline, ids uint8;
 - `--tokenizer tokenizer.json` (the `tokenizers` library): every document followed by the
-  end-of-text token, ids uint16 when the highest id fits, else uint32 (the vocab_size recorded
+  end-of-text token (a special token's text inside a document is encoded as text, so the only
+  end-of-text ids are the separators), ids uint16 when the highest id fits, else uint32 (the vocab_size recorded
   is the highest id + 1, not the token count: a vocabulary may skip ids), encoded by as many worker
   processes as cores, each tokenizing ~1 MiB of text at a time, the results written in input order.
 
@@ -229,7 +230,7 @@ def _encode_all(chunks, file: Path, eot_id: int, dtype: str, pool, workers: int)
     order: encoded here without a pool,
     else by the pool's processes, at most two tasks per process in flight."""
     if pool is None:
-        tok = tk.load(file)
+        tok = tk.for_documents(tk.load(file))
         for docs, ends, nbytes in chunks:
             yield tk.encode(tok, eot_id, dtype, docs, ends), ends, nbytes
         return

@@ -237,7 +237,16 @@ def init_worker(file: str, eot_id: int, dtype: str) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
     from tokenizers import Tokenizer
 
-    _worker.update(tok=Tokenizer.from_file(file), eot_id=eot_id, dtype=dtype)
+    _worker.update(tok=for_documents(Tokenizer.from_file(file)), eot_id=eot_id, dtype=dtype)
+
+
+def for_documents(tok):
+    """`tok`, set to read special tokens' text in a document as ordinary text (nanoGPT's
+    encode_ordinary, tiktoken's disallowed_special): a document that holds the text
+    "<|endoftext|>" would otherwise get the separator's id inside it, a document boundary the
+    document index does not have. The end-of-text id that `encode` appends is unaffected."""
+    tok.encode_special_tokens = True
+    return tok
 
 
 def encode_documents(documents: list[str], ends: list[bool] | None = None):
@@ -248,7 +257,8 @@ def encode_documents(documents: list[str], ends: list[bool] | None = None):
 def encode(tok, eot_id: int, dtype: str, documents: list[str], ends: list[bool] | None = None):
     """The ids of `documents`, each followed by the end-of-text token, as one numpy array, and
     the ids of each document (its end-of-text token included), for the document index. With
-    `ends`, a piece whose flag is False continues into the next one: no end-of-text after it."""
+    `ends`, a piece whose flag is False continues into the next one: no end-of-text after it.
+    `tok` is `for_documents`'s: special tokens' text in a document is text."""
     import numpy as np
 
     ends = [True] * len(documents) if ends is None else ends

@@ -149,6 +149,28 @@ def test_an_id_too_big_for_the_dtype_is_refused_not_wrapped():
         encode(tok, 70_000, "uint16", ["a b"])
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_end_of_text_in_a_documents_text_is_text(tmp_path, bpe, workers):
+    # The separator's text inside a document got the separator's id: two documents in the
+    # token stream where the document index has one, and masking let them attend across it.
+    path, tok = bpe
+    eot = tok.token_to_id("<|endoftext|>")
+    docs = [f"{d.strip()} <|endoftext|> and on\n" if i % 3 == 0 else d
+            for i, d in enumerate(DOCS)]
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    (tmp_path / "val.txt").write_text("val text <|endoftext|> still val\n")
+    prepare_token_dir([jsonl], tmp_path / "tok", tokenizer=path, workers=workers,
+                      val_inputs=[tmp_path / "val.txt"])
+    meta, ids = _ids(tmp_path / "tok")
+    train = ids[:meta["train_tokens"]]
+    assert (train == eot).sum() == len(docs) == meta["train_documents"]
+    assert (ids[meta["train_tokens"]:] == eot).sum() == 1 == meta["val_documents"]
+    starts = np.load(tmp_path / "tok" / "train.idx.npy")
+    assert starts[0] == 0 and (train[starts[1:] - 1] == eot).all()  # a start after each separator
+    assert train[-1] == eot
+
+
 def test_the_cli_prints_throughput_and_the_vocab_to_use(run_main, tmp_path, bpe, corpus):
     path, _ = bpe
     out = tmp_path / "tok"

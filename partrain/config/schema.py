@@ -185,7 +185,7 @@ class DataConfig:
     to tokens; data.path stays null): sample g of the run comes from the source furthest behind
     its share weight * (g + 1) (Megatron-LM's blend), each source in its own data.sampling order;
     validation draws the sources' val splits with the same weights. All must share one
-    tokenizer. null = no blend."""
+    tokenizer (the same tokenizer.json, end-of-text token and vocab_size). null = no blend."""
     val_fraction: float = 0.05
     """Share of the stdlib corpus held out for validation."""
     stdlib_max_bytes: int = 8_000_000

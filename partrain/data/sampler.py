@@ -312,9 +312,42 @@ def _tokenizer(path: Path) -> tuple[str, str | None]:
     return name, digest
 
 
+def _ids(path: Path) -> dict:
+    """What a token dir's ids mean beyond its tokenizer.json, as meta.json records it: the
+    end-of-text token that `--eot` chose and its id, and the vocab_size (the ids' range)."""
+    meta = json.loads((path / "meta.json").read_text(encoding="utf-8-sig"))
+    return {"eot": (meta.get("eot_token"), meta.get("eot_id")),
+            "vocab_size": meta.get("vocab_size")}
+
+
+def _same_ids(k: int, path, ids: dict, first: tuple) -> None:
+    """Refuse source k whose ids (_ids) differ from the first source's: one tokenizer.json, but
+    another --eot ends its documents with another token (the model would learn two separators,
+    and sample and export keep only the first source's), or another vocab_size."""
+    k0, path0, _, ids0 = first
+    eot, eot0 = ids["eot"], ids0["eot"]
+    # A dir that records no end-of-text id (an older format's) cannot be compared: let it be.
+    if eot[1] is not None and eot0[1] is not None and eot != eot0:
+        raise ConfigError(
+            f"data.blend[{k0}] ({path0}) ends its documents with {eot0[0]!r} (id {eot0[1]}) but "
+            f"data.blend[{k}] ({path}) with {eot[0]!r} (id {eot[1]}), from the same "
+            "tokenizer.json: a blend's sources must share one end-of-text token (one document "
+            "separator for the model, and the one sample and export use); prepare them with the "
+            f"same --eot (e.g. --eot {eot0[0]!r})")
+    # The loader widens every source's ids to int64, so dtype alone changes no id; vocab_size
+    # does say what the ids range over (an older prepare sized it by the token count).
+    if ids["vocab_size"] != ids0["vocab_size"]:
+        raise ConfigError(
+            f"data.blend[{k0}] ({path0}) has meta.json vocab_size={ids0['vocab_size']} but "
+            f"data.blend[{k}] ({path}) vocab_size={ids['vocab_size']}, from the same "
+            "tokenizer.json: one of them was prepared otherwise; prepare both again with "
+            "`partrain data prepare ... --tokenizer` so that they agree")
+
+
 def check_sources(cfg) -> str:
     """The data, checked before any process starts: data.path (tokens.check_data), or each dir
-    of data.blend as that check would a data.path, and one tokenizer for all of them."""
+    of data.blend as that check would a data.path, and one tokenizer for all of them: the same
+    tokenizer.json, end-of-text token and vocab_size."""
     if cfg.data.blend is None:
         return check_data(cfg)
     first = None
@@ -328,15 +361,17 @@ def check_sources(cfg) -> str:
                                              "blend": None}})
         try:
             check_data(one)
-            tokenizer = _tokenizer(path)
+            tokenizer, ids = _tokenizer(path), _ids(path)
         except ConfigError as e:
             raise ConfigError(f"data.blend[{k}]: {e}") from None
         except (OSError, ValueError, KeyError) as e:
             raise ConfigError(f"data.blend[{k}].path={path}: meta.json or its tokenizer cannot "
                               f"be read ({e})") from None
         if first is None:
-            first = (k, entry.path, tokenizer)
-        elif tokenizer != first[2]:
+            first = (k, entry.path, tokenizer, ids)
+        elif tokenizer == first[2]:
+            _same_ids(k, entry.path, ids, first)
+        else:
             names = [f"{t[0]}" + (f" (sha256 {t[1]})" if t[1] else "")
                      for t in (first[2], tokenizer)]
             raise ConfigError(

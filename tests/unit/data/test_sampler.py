@@ -317,6 +317,48 @@ def test_two_different_tokenizer_files_are_two_tokenizers(dirs, tmp_path):
     check_sources(_config((one, 1), (two, 1)))
 
 
+def _word_dir(tmp_path, name, tokenizer, *options):
+    """A token dir of word ids made with `tokenizer` (a tokenizer.json) and prepare's options."""
+    source = tmp_path / f"{name}.txt"
+    source.write_text(" ".join(f"w{i % 90}" for i in range(400)))
+    out = tmp_path / name
+    prepare_token_dir([source], out, 0.5, tokenizer=tokenizer, workers=1, **dict(options))
+    return out
+
+
+def test_one_tokenizer_file_with_two_end_of_text_tokens_is_refused_naming_both(tmp_path):
+    # Only tokenizer.json's digest was compared: a blend whose sources end documents with
+    # different ids passed, and the model learned two separators.
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text(word_tokenizer(100))
+    plain = _word_dir(tmp_path, "plain", tokenizer)
+    other = _word_dir(tmp_path, "other", tokenizer, ("eot", "w99"))
+    more = ["model.vocab_size=128"]
+    with pytest.raises(ConfigError) as info:
+        check_sources(_config((plain, 1), (other, 1), more=more))
+    message = str(info.value)
+    for fragment in (f"data.blend[0] ({plain})", "'<|endoftext|>' (id 100)",
+                     f"data.blend[1] ({other})", "'w99' (id 99)", "--eot '<|endoftext|>'"):
+        assert fragment in message, message
+    same = _word_dir(tmp_path, "same", tokenizer, ("eot", "<|endoftext|>"))
+    assert check_sources(_config((plain, 1), (same, 1), more=more)).startswith("a blend of 2")
+
+
+def test_one_tokenizer_file_with_two_vocab_sizes_is_refused_naming_both(tmp_path):
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text(word_tokenizer(100))
+    one, two = _word_dir(tmp_path, "one", tokenizer), _word_dir(tmp_path, "two", tokenizer)
+    meta = json.loads((two / "meta.json").read_text())
+    meta["vocab_size"] = 120  # as a prepare that sized it otherwise wrote it
+    (two / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ConfigError) as info:
+        check_sources(_config((one, 1), (two, 1), more=["model.vocab_size=128"]))
+    message = str(info.value)
+    for fragment in (f"data.blend[0] ({one}) has meta.json vocab_size=101",
+                     f"data.blend[1] ({two}) vocab_size=120"):
+        assert fragment in message, message
+
+
 @pytest.mark.parametrize("blend, fragments", [
     ("[]", ["data.blend=[]", "names no source"]),
     ("[{path: /a, weight: 0}]", ["data.blend[0].weight=0.0", "positive finite"]),

@@ -15,7 +15,8 @@ Refused rather than read (`input_files`): a partrain token dir, given or found u
 (its meta.json, shards and indexes are not text; a token dir written beside the text, as
 `data prepare data/ --out data/tokens` does, is the case), a partrain run dir the same way (its
 checkpoints, logs and metrics: `data prepare . --out tokens` in a project whose runs/ holds
-runs), and a file read twice, whether given
+runs), a compressed file (gzip, zstd, bzip2, xz: by its name or its first bytes; its bytes
+would be tokenized as text), and a file read twice, whether given
 twice, found under two inputs, or both an input and a --val input (a val split of training text),
 under one name or two (a symbolic or a hard link: the same device and inode is the same file).
 """
@@ -55,6 +56,48 @@ def _check_file(file: Path) -> None:
     raise ConfigError(f"input file {file} {found}{hint}")
 
 
+# Compressed files: by name, and by their first bytes (a .jsonl that is gzip inside). Read as
+# they are, their compressed bytes would be tokenized as text. bzip2's "BZh" is text too: its
+# block size digit and the magic of its first block (or of its end, empty) make it bzip2.
+COMPRESSED = {"gzip": (".gz", ".tgz", ".gzip"), "zstd": (".zst", ".zstd", ".tzst"),
+              "bzip2": (".bz2", ".tbz2"), "xz": (".xz", ".txz", ".lzma")}
+DECOMPRESS = {"gzip": "gunzip", "zstd": "zstd -d", "bzip2": "bunzip2", "xz": "unxz"}
+
+
+def _compression(file: Path) -> tuple[str, str] | None:
+    """(format, how it shows: its name or its first bytes) of a compressed file, else None."""
+    name = file.name.lower()
+    for kind, suffixes in COMPRESSED.items():
+        for suffix in suffixes:
+            if name.endswith(suffix):
+                return kind, f"its name ends in {suffix}"
+    try:
+        with open(file, "rb") as f:
+            head = f.read(10)
+    except OSError as e:
+        raise ConfigError(f"input file {file} cannot be read: {reason(e)}") from None
+    bzip2 = (head[:3] == b"BZh" and b"1" <= head[3:4] <= b"9"
+             and head[4:10] in (b"\x31\x41\x59\x26\x53\x59", b"\x17\x72\x45\x38\x50\x90"))
+    for kind, found in (("gzip", head[:2] == b"\x1f\x8b"),
+                        ("zstd", head[:4] == b"\x28\xb5\x2f\xfd"),
+                        ("bzip2", bzip2), ("xz", head[:6] == b"\xfd7zXZ\x00")):
+        if found:
+            return kind, f"it starts with {kind}'s magic bytes"
+    return None
+
+
+def _refuse_compressed(file: Path, given: Path, flag: str) -> None:
+    found = _compression(file)
+    if found is None:
+        return
+    kind, why = found
+    what = f"{flag} file {file}" + ("" if file == given else f" (under {flag} {given})")
+    raise ConfigError(
+        f"{what} is {kind}-compressed ({why}): data prepare reads text, JSON Lines, Parquet and "
+        f"Arrow files as they are, and would tokenize the compressed bytes; decompress it "
+        f"first ({DECOMPRESS[kind]} {file}) and give the decompressed file")
+
+
 def collect_inputs(paths: list[Path], flag: str = "input") -> list[Path]:
     """The files the inputs stand for, in order: a directory's regular files recursively, in
     sorted order, hidden files and directories skipped. A partrain token dir, given or under a
@@ -65,6 +108,7 @@ def collect_inputs(paths: list[Path], flag: str = "input") -> list[Path]:
             _check_file(path)
             _refuse_token_dir_file(path, flag)
             _refuse_run_dir(path.parent, path, flag)
+            _refuse_compressed(path, path, flag)
             files.append(path)
             continue
         found = []
@@ -77,8 +121,11 @@ def collect_inputs(paths: list[Path], flag: str = "input") -> list[Path]:
                 dirs[:] = []
                 continue
             dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-            found += [Path(root) / n for n in sorted(names)
-                      if not n.startswith(".") and (Path(root) / n).is_file()]
+            here = [Path(root) / n for n in sorted(names)
+                    if not n.startswith(".") and (Path(root) / n).is_file()]
+            for file in here:
+                _refuse_compressed(file, path, flag)
+            found += here
         if not found:
             raise ConfigError(f"input directory {path} holds no files (hidden ones are skipped)")
         files += found

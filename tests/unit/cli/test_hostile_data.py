@@ -1,7 +1,7 @@
 """Hostile and careless data input: token dirs whose meta.json lies or whose files are not what
 it says (a directory, a fifo, a tokenizer the library cannot read), and `data prepare` given
 inputs it must not read (a token dir, a link to a file it reads already, `--val` that is also
-trained on) or an output it cannot write. The contract and the checks are test_hostile.py's
+trained on, a compressed file) or an output it cannot write. The contract and the checks are test_hostile.py's
 (tests/unit/cli/hostile.py); the rest of part two is test_hostile_io.py's.
 """
 
@@ -147,6 +147,31 @@ def _hard_linked(c: Ctx, name: str = "val.txt") -> str:
     return c.path(name)
 
 
+def _compressed(c: Ctx, name: str, codec: str) -> str:
+    """A file `name` holding JSON Lines compressed with `codec` (zstd: its frame's magic, then
+    bytes; the standard library writes no zstd)."""
+    import bz2
+    import gzip
+    import lzma
+
+    lines = b"".join(b'{"text": "document %d"}\n' % i for i in range(200))
+    data = {"gzip": gzip.compress, "bzip2": bz2.compress, "xz": lzma.compress,
+            "zstd": lambda b: b"\x28\xb5\x2f\xfd" + os.urandom(64)}[codec](lines)
+    return c.file(name, data)
+
+
+def _prepare_compressed(name: str, codec: str, under: str | None = None):
+    """data prepare of a compressed file, given or in directory `under` beside a text file."""
+    def argv(c: Ctx):
+        if under is None:
+            return ["data", "prepare", c.text(), _compressed(c, name, codec), "--out",
+                    c.path("out")]
+        c.text(f"{under}/a.txt")
+        _compressed(c, f"{under}/{name}", codec)
+        return ["data", "prepare", c.path(under), "--out", c.path("out")]
+    return argv
+
+
 ROWS_PREPARE = [
     row("prepare: out under a file",
         lambda c: ["data", "prepare", c.text(), "--out", c.file("afile") + "/out"],
@@ -228,6 +253,27 @@ ROWS_PREPARE = [
         lambda c: ["data", "prepare", c.text(), "--val", _project_with_a_run(c), "--out",
                    c.path("out")],
         "--val directory", "proj holds a partrain run dir"),
+    # Read before: the compressed bytes, tokenized as text, exit 0.
+    row("prepare: a .jsonl.gz under an input dir", _prepare_compressed("part-000.jsonl.gz", "gzip",
+                                                                       under="data"),
+        "input file", "data/part-000.jsonl.gz", "under input", "gzip-compressed",
+        "its name ends in .gz", "decompress it first", "gunzip"),
+    row("prepare: a .zst input", _prepare_compressed("part.jsonl.zst", "zstd"),
+        "input file", "part.jsonl.zst", "zstd-compressed", "ends in .zst", "zstd -d"),
+    row("prepare: a .bz2 input", _prepare_compressed("part.txt.bz2", "bzip2"),
+        "input file", "part.txt.bz2", "bzip2-compressed", "bunzip2"),
+    row("prepare: a .xz --val input",
+        lambda c: ["data", "prepare", c.text(), "--val", _compressed(c, "val.txt.xz", "xz"),
+                   "--out", c.path("out")],
+        "--val file", "val.txt.xz", "xz-compressed", "unxz"),
+    row("prepare: a .jsonl that is gzip inside", _prepare_compressed("part.jsonl", "gzip"),
+        "input file", "part.jsonl", "gzip-compressed", "starts with gzip's magic bytes"),
+    row("prepare: a .txt that is zstd inside", _prepare_compressed("part.txt", "zstd", "data"),
+        "input file", "data/part.txt", "zstd-compressed", "starts with zstd's magic bytes"),
+    row("prepare: a file that is bzip2 inside", _prepare_compressed("part", "bzip2", "data"),
+        "input file", "data/part", "bzip2-compressed", "magic bytes"),
+    row("prepare: a file that is xz inside", _prepare_compressed("part.ndjson", "xz"),
+        "input file", "part.ndjson", "xz-compressed", "magic bytes"),
     row("prepare: input given twice",
         lambda c: ["data", "prepare", c.text(), c.path("in.txt"), "--out", c.path("out")],
         "input", "in.txt is given twice", "read twice"),
@@ -294,6 +340,13 @@ def test_prepare_reads_a_config_yaml_beside_text_as_text(run_main, tmp_path):
     result = run_main("data", "prepare", str(data), "--out", str(tmp_path / "out"))
     assert result.code == 0, result.stderr
     assert '"files": 2' in (tmp_path / "out" / "meta.json").read_text()
+
+
+def test_prepare_reads_text_that_starts_like_bzip2_as_text(run_main, tmp_path):
+    # The control of the compressed rows: "BZh" begins bzip2's magic, and some text.
+    (tmp_path / "a.txt").write_text("BZh9 is how a bzip2 file starts.\n" * 20)
+    result = run_main("data", "prepare", str(tmp_path / "a.txt"), "--out", str(tmp_path / "out"))
+    assert result.code == 0, result.stderr
 
 
 def test_prepare_reads_a_meta_json_that_is_not_a_token_dirs_as_text(run_main, tmp_path):

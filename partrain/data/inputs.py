@@ -1,8 +1,10 @@
 """The inputs of `partrain data prepare` (prepare.py), read as documents in bounded memory.
 
 A non-empty text file is one document, read in pieces of TEXT_PIECE_BYTES cut where a line
-starts a word (`_text_pieces`), so a file of any size is read in bounded memory and encodes as it
-would whole; a JSON Lines line, a Parquet row or an Arrow record is one (its `--field`, "text"
+starts a word (`_text_pieces`), so a file of any size is read in bounded memory; the pieces
+encode as the whole file would for the bytes and for tokenizers that split at such a newline and
+add nothing at a string's start (GPT-2-style ByteLevel BPE, add_prefix_space off), but not
+exactly for others (`_text_pieces` says how); a JSON Lines line, a Parquet row or an Arrow record is one (its `--field`, "text"
 by default): JSON Lines JSONL_CHUNK_BYTES of whole lines at a time through pyarrow's JSON
 parser, Parquet a row group at a time through pyarrow.parquet, Arrow a record batch at a time
 through pyarrow.ipc (pyarrow's own streaming readers read far ahead of their consumer). A
@@ -495,10 +497,22 @@ def _piece_cut(data: bytes) -> int:
 
 def _text_pieces(file: Path) -> Iterator[tuple[bytes, int]]:
     """A text file's bytes in pieces of about TEXT_PIECE_BYTES, each (bytes, its offset in the
-    file), cut after a newline between printable non-space ASCII characters: tokenizers'
-    pre-tokenizers split there (the newline is merged neither into the word after it nor into
-    other whitespace), so each piece encodes as it would inside the whole file. A file with no
-    such newline is one piece."""
+    file), cut after a newline between printable non-space ASCII characters. A file with no such
+    newline is one piece.
+
+    Each piece is encoded as a string of its own. Byte-level pre-tokenizers (GPT-2's regex, with
+    add_prefix_space off) split at that newline, merged neither into the word after it nor into
+    other whitespace, so each piece encodes as it would inside the whole file. Not exactly so,
+    at each cut (one per TEXT_PIECE_BYTES of a larger file; smaller files are one piece):
+    - a tokenizer that acts at the start of a string (Metaspace with prepend_scheme "always" or
+      "first", a Prepend normalizer, ByteLevel with add_prefix_space) adds its prefix (a "▁" or
+      a space token) at the start of every piece, not only of the file;
+    - a tokenizer that does not split at a newline (Metaspace splits at spaces; SentencePiece-
+      style ones with no pre-tokenizer split nowhere) may merge across it in the whole file
+      ("01\nline" one token), the pieces then end and start at the newline.
+    A token or two differs per cut; the document and its end-of-text are unchanged. Not fixed:
+    an exact cut would depend on the tokenizer (before a space for Metaspace, nowhere for some).
+    For exact ids give such a file as records (JSON Lines, Parquet: a record is never cut)."""
     try:
         with open(file, "rb") as f:
             carry, offset = b"", 0

@@ -136,9 +136,9 @@ def load(optimizer, params: dict[str, nn.Parameter], state: dict, moments, steps
     inner = optimizer.optimizer
     on_disk = _swapped_params(optimizer, params)
     for group, flat in enumerate(_flat_partitions(optimizer)):
-        value = (torch.tensor(step, dtype=torch.float32)
-                 if isinstance(inner, torch.optim.Optimizer) and type(inner).__module__.startswith("torch")
-                 else int(step))
+        torch_made = (isinstance(inner, torch.optim.Optimizer)
+                      and type(inner).__module__.startswith("torch"))
+        value = torch.tensor(step, dtype=torch.float32) if torch_made else int(step)
         # Offloaded to nvme, a partition is on disk (an empty tensor here): read it in once, make
         # its state at its size, fill every parameter's fragment and write it all out (the
         # helpers below would read and write the whole partition once per parameter and key:

@@ -4,10 +4,11 @@ A non-empty text file is one document, read in pieces of TEXT_PIECE_BYTES cut wh
 starts a word (`_text_pieces`), so a file of any size is read in bounded memory; the pieces
 encode as the whole file would for the bytes and for tokenizers that split at such a newline and
 add nothing at a string's start (GPT-2-style ByteLevel BPE, add_prefix_space off), but not
-exactly for others (`_text_pieces` says how); a JSON Lines line, a Parquet row or an Arrow record is one (its `--field`, "text"
-by default): JSON Lines JSONL_CHUNK_BYTES of whole lines at a time through pyarrow's JSON
-parser, Parquet a row group at a time through pyarrow.parquet, Arrow a record batch at a time
-through pyarrow.ipc (pyarrow's own streaming readers read far ahead of their consumer). A
+exactly for others (`_text_pieces` says how); a JSON Lines line, a Parquet row or an Arrow
+record is one (its `--field`, "text" by default): JSON Lines JSONL_CHUNK_BYTES of whole lines
+at a time through pyarrow's JSON parser, Parquet a row group at a time through pyarrow.parquet,
+Arrow a record batch at a time through pyarrow.ipc (pyarrow's own streaming readers read far
+ahead of their consumer). A
 directory stands for the files under it, recursively, in sorted order, hidden names skipped; the
 suffix says the kind (.jsonl/.ndjson, .parquet, .arrow, anything else text). A directory that
 `datasets.Dataset.save_to_disk` wrote (state.json, dataset_info.json, data-*.arrow) stands for
@@ -229,7 +230,8 @@ def _refuse_token_dir_file(file: Path, flag: str) -> None:
             f"instead (train on the token dir as it is: data=tokens data.path={file.parent})")
 
 
-# Beside its frozen config, what a launch writes into a run dir (launch/rundir.py, checkpoint/store.py).
+# Beside its frozen config, what a launch writes into a run dir (launch/rundir.py,
+# checkpoint/store.py).
 RUN_DIR_ENTRIES = ("checkpoints", "metrics.jsonl", "logs")
 
 
@@ -252,8 +254,9 @@ def _refuse_run_dir(directory: Path, given: Path, flag: str) -> None:
     else:
         what = f"{flag} file {given} is a file of the partrain run dir {directory}"
     where = "" if given.is_file() or given == directory else f", or move the run dir out of {given}"
+    written = ", ".join(e for e in RUN_DIR_ENTRIES if (directory / e).exists())
     raise ConfigError(
-        f"{what} ({CONFIG} and {', '.join(e for e in RUN_DIR_ENTRIES if (directory / e).exists())}); "
+        f"{what} ({CONFIG} and {written}); "
         "data prepare reads text, and would read its checkpoints, logs and metrics as text; give "
         f"the text files instead{where}")
 

@@ -9,9 +9,10 @@ Two tokenizers:
 - bytes (the default): a token per byte of the file, documents joined by a newline, ids uint8;
 - `--tokenizer tokenizer.json` (the `tokenizers` library): every document followed by the
   end-of-text token (a special token's text inside a document is encoded as text, so the only
-  end-of-text ids are the separators), ids uint16 when the highest id fits, else uint32 (the vocab_size recorded
-  is the highest id + 1, not the token count: a vocabulary may skip ids), encoded by as many worker
-  processes as cores, each tokenizing ~1 MiB of text at a time, the results written in input order.
+  end-of-text ids are the separators), ids uint16 when the highest id fits, else uint32 (the
+  vocab_size recorded is the highest id + 1, not the token count: a vocabulary may skip ids),
+  encoded by as many worker processes as cores, each tokenizing ~1 MiB of text at a time, the
+  results written in input order.
 
 The ids stream to shard files of at most `--shard-mb` (train-00000.bin, ...) as they come, the
 documents' start offsets to a file beside, so memory stays bounded whatever the input's size.

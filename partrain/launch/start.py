@@ -11,6 +11,7 @@ import os
 import shlex
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -76,14 +77,8 @@ def start(request: Request, dry_run: bool, out: Console, err: Console,
         server = (rank_server(run_dir, ready.world.nproc_per_node, compiles(cfg))
                   if start_method(cfg) == "forkserver" else nullcontext())
         with _environment(rank_env(ready)), server:
-            # SIGINT waits for the end of the import (blocked, then delivered): a Ctrl-C inside
-            # it could land in a library's bare `except:` and be lost, and the run trained on
-            interrupts = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-            try:
-                with imports_without_gc():  # torch, and the elastic agent (heap.py)
-                    from partrain.launch.local import launch_workers
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, interrupts)
+            with interrupts_held(), imports_without_gc():  # torch, the elastic agent (heap.py)
+                from partrain.launch.local import launch_workers
 
             before = _config_before(run_dir, checkpoint)
             write_run_dir(cfg, run_dir, resuming=request.resume is not None)
@@ -112,6 +107,28 @@ def start(request: Request, dry_run: bool, out: Console, err: Console,
                       f"resume with its overrides again, partrain launch --resume "
                       f"{shlex.quote(str(run_dir))} {again}")
     return code
+
+
+@contextmanager
+def interrupts_held():
+    """A Ctrl-C during the block is held to its end, then raised (KeyboardInterrupt): a library's
+    bare `except:` inside an import must not take it and leave the run training. A Python-level
+    handler, not a blocked mask: a blocked SIGINT is delivered to another thread that does not
+    block it (numpy's OpenBLAS starts one at import), and Python raises it in the main thread all
+    the same. Outside the main thread, where no handler can be set, or where SIGINT does not raise
+    KeyboardInterrupt (ignored: a background job), the block runs as it is."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    pressed = []
+    previous = signal.signal(signal.SIGINT, lambda *_: pressed.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pressed:
+        raise KeyboardInterrupt
 
 
 @contextmanager

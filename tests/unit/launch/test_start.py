@@ -2,8 +2,12 @@
 that offloads names the DeepSpeed C++ ops it will build first (tens of seconds each on a fresh
 machine, in silence before) and where they are cached, and says nothing once they are; one that
 does not offload builds none (DeepSpeed's shared-memory all-reduce is not built:
-parallel/zero.py); --max-restarts is frozen in the run dir as launcher.max_restarts."""
+parallel/zero.py); --max-restarts is frozen in the run dir as launcher.max_restarts; a Ctrl-C
+during the launcher's torch import is held to its end."""
 
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -67,3 +71,29 @@ def test_max_restarts_flag_is_frozen_in_the_run_dir(run_main, tmp_path, monkeypa
                       "launcher.device=cpu", "--dry-run", "--run-dir", "run")
     assert result.code == 0, result.stderr
     assert "  max_restarts: 3\n" in (tmp_path / "run" / "config.yaml").read_text()
+
+
+def test_a_ctrl_c_during_the_launchers_import_is_held_to_its_end():
+    """The launcher's torch import runs in interrupts_held(): a Ctrl-C inside it is raised when it
+    ends (a library's bare `except:` inside cannot take it), also with another thread running
+    that does not block SIGINT (numpy's OpenBLAS starts one; a blocked mask let the signal
+    through there)."""
+    import threading
+
+    from partrain.launch.start import interrupts_held
+
+    other = threading.Thread(target=threading.Event().wait, args=(1,), daemon=True)
+    other.start()
+    reached_the_end = False
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_held():
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.2)  # Python runs a pending handler between bytecodes: it ran
+            except:  # noqa: E722 (the bare except a library may have)
+                pytest.fail("the Ctrl-C was raised inside the block")
+            reached_the_end = True
+    assert reached_the_end
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with interrupts_held():  # no Ctrl-C: nothing raised
+        pass

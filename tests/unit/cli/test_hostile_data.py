@@ -330,18 +330,6 @@ def test_a_token_dir_with_a_tokenizer_the_library_reads_launches(run_main, tmp_p
     assert result.code == 0, result.stderr
 
 
-def test_prepare_reads_a_config_yaml_beside_text_as_text(run_main, tmp_path):
-    # The control of the run-dir rows: a config.yaml alone (no checkpoints, metrics or logs
-    # beside it) is a user's file like any other.
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "a.txt").write_text("abc\n" * 200)
-    (data / "config.yaml").write_text("train:\n  max_steps: 10\n")
-    result = run_main("data", "prepare", str(data), "--out", str(tmp_path / "out"))
-    assert result.code == 0, result.stderr
-    assert '"files": 2' in (tmp_path / "out" / "meta.json").read_text()
-
-
 def test_prepare_reads_text_that_starts_like_bzip2_as_text(run_main, tmp_path):
     # The control of the compressed rows: "BZh" begins bzip2's magic, and some text.
     (tmp_path / "a.txt").write_text("BZh9 is how a bzip2 file starts.\n" * 20)
@@ -349,12 +337,18 @@ def test_prepare_reads_text_that_starts_like_bzip2_as_text(run_main, tmp_path):
     assert result.code == 0, result.stderr
 
 
-def test_prepare_reads_a_meta_json_that_is_not_a_token_dirs_as_text(run_main, tmp_path):
+@pytest.mark.parametrize("name, text", [
     # The control of the token-dir rows: a corpus's own meta.json is text like any other file.
+    ("meta.json", '{"format": "my-corpus/1", "author": "me"}\n'),
+    # The control of the run-dir rows: a config.yaml alone (no checkpoints, metrics or logs
+    # beside it) is a user's file like any other.
+    ("config.yaml", "train:\n  max_steps: 10\n"),
+])
+def test_prepare_reads_a_users_file_of_a_partrain_name_as_text(run_main, tmp_path, name, text):
     data = tmp_path / "data"
     data.mkdir()
     (data / "a.txt").write_text("abc\n" * 200)
-    (data / "meta.json").write_text('{"format": "my-corpus/1", "author": "me"}\n')
+    (data / name).write_text(text)
     result = run_main("data", "prepare", str(data), "--out", str(tmp_path / "out"))
     assert result.code == 0, result.stderr
     assert '"files": 2' in (tmp_path / "out" / "meta.json").read_text()

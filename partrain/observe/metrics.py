@@ -174,9 +174,16 @@ def summary_table(history: list[dict], val_losses: list[tuple[int, float]], wall
     if val_losses:
         table.add_row("val_loss", "  ".join(f"{v:.4f}@{s}" for s, v in val_losses))
     table.add_row("tokens", f"{last['tokens']:,}")
-    table.add_row("tokens/s", f"{sum(r['tokens_per_s'] for r in steady) / len(steady):,.0f} (mean)")
+    # Over the steady steps' whole time (their tokens / their seconds), not a mean of per-step
+    # rates, which a few slow steps pull the wrong way: up, past what the run delivered.
+    seconds = sum(r["step_time_s"] for r in steady)
+    over = (f"steps {steady[0]['step']}-{steady[-1]['step']}" if len(steady) > 1
+            else f"step {steady[0]['step']}")
+    tokens_per_s = sum(r["tokens_per_s"] * r["step_time_s"] for r in steady) / seconds
+    table.add_row("tokens/s", f"{tokens_per_s:,.0f} (over {over})")
     if "mfu" in last:
-        table.add_row("MFU", f"{sum(r['mfu'] for r in steady) / len(steady):.1%} (mean)")
+        mfu = sum(r["mfu"] * r["step_time_s"] for r in steady) / seconds
+        table.add_row("MFU", f"{mfu:.1%} (over {over})")
     table.add_row("wall time", time.strftime("%H:%M:%S", time.gmtime(wall_s)))
     table.add_row("run dir", str(run_dir))
     if checkpoint is not None:

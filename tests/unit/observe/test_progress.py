@@ -75,3 +75,18 @@ def test_a_moe_steps_line_says_its_routing(capsys, monkeypatch):
     display.update(_rec(1, moe_load_balance=2.06, moe_aux_loss=0.0432, moe_dropped=0.366))
     [line] = capsys.readouterr().out.splitlines()
     assert line.endswith("load max/mean 2.06  aux 0.0432  dropped 36.6%"), line
+
+
+def test_the_summary_rate_is_the_steady_steps_tokens_over_their_time(tmp_path):
+    """tokens/s and MFU in the run summary: the steady steps' tokens over their seconds (100
+    tokens a step; steps 2 and 3 took 1 s and 3 s: 200 / 4 = 50 tokens/s). A mean of the per-step
+    rates (100 and 33.3) said 67, more than the run delivered."""
+    from rich.console import Console
+
+    history = [{"step": s, "loss": 2.0, "tokens": 100 * s, "tokens_per_s": 100 / t,
+                "step_time_s": t, "mfu": 0.4 / t} for s, t in [(1, 9.0), (2, 1.0), (3, 3.0)]]
+    console = Console(width=200, record=True)
+    console.print(metrics.summary_table(history, [], 13.0, tmp_path))
+    text = console.export_text()
+    assert "50 (over steps 2-3)" in text, text
+    assert "20.0% (over steps 2-3)" in text, text  # 0.4 x 2 steps / 4 s

@@ -65,6 +65,13 @@ def check_zero(cfg: DictConfig) -> None:
         raise ConfigError(
             "train.dtype=fp16 needs loss scaling, which partrain does through DeepSpeed: use "
             "parallel.zero_stage >= 1, or train.dtype=bf16")
+    if cfg.train.dtype == "fp16" and p.pp > 1:
+        # The pipeline's schedule runs each micro-batch's backward itself, not through the
+        # engine's, so the loss is never multiplied by the loss scale: DeepSpeed's dynamic
+        # scaler raises at the first backward on every rank.
+        raise ConfigError(
+            f"train.dtype=fp16 with parallel.pp={p.pp}: the pipeline's backward does not go "
+            "through DeepSpeed's loss scaler, which fp16 needs; use train.dtype=bf16, or pp=1")
     if stage == 0 and p.get("deepspeed_config"):
         raise ConfigError(
             f"parallel.deepspeed_config={p.deepspeed_config} is a DeepSpeed config, but "

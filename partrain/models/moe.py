@@ -40,18 +40,22 @@ from partrain.models.recompute import recomputing
 
 
 class _AuxLossGrad(Function):
-    """Forward: the block output unchanged; backward: its gradient, and `scale` as the gradient
-    of the auxiliary loss, so the loss is trained without being added to the model's output."""
+    """Forward: the block output unchanged; backward: its gradient, and the MoE's aux_scale times
+    its loss_scale as the gradient of the auxiliary loss, so the loss is trained without being
+    added to the model's output. Both are read at backward time: fp16's loss scale is the one
+    the language-model loss was multiplied by in this backward (Megatron's
+    MoEAuxLossAutoScaler.set_loss_scale does the same)."""
 
     @staticmethod
-    def forward(ctx, out, aux, scale):
-        ctx.scale = scale
+    def forward(ctx, out, aux, moe):
+        ctx.moe = moe
         ctx.aux_shape = aux.shape
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, grad.new_full(ctx.aux_shape, ctx.scale, dtype=torch.float32), None
+        scale = ctx.moe.aux_scale * ctx.moe.loss_scale
+        return grad, grad.new_full(ctx.aux_shape, scale, dtype=torch.float32), None
 
 
 class _SumOverSequence(Function):
@@ -114,7 +118,10 @@ class LocalDispatcher:
 class MoE(nn.Module):
     """The MoE MLP of one block. `seq_group`/`seq_scale` are set by context or sequence
     parallelism (the ranks a sequence is split over); `aux_scale` when the worker is built (the
-    loss's 1/micro_batches: partrain.parallel.parallelize.setup_moe)."""
+    loss's 1/micro_batches: partrain.parallel.parallelize.setup_moe); `loss_scale` before each
+    backward under fp16 (DeepSpeed's loss scale, which multiplies the language-model loss and
+    divides every gradient at the step: the auxiliary loss's gradient must be multiplied too, or
+    it arrives divided by it, 2^16 at the start: balancing off in all but name)."""
 
     def __init__(self, model_cfg, dense_ffn: int):
         super().__init__()
@@ -135,7 +142,7 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(moe.n_experts))
         self.dispatcher = LocalDispatcher()
         self.seq_group, self.seq_scale = None, 1
-        self.aux_scale = 1.0
+        self.aux_scale, self.loss_scale = 1.0, 1.0
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -213,7 +220,7 @@ class MoE(nn.Module):
             if not recomputing():
                 self.aux_sum = self.aux_sum + aux.detach()
                 self.aux_calls += 1
-            out = _AuxLossGrad.apply(out, aux, self.aux_scale)
+            out = _AuxLossGrad.apply(out, aux, self)
         return out
 
 

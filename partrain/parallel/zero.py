@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from partrain.models.moe import MoE
 from partrain.parallel.data import Update
 from partrain.parallel.mesh import flattened
 from partrain.parallel.nvme import nvme_problem, on_nvme
@@ -294,6 +295,7 @@ class ZeroBackend:
         self.module = engine.module
         self.sequence_parallel_group = sequence_parallel_group
         self.fp16 = engine.fp16_enabled()
+        self.moes = [m for m in self.module.modules() if isinstance(m, MoE)]
         self._loss_finite, self._applied = True, False
         inner = optimizer.optimizer
         inner_step = inner.step
@@ -322,6 +324,10 @@ class ZeroBackend:
         pass  # DeepSpeed releases ZeRO-3's gathered weights after each module's forward
 
     def backward(self, loss) -> None:
+        if self.fp16:  # the scale this backward multiplies the loss by reaches the MoE loss too
+            scale = float(self.optimizer.loss_scale)
+            for moe in self.moes:
+                moe.loss_scale = scale
         self.model.backward(loss, scale_wrt_gas=False)
 
     def step(self, tracer, loss_finite: bool) -> Update:

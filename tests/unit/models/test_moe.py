@@ -124,6 +124,37 @@ def test_aux_loss_value_and_its_gradient_reach_the_router():
     assert not torch.allclose(want, without)  # the loss does reach the router
 
 
+def test_the_aux_loss_gradient_follows_the_loss_scale():
+    """fp16 under DeepSpeed multiplies the loss by its scale S and divides every gradient by S at
+    the step: the auxiliary loss's gradient must be multiplied by S too, or it arrives divided by
+    S (2^16 at the start) and balancing is off in all but name. With loss_scale S and the loss
+    times S, every router gradient is S times the unscaled one."""
+    layer = moe_layer(top_k=2, balance="aux_loss", aux_loss_coef=0.1)
+    layer.aux_scale = 0.5
+    x = torch.randn(3, 10, 128)
+    (unscaled,) = torch.autograd.grad(layer(x).sum(), [layer.router.weight])
+    layer.loss_scale = 1024.0
+    (scaled,) = torch.autograd.grad(layer(x).sum() * 1024.0, [layer.router.weight])
+    torch.testing.assert_close(scaled / 1024.0, unscaled)
+
+
+def test_the_zero_backend_gives_each_moe_the_loss_scale_before_backward():
+    """ZeroBackend.backward sets DeepSpeed's current loss scale on every MoE layer under fp16.
+    A stand-in engine and optimizer: DeepSpeed trains fp16 on CUDA only, not on this CPU."""
+    from types import SimpleNamespace
+
+    from partrain.parallel.zero import ZeroBackend
+
+    module = torch.nn.Sequential(moe_layer(balance="aux_loss"), moe_layer(balance="aux_loss"))
+    scales = []
+    engine = SimpleNamespace(module=module, fp16_enabled=lambda: True,
+                             backward=lambda loss, scale_wrt_gas: scales.append(
+                                 [m.loss_scale for m in module]))
+    optimizer = SimpleNamespace(optimizer=SimpleNamespace(step=lambda: None), loss_scale=2.0 ** 16)
+    ZeroBackend(engine, optimizer).backward(torch.zeros(()))
+    assert scales == [[2.0 ** 16, 2.0 ** 16]]
+
+
 def test_bias_moves_towards_the_mean_load_and_steers_only_the_choice():
     layer = moe_layer(top_k=2, balance="bias", bias_update_rate=0.01)
     update_expert_bias(layer, torch.tensor([10.0, 0, 0, 0, 0, 0, 0, 6]))

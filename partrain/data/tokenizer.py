@@ -4,7 +4,9 @@ A tokenizer travels as files: `tokenizer.json` (the `tokenizers` library's forma
 `tokenizer_config.json`, whose `eos_token` names the end-of-text token that separates documents.
 `partrain data prepare --tokenizer` copies them into the token dir, a launch copies them into
 `RUN_DIR/tokenizer/`, and `partrain export` into the Hugging Face directory, where transformers'
-`AutoTokenizer` loads them. `partrain sample` encodes and decodes with them.
+`AutoTokenizer` loads them (less any BOS/EOS the post-processor would add: `write_as_trained`).
+`partrain sample` encodes and decodes with them; it and `data prepare` add no special token but
+the end-of-text after each document.
 
 This module imports neither torch nor the rest of partrain: data preparation starts its worker
 processes on it, and each one imports only what it needs.
@@ -143,6 +145,54 @@ def copy_files(source: Path, out: Path) -> None:
             tmp = out / f".{name}.{os.getpid()}.tmp"
             shutil.copyfile(source / name, tmp)
             tmp.rename(out / name)
+
+
+# Post-processor kinds that add no token (ByteLevel only trims offsets): an export keeps them.
+# Every other kind (TemplateProcessing, BertProcessing, RobertaProcessing) adds special tokens.
+NO_TOKENS_ADDED = ("ByteLevel",)
+
+
+def without_added_tokens(post_processor):
+    """tokenizer.json's `post_processor` less the parts that add special tokens (Llama 3's BOS
+    template, BERT's CLS/SEP), a Sequence's ByteLevel part kept: what `encode` then gives by
+    default is what add_special_tokens=False gave (the data's ids, the prompt's in `sample`)."""
+    if not isinstance(post_processor, dict):
+        return None
+    if post_processor.get("type") == "Sequence":
+        kept = [p for p in post_processor.get("processors") or []
+                if isinstance(p, dict) and p.get("type") in NO_TOKENS_ADDED]
+        return {**post_processor, "processors": kept} if kept else None
+    return post_processor if post_processor.get("type") in NO_TOKENS_ADDED else None
+
+
+def write_as_trained(source: Path, out: Path) -> None:
+    """Write the tokenizer files of directory `source` into `out` (an export) set to encode as
+    the run's data and `sample` did, with no special token added: the model never saw a BOS, and
+    transformers' tokenizers (so `pipeline` and a user's `tokenizer(text)`) add the
+    post-processor's by default. tokenizer_config.json gets add_bos_token/add_eos_token false,
+    from which transformers' Llama tokenizer classes rebuild a BOS template otherwise (their
+    default is true)."""
+    import shutil
+
+    tokenizer = json.loads((source / TOKENIZER_FILE).read_text(encoding="utf-8"))
+    post_processor = without_added_tokens(tokenizer.get("post_processor"))
+    if post_processor == tokenizer.get("post_processor"):
+        shutil.copyfile(source / TOKENIZER_FILE, out / TOKENIZER_FILE)
+    else:
+        tokenizer["post_processor"] = post_processor
+        (out / TOKENIZER_FILE).write_text(json.dumps(tokenizer, indent=2, ensure_ascii=False)
+                                          + "\n", encoding="utf-8")
+    if (source / TOKENIZER_CONFIG).is_file():
+        try:
+            config = json.loads((source / TOKENIZER_CONFIG).read_text(encoding="utf-8"))
+        except ValueError as e:
+            config = e
+        if not isinstance(config, dict):
+            raise ConfigError(f"{source / TOKENIZER_CONFIG} is not a JSON object ({config}); "
+                              "the export writes it with add_bos_token false: fix or remove it")
+        config.update(add_bos_token=False, add_eos_token=False)
+        (out / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2, ensure_ascii=False)
+                                            + "\n", encoding="utf-8")
 
 
 def run_tokenizer_dir(run_dir: Path | None, data_cfg, vocab_size: int | None = None) -> Path | None:

@@ -12,7 +12,9 @@ The export is one directory, written under a temporary name and renamed when com
 config.json, generation_config.json and safetensors weights (sharded with
 `model.safetensors.index.json` past --max-shard-mb), loadable by `from_pretrained` with no
 custom code, and the run's tokenizer files (tokenizer.json, tokenizer_config.json) when it
-trained on a `data prepare --tokenizer` dir, loadable by `AutoTokenizer`.
+trained on a `data prepare --tokenizer` dir, loadable by `AutoTokenizer` and set to add no
+special token, as the run's data and `sample` were encoded (a Llama-3 tokenizer.json prepends a
+BOS the model never saw; data.tokenizer.write_as_trained).
 
 Importing reads config.json (the model's shape must be the config's: a mismatch is refused
 naming both, with the overrides to use; a tensor in the files that the model would not use is
@@ -29,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from partrain.data.tokenizer import TextTokenizer, copy_files, run_tokenizer_dir
+from partrain.data.tokenizer import TextTokenizer, run_tokenizer_dir, write_as_trained
 from partrain.errors import ConfigError
 from partrain.interop.finite import chunks, non_finite
 from partrain.config.hf_families import (  # hf_dir, is_hf: imported from here too
@@ -124,8 +126,8 @@ def export_hf(checkpoint, out: Path, dtype: str = "fp32", max_shard_mb: int = 50
         generation = {"do_sample": True}
         if tokenizer is not None:  # generate() stops at the end-of-text token the data used
             config["eos_token_id"] = generation["eos_token_id"] = eot_id
-            stage.step = "copying the tokenizer files"
-            copy_files(tokenizer, stage.path)
+            stage.step = "writing the tokenizer files"
+            write_as_trained(tokenizer, stage.path)
         stage.step = "writing config.json"
         (stage.path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (stage.path / "generation_config.json").write_text(json.dumps(generation) + "\n")

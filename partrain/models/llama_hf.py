@@ -223,7 +223,9 @@ def hf_config(model_cfg, dtype: str) -> dict:
         "tie_word_embeddings": tied(m),
         "attention_dropout": 0.0,
         "initializer_range": float(m.init_std),
-        # The byte-level corpora have no special tokens.
+        # No BOS: partrain's data has none before a document, nor its prompts in `sample`, and
+        # the export's tokenizer adds none (data.tokenizer.write_as_trained). eos_token_id is the
+        # run's end-of-text token where it has a tokenizer (interop.hf.export_hf).
         "bos_token_id": None,
         "eos_token_id": None,
         "pad_token_id": None,

@@ -5,7 +5,7 @@ partrain parameter <-> transformers tensor, and the one per-weight conversion.
 
     model_type   what differs from Llama                 partrain's keys
     llama        (rope scaling: rope_type=llama3)        -
-    mistral      sliding_window                          model.sliding_window (>= max_seq_len)
+    mistral      sliding_window (4096 if absent)         model.sliding_window (>= max_seq_len)
     qwen2        a bias on q/k/v (never on o)            model.qkv_bias=true
     qwen3        RMSNorm of each head's q and k          model.qk_norm=true
 
@@ -34,6 +34,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 MODEL_TYPES = tuple(ARCHITECTURES)
 CONFIG_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
+MISTRAL_WINDOW = 4096  # transformers' MistralConfig.sliding_window default (see model_keys)
 
 TOP_LEVEL = {"tok_embeddings.weight": "model.embed_tokens.weight",
              "norm.weight": "model.norm.weight",
@@ -153,8 +154,12 @@ def model_keys(hf: dict, where: str) -> dict:
         raise ConfigError(f"{where}: rope_type={rope_type!r}; partrain has default and llama3")
     max_seq_len = _whole(hf, "max_position_embeddings", where, 2048)
     window = None
-    if family == "mistral" and hf.get("sliding_window") is not None:
-        window = _whole(hf, "sliding_window", where)
+    # A Mistral config.json without the key gets transformers' default window, not none:
+    # MistralConfig's `sliding_window: int | None = 4096` (transformers 5.24,
+    # models/mistral/configuration_mistral.py; 4.x: `sliding_window=4096` in __init__). Only an
+    # explicit null is no window.
+    if family == "mistral" and hf.get("sliding_window", MISTRAL_WINDOW) is not None:
+        window = _whole(hf, "sliding_window", where, MISTRAL_WINDOW)
         max_seq_len = min(max_seq_len, window)  # partrain's window: no sequence longer
     if family in ("qwen2", "qwen3"):
         _refuse_sliding_layers(hf, family, where)

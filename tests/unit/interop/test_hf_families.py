@@ -187,3 +187,22 @@ def test_a_sliding_window_shorter_than_the_sequence_is_refused(run_main, mistral
     res = run_main("show", f"model.init_from=hf:{mistral_window}", "train.seq_len=64")
     assert res.code == 0, res.stderr
     assert "hf_model_type: mistral" in res.stdout and "max_seq_len: 64" in res.stdout
+
+
+def test_a_mistral_config_without_sliding_window_has_transformers_default_window():
+    """transformers' MistralConfig gives a config.json without the key a 4096-token window (an
+    explicit null is none): partrain reads the same, so a sequence past 4096 is refused rather
+    than computed with attention transformers' model would not have."""
+    from transformers import MistralConfig
+
+    from partrain.models.llama_hf import model_keys
+
+    mistral = {**TINY, "model_type": "mistral", "max_position_embeddings": 32768}
+    keys = model_keys(mistral, "config.json")
+    assert keys["sliding_window"] == MistralConfig(**mistral).sliding_window == 4096
+    assert keys["max_seq_len"] == 4096  # no longer than the window
+    explicit = model_keys({**mistral, "sliding_window": None}, "config.json")
+    assert explicit["sliding_window"] is MistralConfig(**{**mistral, "sliding_window": None}) \
+        .sliding_window is None
+    assert explicit["max_seq_len"] == 32768
+    assert model_keys({**mistral, "sliding_window": 512}, "config.json")["sliding_window"] == 512

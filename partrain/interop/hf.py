@@ -9,7 +9,8 @@ has no `lm_head.weight` (the export writes none, the import needs none and reads
 once, into both the embedding and the head).
 
 The export is one directory, written under a temporary name and renamed when complete:
-config.json, generation_config.json and safetensors weights (sharded with
+config.json, generation_config.json (the padding ids of a padded vocabulary suppressed, as
+`sample` masks them) and safetensors weights (sharded with
 `model.safetensors.index.json` past --max-shard-mb), loadable by `from_pretrained` with no
 custom code, and the run's tokenizer files (tokenizer.json, tokenizer_config.json) when it
 trained on a `data prepare --tokenizer` dir, loadable by `AutoTokenizer` and set to add no
@@ -112,11 +113,9 @@ def export_hf(checkpoint, out: Path, dtype: str = "fp32", max_shard_mb: int = 50
             "which have no experts")
     config = adapter.config(cfg.model, dtype)  # refuses keys no family has, before any work
     tokenizer = run_tokenizer_dir(checkpoint.path.parent.parent, cfg.data, cfg.model.vocab_size)
-    eot_id = None
+    text_tokenizer = TextTokenizer(tokenizer)  # byte-level when None: ids 0 .. 255
     if tokenizer is not None:
-        text_tokenizer = TextTokenizer(tokenizer)
         check_vocab(text_tokenizer, cfg.model.vocab_size)
-        eot_id = text_tokenizer.eot_id
     state = hf_state_dict(model, cfg.model, dtype, str(checkpoint.path))
     del model
     # A full disk inside safetensors is its own error type.
@@ -124,8 +123,13 @@ def export_hf(checkpoint, out: Path, dtype: str = "fp32", max_shard_mb: int = 50
         stage.step = "writing the safetensors files"
         files = write_safetensors(state, stage.path, max_shard_mb)
         generation = {"do_sample": True}
+        # Rows past the tokenizer's ids (model.vocab_size padded, for tp) are ids no text has:
+        # `sample` never draws them, and generate() must not either (it would print nothing).
+        padding = list(range(text_tokenizer.vocab_size, cfg.model.vocab_size))
+        if padding:
+            generation["suppress_tokens"] = padding
         if tokenizer is not None:  # generate() stops at the end-of-text token the data used
-            config["eos_token_id"] = generation["eos_token_id"] = eot_id
+            config["eos_token_id"] = generation["eos_token_id"] = text_tokenizer.eot_id
             stage.step = "writing the tokenizer files"
             write_as_trained(tokenizer, stage.path)
         stage.step = "writing config.json"

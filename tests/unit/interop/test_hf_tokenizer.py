@@ -41,11 +41,12 @@ def llama3_tokenizer(directory):
     return directory / "tokenizer.json"
 
 
-def tokenizer_run(root, tokenizer_file, vocab_size: int):
+def tokenizer_run(root, tokenizer_file, vocab_size: int, loud_from: int | None = None):
     """A run dir with a checkpoint of a 2-layer model of `vocab_size` rows and, when
     `tokenizer_file` is given, RUN_DIR/tokenizer/ as a launch on a `data prepare --tokenizer`
     dir leaves it; the run dir and the model. The weights are perturbed far from their init, so
-    that greedy text does not settle on one token."""
+    that greedy text does not settle on one token; the head's rows from `loud_from` on are
+    scaled up, so that their ids win the argmax where nothing masks them."""
     cfg = OmegaConf.structured(Config)
     cfg.model.n_layers, cfg.model.max_seq_len, cfg.model.vocab_size = 2, 64, vocab_size
     model = build_model(cfg.model, seed=3)
@@ -53,6 +54,8 @@ def tokenizer_run(root, tokenizer_file, vocab_size: int):
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn(param.shape, generator=gen) * 0.3)
+        if loud_from is not None:
+            model.output.weight[loud_from:] *= 4
     run_dir = root / "run"
     save_checkpoint(model, cfg, run_dir, step=3)
     if tokenizer_file is not None:
@@ -123,6 +126,32 @@ def test_post_processors_that_add_tokens_are_dropped(processor, kept):
     from partrain.data.tokenizer import without_added_tokens
 
     assert without_added_tokens(processor) == kept
+
+
+@pytest.mark.parametrize("kind, span", [("bpe", 300), ("bytes", 256)])
+def test_padding_ids_are_suppressed_in_generation(run_main, tmp_path, kind, span):
+    """A vocabulary padded past the tokenizer's ids (for tp: 300 -> 384): `sample` never draws
+    the padding ids, and the export's generation_config.json suppresses them, so greedy
+    `generate` gives `sample`'s tokens, none of them padding."""
+    from transformers import GenerationConfig
+
+    tokenizer_file = None
+    if kind == "bpe":
+        (tmp_path / "tok").mkdir()
+        train_bpe(tmp_path / "tok" / "tokenizer.json")
+        tokenizer_file = tmp_path / "tok" / "tokenizer.json"
+    run_dir, model = tokenizer_run(tmp_path, tokenizer_file, 384, loud_from=span)
+    out = tmp_path / "hf"
+    res = run_main("export", str(run_dir), "--out", str(out))
+    assert res.code == 0, res.stderr
+    assert GenerationConfig.from_pretrained(out).suppress_tokens == list(range(span, 384))
+
+    tokenizer = TextTokenizer(run_dir / RUN_TOKENIZER if kind == "bpe" else None)
+    prompt = tokenizer.encode(PROMPTS[0])
+    with torch.no_grad():  # unmasked, the padding would win: the test can fail
+        assert int(model(torch.tensor([prompt]))[0, -1].argmax()) >= span
+    theirs, ours = greedy_pair(model, out, tokenizer, prompt, prompt, 12)
+    assert theirs == ours and max(ours) < span and len(set(ours)) > 2, (theirs, ours)
 
 
 def test_a_malformed_tokenizer_config_is_refused_naming_it(run_main, llama3_run, tmp_path):

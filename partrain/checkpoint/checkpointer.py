@@ -142,7 +142,9 @@ class Checkpointer:
                                                     use_async_staging=True,
                                                     use_non_blocking_copy=False))
                        if ckpt_cfg.async_save else None)
-        self.pending = None  # [future, step, reason, started, blocked_s]
+        self.pending = None  # [future, step, reason, started, blocked_s, meta]
+        # A cadence save a skipped step (divergence guard) put off: the next good step's.
+        self.owed = False
         # Rank 0's deletion of pruned checkpoints: a thread and its queue, started at the first.
         self.deleting: threading.Thread | None = None
         self.deletions: queue.SimpleQueue | None = None
@@ -170,9 +172,11 @@ class Checkpointer:
     def due(self, step: int, last: bool) -> bool:
         return store.saves_at(self.cfg, step, last)
 
-    def save(self, state: dict, step: int, reason: str, started: float | None = None) -> bool:
+    def save(self, state: dict, step: int, reason: str, started: float | None = None,
+             meta: dict | None = None) -> bool:
         """Write `state` as the checkpoint of `step`. `started`: when the save was asked for (a
-        preemption signal), so that the report says how long it took from there to the commit.
+        preemption signal), so that the report says how long it took from there to the commit;
+        `meta`: more for its meta.json (the divergence guard's count of skips in a row).
         A state holding a NaN or an infinity on any rank is not written (False): the newest
         checkpoint stays the newest good one."""
         self.wait()
@@ -189,11 +193,11 @@ class Checkpointer:
             with self._undone_on_failure(step, f"saving the checkpoint of step {step}"):
                 future = dcp.async_save(state, storage_writer=writer, process_group=self.group,
                                         async_stager=self.stager)
-            self.pending = [future, step, reason, started, time.perf_counter() - t0]
+            self.pending = [future, step, reason, started, time.perf_counter() - t0, meta]
             return True
         with self._undone_on_failure(step, f"saving the checkpoint of step {step}"):
             dcp.save(state, storage_writer=writer)
-        self._commit(step, reason, started, blocked_s=time.perf_counter() - t0)
+        self._commit(step, reason, started, blocked_s=time.perf_counter() - t0, extra=meta)
         return True
 
     def _refuse_nonfinite(self, state: dict, step: int) -> bool:
@@ -271,7 +275,7 @@ class Checkpointer:
         """Block until the background save (if any) is written, then commit it."""
         if self.pending is None:
             return
-        future, step, reason, started, blocked = self.pending
+        future, step, reason, started, blocked, extra = self.pending
         self.pending = None
         staging = getattr(future, "staging_completion", None)
         if staging is not None and not staging.done():
@@ -281,7 +285,7 @@ class Checkpointer:
         with self._undone_on_failure(step, f"saving the checkpoint of step {step} (in the "
                                            "background)"):
             _result(future)
-        self._commit(step, reason, started, blocked)
+        self._commit(step, reason, started, blocked, extra)
 
     @contextmanager
     def _undone_on_failure(self, step: int, what: str):
@@ -318,7 +322,8 @@ class Checkpointer:
         # The family's count from the config, else (a user's model) what it builds on meta.
         return BYTES_PER_PARAM * count_params(model) if model else 0
 
-    def _commit(self, step: int, reason: str, started: float, blocked_s: float) -> None:
+    def _commit(self, step: int, reason: str, started: float, blocked_s: float,
+                extra: dict | None = None) -> None:
         # DCP's save returns on every rank only after the coordinator (rank 0) has gathered all
         # ranks' write results and written .metadata: on rank 0 everything is on disk here.
         if self.rank != 0:
@@ -337,7 +342,8 @@ class Checkpointer:
                 f"{kept.path if kept else 'none'}")
         seconds = time.time() - started
         meta = {"reason": reason, "saved_at": time.time(), "seconds": round(seconds, 4),
-                "blocked_s": round(blocked_s, 4), "world_size": dist.get_world_size()}
+                "blocked_s": round(blocked_s, 4), "world_size": dist.get_world_size(),
+                **(extra or {})}
         if self.data() is not None:
             meta["data"] = self.data()
         with self._undone_on_failure(step, f"committing the checkpoint of step {step}"):

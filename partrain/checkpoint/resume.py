@@ -6,8 +6,9 @@ sequence length, the dtype and the optimizer (optim.name: its state is that opti
 those the checkpoint was saved with.
 The layout may change (parallel.*, launcher.*, the node count, the micro-batch split at the same
 global batch, activation checkpointing, compile), as may how the run logs, evaluates and saves,
-train.max_steps (the learning-rate schedule is then the one of a run planned for the new
-max_steps: warmup is unchanged, the decay stretches or, under wsd, moves to the new end) and the
+train.max_steps, up or down to no less than the checkpoint's step (the learning-rate schedule
+is then the one of a run planned for the new max_steps: warmup is unchanged, the decay is fitted
+to the new end or, under wsd, moves to it) and the
 optimizer's schedule and hyperparameters (a lower optim.lr after a loss spike; optim.schedule=wsd
 from a cosine run's checkpoint).
 

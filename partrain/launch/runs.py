@@ -92,6 +92,16 @@ def finished(run_dir: Path, max_steps: int) -> bool:
         (step is not None and step >= max_steps)
 
 
+def ended_done_at(run_dir: Path, max_steps: int) -> bool:
+    """Whether the run dir's last launch ended `done` with its metrics at `max_steps` or past:
+    trained to the end, whatever its newest checkpoint (checkpoint.save_last=false keeps none of
+    the last step)."""
+    record = _json(run_dir / STATE_FILE)
+    step, _ = last_step(run_dir)
+    return (record is not None and record.get("state") == ENDED[0]
+            and step is not None and step >= max_steps)
+
+
 def running_here(run_dir: Path) -> tuple[int, int] | None:
     """(pid, node count) of a launch that says it is running in the run dir, on this host and
     alive (a launch on another host, or one that died without a word, cannot be told from

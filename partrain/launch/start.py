@@ -29,7 +29,7 @@ from partrain.launch.netif import set_ifname_variables
 from partrain.launch.preemption import FORWARDER
 from partrain.launch.preflight import Ready, Request, preflight, runs_on_cuda
 from partrain.launch.rundir import hold_run_dir, trained_in, write_run_dir
-from partrain.launch.runs import ENDED, STATE_FILE, write_state
+from partrain.launch.runs import ENDED, STATE_FILE, ended_done_at, write_state
 from partrain.launch.slurm import (
     SlurmJob,
     partrain_command,
@@ -57,6 +57,15 @@ def start(request: Request, dry_run: bool, out: Console, err: Console,
         out.print(f"partrain: {run_dir} is trained to step {checkpoint.step} = train.max_steps "
                   f"({checkpoint.path}); nothing to do (to train on: partrain launch --resume "
                   f"{run_dir} train.max_steps=N)")
+        return 0
+    if checkpoint is not None and not store.saves_at(cfg.checkpoint, cfg.train.max_steps, True) \
+            and ended_done_at(run_dir, cfg.train.max_steps):
+        # Its newest checkpoint is before the end (save_last=false): a launch would train the
+        # steps after it again and write their metrics over the ones it has.
+        out.print(f"partrain: {run_dir} is trained to train.max_steps={cfg.train.max_steps} "
+                  f"(its metrics.jsonl; checkpoint.save_last=false kept no checkpoint of the "
+                  f"last step, the newest is step {checkpoint.step}); nothing to do (to train on: "
+                  f"partrain launch --resume {run_dir} train.max_steps=N)")
         return 0
     resuming_from = (f"; resuming from step {checkpoint.step} ({checkpoint.path})"
                      if checkpoint is not None else

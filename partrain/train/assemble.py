@@ -200,12 +200,15 @@ def build(cfg, run_dir: Path, device: torch.device) -> Run:
                           mesh["pp"].get_group() if dims.pp_enabled else None, device)
                   if built.n_moe_blocks else lambda applied: {})
     tokens_per_step = t.global_batch_size * t.seq_len
+    guard = DivergenceGuard(backend.model, t.max_skipped_steps, coords["pp"], device)
+    if start.resume:  # a checkpoint saved inside a run of skipped steps (the last, a preemption)
+        guard.in_a_row = int(start.resume.meta.get("skipped_in_a_row", 0))
     run = Run(cfg=cfg, run_dir=run_dir, rank=rank, device=device, dims=dims, mesh=mesh,
               coords=coords, backend=backend, loss_fn=loss_function(dims, mesh, cfg.train.compile),
               autocast=autocast, tracer=tracer, batches=batches, tp_mesh=tp_mesh, start=start,
               first_step=first_step, checkpointer=checkpointer, metrics=metrics,
               display=display, after_step=after_step,
-              guard=DivergenceGuard(backend.model, t.max_skipped_steps, coords["pp"], device),
+              guard=guard,
               tokens_per_step=tokens_per_step,
               flops_per_step=flops * tokens_per_step,
               peak_flops=(peak_flops(torch.cuda.get_device_name(device))

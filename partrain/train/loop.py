@@ -206,17 +206,24 @@ def save_if_due(run: Run, step: int, preemption: PreemptionFlag, skipped: bool) 
     must stop here (signalled: saved, and waited for). A skipped step (divergence guard) leaves
     its cadence save to the next good step, so that the newest checkpoint is a good step's; at
     the end or on a signal it saves (the state is the last good step's, nothing is lost)."""
-    ckpt = run.cfg.checkpoint
+    ckpt, checkpointer = run.cfg.checkpoint, run.checkpointer
     # Every rank learns whether any was signalled (SIGUSR2), so all save this same step.
     signalled = preemption.agreed(run.device)
     last = step == run.cfg.train.max_steps
     saved = None
-    if signalled is not None or (run.checkpointer.due(step, last) and (last or not skipped)):
+    due = checkpointer.due(step, last)
+    if due and skipped and not last:
+        checkpointer.owed = True  # every rank skipped this step: the next good step saves
+    if signalled is not None or ((due or checkpointer.owed) and (last or not skipped)):
         reason = ("preemption" if signalled is not None else
-                  "every" if ckpt.every and step % ckpt.every == 0 else "last")
-        saved = run.checkpointer.save(build_state(run.backend.model, run.backend.optimizer,
-                                                  run.tp_mesh, run.dims.deepspeed_enabled),
-                                      step, reason, started=signalled)
+                  "every" if (ckpt.every and step % ckpt.every == 0) or checkpointer.owed
+                  else "last")
+        saved = checkpointer.save(build_state(run.backend.model, run.backend.optimizer,
+                                              run.tp_mesh, run.dims.deepspeed_enabled),
+                                  step, reason, started=signalled,
+                                  meta={"skipped_in_a_row": run.guard.in_a_row})
+        if saved:
+            checkpointer.owed = False
     if signalled is None:
         if last and saved is False:  # refused: the state held a NaN or an infinity
             # The final state is not finite: a run that ended `done` here would name no good

@@ -39,7 +39,7 @@ def lr_at(step: int, optim_cfg, max_steps: int) -> float:
     linear), constant at lr, or wsd: constant until the last decay_ratio * max_steps steps, then
     1-sqrt down to the floor (Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training
     Beyond Fixed Training Durations": 1-sqrt beats a linear cooldown). Past max_steps (a resume
-    with a smaller max_steps is refused) the rate stays where the decay ended."""
+    may not set it below its checkpoint's step) the rate stays where the decay ended."""
     peak, warmup = optim_cfg.lr, optim_cfg.warmup_steps
     schedule = optim_cfg.schedule
     if step <= warmup:

@@ -208,6 +208,48 @@ def test_skipped_steps_in_a_row_stop_every_rank_with_exit_4(cli, tmp_path, layou
     assert not survivors(lambda: processes_mentioning(str(run_dir)), 5)
 
 
+def test_a_skipped_cadence_step_saves_at_the_next_good_one_and_the_end_is_kept(cli, tmp_path):
+    """checkpoint.every=4 and a NaN at step 4, save_last=false, 7 steps: the cadence save of step
+    4 goes to step 5, the next good step (it was dropped: the next came at 8, past the end, and
+    the run kept no checkpoint at all). The same command again then has nothing to do: its
+    metrics reached max_steps and its launch ended done (it trained steps 6-7 again from step
+    5's checkpoint and wrote their metrics over the first ones)."""
+    run_dir = tmp_path / "run"
+    command = ("launch", "parallel.dp=1", *FAST, "train.max_steps=7", "checkpoint.every=4",
+               "checkpoint.save_last=false", "--run-dir", str(run_dir))
+    res = cli.run(*command, env={NONFINITE_ENV: "0:4"})
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    steps, _ = read_metrics(run_dir)
+    assert [s["step"] for s in steps if s.get("skipped")] == [4]
+    kept = store.committed(run_dir / store.CHECKPOINTS)
+    assert [(c.step, c.reason) for c in kept] == [(5, "every")], kept
+    metrics = (run_dir / "metrics.jsonl").read_bytes()
+    again = cli.run(*command)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    said = _unwrapped(again.stdout)
+    assert "is trained to train.max_steps=7" in said and "nothing to do" in said, said
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_a_resume_inside_a_run_of_skips_counts_on(cli, tmp_path):
+    """A checkpoint saved inside a run of skipped steps (the last step here; a preemption signal
+    the same) keeps the guard's count: NaN at steps 3-5 and max_skipped_steps=3 stop the run at
+    step 5 with exit 4 whether it was interrupted after step 4 or not. The resumed run counted
+    from 0 again and trained on, past the limit the uninterrupted run stopped at."""
+    run_dir = tmp_path / "run"
+    env = {NONFINITE_ENV: "0:3-5"}
+    first = cli.run("launch", "parallel.dp=1", *FAST, "train.max_steps=4", "checkpoint.every=0",
+                    "train.max_skipped_steps=3", "--run-dir", str(run_dir), env=env)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert store.newest(run_dir / store.CHECKPOINTS).meta["skipped_in_a_row"] == 2
+    res = cli.run("launch", "--resume", str(run_dir), "train.max_steps=8", env=env)
+    assert res.returncode == 4, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "3 steps in a row" in _error_line(res)
+    steps, _ = read_metrics(run_dir)
+    assert [(s["step"], s.get("skipped_in_a_row")) for s in steps][-3:] == [(3, 1), (4, 2),
+                                                                          (5, 3)]
+
+
 def _poison_checkpoint(checkpoint: Path, key: str, tmp: Path) -> None:
     """Rewrite a committed checkpoint with a NaN in one tensor (DCP offline, one process): what
     a partrain older than the guard committed on the issue's diverging run."""

@@ -9,6 +9,7 @@ reason, where mounting is not permitted (not root, or a container without CAP_SY
 
 import os
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -16,6 +17,12 @@ import pytest
 
 
 def pytest_configure(config):
+    # A suite started in the background (`pytest &` from a script, nohup) has SIGINT ignored, as
+    # a shell's background job does, and passes that on to every launcher it starts, which then
+    # ignores the Ctrl-C tests' SIGINT as a background job should (the first Ctrl-C "lost" in
+    # the full runs of 2026-11-28): the suite runs as from a terminal's foreground.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     # Run by default (CI runs plain `pytest`); `-m "not slow"` leaves them out for a quick pass
     # under 6 minutes on 2 cores.
     config.addinivalue_line(

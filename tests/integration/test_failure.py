@@ -177,14 +177,7 @@ def test_a_ctrl_c_while_the_rank_server_imports_says_no_traceback(cli, tmp_path,
         time.sleep(0.05)
     assert not list((run_dir / "logs").glob("rank-*.log")), "the ranks began already"
     os.killpg(proc.pid, signal.SIGINT)
-    try:
-        stdout, stderr = proc.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        # Seen only in the full suite, under the background DeepSpeed op build's load (three
-        # runs of 2026-11-28): the first Ctrl-C was lost and the run trained on. Not found yet;
-        # a user presses it again, and the second must stop the run as the first should have.
-        os.killpg(proc.pid, signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=60)
+    stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stdout[-2000:] + stderr[-2000:]
     assert "Traceback" not in stdout + stderr and "KeyboardInterrupt" not in stdout + stderr, \
         stderr

@@ -97,3 +97,18 @@ def test_a_ctrl_c_during_the_launchers_import_is_held_to_its_end():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     with interrupts_held():  # no Ctrl-C: nothing raised
         pass
+
+
+def test_an_ignored_ctrl_c_stays_ignored_through_the_import():
+    """A launcher started with SIGINT ignored (a background job: `partrain launch ... &`) keeps
+    ignoring it through the block: nothing is held, and nothing raised at its end."""
+    from partrain.launch.start import interrupts_held
+
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with interrupts_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -119,7 +119,15 @@ def _refuse_sliding_layers(hf: dict, family: str, where: str) -> None:
     """Qwen's sliding-window layers (use_sliding_window, or layer_types naming them): partrain
     has none. sliding_window alone is only the size they would have."""
     layer_types = hf.get("layer_types") or []
-    if hf.get("use_sliding_window") or "sliding_attention" in layer_types:
+    if not layer_types and hf.get("use_sliding_window"):
+        # transformers' rule where layer_types is not written (Qwen2Config): layer i slides when
+        # i >= max_window_layers (28 by default); a window past the last layer leaves all full.
+        layers, start = hf.get("num_hidden_layers"), hf.get("max_window_layers", 28)
+        layer_types = (["sliding_attention" if i >= start else "full_attention"
+                        for i in range(layers)]
+                       if isinstance(layers, int) and isinstance(start, int)
+                       else ["sliding_attention"])
+    if "sliding_attention" in layer_types:
         raise ConfigError(f"{where}: use_sliding_window={hf.get('use_sliding_window')!r} "
                           f"(layer_types {sorted(set(layer_types))}); partrain's {family} "
                           "attends to every earlier position in every layer (no sliding-window "

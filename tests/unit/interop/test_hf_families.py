@@ -137,6 +137,29 @@ def test_head_dim_is_read_and_defaults_to_the_hidden_size_split():
     assert model_keys({**qwen3, "head_dim": None}, "config.json")["head_dim"] == 32
 
 
+@pytest.mark.parametrize("changes, sliding", [
+    ({"use_sliding_window": True, "max_window_layers": 2}, False),  # from layer 2: none of 2
+    ({"use_sliding_window": True, "max_window_layers": 1}, True),
+    ({"use_sliding_window": True}, False),  # transformers' default max_window_layers is 28
+    ({"use_sliding_window": True, "layer_types": ["full_attention"] * 2}, False),
+    ({"use_sliding_window": False, "layer_types": ["full_attention", "sliding_attention"]}, True),
+])
+def test_qwen2s_sliding_layers_are_the_ones_transformers_makes(changes, sliding):
+    """Refused where transformers' Qwen2 would slide in some layer, taken where it slides in
+    none (a window that starts past the last layer was refused though every layer is full)."""
+    from transformers import Qwen2Config
+
+    from partrain.models.llama_hf import model_keys
+
+    hf = {**TINY, "model_type": "qwen2", "num_hidden_layers": 2, "sliding_window": 64, **changes}
+    assert ("sliding_attention" in Qwen2Config(**hf).layer_types) == sliding
+    if sliding:
+        with pytest.raises(ConfigError, match="no sliding-window layers"):
+            model_keys(hf, "config.json")
+    else:
+        model_keys(hf, "config.json")
+
+
 @pytest.mark.parametrize("family, changes, fragments", [
     ("qwen3", {"head_dim": 0}, ["head_dim=0 must be a whole number >= 1"]),
     ("qwen3", {"attention_bias": True}, ["attention_bias=True", "qwen3 has attention_bias=False"]),

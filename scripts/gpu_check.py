@@ -65,6 +65,15 @@ CASES = {
     # issue 33: FP8 against bf16, both compiled (torchao's casts fuse into the blocks)
     "float8 tensorwise": ("train.compile=true", "train.float8=true"),
     "float8 rowwise": ("train.compile=true", "train.float8=true", "train.float8_recipe=rowwise"),
+    # The MoE balancing loss under DeepSpeed's fp16 loss scale (its gradient was once divided
+    # by the scale): the fp16 run's load balance must follow the bf16 run's, not balance=none's.
+    "moe zero1": ("parallel.zero_stage=1", "model.moe.n_experts=8", "model.moe.top_k=2",
+                  "model.moe.balance=aux_loss", "model.moe.aux_loss_coef=0.01"),
+    "moe zero1 fp16": ("parallel.zero_stage=1", "train.dtype=fp16", "model.moe.n_experts=8",
+                       "model.moe.top_k=2", "model.moe.balance=aux_loss",
+                       "model.moe.aux_loss_coef=0.01"),
+    "moe zero1 unbalanced": ("parallel.zero_stage=1", "model.moe.n_experts=8", "model.moe.top_k=2",
+                             "model.moe.balance=none"),
 }
 
 
@@ -151,7 +160,9 @@ def run_case(name: str, overrides: list[str], work: Path, warmup: int) -> dict:
             "mfu": mean("mfu") if "mfu" in steady[0] else None,
             "memory_gib": max(s["memory_gib"] for s in steps),
             "first_step_s": steps[0]["step_time_s"], "loss_first": steps[0]["loss"],
-            "loss_last": steps[-1]["loss"], "losses": [s["loss"] for s in steps]}
+            "loss_last": steps[-1]["loss"], "losses": [s["loss"] for s in steps],
+            **({"load_balance": [s["moe_load_balance"] for s in steps]}
+               if "moe_load_balance" in steps[0] else {})}
 
 
 def main(argv=None) -> None:

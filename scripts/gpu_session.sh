@@ -26,6 +26,9 @@
 #   fp8r   FP8 rowwise alone against bf16, 200 steps (fp8's third case, cut from it by a limit once)
 #   fp8w   the same on Llama-3-8B's block in 4 layers, 30 steps (where matmuls dominate)
 #   fp8wr  FP8 rowwise alone on that block against bf16 (fp8w's third case, cut by its limit once)
+#   fp16moe the MoE balancing loss under fp16's loss scale: tiny-moe-like experts on 4 of the 1B
+#          shape's layers, ZeRO-1 bf16, fp16 and balance=none, 40 steps: fp16's load balance
+#          (max/mean tokens per expert) must follow bf16's, not none's
 #   mb8    partrain alone at micro-batch 8 (one micro-batch a step): point 2's micro-batch size
 #   fork   scripts/bench_start.py on CUDA: the tiny run forked from the rank server
 #          (launcher.start_method=forkserver) against spawned, 20 steps each: it must train alike
@@ -85,6 +88,9 @@ for spec in "$@"; do
             --only "ddp + compile" "float8 rowwise" \
             --extra model.dim=4096 model.n_heads=32 model.n_kv_heads=8 model.ffn_dim=14336 \
             model.n_layers=4 --json > "$OUT/fp8wr.json" 2> "$OUT/fp8wr.log" ;;
+        fp16moe) run python3 scripts/gpu_check.py --work /tmp/gpuwork --steps 40 --warmup 5 \
+            --only "moe zero1" "moe zero1 fp16" "moe zero1 unbalanced" --extra model.n_layers=4 \
+            --json > "$OUT/fp16moe.json" 2> "$OUT/fp16moe.log" ;;
         mb8) run python3 scripts/gpu_side_by_side.py --site /tmp/site --work /tmp/gpuwork --only partrain \
             --micro-batch 8 --json > "$OUT/mb8.json" 2> "$OUT/mb8.log" ;;
         fork) run python3 scripts/bench_start.py --device cuda --layouts dp1 --reps 1 --steps 20 \

@@ -89,10 +89,14 @@ PARTRAIN_SETS = {
                "limit, on which the ranks save a checkpoint"),
     **dict.fromkeys(("requeue", "no-requeue"), _REQUEUE),
     **dict.fromkeys(("wait", "test-only", "help", "usage", "version"), _SUBMIT),
+    # An array's tasks are jobs of their own (their own ids, ports and rendezvous), all told to
+    # train in the one --run-dir at once.
+    "array": ("--run-dir", "each array task would train in the same run dir at once; submit "
+              "one job per run dir"),
 }
 # sbatch's one-letter forms of those (src/common/slurm_opt.c), and the letters that take no
 # value: getopt reads `-vN4` as -v -N 4, and `-N4`, `-N 4` (one argument) as --nodes.
-SHORT_FORMS = {"N": "nodes", "n": "ntasks", "G": "gpus", "o": "output", "e": "error",
+SHORT_FORMS = {"N": "nodes", "n": "ntasks", "G": "gpus", "o": "output", "e": "error", "a": "array",
                "J": "job-name", "p": "partition", "t": "time", "A": "account", "q": "qos",
                "c": "cpus-per-task", "W": "wait", "h": "help", "V": "version"}
 SHORT_FLAGS = frozenset("HIOQsuv")
@@ -173,16 +177,20 @@ def _time_limit_s(time: str) -> int | None:
 
 def check_job(job: SlurmJob) -> None:
     """Refuse values that no quoting makes safe, naming the flag that carried them."""
-    values = [("name", job.job_name), ("--run-dir", str(job.run_dir)),
-              ("--partition", job.partition), ("--time", job.time), ("--account", job.account),
-              ("--qos", job.qos), ("--mem", job.mem),
-              *(("--sbatch-arg", a) for a in job.sbatch_args),
+    on_sbatch_lines = [("name", job.job_name), ("--run-dir", str(job.run_dir)),
+                       ("--partition", job.partition), ("--time", job.time),
+                       ("--account", job.account), ("--qos", job.qos), ("--mem", job.mem),
+                       *(("--sbatch-arg", a) for a in job.sbatch_args)]
+    values = [*on_sbatch_lines,
               *((name, value) for name, value in job.env),
               # launcher.setup passed the same rule in validation: only a flag's line gets here.
               *(("--setup", line) for line in job.setup)]
     for what, value in values:
         if value is not None:
             _check_printable(what, value)
+    for what, value in on_sbatch_lines:
+        if value is not None:
+            _check_not_a_component_break(what, value)
     for line in job.setup:
         if not line.strip():
             raise ConfigError(f"--setup {line!r} is empty: give a shell line, e.g. "
@@ -214,6 +222,20 @@ def check_job(job: SlurmJob) -> None:
     for arg in job.sbatch_args:
         check_sbatch_arg(arg)
         _check_not_against_flags(job, arg)
+
+
+# sbatch takes an #SBATCH line holding either word anywhere, in any case, as the start of
+# another component of a heterogeneous job (src/sbatch/opt.c, _opt_batch_script): the lines after
+# it, partrain's signal and requeue among them, would no longer be the batch step's.
+COMPONENT_BREAKS = ("packjob", "hetjob")
+
+
+def _check_not_a_component_break(what: str, value: str) -> None:
+    found = [word for word in COMPONENT_BREAKS if word in value.lower()]
+    if found:
+        raise ConfigError(f"{what}={value!r} holds {found[0]!r}, which sbatch reads on an "
+                          "#SBATCH line as the start of another component of a heterogeneous "
+                          "job, whatever comes around it; choose another name")
 
 
 def _long_name(arg: str) -> str | None:

@@ -337,6 +337,7 @@ def prepare_job(request: Request, dry_run: bool, out: Console, err: Console,
     `setup` (--setup) runs on every node after the config's launcher.setup."""
     ready = preflight(request)
     cfg, world, run_dir = ready.cfg, ready.world, ready.run_dir
+    gpu_warning = check_gpu_request(cfg.launcher.device, gpus_per_node, world.nproc_per_node)
     job = SlurmJob(run_dir=run_dir, job_name=cfg.name, nodes=world.nnodes,
                    nproc_per_node=world.nproc_per_node, partrain=partrain_command(),
                    gpus_per_node=gpus_per_node, partition=partition, time=time,
@@ -344,7 +345,7 @@ def prepare_job(request: Request, dry_run: bool, out: Console, err: Console,
                    exclusive=exclusive, sbatch_args=sbatch_args, env=passed_through_env(),
                    setup=(*cfg.launcher.setup, *setup))
     script_text = render_script(job)  # refuses unsafe values before anything is written
-    warnings = list(ready.warnings)
+    warnings = [*ready.warnings, *([gpu_warning] if gpu_warning else [])]
     if cpus_per_task is not None and cpus_per_task < world.nproc_per_node:
         warnings.append(f"--cpus-per-task={cpus_per_task} gives the {world.nproc_per_node} ranks "
                         f"of each node less than a core each; ask for at least "
@@ -368,6 +369,30 @@ def prepare_job(request: Request, dry_run: bool, out: Console, err: Console,
     out.print(f"logs: {run_dir / 'logs' / f'slurm-{job_id}.out'} (the job), "
               f"{run_dir / 'logs'}/rank-N.log (each rank); metrics: {run_dir / 'metrics.jsonl'}",
               soft_wrap=True)
+
+
+def check_gpu_request(device: str, gpus_per_node: int | None, nproc_per_node: int) -> str | None:
+    """What the job asks SLURM for against what its ranks will use (the submitting machine's own
+    GPUs say nothing of the nodes'): a CUDA run that asks for none is refused (a site that
+    confines a job to its GPUs shows it none; one that does not lets it take other jobs'), and
+    more ranks than GPUs too; `auto` that asks for none is said (a warning), since it trains on
+    the CPU where the nodes show no GPU."""
+    if gpus_per_node is None:
+        if device == "cuda":
+            raise ConfigError(
+                "launcher.device=cuda and no --gpus-per-node: the job would ask SLURM for no "
+                f"GPUs; give --gpus-per-node {nproc_per_node} (one per rank)")
+        if device == "auto":
+            return ("launcher.device=auto and no --gpus-per-node: the job asks SLURM for no "
+                    "GPUs, and where the nodes show a job none it trains on their CPUs; give "
+                    "--gpus-per-node G for a GPU job, or launcher.device=cpu")
+        return None
+    if device != "cpu" and nproc_per_node > gpus_per_node:
+        raise ConfigError(
+            f"--nproc-per-node {nproc_per_node} > --gpus-per-node {gpus_per_node}: each rank "
+            f"takes a GPU of its own, and ranks past {gpus_per_node} would have none; give "
+            f"--nproc-per-node {gpus_per_node}, or ask for {nproc_per_node} GPUs")
+    return None
 
 
 def write_job(ready: Ready, job: SlurmJob, created: bool) -> Path:

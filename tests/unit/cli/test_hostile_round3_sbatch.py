@@ -58,6 +58,9 @@ ROWS_SBATCH = [
         ("--req", "requeue", "its preemption handling", []),
         ("--open-mode=truncate", "open-mode", "--run-dir", ["appends to its log"]),
         ("-Jother", "job-name", "the config's name", []),
+        # An array's tasks would all train in the one run dir at once (each its own job).
+        ("--array=0-3", "array", "--run-dir", ["each array task would train in the same run dir"]),
+        ("-a0-3", "array", "--run-dir", ["-a is its short form"]),
         ("-pdebug", "partition", "--partition", []),
         ("--part=debug", "partition", "--partition", []),
         ("-t10", "time", "--time", []),
@@ -146,6 +149,24 @@ ROWS_FLAGS = [
     row("--mem with --sbatch-arg=--mem-per-cpu",
         _slurm("--mem", "8G", "--sbatch-arg=--mem-per-cpu=1G"),
         "--sbatch-arg '--mem-per-cpu=1G'", "--mem", "takes one of"),
+    # On an #SBATCH line, sbatch takes "packjob" or "hetjob" anywhere as the start of another
+    # component of a heterogeneous job: the signal and requeue lines after it were not the job's.
+    row("name holding hetjob", _slurm("name=my-hetjob-run"), "name='my-hetjob-run'",
+        "'hetjob'", "heterogeneous job"),
+    row("--partition holding packjob", _slurm("--partition", "gpu-PackJob"),
+        "--partition='gpu-PackJob'", "'packjob'"),
+    row("--run-dir holding hetjob", lambda c: ["slurm", "--nodes", "2", "--nproc-per-node", "1",
+                                                "parallel.dp=2", "--dry-run", "--run-dir",
+                                                c.path("hetjob-runs", "r")],
+        "--run-dir=", "hetjob-runs", "'hetjob'"),
+    # What the job asks SLURM for against what its ranks use.
+    row("launcher.device=cuda without --gpus-per-node", _slurm("launcher.device=cuda"),
+        "launcher.device=cuda and no --gpus-per-node", "no GPUs", "--gpus-per-node 1"),
+    row("more ranks than GPUs", lambda c: ["slurm", "--nodes", "1", "--nproc-per-node", "2",
+                                           "--gpus-per-node", "1", "parallel.dp=2",
+                                           "launcher.device=cuda", "--dry-run", "--run-dir",
+                                           "run"],
+        "--nproc-per-node 2 > --gpus-per-node 1", "would have none"),
     row("--cpus-per-task with --sbatch-arg=--cpus-per-gpu",
         _slurm("--cpus-per-task", "8", "--sbatch-arg=--cpus-per-gpu=4"),
         "--sbatch-arg '--cpus-per-gpu=4'", "--cpus-per-task", "takes one of"),
@@ -170,6 +191,20 @@ def test_dry_run_shows_every_new_flag(run_main, tmp_path, monkeypatch):
                  "setup=(\n    'module load cuda/12.4'\n    'echo \"it'\"'\"'s $HOSTNAME\"'\n)\n"):
         assert line in result.stdout, line
     assert result.stdout == (tmp_path / "run" / "job.sbatch").read_text()
+
+
+def test_a_job_on_auto_that_asks_for_no_gpus_is_a_warning(run_main, tmp_path, monkeypatch):
+    """launcher.device=auto (the default) and no --gpus-per-node: the job asks SLURM for no
+    GPUs; said, since it trains on the nodes' CPUs where they show it none. With GPUs asked
+    for, or on CPU, nothing is said."""
+    said = "launcher.device=auto and no --gpus-per-node: the job asks SLURM for no GPUs"
+    result = run_main(*_slurm("launcher.device=auto")(Ctx(tmp_path, monkeypatch)))
+    assert result.code == 0 and said in " ".join(result.stderr.split()), result.stderr
+    for flags in (("launcher.device=auto", "--gpus-per-node", "1"), ("launcher.device=cpu",)):
+        result = run_main("slurm", "--nodes", "2", "--nproc-per-node", "1", "parallel.dp=2",
+                          "--dry-run", "--run-dir", str(tmp_path / f"run{len(flags)}"), *flags)
+        assert "#SBATCH --gpus-per-node=1" in result.stdout or "cpu" in flags[0]
+        assert result.code == 0 and "no --gpus-per-node" not in result.stderr, result.stderr
 
 
 def test_fewer_cpus_than_ranks_is_a_warning(run_main, tmp_path, monkeypatch):

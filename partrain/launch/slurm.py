@@ -243,6 +243,36 @@ def _long_name(arg: str) -> str | None:
     return arg[2:].partition("=")[0] if arg.startswith("--") else None
 
 
+# sbatch's input environment variables for the options the script sets (man sbatch): sbatch
+# takes them over the script's #SBATCH lines, silently. Each with the SlurmJob field that makes
+# the script set it, None where it always does.
+ENV_OVERRIDES = {
+    "SBATCH_SIGNAL": ("--signal", None), "SBATCH_REQUEUE": ("--requeue", None),
+    "SBATCH_NO_REQUEUE": ("--requeue", None), "SBATCH_OPEN_MODE": ("--open-mode", None),
+    "SBATCH_JOB_NAME": ("--job-name", None), "SBATCH_ARRAY_INX": ("--array", None),
+    "SBATCH_WAIT": ("its submission (sbatch would wait for the job's end)", None),
+    "SBATCH_PARTITION": ("--partition", "partition"), "SBATCH_TIMELIMIT": ("--time", "time"),
+    "SBATCH_ACCOUNT": ("--account", "account"), "SBATCH_QOS": ("--qos", "qos"),
+    "SBATCH_MEM_PER_NODE": ("--mem", "mem"), "SBATCH_EXCLUSIVE": ("--exclusive", "exclusive"),
+    "SBATCH_CPUS_PER_TASK": ("--cpus-per-task", "cpus_per_task"),
+    **dict.fromkeys(("SBATCH_GPUS_PER_NODE", "SBATCH_GPUS", "SBATCH_GPUS_PER_TASK",
+                     "SBATCH_GRES"), ("--gpus-per-node", "gpus_per_node")),
+}
+
+
+def check_sbatch_env(job: SlurmJob, environ) -> None:
+    """Refuse an SBATCH_* variable in the environment that would replace an option the script
+    sets (a site profile's SBATCH_NO_REQUEUE or SBATCH_SIGNAL would undo the preemption
+    handling, SBATCH_PARTITION a --partition given): sbatch reads the script's lines, then its
+    environment, then its command line, the later winning."""
+    for name, (option, field) in ENV_OVERRIDES.items():
+        if name in environ and (field is None or getattr(job, field) not in (None, False)):
+            raise ConfigError(
+                f"{name}={environ[name]!r} is set in the environment, and sbatch takes it over "
+                f"the script's own {option} line; unset it for this job (`env -u {name} "
+                f"partrain slurm ...`; a later `sbatch {SCRIPT}` by hand needs the same)")
+
+
 def _check_not_against_flags(job: SlurmJob, arg: str) -> None:
     """An --sbatch-arg that sbatch takes as the same thing as one of partrain's flags, another
     way: --exclusive=user with --exclusive, --mem-per-gpu with --mem (sbatch refuses the pair)."""

@@ -32,6 +32,7 @@ from partrain.launch.rundir import hold_run_dir, trained_in, write_run_dir
 from partrain.launch.runs import ENDED, STATE_FILE, ended_done_at, write_state
 from partrain.launch.slurm import (
     SlurmJob,
+    check_sbatch_env,
     partrain_command,
     passed_through_env,
     remove_prepared,
@@ -345,6 +346,7 @@ def prepare_job(request: Request, dry_run: bool, out: Console, err: Console,
                    exclusive=exclusive, sbatch_args=sbatch_args, env=passed_through_env(),
                    setup=(*cfg.launcher.setup, *setup))
     script_text = render_script(job)  # refuses unsafe values before anything is written
+    check_sbatch_env(job, os.environ)
     warnings = [*ready.warnings, *([gpu_warning] if gpu_warning else [])]
     if cpus_per_task is not None and cpus_per_task < world.nproc_per_node:
         warnings.append(f"--cpus-per-task={cpus_per_task} gives the {world.nproc_per_node} ranks "

@@ -193,6 +193,33 @@ def test_dry_run_shows_every_new_flag(run_main, tmp_path, monkeypatch):
     assert result.stdout == (tmp_path / "run" / "job.sbatch").read_text()
 
 
+@pytest.mark.parametrize("name, value, flags, option", [
+    ("SBATCH_NO_REQUEUE", "1", (), "--requeue"),
+    ("SBATCH_SIGNAL", "USR1@60", (), "--signal"),
+    ("SBATCH_ARRAY_INX", "0-3", (), "--array"),
+    ("SBATCH_PARTITION", "debug", ("--partition", "gpu"), "--partition"),
+    ("SBATCH_TIMELIMIT", "10", ("--time", "04:00:00"), "--time"),
+])
+def test_an_sbatch_variable_that_overrides_the_script_is_refused(run_main, tmp_path, monkeypatch,
+                                                                  name, value, flags, option):
+    """sbatch takes SBATCH_* variables over the script's #SBATCH lines (man sbatch): a site
+    profile's SBATCH_NO_REQUEUE or SBATCH_SIGNAL undid the preemption handling in silence."""
+    monkeypatch.setenv(name, value)
+    result = run_main(*_slurm(*flags)(Ctx(tmp_path, monkeypatch)))
+    assert result.code == 2, result.stderr
+    said = " ".join(result.stderr.split())
+    assert f"{name}={value!r} is set in the environment" in said and option in said, said
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_sbatch_variable_for_an_option_not_given_is_the_sites_default(run_main, tmp_path,
+                                                                         monkeypatch):
+    # No --partition: SBATCH_PARTITION is the site's default, which the script does not set.
+    monkeypatch.setenv("SBATCH_PARTITION", "debug")
+    result = run_main(*_slurm()(Ctx(tmp_path, monkeypatch)))
+    assert result.code == 0, result.stderr
+
+
 def test_a_job_on_auto_that_asks_for_no_gpus_is_a_warning(run_main, tmp_path, monkeypatch):
     """launcher.device=auto (the default) and no --gpus-per-node: the job asks SLURM for no
     GPUs; said, since it trains on the nodes' CPUs where they show it none. With GPUs asked

@@ -234,6 +234,13 @@ def resolve(request: Request, place: NodePlace | None) -> tuple[DictConfig, Worl
             nproc_per_node, cuda_count(place.gpus_on_node if place else None), usable_cores(),
             cuda_devices > 0)
     world = resolve_world(cfg, nnodes, nproc_per_node, cuda_devices)
+    if cuda_devices and cfg.launcher.device != "cpu" and world.nproc_per_node > cuda_devices:
+        # Each rank takes the GPU of its local rank (parallel/dist.py): the rest would fail at
+        # their first CUDA call, after the others had started.
+        raise ConfigError(
+            f"{world.nproc_per_node} ranks on this node ({world.nproc_from}), which shows "
+            f"{cuda_devices} GPU(s): each rank takes a GPU of its own; give --nproc-per-node "
+            f"{cuda_devices} (or fewer), or launcher.device=cpu to train on the CPU")
     if request.world_size is not None:
         world = dataclasses.replace(world, nproc_from=f"--world-size={request.world_size}")
     if nproc_from is not None:

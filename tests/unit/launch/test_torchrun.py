@@ -239,3 +239,22 @@ def test_the_worker_started_by_hand_or_torchrun_says_what_to_run(tmp_path, argv,
     assert done.stderr.startswith("error: python -m partrain.train is the worker that "
                                   "`partrain launch` starts"), done.stderr
     assert "Run `partrain launch" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("device", ["cuda", "auto"])
+def test_more_ranks_than_this_nodes_gpus_is_refused(run_main, machine, tmp_path, monkeypatch,
+                                                    device):
+    """Each rank takes the GPU of its local rank: ranks past the node's GPUs failed at their
+    first CUDA call, after the others had started (GPUs counted by a stand-in: this machine has
+    none). On the CPU the same count is fine."""
+    monkeypatch.chdir(tmp_path)
+    machine(2, 8)
+    result = run_main("launch", "--dry-run", "--nproc-per-node", "4", f"launcher.device={device}",
+                      "parallel.dp=auto", "--run-dir", "run")
+    assert result.code == 2
+    said = " ".join(result.stderr.split())
+    assert "4 ranks on this node (--nproc-per-node), which shows 2 GPU(s)" in said, said
+    assert "--nproc-per-node 2" in said and not (tmp_path / "run").exists()
+    fine = run_main("launch", "--dry-run", "--nproc-per-node", "4", "launcher.device=cpu",
+                    "parallel.dp=auto", "--run-dir", "run")
+    assert fine.code == 0, fine.stderr

@@ -136,21 +136,52 @@ def pick_network(endpoint: str, local_addr: str | None, ifname: str | None,
     if local_addr:
         return NodeNetwork(interface_of(local_addr), local_addr, "given by --local-addr")
     addr = route_to(host, port, source)
+    if ipaddress.ip_address(addr).is_loopback and not _is_loopback_host(host):
+        return _this_nodes_network(endpoint, addr, source)
     return NodeNetwork(interface_of(addr), addr, f"the route to {endpoint}")
+
+
+def _is_loopback_host(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost
+        return False
+
+
+def non_loopback_ipv4() -> list[tuple[str, str]]:
+    """(interface, IPv4 address) of each interface of this node with a non-loopback address."""
+    found = []
+    for _, name in socket.if_nameindex():
+        addr = _ipv4_of(name)
+        if addr and not ipaddress.ip_address(addr).is_loopback:
+            found.append((name, addr))
+    return found
+
+
+def _this_nodes_network(endpoint: str, addr: str, source: str) -> NodeNetwork:
+    """The endpoint names this node (node 0), and its own name maps to a loopback address here
+    (Debian's /etc/hosts gives a host 127.0.1.1): the route to it is loopback, which the other
+    nodes cannot reach, and gloo and NCCL pinned to it failed or hung at the first collective.
+    This node's one other interface, where it has one; else the user says which."""
+    others = non_loopback_ipv4()
+    if len(others) == 1:
+        name, other = others[0]
+        return NodeNetwork(name, other, f"{endpoint} is this node, whose own route to it is "
+                                        f"loopback ({addr}): its one other interface")
+    choices = (f"give --ifname, one of {', '.join(name for name, _ in others)}" if others else
+               "this node has no other interface with an IPv4 address; give --local-addr")
+    raise ConfigError(
+        f"{source} {endpoint} is this node, and its own name maps to a loopback address here "
+        f"({addr}, as Debian's /etc/hosts does), which the other nodes cannot reach: {choices}, "
+        "the network the nodes share")
 
 
 def network_warnings(network: NodeNetwork, endpoint: str) -> list[str]:
     """What the flags chose that the other nodes will likely not reach: a loopback address
     where the endpoint is not one (all nodes on one machine may share loopback), an address no
     interface here holds (right only behind a NAT)."""
-    def is_loopback(host: str) -> bool:
-        try:
-            return host == "localhost" or ipaddress.ip_address(host).is_loopback
-        except ValueError:  # a host name other than localhost
-            return False
-
     said = []
-    if is_loopback(network.addr) and not is_loopback(split_endpoint(endpoint)[0]):
+    if _is_loopback_host(network.addr) and not _is_loopback_host(split_endpoint(endpoint)[0]):
         said.append(f"this node offers {network.addr} ({network.how}), a loopback address the "
                     f"other nodes cannot reach (the endpoint {endpoint} is not on this machine "
                     "alone): give --ifname or --local-addr of the network the nodes share")

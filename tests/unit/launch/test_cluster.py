@@ -141,6 +141,34 @@ def test_route_to_loopback_is_lo():
     assert interface_of("127.0.0.1") == "lo"
 
 
+@pytest.mark.parametrize("others, expect", [
+    ([("eth0", "10.1.0.1")], ("eth0", "10.1.0.1")),
+    ([("eth0", "10.1.0.1"), ("ib0", "10.2.0.1")], "give --ifname, one of eth0, ib0"),
+    ([], "no other interface with an IPv4 address; give --local-addr"),
+])
+def test_node_0_whose_own_name_is_loopback_offers_its_other_interface(monkeypatch, others,
+                                                                      expect):
+    """The endpoint names node 0 itself, whose /etc/hosts maps its own name to 127.0.1.1
+    (Debian's default): the kernel's route to it is loopback, and node 0 offered 127.0.0.1 and
+    pinned gloo and NCCL to lo, which the other nodes cannot reach (a warning, then a failed or
+    hung first collective). The kernel's route and this node's interfaces are stand-ins: the
+    test machine's /etc/hosts is not the case's."""
+    from partrain.launch import netif
+
+    monkeypatch.setattr(netif, "route_to", lambda host, port, source: "127.0.1.1")
+    monkeypatch.setattr(netif, "non_loopback_ipv4", lambda: others)
+    if isinstance(expect, tuple):
+        network = pick_network("node0:29500", None, None)
+        assert (network.ifname, network.addr) == expect
+        assert "is this node, whose own route to it is loopback (127.0.1.1)" in network.how
+        assert netif.network_warnings(network, "node0:29500") == []
+    else:
+        with pytest.raises(ConfigError) as e:
+            pick_network("node0:29500", None, None)
+        assert "--rdzv-endpoint node0:29500 is this node" in str(e.value)
+        assert expect in str(e.value)
+
+
 def test_given_interface_and_address_win():
     assert pick_network("10.9.9.9:1", None, "lo").addr == "127.0.0.1"
     assert pick_network("10.9.9.9:1", "127.0.0.1", None).ifname == "lo"

@@ -122,7 +122,10 @@ def survivors(find, within_s: float) -> set[int]:
     while (left := running(find())) and time.monotonic() < deadline:
         time.sleep(0.1)
     for pid in left:
-        os.kill(pid, signal.SIGKILL)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:  # it ended since
+            pass
     return left
 
 

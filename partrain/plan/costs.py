@@ -126,6 +126,12 @@ def optimizer_state_bytes(optim_cfg) -> int:
     return 4 if optim_cfg.momentum > 0 else 0
 
 
+def checkpoint_state_bytes(optim_cfg) -> int:
+    """Bytes per parameter of the optimizer's state in a checkpoint: AdamW's and Adam's two
+    moments (8), SGD's momentum buffer (4, saved as zeros at momentum 0: state.py)."""
+    return 4 if optim_cfg is not None and optim_cfg.name == "sgd" else 8
+
+
 def zero_memory(stage: int, psi: int, nd: int, dtype: str, engine: str = "deepspeed",
                 pipeline: bool = False, moments: int = 8) -> dict:
     """Bytes per rank of parameters, gradients and optimizer state for Ψ = `psi` parameters per
@@ -172,9 +178,11 @@ def _fsdp_memory(stage: int, psi: int, nd: int, dtype: str, pipeline: bool, mome
     return out
 
 
-def true_size(model_cfg, tp: int = 1) -> int:
-    """Bytes of the state a checkpoint holds, each tensor once: fp32 weights and two moments
-    (12 bytes per parameter) and one 8-byte step per parameter tensor."""
+def true_size(model_cfg, tp: int = 1, optim_cfg=None) -> int:
+    """Bytes of the state a checkpoint holds, each tensor once: fp32 weights and the optimizer's
+    state (checkpoint_state_bytes: AdamW's two moments, 12 bytes per parameter in all; SGD's
+    momentum buffer, 8) and, where it counts steps (Adam, not SGD), one 8-byte step per
+    parameter tensor."""
     from partrain.models.arith import count_params, moe_block_count, vocab_matrices
 
     # embedding and head (one when tied), final norm; 9 per dense block; a MoE block has a
@@ -184,7 +192,9 @@ def true_size(model_cfg, tp: int = 1) -> int:
     per_moe = 1 + (3 if moe and model_cfg.moe.n_shared_experts else 0)
     tensors = vocab_matrices(model_cfg) + 9 * model_cfg.n_layers + 1 + per_moe * moe
     bias = 4 * model_cfg.moe.n_experts * moe if moe else 0
-    return 12 * count_params(model_cfg) + 8 * tensors + bias
+    counts_steps = optim_cfg is None or optim_cfg.name != "sgd"
+    return ((4 + checkpoint_state_bytes(optim_cfg)) * count_params(model_cfg)
+            + (8 * tensors if counts_steps else 0) + bias)
 
 
 def human_bytes(n: float) -> str:

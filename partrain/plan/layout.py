@@ -26,6 +26,7 @@ from partrain.parallel.schedules import (
 )
 from partrain.plan.costs import (
     activation_bytes,
+    checkpoint_state_bytes,
     cp_traffic,
     moe_traffic,
     tp_collectives,
@@ -116,11 +117,13 @@ def _batch(t: DictConfig, dp: int) -> dict:
 
 
 def _checkpoint(cfg: DictConfig, params_per_rank: int, dp: int) -> dict:
-    """What one checkpoint writes: fp32 weights and AdamW's two moments, each tensor once. A rank
-    writes its stage's shard of them, the dp replicas sharing the work (DCP de-duplicates)."""
+    """What one checkpoint writes: fp32 weights and the optimizer's state, each tensor once. A
+    rank writes its stage's shard of them, the dp replicas sharing the work (DCP
+    de-duplicates)."""
     c = cfg.checkpoint
-    total = true_size(cfg.model)
-    return {"bytes": total, "bytes_per_rank": round(12 * params_per_rank / dp),
+    total = true_size(cfg.model, optim_cfg=cfg.get("optim"))
+    per_param = 4 + checkpoint_state_bytes(cfg.get("optim"))
+    return {"bytes": total, "bytes_per_rank": round(per_param * params_per_rank / dp),
             "every": c.every, "keep": c.keep, "save_last": c.save_last,
             "async_save": c.async_save, "disk_bytes": total * c.keep}
 

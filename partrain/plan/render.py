@@ -171,8 +171,8 @@ def _print_memory(plan: dict, console: Console) -> None:
     ck = plan["checkpoint"]
     when = (f"every {ck['every']} steps" if ck["every"] else "not on a schedule") + \
         (" and after the last" if ck["save_last"] else "")
-    console.print(f"checkpoint: {_size(ck['bytes'])} (fp32 weights + AdamW moments), about "
-                  f"{_size(ck['bytes_per_rank'])} written per rank; {when}, newest {ck['keep']} "
+    console.print(f"checkpoint: {_size(ck['bytes'])} (fp32 weights + the optimizer's state), "
+                  f"about {_size(ck['bytes_per_rank'])} written per rank; {when}, newest {ck['keep']} "
                   f"kept ({_size(ck['disk_bytes'])} on disk){', in the background' if ck['async_save'] else ''}")
 
 

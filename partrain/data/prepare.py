@@ -39,7 +39,8 @@ from typing import Iterator
 import numpy as np
 
 from partrain.data import tokenizer as tk
-from partrain.data.inputs import documents, input_files
+from partrain.data.input_paths import input_files
+from partrain.data.inputs import documents
 from partrain.data.format import (
     FORMAT,
     INDEX_DTYPE,

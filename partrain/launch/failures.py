@@ -47,25 +47,32 @@ def last_step(run_dir: Path) -> int | None:
     return step
 
 
-def restart_reporter(run_dir: Path, max_restarts: int, console_print):
+def restart_reporter(run_dir: Path, max_restarts: int, console_print, multi_node: bool = False):
     """What the launcher says when the agent restarts the workers: who failed, at which step,
     with what error, and where the restart resumes from."""
     from partrain.checkpoint import store
 
     since = time.time()  # hang reports of this launch only
 
-    def report(attempt: int, errors: dict[int, str | None], ended: dict[int, int]) -> None:
+    def report(attempt: int, errors: dict[int, str | None], ended: dict[int, int],
+               early: list[int] = ()) -> None:
         """`errors`: what this node's ranks recorded (None: nothing); `ended`: the exit code of
-        the rank the agent saw fail first (negative: the signal that killed it)."""
+        the rank the agent saw fail first (negative: the signal that killed it); `early`: ranks
+        that exited with code 0 in the middle (launch/ended.py)."""
         hung = say_hang(run_dir, since, console_print)
         failed = {rank: text for rank, text in errors.items()
                   if text and not lost_a_peer(text)}
         silent = {rank: code for rank, code in ended.items() if not errors.get(rank)}
         who = ("the hang ended every worker" if hung else
                "; ".join(f"rank {rank} failed: {text}" for rank, text in sorted(failed.items()))
+               or "; ".join(f"rank {rank} exited with code 0 before the end of the run and "
+                            "recorded no error" for rank in early)
                or "; ".join(f"rank {rank} {ending(code)}" for rank, code in sorted(silent.items()))
-               or "a rank on another node failed (this node's ranks lost their peers or were "
-                  "stopped; the failed rank is in that node's output and its logs/rank-N.log)")
+               or ("a rank on another node failed (this node's ranks lost their peers or were "
+                   "stopped; the failed rank is in that node's output and its logs/rank-N.log)"
+                   if multi_node else
+                   "every rank lost its peer and none recorded an error of its own (the ranks' "
+                   "logs: logs/rank-N.log)"))
         step = last_step(run_dir)
         newest = store.newest(run_dir / store.CHECKPOINTS)
         start = (f"from {newest.path.name} (step {newest.step})" if newest else

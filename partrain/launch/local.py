@@ -40,12 +40,13 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from partrain.launch import forked
+from partrain.launch import ended, forked
 from partrain.launch.failures import (
     add_recorded,
     describe_failure,
     failure_message,
     first_line,
+    last_step,
     lost_a_peer,
     recorded,
     restart_reporter,
@@ -128,6 +129,7 @@ class RunDirLogsSpecs(LogsSpecs):
         self.starts = 0
         self.ranks: dict[int, int] = {}  # the last attempt's global rank of each local rank
         self.ended = _AgentFailures() if on_restart is not None else None
+        self.end_watch = None  # the launch's ended.EndWatch: ranks that exited 0 in the middle
 
     @property
     def root_log_dir(self) -> str:
@@ -141,7 +143,7 @@ class RunDirLogsSpecs(LogsSpecs):
             if self.forked:  # a spawned rank gets the launcher's environment from Popen
                 env.update({k: v for k, v in os.environ.items() if k not in env})
         if attempt and self.on_restart is not None:
-            ended = {self.ranks[local]: code for local, code in self.ended.exitcodes.items()
+            codes = {self.ranks[local]: code for local, code in self.ended.exitcodes.items()
                      if local in self.ranks}
             self.ended.exitcodes.clear()
             said = {int(env["RANK"]): recorded(
@@ -150,9 +152,14 @@ class RunDirLogsSpecs(LogsSpecs):
             for text in said.values():  # every rank stopped on purpose: no restart helps
                 if stopped(text):
                     raise StoppedTogether(*stopped(text))
-            self.on_restart(attempt, said, ended)
+            early = (self.end_watch.ended_early(attempt - 1, not_these=codes)
+                     if self.end_watch is not None else [])
+            self.on_restart(attempt, said, codes, early)
         self.ranks = {local: int(env["RANK"]) for local, env in envs.items()}
         hang.clear_reports(Path(self._root_log_dir).parent, (env["RANK"] for env in envs.values()))
+        ended.clear(Path(self._root_log_dir).parent, self.ranks.values())
+        if self.end_watch is not None:
+            self.end_watch.new_attempt()
         for local_rank, env in envs.items():
             path = Path(self._root_log_dir) / f"error-rank-{env['RANK']}.json"
             path.unlink(missing_ok=True)
@@ -269,7 +276,8 @@ def _launch_config(run_dir: Path, spec: ElasticLaunch, console_print=print) -> L
         monitor_interval=0.2,
         start_method=spec.start_method,
         logs_specs=RunDirLogsSpecs(run_dir / "logs", restart_reporter(
-            run_dir, spec.max_restarts, console_print) if spec.max_restarts else None,
+            run_dir, spec.max_restarts, console_print, spec.multi_node)
+            if spec.max_restarts else None,
             forked=spec.start_method == "forkserver"),
         local_addr=spec.local_addr if spec.multi_node else "127.0.0.1",
         shutdown_timeout=5,  # seconds between SIGTERM and SIGKILL for the surviving ranks
@@ -298,13 +306,19 @@ def _run_agent(config: LaunchConfig, run_dir: Path, spec: ElasticLaunch, agent_l
         entrypoint, args = forked.rank, (str(run_dir),)
     else:
         entrypoint, args = sys.executable, ("-u", "-m", "partrain.train", str(run_dir))
+    watch = config.logs_specs.end_watch = ended.EndWatch(run_dir, config.logs_specs)
+    alone = spec.nnodes * spec.nproc_per_node == 1
     try:
-        with hang.DumpRequester(run_dir):
+        with hang.DumpRequester(run_dir), watch:
             elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as err:
         add_recorded(err, run_dir / "logs", config.logs_specs.ranks.values())
         exhausted = (f" (restarts exhausted: launcher.max_restarts={spec.max_restarts})"
                      if spec.max_restarts else "")
+        early = watch.ended_early(not_these=err.failures)
+        if early:  # it ended before anything the agent saw: the others failed or were stopped
+            _say_ended_early(run_dir, early, exhausted, console_print)
+            return EXIT_RANK_FAILED
         if any(failure_message(f).startswith(hang.PREFIX) for f in err.failures.values()):
             say_hang(run_dir, since, console_print)
             console_print(f"  every worker was stopped{exhausted}; {where_to_resume(run_dir)}")
@@ -351,11 +365,33 @@ def _run_agent(config: LaunchConfig, run_dir: Path, spec: ElasticLaunch, agent_l
                       f"{run_dir / 'logs'}/rank-N.log")
         return EXIT_RANK_FAILED
     except (SignalException, KeyboardInterrupt):
+        if watch.stopped_launch:  # the watch's own SIGTERM: every rank here had ended
+            _say_ended_early(run_dir, watch.ended_early(), "", console_print, alone)
+            return EXIT_RANK_FAILED
         console_print(f"interrupted: all workers stopped; {where_to_resume(run_dir)}")
         return EXIT_INTERRUPTED
     finally:
         signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # from here on, nothing to pass it to
+    unfinished = watch.unfinished()
+    if unfinished:  # the agent counts an exit with code 0 as a rank's success
+        _say_ended_early(run_dir, unfinished, "", console_print, alone)
+        return EXIT_RANK_FAILED
     return EXIT_OK
+
+
+def _say_ended_early(run_dir: Path, ranks: list[int], exhausted: str, console_print,
+                     alone: bool = False) -> None:
+    """Ranks that exited with code 0 before the end (ended.py), named with what to do."""
+    step = last_step(run_dir)
+    who = (f"rank {ranks[0]}" if len(ranks) == 1 else
+           "ranks " + ", ".join(str(rank) for rank in ranks))
+    console_print(f"{who} exited with code 0 after step {step if step is not None else 0}, "
+                  f"before the end of the run, and recorded no error{exhausted}: something in "
+                  "the rank ended its process (os._exit or sys.exit in a model's or a library's "
+                  "code, or a signal handler of its own)")
+    others = "" if alone else "every other rank was stopped; "
+    console_print(f"  its log: {run_dir / 'logs' / f'rank-{ranks[0]}.log'}; {others}"
+                  f"{where_to_resume(run_dir)}")
 
 
 def _preemption_save(run_dir: Path, started: float, max_steps: int | None):

@@ -45,7 +45,8 @@ from partrain.train.step import evaluate, micro_batches, train_step
 
 log = logging.getLogger("partrain")
 
-# Test-only fault hooks: PARTRAIN_TEST_FAULT="RANK:STEP" makes that rank raise at that step;
+# Test-only fault hooks: PARTRAIN_TEST_FAULT="RANK:STEP" makes that rank raise at that step
+# (":exit0": end its process with os._exit(0) there, ":sysexit": call sys.exit(0));
 # PARTRAIN_TEST_NONFINITE (_loss_fn) gives it a NaN loss; PARTRAIN_TEST_HANG="RANK:STEP:HOW"
 # (_hang) makes it hang there. Each fires in the first attempt only; ":always" in every.
 FAULT_ENV = "PARTRAIN_TEST_FAULT"
@@ -110,7 +111,12 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag,
 def run_step(run: Run, step: int) -> dict:
     """Train step `step` and report it: one metrics line (and the progress display)."""
     cfg, dims, t = run.cfg, run.dims, run.cfg.train
-    if _test_hook(FAULT_ENV, run.rank, step) is not None:
+    fault = _test_hook(FAULT_ENV, run.rank, step)
+    if fault == "exit0":  # the process ends as os._exit(0) in a library would end it
+        os._exit(0)
+    if fault == "sysexit":
+        sys.exit(0)
+    if fault is not None:
         raise RuntimeError(f"injected fault ({FAULT_ENV}={os.environ[FAULT_ENV]}) on rank "
                            f"{run.rank} at step {step}")
     _hang(run, step)
@@ -307,6 +313,13 @@ def main(run_dir: str, preemption: PreemptionFlag | None = None) -> None:
         # Every rank stops here together: end cleanly (out of the except block, whose
         # traceback still holds the run), then report.
         stopped = (type(err), str(err))
+    except SystemExit as err:
+        # torch's @record would take sys.exit(0) for the rank's success, with the run unfinished
+        # and the other ranks waiting for it; any code is recorded as an error, with where.
+        raise RuntimeError(
+            f"sys.exit({err.code!r}) was called on rank {rank} {watch.phase}, before the end "
+            f"of the run (train.max_steps={cfg.train.max_steps}): a rank ends at the run's end "
+            "or on an error; raise an exception to stop it") from None
     watch.stop()  # rank 0 may write the trace and the summary first: the end is not timed
     end_distributed()
     if stopped is not None:

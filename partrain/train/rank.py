@@ -9,7 +9,9 @@ import signal
 import sys
 import time
 import traceback
+from pathlib import Path
 
+from partrain.launch.ended import rank_finished, rank_started
 from partrain.launch.failures import lost_a_peer
 from partrain.launch.lifeline import hold_lifeline
 from partrain.launch.preemption import PreemptionFlag
@@ -28,6 +30,10 @@ def run(run_dir: str, early_signals: list[float] = ()) -> None:
     # launcher that asks for this rank's stack (a hang elsewhere) gets it.
     hold_lifeline()
     listen_for_dumps()
+    # Its pid for the launcher, which watches for a rank that ends in the middle without a word
+    # (launch/ended.py), and at the end, that it finished.
+    rank, attempt = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    rank_started(Path(run_dir), rank, attempt)
     # SIGINT raises KeyboardInterrupt, whatever this rank inherited: a forked rank's server
     # blocks it (forked.rank_server), and a launch started in the background by a script (`cmd
     # &`) ignores it. The agent stops the ranks with the signal it got: ignored, a Ctrl-C left
@@ -41,6 +47,7 @@ def run(run_dir: str, early_signals: list[float] = ()) -> None:
         preemption.at = early_signals[0]
     try:
         main(run_dir, preemption)
+        rank_finished(Path(run_dir), rank, attempt)
     except BaseException as err:
         # @record has written the error file for the launcher. Skip interpreter teardown: the
         # other ranks are being stopped, and gloo's destructors could abort on a half-open group.

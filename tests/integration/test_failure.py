@@ -102,6 +102,56 @@ def test_a_rank_killed_by_a_signal_is_named_not_the_peer_it_broke(cli, tmp_path,
     assert processes_mentioning(str(run_dir)) == []
 
 
+@pytest.mark.parametrize("start_method, nproc, restarts", [
+    ("forkserver", 1, 0), ("spawn", 1, 0), ("forkserver", 2, 0), ("spawn", 2, 0),
+    ("forkserver", 2, 1)])
+def test_a_rank_that_exits_with_code_0_in_the_middle_is_a_failure(cli, tmp_path, start_method,
+                                                                   nproc, restarts):
+    """os._exit(0) in a rank's code: torch's agent takes exit code 0 for a finished rank. Spawned,
+    one rank said `done` after 2 of 100000 steps; forked, the launcher waited forever; with two
+    ranks the peer that lost it was blamed. Now the rank is named (exit 1), or with a restart
+    left, restarted (launch/ended.py)."""
+    run_dir = tmp_path / "run"
+    rank = nproc - 1
+    steps = "train.max_steps=12" if restarts else LONG[0]
+    started = time.monotonic()
+    res = cli.run("launch", steps, LONG[1], "checkpoint.every=2", f"parallel.dp={nproc}",
+                  f"launcher.max_restarts={restarts}", f"launcher.start_method={start_method}",
+                  "--nproc-per-node", str(nproc), "--run-dir", str(run_dir),
+                  env={"PARTRAIN_TEST_FAULT": f"{rank}:3:exit0"}, timeout=120)
+    said = " ".join((res.stdout + res.stderr).split())
+    assert time.monotonic() - started < 90
+    assert "rank 0 failed" not in said and "another node" not in said, said[-3000:]
+    if restarts:
+        assert res.returncode == 0, said[-3000:]
+        assert (f"rank {rank} exited with code 0 before the end of the run and recorded no "
+                "error (after step 2); restart 1 of 1 (launcher.max_restarts), from "
+                "step-00000002") in said, said[-3000:]
+        assert (run_dir / "checkpoints" / "step-00000012").is_dir()
+    else:
+        assert res.returncode == 1, said[-3000:]
+        assert (f"rank {rank} exited with code 0 after step 2, before the end of the run, and "
+                f"recorded no error") in said, said[-3000:]
+        assert f"its log: {run_dir / 'logs' / f'rank-{rank}.log'}" in said
+        assert ("every other rank was stopped" in said) == (nproc > 1)
+        listed = cli.run("runs", "--root", str(run_dir))
+        assert listed.stdout.splitlines()[-1].split()[:2] == ["failed", "2/100000"], listed.stdout
+    assert processes_mentioning(str(run_dir)) == []
+
+
+def test_sys_exit_in_a_rank_is_an_error_it_records(cli, tmp_path):
+    """sys.exit(0) inside the training: torch's @record returns from main as if the rank had
+    finished; the rank records it as its error instead."""
+    run_dir = tmp_path / "run"
+    res = cli.run("launch", *LONG, "--run-dir", str(run_dir),
+                  env={"PARTRAIN_TEST_FAULT": "1:3:sysexit"}, timeout=120)
+    said = " ".join((res.stdout + res.stderr).split())
+    assert res.returncode == 1, said[-3000:]
+    assert ("rank 1 failed: RuntimeError: sys.exit(0) was called on rank 1 in step 3, before the "
+            "end of the run (train.max_steps=100000)") in said, said[-3000:]
+    assert processes_mentioning(str(run_dir)) == []
+
+
 def _pid_of_rank(run_dir, rank: int) -> int:
     """The process that has the rank's log open."""
     log = str(run_dir / "logs" / f"rank-{rank}.log")

@@ -28,12 +28,13 @@ def test_every_start_is_the_next_attempt_whatever_torch_counted(tmp_path):
     assert [attempt for attempt, *_ in heard] == [1, 2]
 
 
-def _restarted(tmp_path, failed=None) -> str:
+def _restarted(tmp_path, failed=None, multi_node=True) -> str:
     """What the launcher says at the first restart of ranks 2 and 3 (local ranks 0 and 1), after
     the agent logged `failed` (exit code, local rank) for this node, as torch's process context
     does when a worker dies."""
     said = []
-    specs = RunDirLogsSpecs(tmp_path / "logs", restart_reporter(tmp_path, 1, said.append))
+    specs = RunDirLogsSpecs(tmp_path / "logs", restart_reporter(tmp_path, 1, said.append,
+                                                                multi_node))
     specs.reify(_envs([2, 3]))
     if failed:
         logging.getLogger("torch.distributed.elastic.multiprocessing.api").error(
@@ -53,6 +54,10 @@ def test_a_killed_rank_is_named_by_how_it_ended(tmp_path):
     assert _restarted(tmp_path) == (
         "a rank on another node failed (this node's ranks lost their peers or were stopped; the "
         f"failed rank is in that node's output and its logs/rank-N.log) {start}")
+    # One node: never another node's.
+    assert _restarted(tmp_path, multi_node=False) == (
+        "every rank lost its peer and none recorded an error of its own (the ranks' logs: "
+        f"logs/rank-N.log) {start}")
 
 
 def test_a_forked_rank_gets_the_launchers_environment_with_its_own_variables(tmp_path,

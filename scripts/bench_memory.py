@@ -32,6 +32,7 @@ LAYOUTS = {
     "1 process": ("parallel.dp=1", "train.micro_batch_size=16"),
     "1 process, 4 micro-batches": ("parallel.dp=1", "train.micro_batch_size=4"),
     "dp2": ("parallel.dp=2", "train.micro_batch_size=8"),
+    "dp2, 2 micro-batches": ("parallel.dp=2", "train.micro_batch_size=4"),
     "tp2": ("parallel.dp=1", "parallel.tp=2", "train.micro_batch_size=16"),
     "tp2 + sp": ("parallel.dp=1", "parallel.tp=2", "parallel.sequence_parallel=true",
                  "train.micro_batch_size=16"),

@@ -380,14 +380,22 @@ def render_script(job: SlurmJob) -> str:
     if job.env:
         lines += ["# NCCL and gloo settings of the shell that ran `partrain slurm`"]
         lines += [f"export {name}={q(value)}" for name, value in job.env] + [""]
+    if job.nodes > 1:
+        lines += [
+            "# Node 0 hosts the rendezvous; the port follows from the job id as in `partrain "
+            "launch`.",
+            # sed reads to the end: `head -n 1` would close the pipe early, and under pipefail
+            # scontrol's SIGPIPE (a long node list, or just timing) would end the script with
+            # 141.
+            'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
+            'head_addr=$(scontrol show node -o "$head_node" | sed -n \'s/.*NodeAddr=\\([^ ]*\\).*/\\1/p\')',
+            f"rdzv_port=$(({SLURM_BASE_PORT} + SLURM_JOB_ID % {SLURM_PORT_SPAN}))",
+            ""]
+    else:  # a fixed port could be another job's on a shared node (ids 1000 apart)
+        lines += ["# One node: the rendezvous takes a free port on 127.0.0.1.", ""]
+    endpoint = (' --rdzv-endpoint "${head_addr:-$head_node}:$rdzv_port"' if job.nodes > 1
+                else "")
     lines += [
-        "# Node 0 hosts the rendezvous; the port follows from the job id as in `partrain launch`.",
-        # sed reads to the end: `head -n 1` would close the pipe early, and under pipefail
-        # scontrol's SIGPIPE (a long node list, or just timing) would end the script with 141.
-        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
-        'head_addr=$(scontrol show node -o "$head_node" | sed -n \'s/.*NodeAddr=\\([^ ]*\\).*/\\1/p\')',
-        f"rdzv_port=$(({SLURM_BASE_PORT} + SLURM_JOB_ID % {SLURM_PORT_SPAN}))",
-        "",
         *_setup_lines(job.setup),
         "# One task per node: each `partrain launch` starts its node's ranks itself. No kill on a",
         "# non-zero exit: after a save the nodes exit 3 a moment apart, and a node killed as it ends",
@@ -401,8 +409,7 @@ def render_script(job: SlurmJob) -> str:
           if job.setup else []),
         f"    {' '.join(q(part) for part in job.partrain)} launch "
         f"{q(str(run_dir / 'config.yaml'))} --run-dir {q(str(run_dir))} \\",
-        f"    --nnodes {job.nodes} --nproc-per-node {job.nproc_per_node} "
-        '--rdzv-endpoint "${head_addr:-$head_node}:$rdzv_port" || code=$?',
+        f"    --nnodes {job.nodes} --nproc-per-node {job.nproc_per_node}{endpoint} || code=$?",
         "",
         "# Saved on a preemption signal: the requeued job runs this script again and resumes from",
         "# the checkpoint. SLURM ends this script as it requeues; if it cannot, the job fails with 3.",

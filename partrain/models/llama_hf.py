@@ -35,6 +35,8 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
 MODEL_TYPES = tuple(ARCHITECTURES)
 CONFIG_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}
 MISTRAL_WINDOW = 4096  # transformers' MistralConfig.sliding_window default (see model_keys)
+# transformers' max_position_embeddings where config.json has none (its config classes, 5.24)
+MAX_POSITIONS = {"llama": 2048, "mistral": 4096 * 32, "qwen2": 32768, "qwen3": 32768}
 
 TOP_LEVEL = {"tok_embeddings.weight": "model.embed_tokens.weight",
              "norm.weight": "model.norm.weight",
@@ -160,7 +162,7 @@ def model_keys(hf: dict, where: str) -> dict:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         raise ConfigError(f"{where}: rope_type={rope_type!r}; partrain has default and llama3")
-    max_seq_len = _whole(hf, "max_position_embeddings", where, 2048)
+    max_seq_len = _whole(hf, "max_position_embeddings", where, MAX_POSITIONS[family])
     window = None
     # A Mistral config.json without the key gets transformers' default window, not none:
     # MistralConfig's `sliding_window: int | None = 4096` (transformers 5.24,

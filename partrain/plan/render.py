@@ -162,6 +162,7 @@ def _print_memory(plan: dict, console: Console) -> None:
                  f"activations {_size(st['activation_bytes'])} ({st['in_flight']} micro-batch"
                  f"{'es' if st['in_flight'] != 1 else ''} in flight)"]
         parts += [f"{label} {_size(st[key])}" for key, label in (
+            ("accumulation_bytes", "gradients accumulated beside DDP's buckets"),
             ("pipeline_buffer_bytes", "pipeline p2p buffers"), ("loss_bytes", "loss"),
             ("backward_bytes", "a block's backward")) if st[key]]
         where = f"pp rank {st['pp_rank']}" if len(plan["memory_per_stage"]) > 1 else "each rank"

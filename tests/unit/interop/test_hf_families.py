@@ -229,3 +229,16 @@ def test_a_mistral_config_without_sliding_window_has_transformers_default_window
         .sliding_window is None
     assert explicit["max_seq_len"] == 32768
     assert model_keys({**mistral, "sliding_window": 512}, "config.json")["sliding_window"] == 512
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_a_config_without_max_position_embeddings_has_transformers_default(family):
+    """Each family's config class has its own default (Mistral's was read as Llama's 2048)."""
+    import transformers
+
+    from partrain.models.llama_hf import ARCHITECTURES, model_keys
+
+    hf = {**TINY, "model_type": family, "sliding_window": None}
+    hf.pop("max_position_embeddings", None)
+    config = getattr(transformers, ARCHITECTURES[family].replace("ForCausalLM", "Config"))(**hf)
+    assert model_keys(hf, "config.json")["max_seq_len"] == config.max_position_embeddings

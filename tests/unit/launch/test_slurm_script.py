@@ -321,3 +321,14 @@ def test_bad_slurm_flags_exit_2_and_write_nothing(run_main, tmp_path, args, frag
     result = run_main(*args, "--run-dir", str(tmp_path / "run"), "--dry-run")
     assert result.code == 2 and fragment in result.stderr, result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_one_node_job_takes_a_free_port(tmp_path):
+    """A fixed port (29500 + job id % 1000) could be another job's on a shared node: one node
+    needs no endpoint, and `partrain launch` takes a free port on 127.0.0.1."""
+    job = dataclasses.replace(PLAIN_JOB, run_dir=tmp_path / "run", nodes=1)
+    job.run_dir.mkdir()
+    assert _run_script(tmp_path, job).returncode == 0
+    argv = (tmp_path / "srun-args").read_text().split("\0")[:-1]
+    assert argv[-4:] == ["--nnodes", "1", "--nproc-per-node", "2"]
+    assert "rdzv" not in write_script(job).read_text()

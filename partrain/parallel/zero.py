@@ -276,6 +276,11 @@ def apply_zero(model: nn.Module, mesh, dims, ds_config: dict, param_groups: list
     return engine, optimizer
 
 
+# DeepSpeed's DynamicLossScaler (runtime/fp16/loss_scaler.py): the scale, its iteration count,
+# the last overflow's, and the overflows left before the next cut (hysteresis).
+LOSS_SCALER_KEYS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
 class ZeroBackend:
     """zero_stage 1-3: DeepSpeed's engine accumulates in its backward and, in `engine.step()`,
     reduces over dp (and syncs sequence-parallel norms first, at stage 1), clips and steps; its
@@ -329,6 +334,29 @@ class ZeroBackend:
             for moe in self.moes:
                 moe.loss_scale = scale
         self.model.backward(loss, scale_wrt_gas=False)
+
+    def scaler_state(self) -> dict:
+        """fp16's dynamic loss scale and the counters that move it, for a checkpoint's meta.json:
+        a resume goes on at the scale the run had reached. Without it DeepSpeed started again at
+        2^initial_scale_power and skipped steps (overflows) until it found the scale again, and
+        grew it on another step than the uninterrupted run (its own checkpoints keep the
+        scaler too). Empty without fp16."""
+        scaler = getattr(self.optimizer, "loss_scaler", None)
+        if not self.fp16 or scaler is None:
+            return {}
+        return {"loss_scaler": {key: float(getattr(scaler, key)) if key == "cur_scale"
+                                else int(getattr(scaler, key))
+                                for key in LOSS_SCALER_KEYS if hasattr(scaler, key)}}
+
+    def restore_scaler(self, meta: dict) -> None:
+        """At a resume: the loss scaler as scaler_state() saved it."""
+        scaler = getattr(self.optimizer, "loss_scaler", None)
+        saved = meta.get("loss_scaler") or {}
+        if not self.fp16 or scaler is None:
+            return
+        for key, value in saved.items():
+            if key in LOSS_SCALER_KEYS and hasattr(scaler, key):
+                setattr(scaler, key, value)
 
     def step(self, tracer, loss_finite: bool) -> Update:
         self._loss_finite, self._applied = loss_finite, False

@@ -257,7 +257,8 @@ def memory_per_stage(cfg, dims, stages: list[dict], dtype: str, simulate: bool =
                  + max(loss, acts["backward_bytes"])
                  - (0 if grads_live else state["grad_bytes"]))
         out.append({"pp_rank": rank, "in_flight": in_flight[rank], **parts, "total": total,
-                    "largest": max(parts, key=parts.get), "optim_on_host": on_host})
+                    "largest": max(parts, key=parts.get), "optim_on_host": on_host,
+                    "grads_at_peak": grads_live})
     return out
 
 

@@ -166,9 +166,12 @@ def _print_memory(plan: dict, console: Console) -> None:
             ("pipeline_buffer_bytes", "pipeline p2p buffers"), ("loss_bytes", "loss"),
             ("backward_bytes", "a block's backward")) if st[key]]
         where = f"pp rank {st['pp_rank']}" if len(plan["memory_per_stage"]) > 1 else "each rank"
+        grads = ("" if st.get("grads_at_peak", True) else
+                 f"; the model state's gradients ({_size(st['grad_bytes'])}) are left out of "
+                 "the sum: one micro-batch makes them as its backward frees the activations")
         console.print(f"peak memory, {where}: {_size(st['total'])} = " + ", ".join(parts)
                       + " (the loss's and the backward's buffers are not alive together: the "
-                        "larger counts)")
+                        f"larger counts{grads})")
     ck = plan["checkpoint"]
     when = (f"every {ck['every']} steps" if ck["every"] else "not on a schedule") + \
         (" and after the last" if ck["save_last"] else "")

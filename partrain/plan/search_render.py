@@ -1,6 +1,7 @@
 """`partrain plan --search`'s result for people and programs: the table of the best layouts,
 with the assumptions first and the batch limit named, and the same as JSON."""
 
+from partrain.plan.costs import human_bytes
 from partrain.plan.explain import assumptions_text, batch_exhausted, batch_limit, explain_text
 from partrain.plan.search import MEMORY_MARGIN
 
@@ -22,7 +23,6 @@ def print_search(result: dict, console) -> None:
     from rich.table import Table
 
     hw = result["hardware"]
-    gib = 2**30
     if result.get("assumptions"):
         console.print(assumptions_text(result["assumptions"]))
     console.print(f"{result['candidates']:,} layouts of {result['gpus']} x {hw['name']} "
@@ -32,7 +32,7 @@ def print_search(result: dict, console) -> None:
     if not result["best"]:
         too_big = result["smallest_that_does_not_fit"]
         console.print("nothing fits" + (f": the smallest is {too_big.describe()}, "
-                                        f"{too_big.memory_bytes / gib:.1f} GiB per GPU "
+                                        f"{human_bytes(too_big.memory_bytes)} per GPU "
                                         f"(largest part: {too_big.memory_largest})"
                                         if too_big else ""))
         if result["explain"]:
@@ -50,7 +50,7 @@ def print_search(result: dict, console) -> None:
         limits = c.time["limits"]
         if batch_exhausted(c):
             limits = f"batch ({result['global_batch_size']:,} sequences), {limits}"
-        table.add_row(str(i), c.describe(), f"{c.memory_bytes / gib:.1f} GiB",
+        table.add_row(str(i), c.describe(), human_bytes(c.memory_bytes),
                       c.memory_largest.removesuffix("_bytes").replace("_", " "),
                       f"{c.per_gpu():,.0f}", f"{c.time['tokens_per_s']:,.0f}",
                       f"{c.time['mfu']:.1%}", limits)

@@ -203,6 +203,8 @@ def build(cfg, run_dir: Path, device: torch.device) -> Run:
     guard = DivergenceGuard(backend.model, t.max_skipped_steps, coords["pp"], device)
     if start.resume:  # a checkpoint saved inside a run of skipped steps (the last, a preemption)
         guard.in_a_row = int(start.resume.meta.get("skipped_in_a_row", 0))
+        if hasattr(backend, "restore_scaler"):  # ZeRO: fp16's loss scale (parallel/zero.py)
+            backend.restore_scaler(start.resume.meta)
     run = Run(cfg=cfg, run_dir=run_dir, rank=rank, device=device, dims=dims, mesh=mesh,
               coords=coords, backend=backend, loss_fn=loss_function(dims, mesh, cfg.train.compile),
               autocast=autocast, tracer=tracer, batches=batches, tp_mesh=tp_mesh, start=start,

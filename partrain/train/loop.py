@@ -227,7 +227,8 @@ def save_if_due(run: Run, step: int, preemption: PreemptionFlag, skipped: bool) 
         saved = checkpointer.save(build_state(run.backend.model, run.backend.optimizer,
                                               run.tp_mesh, run.dims.deepspeed_enabled),
                                   step, reason, started=signalled,
-                                  meta={"skipped_in_a_row": run.guard.in_a_row})
+                                  meta={"skipped_in_a_row": run.guard.in_a_row,
+                                        **getattr(run.backend, "scaler_state", dict)()})
         if saved:
             checkpointer.owed = False
     if signalled is None:

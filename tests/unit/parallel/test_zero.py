@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from partrain.config.deepspeed import deepspeed_config
@@ -245,3 +246,43 @@ def test_zero_on_cpu_builds_no_shared_memory_collective(monkeypatch):
     monkeypatch.setattr(ShareMemCommBuilder, "load", lambda *a, **k: pytest.fail("built"))
     without_inference_collective()
     assert build_shm_op() is None
+
+
+def test_fp16_loss_scaler_state_goes_through_a_checkpoints_meta(monkeypatch):
+    """DeepSpeed's real DynamicLossScaler, in a stand-in engine and ZeRO optimizer (DeepSpeed
+    trains fp16 on CUDA only, not on this CPU): the scale a run reached, its iteration count and
+    hysteresis survive meta.json (JSON) into a fresh scaler, which then moves as the saved one
+    does. Without fp16 nothing is saved."""
+    import json
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    from deepspeed.runtime.fp16 import loss_scaler
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    # update_scale asks deepspeed.comm for the rank only to log an overflow on rank 0.
+    monkeypatch.setattr(loss_scaler.dist, "get_rank", lambda *a: 0)
+
+    from partrain.parallel.zero import ZeroBackend
+
+    def backend(fp16=True):
+        scaler = DynamicLossScaler(init_scale=2 ** 16, scale_window=4, min_scale=1,
+                                   delayed_shift=2, consecutive_hysteresis=False)
+        engine = SimpleNamespace(module=torch.nn.Linear(2, 2), fp16_enabled=lambda: fp16)
+        optimizer = SimpleNamespace(optimizer=SimpleNamespace(step=lambda: None),
+                                    loss_scaler=scaler)
+        return ZeroBackend(engine, optimizer), scaler
+
+    ran, scaler = backend()
+    for overflow in (True, True, True, False, False):
+        scaler.update_scale(overflow)
+    meta = json.loads(json.dumps(ran.scaler_state()))
+    assert meta["loss_scaler"]["cur_scale"] == 2.0 ** 14 and meta["loss_scaler"]["cur_iter"] == 5
+    resumed, fresh = backend()
+    resumed.restore_scaler(meta)
+    for overflow in (False, False, False, True):
+        scaler.update_scale(overflow)
+        fresh.update_scale(overflow)
+        assert (fresh.cur_scale, fresh.cur_hysteresis) == (scaler.cur_scale, scaler.cur_hysteresis)
+    assert scaler.cur_scale == 2.0 ** 15  # it grew once after the window, in both
+    assert backend(fp16=False)[0].scaler_state() == {}

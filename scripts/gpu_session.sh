@@ -29,6 +29,8 @@
 #   fp16moe the MoE balancing loss under fp16's loss scale: tiny-moe-like experts on 4 of the 1B
 #          shape's layers, ZeRO-1 bf16, fp16 and balance=none, 40 steps: fp16's load balance
 #          (max/mean tokens per expert) must follow bf16's, not none's
+#   fp16res scripts/check_resume.py: the tiny model in fp16 under ZeRO-1 on the GPU, 40 steps
+#          against 20 + a resume to 40: the same losses and skipped steps (the loss scale is kept)
 #   mb8    partrain alone at micro-batch 8 (one micro-batch a step): point 2's micro-batch size
 #   fork   scripts/bench_start.py on CUDA: the tiny run forked from the rank server
 #          (launcher.start_method=forkserver) against spawned, 20 steps each: it must train alike
@@ -91,6 +93,9 @@ for spec in "$@"; do
         fp16moe) run python3 scripts/gpu_check.py --work /tmp/gpuwork --steps 40 --warmup 5 \
             --only "moe zero1" "moe zero1 fp16" "moe zero1 unbalanced" --extra model.n_layers=4 \
             --json > "$OUT/fp16moe.json" 2> "$OUT/fp16moe.log" ;;
+        fp16res) run python3 scripts/check_resume.py --nproc 1 --steps 40 --work /tmp/gpuwork/resume \
+            --extra launcher.device=cuda train.dtype=fp16 parallel.zero_stage=1 parallel.dp=1 \
+            --json > "$OUT/fp16res.json" 2> "$OUT/fp16res.log" ;;
         mb8) run python3 scripts/gpu_side_by_side.py --site /tmp/site --work /tmp/gpuwork --only partrain \
             --micro-batch 8 --json > "$OUT/mb8.json" 2> "$OUT/mb8.log" ;;
         fork) run python3 scripts/bench_start.py --device cuda --layouts dp1 --reps 1 --steps 20 \

@@ -316,7 +316,7 @@ def check_user_model(cfg) -> UserModel | None:
         from partrain.models.tp_plan import plan_problems
 
         try:
-            problems = plan_problems(model, p.tp)
+            problems = plan_problems(model, p.tp, m.vocab_size)
         except Exception as e:  # the user's plan raised
             problems = [f"tensor_parallel_plan() failed: {type(e).__name__}: {e}"]
         needs += [f"its tensor-parallel plan at parallel.tp={p.tp}: {problem}"

@@ -13,11 +13,14 @@ SPLITS = {"colwise": ("out_features", "output features"), "rowwise": ("in_featur
           "vocab_embedding": ("num_embeddings", "vocabulary rows")}
 
 
-def plan_problems(model: nn.Module, tp: int) -> list[str]:
+def plan_problems(model: nn.Module, tp: int, vocab_size: int | None = None) -> list[str]:
     """What a model's tensor_parallel_plan() asks that tp ranks cannot do, read from the model
     built on the meta device (partrain's checks, before anything starts): a plan that is no
     mapping, an unknown style, a name that is no module, a split size tp does not divide, a
-    bias where only colwise keeps one, heads tp does not divide. Each failed inside the ranks."""
+    bias where only colwise keeps one, heads tp does not divide; and no head split over the
+    vocabulary (`vocab_size`: model.vocab_size): under tp the loss reads each rank's logits as
+    its shard of the vocabulary, and a whole head on every rank trained with a loss log(tp) too
+    high and wrong gradients, silently. Each failed inside the ranks, or trained wrong."""
     plan = model.tensor_parallel_plan()
     if not isinstance(plan, dict):
         return [f"tensor_parallel_plan() returned {type(plan).__name__}, not a mapping of module "
@@ -53,4 +56,19 @@ def plan_problems(model: nn.Module, tp: int) -> list[str]:
                 elif heads % tp:
                     problems.append(f"{name} (attention): its {attr}={heads} do not split into "
                                     f"parallel.tp={tp} equal parts")
+    heads = [name for name, style in plan.items() if style == "vocab_head" or (
+        style == "colwise" and vocab_size is not None and
+        getattr(_module(model, name), "out_features", None) == vocab_size)]
+    if vocab_size is not None and not heads:
+        problems.append(f"no module is planned \"vocab_head\": under tp the loss reads each "
+                        f"rank's logits as its 1/{tp} of the vocabulary (model.vocab_size="
+                        f"{vocab_size}), so the module that makes the logits must be split over "
+                        "it; a whole head on every rank trains with a wrong loss")
     return problems
+
+
+def _module(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None

@@ -20,13 +20,24 @@ from partrain.parallel.tensor import vocab_parallel_cross_entropy
 from partrain.models.loss import compiled_cross_entropy, cross_entropy
 
 
-def loss_function(dims: ParallelDims, mesh, compiled: bool = False):
+def loss_function(dims: ParallelDims, mesh, compiled: bool = False, vocab_size: int | None = None):
     """Mean cross-entropy over tokens; under tp the logits are vocabulary shards and the loss is
-    computed from them without gathering (every tp rank gets the same value). Otherwise the
-    chunked one, or with train.compile (`compiled`) the compiled one (models/loss.py)."""
+    computed from them without gathering (every tp rank gets the same value), each rank's
+    `vocab_size` / tp wide (checked: whole logits on every rank would train on a wrong loss).
+    Otherwise the chunked one, or with train.compile (`compiled`) the compiled one
+    (models/loss.py)."""
     if dims.tp_enabled:
-        tp_group = mesh["tp"].get_group()
-        return lambda logits, target: vocab_parallel_cross_entropy(logits, target, tp_group)
+        tp_group, tp = mesh["tp"].get_group(), dims.tp
+
+        def sharded(logits, target):
+            if vocab_size is not None and logits.shape[-1] != vocab_size // tp:
+                raise RuntimeError(
+                    f"the model's logits are {logits.shape[-1]} wide on each of parallel.tp={tp} "
+                    f"ranks; the loss reads them as 1/{tp} of the vocabulary (model.vocab_size="
+                    f"{vocab_size}: {vocab_size // tp} each): plan the module that makes them "
+                    "\"vocab_head\" in tensor_parallel_plan()")
+            return vocab_parallel_cross_entropy(logits, target, tp_group)
+        return sharded
     return compiled_cross_entropy() if compiled else cross_entropy
 
 

@@ -359,6 +359,10 @@ def test_a_parameter_shared_between_modules_that_the_layout_keeps_is_accepted(
       "parallel.tp=2", "output (vocab_head): its 257 vocabulary rows"]),
     ("unplanned", ["parallel.tp=2", "parallel.dp=1"],
      ["tensor_parallel_plan() returned NoneType, not a mapping"]),
+    # A whole head on every rank: it trained, exit 0, with a loss log(tp) too high.
+    ("head_whole", ["parallel.tp=2", "parallel.dp=1"],
+     ['no module is planned "vocab_head": under tp the loss reads each rank\'s logits as its '
+      "1/2 of the vocabulary (model.vocab_size=256)"]),
 ])
 def test_a_tp_plan_the_ranks_cannot_follow_is_refused_before_the_start(run_main, target, overrides,
                                                                        fragments):
@@ -376,4 +380,8 @@ def test_a_tp_plan_the_ranks_cannot_follow_is_refused_before_the_start(run_main,
 
 def test_the_examples_plan_passes_the_check(run_main):
     res = run_main("launch", "--dry-run", GPT2, "parallel.tp=2", "parallel.dp=1")
+    assert res.code == 0, res.stderr
+    # A head split colwise is split over the vocabulary too.
+    res = run_main("launch", "--dry-run", USER_MODELS + "head_colwise", "parallel.tp=2",
+                   "parallel.dp=1")
     assert res.code == 0, res.stderr

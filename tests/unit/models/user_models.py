@@ -190,6 +190,29 @@ def unplanned(model_cfg) -> nn.Module:
     return Unplanned(model_cfg.vocab_size, 16, 2)
 
 
+class HeadWhole(Stack):
+    """A Stack whose plan keeps the head whole ("replicated"): every tp rank makes all the
+    logits, which the loss would read as a vocabulary shard (trained log(tp) too high)."""
+
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        return {**super().tensor_parallel_plan(), "output": "replicated"}
+
+
+def head_whole(model_cfg) -> nn.Module:
+    return HeadWhole(model_cfg.vocab_size, 16, 2)
+
+
+class HeadColwise(Stack):
+    """The head split colwise: its output features are the vocabulary, which is a split of it."""
+
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        return {**super().tensor_parallel_plan(), "output": "colwise"}
+
+
+def head_colwise(model_cfg) -> nn.Module:
+    return HeadColwise(model_cfg.vocab_size, 16, 2)
+
+
 def wrong_vocab(model_cfg) -> nn.Module:
     """Logits of three classes more than model.vocab_size."""
     return Plain(model_cfg.vocab_size + 3, 16)

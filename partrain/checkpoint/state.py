@@ -57,6 +57,7 @@ from partrain.parallel.dist import local
 WRAPPER_PREFIX = re.compile(r"^(?:module\.|chunks\.\d+\.)+")
 MOMENTS = ("exp_avg", "exp_avg_sq")
 MOMENTUM = ("momentum_buffer",)
+AMSGRAD = ("max_exp_avg_sq",)
 
 log = logging.getLogger("partrain")
 
@@ -217,8 +218,14 @@ def _inner(optimizer):
 
 def state_keys(optimizer) -> tuple[str, ...]:
     """The optimizer's per-parameter tensors a checkpoint holds, by torch's names: SGD's
-    momentum buffer, or Adam's two moments (AdamW, Adam, DeepSpeed's CPU Adam)."""
-    return MOMENTUM if isinstance(_inner(optimizer), torch.optim.SGD) else MOMENTS
+    momentum buffer, or Adam's two moments (AdamW, Adam, DeepSpeed's CPU Adam), and with
+    `amsgrad` (a DeepSpeed config's optimizer.params) the largest second moment so far."""
+    inner = _inner(optimizer)
+    if isinstance(inner, torch.optim.SGD):
+        return MOMENTUM
+    if any(group.get("amsgrad") for group in inner.param_groups):
+        return MOMENTS + AMSGRAD
+    return MOMENTS
 
 
 def _counts_steps(optimizer) -> bool:

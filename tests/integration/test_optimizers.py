@@ -125,3 +125,23 @@ def _expected_lrs(optim) -> list[float]:
     cfg = OmegaConf.merge(OmegaConf.structured(OptimConfig),
                           OmegaConf.from_dotlist([o.removeprefix("optim.") for o in optim]))
     return [lr_at(step, cfg, PARITY_STEPS) for step in range(1, PARITY_STEPS + 1)]
+
+
+@pytest.mark.slow
+def test_amsgrad_from_a_deepspeed_config_resumes_bit_identical(cli, tmp_path):
+    """A DeepSpeed config's `optimizer.params.amsgrad: true` trained, and its resume failed with
+    KeyError 'max_exp_avg_sq' (the checkpoint kept Adam's two moments only). Now the third is
+    kept, and the resumed steps are the uninterrupted run's."""
+    import json
+
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 1}, "optimizer": {
+        "type": "Adam", "params": {"lr": 0.001, "amsgrad": True}}}))
+    layout = ("parallel.dp=2", "parallel.zero_stage=1", f"parallel.deepspeed_config={config}",
+              "train.micro_batch_size=8")
+    steps = _launch(cli, tmp_path / "run", *layout)
+    resumed = _resume(cli, tmp_path / "run", tmp_path / "exact", ())
+    for a, b in zip(resumed, steps):
+        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), a["step"]
+    saved = _saved(tmp_path / "run" / "checkpoints" / "step-00000010", tmp_path / "saved.pt")
+    assert any(key.endswith(".max_exp_avg_sq") for key in saved)

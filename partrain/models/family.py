@@ -242,6 +242,14 @@ def build_on_meta(model_cfg):
                           f"{type(e).__name__}: {e}") from None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"{what} returned a {type(model).__name__}, not an nn.Module")
+    lazy = [name for name, p in model.named_parameters()
+            if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:  # nn.LazyLinear and the like: their size is known only after a first forward
+        raise ConfigError(f"{what}: {', '.join(lazy[:4])}{' ...' if len(lazy) > 4 else ''} "
+                          "are lazy parameters (nn.LazyLinear and the like), whose shape comes "
+                          "from a first forward: partrain shards, counts and checkpoints every "
+                          "parameter before any forward; give each such layer its input size "
+                          "(nn.Linear(in_features, out_features))")
     return model
 
 

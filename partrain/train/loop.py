@@ -71,11 +71,14 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag,
         log.info("train.profile_start=%d: its steps ran before this resume; nothing profiled",
                  t.profile_start)
     step = run.first_step
+    built = parameter_names(run.backend.module)
     try:
         for step in range(run.first_step, t.max_steps + 1):
             watch.begin(step)
             profiler.begin(step)
             rec = run_step(run, step)
+            if step == run.first_step:
+                check_no_new_parameters(built, run.backend.module)
             watch.end(step)
             history.append(rec)
             with watch.quiet():  # an evaluation or a save may take long; neither is timed
@@ -106,6 +109,23 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag,
         finish(run, history, val_losses, time.perf_counter() - started)
     if preempted_at is not None:
         log.info("stopped at step %d on a preemption signal", preempted_at)
+
+
+def parameter_names(module: torch.nn.Module) -> set[str]:
+    return {name for name, _ in module.named_parameters()}
+
+
+def check_no_new_parameters(built: set[str], module: torch.nn.Module) -> None:
+    """After the first step: a parameter the model made in its forward (`self.head = nn.Linear(
+    ...)` there) trained on no optimizer, was reduced by no backend and broke layout parity,
+    without a word."""
+    new = sorted(parameter_names(module) - built)
+    if new:
+        raise RuntimeError(
+            f"the model made parameters in its forward ({', '.join(new[:4])}"
+            f"{' ...' if len(new) > 4 else ''}): the optimizer, the gradient reduction and the "
+            "checkpoint's layout hold only those the builder made; create every module in the "
+            "model's __init__")
 
 
 def run_step(run: Run, step: int) -> dict:

@@ -133,3 +133,15 @@ def test_dropout_resumes_bit_identical_on_the_same_layout(cli, tmp_path):
         ("parallel.dp=1", "--nproc-per-node", "1", "train.micro_batch_size=16")))
     assert res.returncode == 0, res.stderr[-3000:]
     assert "start from train.seed's state" in (run_dir / "logs" / "rank-0.log").read_text()
+
+
+def test_a_parameter_made_in_forward_stops_the_run_at_its_first_step(cli, tmp_path):
+    """A module made in forward (`self.late = nn.Linear(...)` at the first call) trained on no
+    optimizer and broke dp parity, exit 0 (a reviewer's model): now every rank stops after the
+    first step, naming the parameters."""
+    res = cli.run("launch", *SMALL, "model.target=tests.unit.models.user_models:made_in_forward",
+                  "--run-dir", str(tmp_path / "run"))
+    said = " ".join(res.stderr.split())
+    assert res.returncode == 1, said[-3000:]
+    assert ("failed: RuntimeError: the model made parameters in its forward (late.bias, "
+            "late.weight)") in said, said[-3000:]

@@ -67,6 +67,9 @@ def test_a_plain_model_runs_every_data_parallel_backend():
     ("tests.unit.models.user_models:hf_like", "returns Output, not the logits tensor (batch, seq, "
                                               "vocabulary) (a transformers model: return its "
                                               "output's .logits)"),
+    # a traceback from the launcher (ValueError: Attempted to use an uninitialized parameter)
+    ("tests.unit.models.user_models:lazy", "head.weight, head.bias are lazy parameters (nn.LazyLinear and "
+                                           "the like)"),
 ])
 def test_a_target_that_cannot_build_is_one_clear_message(run_main, target, fragment):
     res = run_main("show", f"model.target={target}")

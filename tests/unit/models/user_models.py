@@ -241,3 +241,23 @@ class HFLike(Plain):
 
 def hf_like(model_cfg) -> nn.Module:
     return HFLike(model_cfg.vocab_size, 16)
+
+
+def lazy(model_cfg) -> nn.Module:
+    """An nn.LazyLinear head: its weight's shape comes from the first forward."""
+    model = Plain(model_cfg.vocab_size, 16)
+    model.head = nn.LazyLinear(model_cfg.vocab_size)
+    return model
+
+
+class MadeInForward(Plain):
+    """A bias module made at the first forward: no optimizer ever sees it."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "late"):
+            self.late = nn.Linear(16, 16, device=self.embed.weight.device)
+        return self.head(self.late(self.embed(tokens)))
+
+
+def made_in_forward(model_cfg) -> nn.Module:
+    return MadeInForward(model_cfg.vocab_size, 16)

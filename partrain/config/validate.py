@@ -108,6 +108,10 @@ def resolve_and_validate(cfg: DictConfig, world: World, resplit: bool = False) -
 
         derived = deepspeed_config(cfg)  # raises on a raw key that contradicts a derived one
         if p.get("deepspeed"):
+            from partrain.config.ds_keys import check_optimizer_params, check_top_level
+
+            check_top_level(derived)
+            check_optimizer_params(derived)
             check_raw_deepspeed(derived)
     return _warnings(cfg, world)
 

@@ -101,6 +101,28 @@ def test_a_broken_file_is_one_clear_message(tmp_path, run_main, content, fragmen
     assert "Traceback" not in res.stderr
 
 
+@pytest.mark.parametrize("content, fragment", [
+    # Both were passed on and never read: the run trained another batch than the file said.
+    ({"zero_optimization": {"stage": 2}, "gradient_accumulation_step": 8,
+      "train_micro_batch_size_per_gpus": 1},
+     "DeepSpeed has no key gradient_accumulation_step (did you mean "
+     "gradient_accumulation_steps?), train_micro_batch_size_per_gpus (did you mean "
+     "train_micro_batch_size_per_gpu?)"),
+    # DeepSpeed's own Adam takes it; the torch AdamW it builds here failed in every rank.
+    ({"zero_optimization": {"stage": 1}, "optimizer": {"type": "AdamW", "params": {
+        "lr": 0.001, "bias_correction": False}}},
+     "optimizer.params: bias_correction is not a keyword of torch.optim.adamw.AdamW"),
+])
+def test_a_key_deepspeed_would_ignore_or_fail_on_is_refused(tmp_path, run_main, content,
+                                                             fragment):
+    res = run_main("show", f"parallel.deepspeed_config={_write(tmp_path, content)}")
+    assert res.code == 2 and fragment in res.stderr, res.stderr
+    # Known keys, amsgrad (torch's) among them, pass.
+    content = {"zero_optimization": {"stage": 1}, "steps_per_print": 10,
+               "optimizer": {"type": "Adam", "params": {"lr": 0.001, "amsgrad": True}}}
+    assert run_main("show", f"parallel.deepspeed_config={_write(tmp_path, content)}").code == 0
+
+
 def test_a_file_given_to_the_raw_section_says_where_it_goes(run_main):
     res = run_main("show", "parallel.deepspeed=ds_config.json")
     assert res.code == 2

@@ -49,7 +49,9 @@ arithmetic is also what lets `plan` model each stage's memory, collectives and s
 family counted otherwise is planned as a user's model is), its adapter partrain.models.llama_hf.
 """
 
+import contextlib
 import importlib
+import io
 import os
 import re
 import sys
@@ -176,15 +178,31 @@ def load_builder(target: str) -> Callable:
     # As `python -m` and torchrun's script do: the user's own modules import from where they run.
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
+    said = io.StringIO()
     try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # noqa: BLE001 - the user's import: any error is theirs to see
+        # What the import prints is held back: an argparse parser run at import prints its usage
+        # (of partrain's arguments) before it exits; on success it is passed on.
+        with contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+            module = importlib.import_module(module_name)
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's import: its error
         raise ConfigError(f"model.target={target}: importing {module_name} failed: "
-                          f"{type(e).__name__}: {e}") from None
+                          f"{_raised(e, said.getvalue())}") from None
+    sys.stdout.write(said.getvalue())
     builder = getattr(module, attr, None)
     if not callable(builder):
         raise ConfigError(f"model.target={target}: {module_name} has no callable {attr!r}")
     return builder
+
+
+def _raised(e: BaseException, printed: str = "") -> str:
+    """What a user's code raised, said in a line; sys.exit() (it ended partrain with its own
+    exit code, 0 or 3 included, and no word) as what it is."""
+    if not isinstance(e, SystemExit):
+        return f"{type(e).__name__}: {e}"
+    last = next((line.strip() for line in reversed(printed.splitlines()) if line.strip()), "")
+    parser = (" (an argparse parser run at import reads partrain's command line: parse under "
+              "`if __name__ == \"__main__\":`)" if "usage:" in printed else "")
+    return f"it called sys.exit({e.code!r}){parser}" + (f"; it printed: {last}" if last else "")
 
 
 def build_family_model(model_cfg, seed: int):
@@ -237,9 +255,8 @@ def build_on_meta(model_cfg):
     try:
         with torch.device("meta"):
             model = builder(model_cfg)
-    except Exception as e:  # noqa: BLE001 - the user's builder: its error is theirs to see
-        raise ConfigError(f"{what}: the builder failed{args}: "
-                          f"{type(e).__name__}: {e}") from None
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's builder: its error
+        raise ConfigError(f"{what}: the builder failed{args}: {_raised(e)}") from None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"{what} returned a {type(model).__name__}, not an nn.Module")
     lazy = [name for name, p in model.named_parameters()
@@ -276,7 +293,7 @@ def forward_problems(model, model_cfg) -> list[str]:
     try:
         with torch.no_grad():
             out = model(torch.zeros(1, seq, dtype=torch.long, device="meta"))
-    except Exception:  # noqa: BLE001 - not a verdict: the ranks run it on a real device
+    except (Exception, SystemExit):  # noqa: BLE001 - not a verdict: the ranks run it for real
         return []
     if not isinstance(out, torch.Tensor):
         wrap = (" (a transformers model: return its output's .logits)"
@@ -325,7 +342,7 @@ def check_user_model(cfg) -> UserModel | None:
 
         try:
             problems = plan_problems(model, p.tp, m.vocab_size)
-        except Exception as e:  # the user's plan raised
+        except (Exception, SystemExit) as e:  # the user's plan raised
             problems = [f"tensor_parallel_plan() failed: {type(e).__name__}: {e}"]
         needs += [f"its tensor-parallel plan at parallel.tp={p.tp}: {problem}"
                   for problem in problems]

@@ -93,7 +93,7 @@ def _pp_apart(model, p, names: dict[int, list[str]], what: str) -> list[list[str
         try:
             chunk = model.pipeline_chunk(ids, first=stage == 0, last=stage == stages - 1)
             params = list(chunk.parameters())
-        except Exception as e:  # noqa: BLE001 - the user's split: its error is theirs to see
+        except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's split: its error
             raise ConfigError(f"{what}: pipeline_chunk({list(ids)}, first={stage == 0}, "
                               f"last={stage == stages - 1}) failed: "
                               f"{type(e).__name__}: {e}") from None
@@ -106,7 +106,7 @@ def _tp_apart(model, shared: list[list[str]], what: str) -> list[list[str]]:
     """The shared parameters the plan would shard into separate copies."""
     try:
         plan = dict(model.tensor_parallel_plan())
-    except Exception as e:  # noqa: BLE001 - the user's plan: its error is theirs to see
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - the user's plan: its error
         raise ConfigError(f"{what}: tensor_parallel_plan() failed: "
                           f"{type(e).__name__}: {e}") from None
 

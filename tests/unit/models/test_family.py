@@ -67,6 +67,15 @@ def test_a_plain_model_runs_every_data_parallel_backend():
     ("tests.unit.models.user_models:hf_like", "returns Output, not the logits tensor (batch, seq, "
                                               "vocabulary) (a transformers model: return its "
                                               "output's .logits)"),
+    # sys.exit in the user's code ended partrain with its code (0: "success", 3: "preempted",
+    # which a SLURM job requeues on) and no word; argparse at import printed partrain's usage
+    ("tests.unit.models.user_models:exits", "the builder failed with model.args={}: it called "
+                                            "sys.exit(0)"),
+    ("tests.unit.models.exits_at_import:build", "importing tests.unit.models.exits_at_import "
+                                                "failed: it called sys.exit(3)"),
+    ("tests.unit.models.parses_args_at_import:build", "it called sys.exit(2) (an argparse parser "
+                                                      "run at import reads partrain's command "
+                                                      "line"),
     # a traceback from the launcher (ValueError: Attempted to use an uninitialized parameter)
     ("tests.unit.models.user_models:lazy", "head.weight, head.bias are lazy parameters (nn.LazyLinear and "
                                            "the like)"),

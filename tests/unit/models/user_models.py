@@ -261,3 +261,10 @@ class MadeInForward(Plain):
 
 def made_in_forward(model_cfg) -> nn.Module:
     return MadeInForward(model_cfg.vocab_size, 16)
+
+
+def exits(model_cfg) -> nn.Module:
+    """A builder that ends the process with exit code 0, as if all went well."""
+    import sys
+
+    sys.exit(0)

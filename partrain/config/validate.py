@@ -67,11 +67,28 @@ def check_startable(world: World) -> None:
             "(--nnodes) or smaller degrees")
 
 
+# Keys whose unset value is null: an empty one is a mistake, mostly an unset shell variable
+# (`model.init_from=$CKPT`). Read as unset, it trained from scratch, the built-in model, or
+# without the DeepSpeed file, and said nothing. (data.path's own check names it.)
+NOT_EMPTY = {"model.init_from": "start from random weights", "model.target": "the built-in "
+             "model.family", "parallel.deepspeed_config": "no DeepSpeed file",
+             "parallel.offload_nvme_path": "no nvme path"}
+
+
+def _check_not_empty(cfg: DictConfig) -> None:
+    for key, unset in NOT_EMPTY.items():
+        value = OmegaConf.select(cfg, key, default=None)
+        if isinstance(value, str) and not value.strip():
+            raise ConfigError(f"{key}={value!r} is empty (an unset shell variable?): give a value, "
+                              f"or leave the key out ({unset})")
+
+
 def resolve_and_validate(cfg: DictConfig, world: World, resplit: bool = False) -> list[str]:
     """Fill in dp and the batch triple in place; raise ConfigError on the first broken rule.
     `resplit`: a resume's micro-batch split is derived again (resolve_batch)."""
     p, t = cfg.parallel, cfg.train
     _check_name(cfg.name)
+    _check_not_empty(cfg)
     _check_each_key(cfg)
     check_zero(cfg)
     # A user's own model (model.target) declares what it can do; the shape rules are Llama's.

@@ -23,6 +23,13 @@ CLI_CASES = [
     (["show", "parallel.zero_stage=5"], "parallel.zero_stage=5 must be 0 (DDP), 1, 2 or 3"),
     (["show", "parallel.pp_schedule=zb"], "parallel.pp_schedule=zb is not one of"),
     (["show", "model.foo=1"], "unknown config key model.foo"),
+    # An empty value (an unset shell variable) was read as unset: from scratch, the built-in
+    # model, no DeepSpeed file, and not a word.
+    (["launch", "--dry-run", "model.init_from="],
+     "model.init_from='' is empty (an unset shell variable?)"),
+    (["show", "model.target="], "model.target='' is empty"),
+    (["show", "parallel.zero_stage=2", "parallel.deepspeed_config="],
+     "parallel.deepspeed_config='' is empty"),
     (["show", "parallel.tp=abc"], "parallel.tp=abc"),
     (["show", "nosuch"], "unknown recipe 'nosuch'; known recipes: llama-1b-dp8, llama-7b-tp4-pp2"),
     (["launch", "parallel.zero_stage=2", "parallel.pp=2", "parallel.dp=1", "--dry-run"],

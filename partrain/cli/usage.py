@@ -1,6 +1,8 @@
 """What the `partrain` command says about a usage error: for an unknown flag, the partrain flag
 another launcher's user most likely means (torchrun, DeepSpeed, Accelerate, Hydra)."""
 
+import re
+
 # Other launchers' flags, by what they mean: their nearest partrain flag by spelling can mean
 # the opposite (--master-addr is node 0's address; --local-addr is this node's). The first flag
 # the command has is suggested; a name with underscores is looked up with dashes.
@@ -82,6 +84,11 @@ def missing_value(command, args: list[str]) -> str | None:
                 return (f"{flag} takes a value and got none: the word after it, {value}, is a "
                         f"flag of `partrain {' '.join(name)}` (a value that starts with '-' is "
                         f"written {flag}=VALUE)")
+            path = any(part in flag for part in PATH_WORDS)
+            if path and re.fullmatch(r"[+~]{0,2}[A-Za-z_]\w*(\.\w+)+=.*", value):
+                # `--run-dir train.max_steps=3`: the override became the run dir, lost
+                return (f"{flag} takes a path and got none: the word after it, {value}, is a "
+                        f"config override (a path with '=' in it is written {flag}=PATH)")
         if value == "" and any(part in flag for part in PATH_WORDS):
             return f"{flag} is empty; give it a path (for the current directory: {flag} .)"
     return None

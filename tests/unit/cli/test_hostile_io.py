@@ -194,6 +194,10 @@ ROWS_FLAGS = [
         ["data", "prepare", "in.txt", "--out", "--workers", "2"], "--out takes a value",
         "--workers", "flag of `partrain data prepare`"),
     row("--resume=", ["launch", "--resume=", "--dry-run"], "--resume is empty"),
+    # An unset variable before an override: `--run-dir $DIR train.max_steps=3` trained the
+    # quickstart's 300 steps into ./train.max_steps=3
+    row("--run-dir train.max_steps=3", ["launch", "--dry-run", "--run-dir", "train.max_steps=3"],
+        "--run-dir takes a path and got none", "train.max_steps=3, is a config override"),
     row("unknown command", ["bogus"], "bogus", "No such command"),
     row("show --help-me", ["show", "--help-me"], "--help-me", "No such option"),
     row("SLURM_NODEID=7 of 2 nodes", _in_slurm(["launch", "--dry-run", "parallel.dp=4"],

@@ -359,7 +359,7 @@ def prepare_job(request: Request, dry_run: bool, out: Console, err: Console,
     if dry_run:
         sys.stdout.write(script_text)
         err.print(f"dry run: wrote {run_dir / 'config.yaml'} and {script}; nothing submitted "
-                  f"(submit with: sbatch {script})")
+                  f"(submit with: sbatch {shlex.quote(str(script))})")
         return
     try:
         job_id = submit(script)

@@ -255,13 +255,15 @@ SLURM_ARGS = ("slurm", "parallel.dp=auto", "--nodes", "2", "--nproc-per-node", "
 
 
 def test_dry_run_prints_the_script_it_wrote(run_main, tmp_path):
-    run_dir = tmp_path / "run"
+    # The command it says to paste quotes the path: `$(...)` in a run dir's name ran there.
+    run_dir = tmp_path / "run $(touch pwned)"
     result = run_main(*SLURM_ARGS, "--partition", "cpu", "--run-dir", str(run_dir), "--dry-run")
     assert result.code == 0, result.stderr
     assert result.stdout == (run_dir / "job.sbatch").read_text()
     assert result.stdout.startswith("#!/bin/bash\n")
     assert "#SBATCH --partition=cpu" in result.stdout and "--nproc-per-node 2" in result.stdout
     assert "nothing submitted" in result.stderr
+    assert f"(submit with: sbatch '{run_dir / 'job.sbatch'}')" in " ".join(result.stderr.split())
     assert "nnodes: 2" in (run_dir / "config.yaml").read_text()
 
 

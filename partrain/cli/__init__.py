@@ -332,6 +332,7 @@ def runs(
     and loss, newest checkpoint. Reads only; what it cannot read is `unknown`."""
     from partrain.config.paths import what_is
     from partrain.launch.runs import list_runs, render
+    from partrain.observe.metrics import strict
 
     found = what_is(root)
     if found == "does not exist" and root == Path("runs"):  # nothing launched here yet
@@ -345,7 +346,9 @@ def runs(
         raise ConfigError(f"--root {root} {found}; give the folder that holds run dirs")
     listed = list_runs(root)
     if as_json:
-        sys.stdout.write(json.dumps([run.as_json() for run in listed], indent=2) + "\n")
+        # strict JSON: a loss a run dir recorded as NaN (written before metrics were strict) is null
+        sys.stdout.write(json.dumps([strict(run.as_json()) for run in listed], indent=2,
+                                    allow_nan=False) + "\n")
     elif not listed:
         out.print(f"no run dirs under {root}")
     else:

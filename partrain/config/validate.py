@@ -12,6 +12,7 @@ experts' validate_moe.py's.
 """
 
 import math
+import os
 import re
 
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -391,6 +392,17 @@ def _check_data(d: DictConfig) -> None:
             raise ConfigError(f"data.blend[{i}].weight={entry.weight} must be a positive finite "
                               f"number (the share of samples from {entry.path}, relative to the "
                               "other sources' weights)")
+    seen = {}
+    for i, entry in enumerate(d.blend):
+        # The same dir twice (as typed, or through `..` or a link): one source counted as two
+        # (data prepare refuses an input given twice).
+        where = os.path.realpath(entry.path)
+        if where in seen:
+            j = seen[where]
+            raise ConfigError(f"data.blend[{j}].path={shown(d.blend[j].path)} and data.blend[{i}]"
+                              f".path={shown(entry.path)} are one token dir: give it once, with "
+                              "the sum of its weights")
+        seen[where] = i
     if not math.isfinite(sum(entry.weight for entry in d.blend)):
         raise ConfigError(f"data.blend's weights sum to infinity "
                           f"({', '.join(str(e.weight) for e in d.blend)}); they are relative "
@@ -475,4 +487,13 @@ def _warnings(cfg: DictConfig, world: World) -> list[str]:
             f"parallel.tp={p.tp} is larger than the {world.nproc_per_node} GPUs per node: "
             "tensor-parallel all-reduces will cross nodes, which is slow"
         )
+    o, t = cfg.optim, cfg.train
+    if o.warmup_steps > t.max_steps:  # a short test run of a recipe, most often: allowed
+        warnings.append(f"optim.warmup_steps={o.warmup_steps} > train.max_steps={t.max_steps}: "
+                        f"the learning rate never reaches optim.lr={o.lr:g} (it ends at "
+                        f"{o.lr * t.max_steps / o.warmup_steps:.3g})")
+    if p.offload_nvme_path and "nvme" not in (p.offload_optimizer, p.offload_params):
+        warnings.append(f"parallel.offload_nvme_path={p.offload_nvme_path} has no effect: "
+                        "nothing is offloaded to nvme (parallel.offload_optimizer / "
+                        "offload_params=nvme)")
     return warnings

@@ -2,6 +2,7 @@
 progress display on a terminal (plain lines otherwise), MFU on CUDA, and the final summary."""
 
 import json
+import math
 import sys
 import time
 from collections.abc import Iterator
@@ -33,6 +34,14 @@ def peak_flops(device_name: str) -> float | None:
     return None
 
 
+def strict(record: dict) -> dict:
+    """The record with each non-finite number (a skipped step's NaN loss or infinite gradient
+    norm) as null: JSON has no NaN, and Python's `NaN` token broke jq and strict parsers. The
+    step's `skipped` says why; the curves get the numbers as they were."""
+    return {key: None if isinstance(value, float) and not math.isfinite(value) else value
+            for key, value in record.items()}
+
+
 class MetricsLog:
     """Appends one JSON object per line to run_dir/metrics.jsonl and hands each record to the
     curves (TensorBoard, W&B: partrain.observe.curves); a no-op on ranks other than 0."""
@@ -43,7 +52,7 @@ class MetricsLog:
 
     def write(self, record: dict) -> None:
         if self.file:
-            self.file.write(json.dumps(record) + "\n")
+            self.file.write(json.dumps(strict(record), allow_nan=False) + "\n")
         if self.curves is not None:
             self.curves.write(record)
 
@@ -66,8 +75,11 @@ def recorded_losses(run_dir: Path) -> Iterator[tuple[int, float]]:
                 except ValueError:
                     continue
                 if (isinstance(record, dict) and isinstance(record.get("step"), int)
-                        and isinstance(record.get("loss"), (int, float))):
-                    yield record["step"], float(record["loss"])
+                        and "loss" in record and (record["loss"] is None or
+                                                  isinstance(record["loss"], (int, float)))):
+                    # null: not finite (strict() wrote it so)
+                    loss = record["loss"]
+                    yield record["step"], math.nan if loss is None else float(loss)
     except OSError:
         return
 

@@ -2,6 +2,7 @@
 killed when the test ends, so no launcher or worker outlives a test."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -56,8 +57,17 @@ def cli():
 
 
 def read_metrics(run_dir: Path) -> tuple[list[dict], list[dict]]:
-    """(step records, eval records) from metrics.jsonl."""
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """(step records, eval records) from metrics.jsonl, strict JSON (no NaN token); a skipped
+    step's null loss or grad_norm (not finite) read back as NaN, for the tests' finiteness checks."""
+    def nan_token(token):
+        raise AssertionError(f"metrics.jsonl holds {token}, which is not JSON")
+
+    lines = [json.loads(line, parse_constant=nan_token)
+             for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for record in lines:
+        for key in ("loss", "grad_norm"):
+            if key in record and record[key] is None:
+                record[key] = math.nan
     return [r for r in lines if "loss" in r], [r for r in lines if "val_loss" in r]
 
 

@@ -358,6 +358,9 @@ RULES = [
     ("blend-weight", ["data.blend=[{path: /a, weight: 0.7}, {path: /b, weight: -0.3}]"],
      (None, None), ["data.blend[1].weight=-0.3 must be a positive finite number", "/b"],
      ["data.blend=[{path: /a, weight: 0.7}, {path: /b, weight: 0.3}]"], (None, None)),
+    ("blend-twice", ["data.blend=[{path: /a, weight: 0.7}, {path: /b/../a, weight: 0.3}]"],
+     (None, None), ["data.blend[0].path=/a and data.blend[1].path=/b/../a are one token dir"],
+     ["data.blend=[{path: /a, weight: 0.7}, {path: /b, weight: 0.3}]"], (None, None)),
     ("blend-empty", ["data.blend=[]"], (None, None), ["data.blend=[] names no source"],
      ["data.blend=[{path: /a}]"], (None, None)),
     ("blend-and-path", ["data.path=/a", "data.blend=[{path: /b}]"], (None, None),
@@ -466,3 +469,14 @@ def test_values_that_fail_later_are_rejected_up_front(override, consequence):
     with pytest.raises(ConfigError) as info:
         validated(override)
     assert override.split("=")[0] in str(info.value)
+
+
+def test_a_warmup_longer_than_the_run_and_an_unused_nvme_path_are_warnings():
+    """Allowed (a recipe's short test run; a site's default path), never silent."""
+    _, _, warnings = validated("optim.warmup_steps=100", "train.max_steps=10",
+                               "parallel.offload_nvme_path=/scratch")
+    assert warnings == [
+        "optim.warmup_steps=100 > train.max_steps=10: the learning rate never reaches "
+        "optim.lr=0.003 (it ends at 0.0003)",
+        "parallel.offload_nvme_path=/scratch has no effect: nothing is offloaded to nvme "
+        "(parallel.offload_optimizer / offload_params=nvme)"]

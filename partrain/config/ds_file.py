@@ -132,7 +132,8 @@ def _partrain_values(data: dict, flat: dict, cp: int) -> tuple[dict, list[str]]:
         try:
             converted = kind(value)
         except (TypeError, ValueError):
-            problems.append(f"{where}={value!r} is not a {kind.__name__} (for {key})")
+            article = "an" if kind.__name__[0] in "aeiou" else "a"
+            problems.append(f"{where}={value!r} is not {article} {kind.__name__} (for {key})")
             continue
         if where == "train_batch_size" and cp > 1:
             # DeepSpeed counts a sequence once per rank of its dp x cp group.

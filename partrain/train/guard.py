@@ -135,10 +135,12 @@ class DivergenceGuard:
             where = (f"The newest good checkpoint is {newest.path} (step {newest.step}); resume "
                      f"from it with a lower learning rate: partrain launch --resume {run_dir} "
                      f"{lower}")
-        return (f"training diverged: {self.in_a_row} steps in a row had a non-finite loss or "
+        steps = "1 step" if self.in_a_row == 1 else f"{self.in_a_row} steps in a row"
+        return (f"training diverged: {steps} had a non-finite loss or "
                 f"gradient norm (train.max_skipped_steps={self.max_skipped}), the last at step "
                 f"{last['step']}: loss {_num(last['loss'])}, grad_norm {_num(last['grad_norm'])}; "
-                f"{param}. Their updates were skipped: weights and optimizer state are those "
+                f"{param}. {'Its update was' if self.in_a_row == 1 else 'Their updates were'} "
+                "skipped: weights and optimizer state are those "
                 f"of the last good step. {where}")
 
 

@@ -24,6 +24,31 @@ if len(sys.argv) != 2 or not os.path.isfile(os.path.join(sys.argv[1], "config.ya
         "instead: it starts the ranks itself (docs/coming-from.md, From torchrun)\n")
     sys.exit(2)
 
+
+def _world_of(run_dir: str) -> int | None:
+    """The ranks the run dir's config was resolved for (launcher.nnodes x nproc_per_node)."""
+    import yaml
+
+    try:
+        with open(os.path.join(run_dir, "config.yaml"), encoding="utf-8") as f:
+            launcher = (yaml.safe_load(f) or {}).get("launcher") or {}
+        return int(launcher["nnodes"]) * int(launcher["nproc_per_node"])
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, yaml.YAMLError):
+        return None
+
+
+# A run dir started under another world size than its config's (torchrun with another
+# --nproc_per_node): the mesh was refused deep inside, with a traceback in every rank.
+_WORLD = _world_of(sys.argv[1])
+if _WORLD is not None and os.environ.get("WORLD_SIZE") != str(_WORLD):
+    sys.stderr.write(
+        f"error: {sys.argv[1]} was resolved for {_WORLD} rank(s) (launcher.nnodes x "
+        f"nproc_per_node in its config.yaml), and this worker is one of "
+        f"WORLD_SIZE={os.environ.get('WORLD_SIZE')}: start it with `partrain launch --resume "
+        f"{sys.argv[1]}` (which resolves the layout for the ranks it starts) or with as many "
+        "ranks\n")
+    sys.exit(2)
+
 from partrain.launch.heap import imports_without_gc  # noqa: E402
 
 with imports_without_gc():  # torch, DTensor, DCP and partrain, with less CPU (heap.py)

@@ -258,3 +258,22 @@ def test_more_ranks_than_this_nodes_gpus_is_refused(run_main, machine, tmp_path,
     fine = run_main("launch", "--dry-run", "--nproc-per-node", "4", "launcher.device=cpu",
                     "parallel.dp=auto", "--run-dir", "run")
     assert fine.code == 0, fine.stderr
+
+
+def test_a_run_dir_started_by_torchrun_with_another_world_size_is_one_line(tmp_path):
+    """`torchrun --nproc_per_node 1 -m partrain.train RUN_DIR` on a run dir resolved for 2
+    ranks failed inside every rank (the mesh is bigger than the world, a traceback); with the
+    same count it trains (the reviewer's run)."""
+    import os
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("name: x\nlauncher:\n  nnodes: 1\n  nproc_per_node: 2\n")
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1"}
+    done = subprocess.run([sys.executable, "-m", "partrain.train", str(run_dir)],
+                          capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"error: {run_dir} was resolved for 2 rank(s)"), done.stderr
+    assert "WORLD_SIZE=1" in done.stderr and "Traceback" not in done.stderr

@@ -236,3 +236,16 @@ def wait_for_endpoint(host: str, port: int, timeout_s: float) -> str | None:
             problem = e.strerror or str(e) or type(e).__name__
         time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
     return problem
+
+
+def port_taken(port: int) -> str | None:
+    """Why node 0 could not host the rendezvous store on `port` (it listens on every interface,
+    as c10d's store does), or None: another process listening there (a second job, an old
+    launcher) failed after the start with EADDRINUSE and a hint to look at the other nodes."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError as e:
+            return e.strerror or str(e)
+    return None

@@ -65,6 +65,8 @@ from partrain.launch.netif import (
     check_local_addr,
     network_warnings,
     pick_network,
+    port_taken,
+    split_endpoint,
 )
 from partrain.launch.rundir import check_not_in_use, check_run_dir, default_run_dir
 from partrain.launch.torchrun import count_nproc
@@ -339,6 +341,14 @@ def this_node(request: Request, place: NodePlace, world: World, warnings: list[s
         if not endpoint:
             raise ConfigError(f"--nnodes={world.nnodes} needs --rdzv-endpoint HOST:PORT "
                               "(node 0's address), the same on every node")
+    if endpoint and rank == 0:  # node 0 hosts the store: its port must be free here
+        _, port = split_endpoint(endpoint)
+        taken = port_taken(port)
+        if taken:
+            raise ConfigError(f"--rdzv-endpoint {endpoint}: node 0 hosts the rendezvous there, "
+                              f"and port {port} cannot be listened on on this node ({taken}): "
+                              "another job or an old launcher holds it; pick a free port for "
+                              "every node's --rdzv-endpoint")
     local_addr, ifname = request.local_addr, request.ifname
     if local_addr:
         check_local_addr(local_addr)

@@ -228,6 +228,26 @@ def test_launch_in_slurm_takes_the_job_place(run_main, monkeypatch):
     assert "network: 127.0.0.1 on lo (the route to localhost:30211)" in result.stdout
 
 
+def test_node_0_refuses_an_endpoint_port_another_process_listens_on(run_main, tmp_path):
+    """It failed after the start (a run dir left behind) with EADDRINUSE and a hint to look at
+    the other nodes; node 1, which only connects there, is not asked."""
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        args = ("launch", "--nnodes", "2", "parallel.dp=4", "--rdzv-endpoint",
+                f"127.0.0.1:{port}", "--dry-run", "--run-dir", str(tmp_path / "run"))
+        result = run_main(*args)
+        assert result.code == 2, result.stderr
+        assert (f"port {port} cannot be listened on on this node (Address already in use)"
+                in " ".join(result.stderr.split()))
+        assert run_main(*args, "--node-rank", "1").code == 0
+    assert run_main(*args).code == 0
+    assert not (tmp_path / "run").exists()
+
+
 def test_launch_rejects_unreachable_endpoint_host(run_main):
     result = run_main("launch", "--nnodes", "2", "parallel.dp=4", "--rdzv-endpoint",
                       "no-such-host.invalid:29400", "--dry-run")

@@ -102,9 +102,10 @@ class EndWatch:
     """The launcher's side (see the module docstring). `specs` is the agent's RunDirLogsSpecs:
     its `starts` and `ranks` say the attempt and this node's ranks in it."""
 
-    def __init__(self, run_dir: Path, specs, poll_s: float = 0.25, grace_s: float = GRACE_S):
+    def __init__(self, run_dir: Path, specs, poll_s: float = 0.5, grace_s: float = GRACE_S):
         self.run_dir, self.specs, self.poll_s, self.grace_s = Path(run_dir), specs, poll_s, grace_s
         self._early: dict[int, dict[int, float]] = {}  # attempt -> rank -> when seen gone
+        self._pids: dict[tuple[int, int], int] = {}  # (attempt, rank) -> its process
         self._attempt = None
         self._agent = _AgentSawAFailure()
         self.stopped_launch = False  # the watch sent the launcher SIGTERM
@@ -138,9 +139,16 @@ class EndWatch:
             self._attempt = attempt
             early = self._early.setdefault(attempt, {})
             for rank in ranks.values():
+                # The state file is read only until the rank's pid is known and once its process
+                # is gone: the run dir may be on a shared file system, under thousands of ranks.
+                pid = self._pids.get((attempt, rank))
+                if rank in early or (pid is not None and alive(pid)):
+                    continue
                 state = read_state(self.run_dir, rank)
-                if (rank in early or state is None or state.get("attempt") != attempt or
-                        state.get("ended") or alive(int(state.get("pid", 0)))):
+                if state is None or state.get("attempt") != attempt:
+                    continue
+                pid = self._pids[(attempt, rank)] = int(state.get("pid", 0))
+                if state.get("ended") or alive(pid):
                     continue
                 if self._agent.at is not None or self._acted or recorded(
                         self.run_dir / "logs" / f"error-rank-{rank}.json") is not None:

@@ -13,7 +13,8 @@ node's rank server that already imported torch and partrain (forkserver; forked.
 fails, the agent stops the others within its monitor interval and shutdown timeout; we read the
 failed rank's elastic error file (and every other rank's that recorded one) and exit 1 (when
 every rank stopped together, its message and code: 4 from the divergence guard, 2 when the nodes
-do not see one run dir).
+do not see one run dir). A rank whose process exits with code 0 before the end, which the agent
+counts as finished, is a failed rank too (ended.py).
 SIGINT/SIGTERM reach the agent, which stops all workers; we exit 130. SIGUSR2 (SLURM's
 warning before a time limit or a preemption) is passed to the workers, which save a checkpoint at
 one step and end; we then exit 3, "relaunch to resume" (preemption.py). A launcher
@@ -297,7 +298,7 @@ def _size(path: Path) -> int:
 def _run_agent(config: LaunchConfig, run_dir: Path, spec: ElasticLaunch, agent_log: Path,
                console_print) -> int:
     """Run the workers under the agent; how it ended decides the exit code: EXIT_OK when every
-    rank finished, else EXIT_DIVERGED (the divergence guard stopped every rank), EXIT_RANK_FAILED
+    rank finished (each said so: ended.py), else EXIT_DIVERGED (the divergence guard stopped every rank), EXIT_RANK_FAILED
     (a rank failed, or the rendezvous did: each said with the log to read) or
     EXIT_INTERRUPTED."""
     since = time.time()  # hang reports of this launch only
@@ -387,8 +388,8 @@ def _say_ended_early(run_dir: Path, ranks: list[int], exhausted: str, console_pr
            "ranks " + ", ".join(str(rank) for rank in ranks))
     console_print(f"{who} exited with code 0 after step {step if step is not None else 0}, "
                   f"before the end of the run, and recorded no error{exhausted}: something in "
-                  "the rank ended its process (os._exit or sys.exit in a model's or a library's "
-                  "code, or a signal handler of its own)")
+                  "the rank ended its process (os._exit in a model's or a library's code, or a "
+                  "signal handler of its own)")
     others = "" if alone else "every other rank was stopped; "
     console_print(f"  its log: {run_dir / 'logs' / f'rank-{ranks[0]}.log'}; {others}"
                   f"{where_to_resume(run_dir)}")

@@ -30,6 +30,10 @@ from pathlib import Path
 from partrain.launch.failures import recorded
 
 GRACE_S = 3.0  # longer than a rank that lost its peer waits before it exits (train/rank.py)
+# A rank that exits 0 is followed by the agent's first failure no sooner than the others' wait on
+# their lost peer (2 s, train/rank.py); ranks killed together (the OOM killer, a `kill -9` of
+# several) end within a poll of the agent seeing one of them. Between the two: this.
+KILLED_TOGETHER_S = 1.0
 
 
 def state_path(run_dir: Path, rank: int) -> Path:
@@ -85,16 +89,19 @@ def alive(pid: int) -> bool:
 
 class _AgentSawAFailure(logging.Handler):
     """The moment the agent (or torch.multiprocessing for forked ranks) first said that a worker
-    failed or is being stopped: a rank that ended after it was stopped, not early."""
+    failed or is being stopped (a warning or an error), or that it restarts the workers (at INFO:
+    after a failure, or when another node's agent asks for a new round): a rank that ended after
+    it was stopped, not early, and the agent is handling what happened."""
 
     LOGGERS = ("torch.distributed.elastic", "torch.multiprocessing")
 
     def __init__(self):
-        super().__init__(logging.WARNING)
+        super().__init__(logging.INFO)
         self.at: float | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
-        if self.at is None:
+        if self.at is None and (record.levelno >= logging.WARNING or
+                                "will restart worker group" in str(record.msg)):
             self.at = time.monotonic()
 
 
@@ -102,8 +109,10 @@ class EndWatch:
     """The launcher's side (see the module docstring). `specs` is the agent's RunDirLogsSpecs:
     its `starts` and `ranks` say the attempt and this node's ranks in it."""
 
-    def __init__(self, run_dir: Path, specs, poll_s: float = 0.5, grace_s: float = GRACE_S):
+    def __init__(self, run_dir: Path, specs, poll_s: float = 0.5, grace_s: float = GRACE_S,
+                 one_node: bool = True):
         self.run_dir, self.specs, self.poll_s, self.grace_s = Path(run_dir), specs, poll_s, grace_s
+        self.one_node = one_node
         self._early: dict[int, dict[int, float]] = {}  # attempt -> rank -> when seen gone
         self._pids: dict[tuple[int, int], int] = {}  # (attempt, rank) -> its process
         self._attempt = None
@@ -167,8 +176,11 @@ class EndWatch:
 
     def _stop_the_rest(self, ranks, attempt: int) -> None:
         """The launch went on without the rank that ended: end this attempt. SIGTERM to this
-        node's other ranks (the agent sees them fail); none left, SIGTERM to the launcher (the
-        agent's handler stops it), unless the agent's handler is not in place."""
+        node's other ranks (the agent sees them fail); none left, on one node, SIGTERM to the
+        launcher (the agent's handler stops it), unless the agent's handler is not in place. On
+        several nodes the others' ranks fail on the lost peer (or their hang watch fires): their
+        agents start a new round, which this node's agent joins (a restart), or their launchers
+        end and this one loses the store (local.py names the rank then)."""
         living = []
         for rank in ranks:
             state = read_state(self.run_dir, rank)
@@ -179,18 +191,23 @@ class EndWatch:
                 os.kill(pid, signal.SIGTERM)
             except ProcessLookupError:
                 pass
-        if not living and getattr(signal.getsignal(signal.SIGTERM), "__module__",
-                                  "").startswith("torch."):
+        if not living and self.one_node and getattr(signal.getsignal(signal.SIGTERM),
+                                                    "__module__", "").startswith("torch."):
             self.stopped_launch = True
             os.kill(os.getpid(), signal.SIGTERM)
 
     def ended_early(self, attempt: int | None = None, not_these=()) -> list[int]:
         """The ranks of this node that exited with code 0 in the middle of `attempt` (the last
-        one by default), leaving out `not_these` (ranks the agent saw fail)."""
+        one by default), leaving out `not_these` (ranks the agent saw fail) and those that ended
+        within KILLED_TOGETHER_S before the agent saw a failure (forked ranks killed together:
+        the agent names only the first)."""
         self.poll()
         with self._lock:
             attempt = self._attempt if attempt is None else attempt
-            return sorted(set(self._early.get(attempt, {})) - set(not_these))
+            saw = self._agent.at
+            return sorted(rank for rank, when in self._early.get(attempt, {}).items()
+                          if rank not in not_these and
+                          (saw is None or saw - when >= KILLED_TOGETHER_S))
 
     def unfinished(self) -> list[int]:
         """After an attempt the agent counted as a success: this node's ranks that did not

@@ -37,6 +37,7 @@ from torch.distributed.elastic.multiprocessing.api import (
     LogsSpecs,
     SignalException,
 )
+from torch.distributed import DistStoreError
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -307,8 +308,11 @@ def _run_agent(config: LaunchConfig, run_dir: Path, spec: ElasticLaunch, agent_l
         entrypoint, args = forked.rank, (str(run_dir),)
     else:
         entrypoint, args = sys.executable, ("-u", "-m", "partrain.train", str(run_dir))
-    watch = config.logs_specs.end_watch = ended.EndWatch(run_dir, config.logs_specs)
+    watch = config.logs_specs.end_watch = ended.EndWatch(run_dir, config.logs_specs,
+                                                         one_node=not spec.multi_node)
     alone = spec.nnodes * spec.nproc_per_node == 1
+    unused = (f" (launcher.max_restarts={spec.max_restarts} unused: no rank of this node was "
+              "left for the agent to restart)" if spec.max_restarts else "")
     try:
         with hang.DumpRequester(run_dir), watch:
             elastic_launch(config, entrypoint)(*args)
@@ -344,7 +348,20 @@ def _run_agent(config: LaunchConfig, run_dir: Path, spec: ElasticLaunch, agent_l
     except StoppedTogether as stop:
         console_print(f"error: {stop.message}")
         return stop.code
-    except RendezvousError as err:
+    except (RendezvousError, DistStoreError) as err:
+        early = watch.ended_early()
+        if early:  # node 0 ended on the peer it lost before this node's watch spoke
+            _say_ended_early(run_dir, early, "", console_print)
+            return EXIT_RANK_FAILED
+        if workers_started(agent_log, logged) and spec.node_rank == 0:
+            # This node hosts the store: the others did not come back to a new round (a
+            # restart), their launchers ended or their nodes are gone.
+            console_print(f"the other nodes did not join the rendezvous at {spec.rdzv_endpoint} "
+                          f"again within launcher.rdzv_timeout_s={spec.rdzv_timeout_s} s "
+                          f"({first_line(err)}): their launchers ended (their output says why) "
+                          f"or their nodes are gone; this node's workers were stopped; "
+                          f"{where_to_resume(run_dir)}. The agent's log: {agent_log}")
+            return EXIT_RANK_FAILED
         if workers_started(agent_log, logged):
             # The store on node 0 went away mid-run: node 0's launcher ended or its node is gone.
             console_print(f"lost the rendezvous store at {spec.rdzv_endpoint} during the run "
@@ -367,7 +384,7 @@ def _run_agent(config: LaunchConfig, run_dir: Path, spec: ElasticLaunch, agent_l
         return EXIT_RANK_FAILED
     except (SignalException, KeyboardInterrupt):
         if watch.stopped_launch:  # the watch's own SIGTERM: every rank here had ended
-            _say_ended_early(run_dir, watch.ended_early(), "", console_print, alone)
+            _say_ended_early(run_dir, watch.ended_early(), unused, console_print, alone)
             return EXIT_RANK_FAILED
         console_print(f"interrupted: all workers stopped; {where_to_resume(run_dir)}")
         return EXIT_INTERRUPTED
@@ -375,7 +392,7 @@ def _run_agent(config: LaunchConfig, run_dir: Path, spec: ElasticLaunch, agent_l
         signal.signal(signal.SIGUSR2, signal.SIG_IGN)  # from here on, nothing to pass it to
     unfinished = watch.unfinished()
     if unfinished:  # the agent counts an exit with code 0 as a rank's success
-        _say_ended_early(run_dir, unfinished, "", console_print, alone)
+        _say_ended_early(run_dir, unfinished, unused, console_print, alone)
         return EXIT_RANK_FAILED
     return EXIT_OK
 

@@ -319,3 +319,30 @@ def test_a_worker_killed_on_node_1_restarts_both_nodes_from_the_newest_checkpoin
         assert (got["loss"], got["grad_norm"]) == (want["loss"], want["grad_norm"]), got["step"]
     for ns in names:
         assert not survivors(lambda ns=ns: _processes_in(ns), 10), f"{ns} kept processes"
+
+
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_rank_that_exits_0_on_node_1_is_named_there(cli, tmp_path, two_nodes, restarts):
+    """os._exit(0) in node 1's only rank at step 3 (forked ranks, the CPU default). Node 1's
+    launcher said node 0 ended (its store went away when node 0's rank failed on the lost peer),
+    and with a restart left its watch stopped the launch under the agent's new round, node 0
+    then waited out the rendezvous and said node 0 itself had ended. Now node 1 names its rank,
+    node 0 says the failure was elsewhere; with a restart both go on and finish."""
+    names, _ = two_nodes
+    run_dir = tmp_path / "run"
+    nodes = _start_nodes(cli, names, run_dir, *RESTART_COMMON,
+                         f"launcher.max_restarts={restarts}", nproc=1,
+                         env={"PARTRAIN_TEST_FAULT": "1:3:exit0"})
+    said = [" ".join((stdout + stderr).split())
+            for stdout, stderr in (node.communicate(timeout=240) for node in nodes)]
+    for node, text in zip(nodes, said):
+        assert node.returncode == (0 if restarts else 1), text[-3000:]
+        assert "Traceback" not in text and "node 0 ended" not in text, text[-3000:]
+    if restarts:
+        assert ("rank 1 exited with code 0 before the end of the run and recorded no error "
+                "(after step 2); restart 1 of 1") in said[1], said[1][-3000:]
+        assert "a rank on another node failed" in said[0] and "restart 1 of 1" in said[0]
+    else:
+        assert ("rank 1 exited with code 0 after step 2, before the end of the run, and "
+                "recorded no error") in said[1], said[1][-3000:]
+        assert "a rank on another node failed" in said[0], said[0][-3000:]

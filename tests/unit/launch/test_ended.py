@@ -88,3 +88,38 @@ def test_after_the_grace_the_watch_stops_this_nodes_other_ranks(tmp_path, ranks)
         _settle(watch, [ranks(0, "exit0")])
         assert living.wait(timeout=30) == -15
     assert watch.ended_early() == [0] and not watch.stopped_launch
+
+
+def test_ranks_killed_together_are_not_early(tmp_path, ranks):
+    """Forked ranks killed together (the OOM killer, `kill -9` of both): the agent names only
+    the first it sees, within a poll; the other must not read as an exit with code 0. A rank
+    that exits 0 is followed by the agent's first failure only after its peers' wait (2 s)."""
+    watch = ended.EndWatch(tmp_path, Specs([0]), grace_s=3600)
+    failed = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    with watch:
+        _settle(watch, [ranks(0, "exit0")])
+        failed.error("failed (exitcode: %s) local_rank: %s", -9, 1)  # within a poll
+        assert watch.ended_early() == []
+    later = ended.EndWatch(tmp_path, Specs([1]), grace_s=3600)
+    with later:
+        _settle(later, [ranks(1, "exit0")])
+        time.sleep(ended.KILLED_TOGETHER_S + 0.1)
+        failed.error("failed (exitcode: %s) local_rank: %s", 1, 0)  # the peer, 2 s later
+        assert later.ended_early() == [1]
+
+
+def test_a_restart_the_agent_begins_is_left_to_it(tmp_path, ranks):
+    """Another node's agent asked for a new round (a membership change, said at INFO): this
+    node's agent restarts its workers, and the watch does not stop the launch under it."""
+    agent = logging.getLogger("torch.distributed.elastic.agent.server.api")
+    level = agent.level
+    agent.setLevel(logging.INFO)  # as the launcher sets it (local.py, _quiet_agent_logs)
+    watch = ended.EndWatch(tmp_path, Specs([0]), poll_s=0.05, grace_s=2.0)
+    with watch:
+        _settle(watch, [ranks(0, "exit0")])
+        agent.info(
+            "[%s] Detected %s new nodes from group_rank=%s; will restart worker group",
+            "partrain", 1, 0)
+        time.sleep(2.5)
+    agent.setLevel(level)
+    assert not watch.stopped_launch and watch._acted is False

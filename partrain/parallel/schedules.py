@@ -41,6 +41,23 @@ def bubble_theory(schedule: str, pp: int, m: int, v: int = 1) -> float:
     return (pp - 1) / (scale * m + pp - 1)
 
 
+def in_flight_rule(schedule: str, pp: int, m: int, v: int = 1) -> list[int]:
+    """Per pp rank, the chunk-micro-batches whose activations are alive at the schedule's peak,
+    by rule rather than by simulation (`plan` above SIMULATED_MAX_ACTIONS, and the layout
+    search): GPipe all of them; 1F1B rank r's warmup of pp - r - 1 forwards and one more;
+    interleaved, Megatron-LM's warmup, (pp - r - 1) * 2 + (v - 1) * pp forwards and one more (all
+    of them when m == pp). Equal to the simulation's peak_in_flight (tests/unit/parallel/
+    test_schedules.py); 1F1B's rule times v, used for interleaved before, was short by up to
+    a third at rank 0 (11 against 8 at pp4 v2: `--search` ranked layouts that do not fit)."""
+    if schedule == "gpipe":
+        return [m * v] * pp
+    if v == 1:
+        return [min(pp - r, m) for r in range(pp)]
+    if m == pp:
+        return [m * v] * pp
+    return [min((pp - r - 1) * 2 + (v - 1) * pp + 1, m * v) for r in range(pp)]
+
+
 def _compute_order(schedule: str, pp: int, m: int, v: int, rank: int) -> list[tuple[str, int, int]]:
     """(op, local chunk, micro-batch) in the order this rank computes them."""
     if schedule == "gpipe":

@@ -268,6 +268,7 @@ def _schedule_peaks(cfg, dims, v: int, simulate: bool) -> tuple[list[int], tuple
     from partrain.parallel.schedules import (
         SIMULATED_MAX_ACTIONS,
         build_schedule,
+        in_flight_rule,
         peak_buffers,
     )
     from partrain.parallel.schedules import simulate as run_schedule
@@ -278,9 +279,9 @@ def _schedule_peaks(cfg, dims, v: int, simulate: bool) -> tuple[list[int], tuple
     # gloo (CPU runs) posts receives a compute early; NCCL posts them in place.
     buffers = peak_buffers(p.pp_schedule, dims.pp, t.micro_batches, v,
                            early=cfg.launcher.device == "cpu")
-    # The schedule's simulation where it is small enough (and asked for), else 1F1B's rule.
+    # The schedule's simulation where it is small enough (and asked for), else its rule.
     small = simulate and 2 * t.micro_batches * v * dims.pp <= SIMULATED_MAX_ACTIONS
     in_flight = (run_schedule(build_schedule(p.pp_schedule, dims.pp, t.micro_batches, v))
                  .peak_in_flight if small
-                 else [min(dims.pp - r, t.micro_batches) * v for r in range(dims.pp)])
+                 else in_flight_rule(p.pp_schedule, dims.pp, t.micro_batches, v))
     return in_flight, buffers

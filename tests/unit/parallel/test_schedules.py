@@ -17,6 +17,7 @@ from partrain.parallel.schedules import (
     build_program,
     build_schedule,
     check_shape,
+    in_flight_rule,
     message_key,
     peak_buffers,
     simulate,
@@ -186,3 +187,23 @@ def test_program_simulation_detects_a_deadlock_and_a_lost_release():
     stuck = [st for st in programs[1] if not (st.kind == POST and st.actions[0].op == "RECV_F")]
     with pytest.raises(RuntimeError, match="deadlock|received"):
         simulate_program([early, stuck])
+
+
+def test_the_in_flight_rule_is_the_simulations_peak():
+    """`plan` above its simulation size and the layout search count activations by rule: the
+    rule must be the simulation's, rank by rank (interleaved was 1F1B's rule times v: 8 against
+    11 at rank 0 of pp4 v2, and the search ranked first a Mixtral layout 17 GiB over its card)."""
+    cases = [(s, p, m, v) for s, vs in (("gpipe", [1]), ("1f1b", [1]),
+                                        ("interleaved_1f1b", [2, 3, 4]))
+             for v in vs for p in (2, 3, 4, 8) for m in (1, 2, 3, 4, 8, 9, 16, 24, 32)
+             if not (s == "interleaved_1f1b" and m % p) and not (m < p and s != "gpipe")]
+    checked = 0
+    for schedule, p, m, v in cases:
+        try:
+            check_shape(schedule, p, m, v)
+        except ValueError:
+            continue
+        simulated = list(simulate(build_schedule(schedule, p, m, v)).peak_in_flight)
+        assert in_flight_rule(schedule, p, m, v) == simulated, (schedule, p, m, v)
+        checked += 1
+    assert checked > 60

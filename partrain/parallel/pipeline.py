@@ -72,6 +72,15 @@ class PipelineModel(nn.Module):
         # Called after the schedule's last backward (FSDP: its one gradient reduction a step).
         self.finish_backward = None
 
+    def _as_input(self, chunk: int, x: torch.Tensor) -> torch.Tensor:
+        """A received activation (sent as fp32) in the dtype of the chunk's weights: DeepSpeed's
+        ZeRO keeps them in bf16 and runs no autocast, and a bf16 ZeRO-1 run with pp failed at the
+        second stage's first matmul (float != BFloat16). The cast is differentiable: the
+        gradient sent back is x's, fp32. Under autocast or FSDP (fp32 shards) it is x itself."""
+        dtype = next((p.dtype for p in self.chunks[chunk].parameters()
+                      if p.is_floating_point()), x.dtype)
+        return x if x.dtype == dtype else x.to(dtype)
+
     def retie(self) -> None:
         """Point at this rank's copy of the tied embedding again, after a wrapper (FSDP)
         replaced the chunks' parameters."""
@@ -164,7 +173,8 @@ class PipelineModel(nn.Module):
             with self.tracer.span(f"{a.op}{a.chunk}.{a.mb}", "compute"):
                 if a.op == "F":
                     tokens, targets, *documents = micro[a.mb]
-                    x = tokens.to(device) if stage == 0 else inputs[key]
+                    x = tokens.to(device) if stage == 0 else self._as_input(a.chunk,
+                                                                             inputs[key])
                     # Every stage masks its attention by the micro-batch's documents.
                     kwargs = {"documents": documents[0]} if documents else {}
                     with torch.set_grad_enabled(train), autocast:

@@ -200,6 +200,13 @@ def _memory(model, layout: Layout, global_batch_size: int, seq_len: int, stages_
 TIE = 1.01
 
 
+def fp16_can_run(layout: Layout) -> bool:
+    """fp16 needs DeepSpeed's loss scaler: ZeRO by DeepSpeed, and no pp, whose backward does
+    not go through it (partrain/config/validate_layout.py's rules). The search priced every
+    layout and validated its 40 best: under fp16 none passed where valid ones fit."""
+    return layout.zero_stage > 0 and layout.zero_backend == "deepspeed" and layout.pp == 1
+
+
 def _simpler(c: Candidate) -> tuple:
     L = c.layout
     return (L.zero_stage > 0, L.offload_optimizer != "none",
@@ -240,6 +247,8 @@ def search(cfg, gpus: int, hw: Hardware, top: int = 10, explain: dict | None = N
     stages_cache: dict = {}
     fits, counted, too_big, matching = [], 0, None, []
     for layout in layouts(model, gpus, hw, gbs, seq_len):
+        if dtype == "fp16" and not fp16_can_run(layout):
+            continue
         counted += 1
         mem = _memory(model, layout, gbs, seq_len, stages_cache, dtype)
         wanted = explain is not None and all(getattr(layout, k) == v for k, v in explain.items())
@@ -260,12 +269,17 @@ def search(cfg, gpus: int, hw: Hardware, top: int = 10, explain: dict | None = N
             "global_batch_size": gbs, "seq_len": seq_len,
             "explain": None if explain is None else explained(
                 explain, matching, fits, budget, TIE, None if matching else
-                _why_not_enumerated(explain, model, gpus, hw, gbs, seq_len))}
+                _why_not_enumerated(explain, model, gpus, hw, gbs, seq_len, dtype))}
 
 
-def _why_not_enumerated(want: dict, model, gpus: int, hw: Hardware, gbs: int, seq_len: int) -> str:
+def _why_not_enumerated(want: dict, model, gpus: int, hw: Hardware, gbs: int, seq_len: int,
+                        dtype: str = "bf16") -> str:
     """The search's rule (or partrain's) that leaves no layout with the asked values (--explain,
     explain.py). It restates layouts()'s rules, so it lives beside them."""
+    if dtype == "fp16" and (want.get("pp", 1) > 1 or want.get("zero_stage", 1) == 0 or
+                            want.get("zero_backend", "deepspeed") != "deepspeed"):
+        return ("train.dtype=fp16 needs DeepSpeed's loss scaler: ZeRO by DeepSpeed (zero >= 1, "
+                "zero_backend=deepspeed) and pp=1")
     tp, pp, cp = want.get("tp", 1), want.get("pp", 1), want.get("cp", 1)
     tps, pps = _tp_degrees(model, hw, gpus), _divisors(model.n_layers, min(gpus, MAX_PIPELINE_CHUNKS))
     if "tp" in want and tp not in tps:

@@ -232,3 +232,16 @@ def test_search_prints_a_table(run_main):
     assert "best predicted layouts" in res.stdout and "tokens/s" in res.stdout and "MFU" in res.stdout
     # Not a terminal (captured, as a pipe or a file would be): no cell cut short to fit 80 columns.
     assert "…" not in res.stdout and "tokens/s per GPU" in res.stdout, res.stdout
+
+
+def test_an_fp16_search_ranks_only_what_fp16_can_run(run_main):
+    """fp16 needs DeepSpeed's loss scaler (ZeRO by DeepSpeed, no pp): the search priced every
+    layout, validated its 40 best and found none, where such layouts fit."""
+    args = ("plan", "--search", "model=llama-70b", "train.seq_len=4096",
+            "train.global_batch_size=1024", "train.dtype=fp16", "--gpus", "64")
+    res = run_main(*args)
+    assert res.code == 0, res.stderr
+    best = " ".join(res.stdout.split()).split("│ 1 │")[1].split("│")[0]
+    assert "ZeRO-" in best and "FSDP" not in best and " pp" not in best, best
+    res = run_main(*args, "--explain", "pp=2")
+    assert "not enumerated: train.dtype=fp16 needs DeepSpeed's loss scaler" in res.stdout

@@ -57,7 +57,35 @@ def check_moe(cfg: DictConfig, dp: int) -> None:
             "does not take expert-parallel slices (its MoE support is ZeRO-1/2); use "
             "parallel.zero_stage=1 or 2 with ep, or parallel.ep=1 (ZeRO-3 shards the experts "
             "too)")
+    _check_experts_on_every_stage(cfg)
     if m.init_from and str(m.init_from).startswith("hf:"):
         raise ConfigError(f"model.init_from={m.init_from}: Hugging Face imports are Llama models; "
                           "a mixture of experts (model.moe.n_experts="
                           f"{moe.n_experts}) cannot start from one")
+
+
+def _check_experts_on_every_stage(cfg: DictConfig) -> None:
+    """DeepSpeed's ZeRO-1/2 with ep and pp: each rank reduces its expert gradients' norm over the
+    pipeline's ranks, but only a rank that holds experts does; one whose stage has no MoE block
+    (model.moe.first_dense past it) skips that collective and the others wait for it forever (a
+    reviewer's ZeRO-1 ep2 x pp2 run with first_dense=2 hung at step 1). DDP and FSDP2 have no
+    such collective."""
+    from partrain.models.arith import is_moe_block
+    from partrain.parallel.schedules import stage_layers
+
+    p, m = cfg.parallel, cfg.model
+    if not (p.ep > 1 and p.pp > 1 and p.zero_stage in (1, 2) and p.zero_backend == "deepspeed"):
+        return
+    v = p.pp_virtual_stages
+    stages = stage_layers(m.n_layers, p.pp, v, p.get("pp_layers"))
+    for rank in range(p.pp):
+        blocks = [b for chunk in range(v) for b in stages[chunk * p.pp + rank]]
+        if not any(is_moe_block(m, b) for b in blocks):
+            raise ConfigError(
+                f"parallel.ep={p.ep} with DeepSpeed's ZeRO-{p.zero_stage} and parallel.pp="
+                f"{p.pp}: pp rank {rank} holds no MoE block (blocks {blocks[0]}-{blocks[-1]}; "
+                f"model.moe.first_dense={m.moe.first_dense}, every={m.moe.every}), and DeepSpeed "
+                "reduces the expert gradients' norm over the pipeline only on ranks with "
+                "experts: the others would wait for it forever. Give every pipeline stage a MoE "
+                "block (model.moe.first_dense / every, or parallel.pp_layers), or use "
+                "parallel.zero_backend=fsdp or zero_stage=0")

@@ -480,3 +480,18 @@ def test_a_warmup_longer_than_the_run_and_an_unused_nvme_path_are_warnings():
         "optim.lr=0.003 (it ends at 0.0003)",
         "parallel.offload_nvme_path=/scratch has no effect: nothing is offloaded to nvme "
         "(parallel.offload_optimizer / offload_params=nvme)"]
+
+
+def test_zero_with_ep_and_pp_needs_a_moe_block_on_every_stage():
+    """DeepSpeed reduces the expert gradients' norm over the pipeline only on ranks holding
+    experts: ZeRO-1 ep2 x pp2 with the first two blocks dense hung at step 1 (a reviewer's
+    run). Every stage with a MoE block, and FSDP2, are allowed."""
+    layout = ("model.moe.n_experts=8", "parallel.zero_stage=1", "parallel.dp=2", "parallel.ep=2",
+              "parallel.pp=2", "train.micro_batch_size=2")
+    with pytest.raises(ConfigError, match=r"pp rank 0 holds no MoE block \(blocks 0-1; "
+                                          r"model.moe.first_dense=2"):
+        validated(*layout, "model.moe.first_dense=2", nproc=4)
+    validated(*layout, nproc=4)
+    validated(*layout, "model.moe.every=2", nproc=4)
+    validated(*layout, "model.moe.first_dense=2", "parallel.zero_backend=fsdp",
+              "parallel.zero_stage=2", nproc=4)

@@ -14,6 +14,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import re
 import sys
 import typing
 from typing import Any, NamedTuple
@@ -169,6 +170,11 @@ def suggest(key: str, candidates) -> str:
     meant = SYNONYMS.get(key.rsplit(".", 1)[-1].lower().replace("-", "_"))
     if meant in candidates and meant != key:
         return f" (did you mean {meant}?)"
+    # The same words in another order (model=moe-tiny for tiny-moe: spelling said `tiny`)
+    words = sorted(re.split(r"[-_.]", key.lower()))
+    shuffled = [c for c in candidates if sorted(re.split(r"[-_.]", c.lower())) == words]
+    if shuffled and shuffled[0] != key:
+        return f" (did you mean {shuffled[0]}?)"
     best = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
     if not best:  # a right key in the wrong section, or no section: match the last part alone
         leaf = key.rsplit(".", 1)[-1]

@@ -23,6 +23,9 @@ CLI_CASES = [
     (["show", "parallel.zero_stage=5"], "parallel.zero_stage=5 must be 0 (DDP), 1, 2 or 3"),
     (["show", "parallel.pp_schedule=zb"], "parallel.pp_schedule=zb is not one of"),
     (["show", "model.foo=1"], "unknown config key model.foo"),
+    # the same words in another order: spelling alone said `tiny`; case alone said nothing
+    (["show", "model=moe-tiny"], "(did you mean tiny-moe?)"),
+    (["show", "train.MAX_STEPS=3"], "(did you mean train.max_steps?)"),
     # An empty value (an unset shell variable) was read as unset: from scratch, the built-in
     # model, no DeepSpeed file, and not a word.
     (["launch", "--dry-run", "model.init_from="],

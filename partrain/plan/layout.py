@@ -78,8 +78,9 @@ def build_plan(cfg: DictConfig, world: World, warnings: list[str]) -> dict:
                   "flops_per_token": family.flops_per_token(cfg.model, t.seq_len)},
         "experts": _experts(cfg, dims, stages, act_bytes=4 if dtype == "fp32" else 2),
         "hsdp": _hsdp(dims, p.dp_replicate) if p.dp_replicate > 1 else None,
-        "memory": _memory(p.zero_stage, params_per_rank, dims.dp // p.dp_replicate, dtype,
-                          p.zero_backend, dims.pp > 1, optimizer_state_bytes(cfg.optim)),
+        "memory": _memory(p.zero_stage, params_per_rank, dims.dp * dims.cp // p.dp_replicate,
+                          dtype, p.zero_backend, dims.pp > 1, optimizer_state_bytes(cfg.optim),
+                          _busiest_experts(cfg, dims, stages), dims),
         "memory_per_stage": memory_per_stage(cfg, dims, stages, dtype),
         "tp_collectives": _tp_collectives(cfg, dims, stages, low_precision=dtype != "fp32"),
         "context": _context(cfg, dims, stages, act_bytes=4 if dtype == "fp32" else 2),
@@ -166,17 +167,42 @@ def stage_plan(cfg: DictConfig, dims: ParallelDims) -> list[dict]:
             for s, ids in enumerate(layers)]
 
 
-def _memory(stage: int, psi: int, dp: int, dtype: str, engine: str, pipeline: bool,
-            moments: int) -> dict:
+def _busiest_experts(cfg: DictConfig, dims: ParallelDims, stages: list[dict]) -> int:
+    """Expert-slice parameters on the busiest pp rank, under ep > 1 (0 otherwise): ZeRO shards
+    them over their own dp / ep x cp ranks."""
+    if dims.ep <= 1 or not moe_enabled(cfg.model):
+        return 0
+    m = cfg.model
+    busiest = max(stages, key=lambda st: st["params_per_rank"])
+    blocks = range(busiest["blocks"][0], busiest["blocks"][1] + 1) if busiest["blocks"] else []
+    return (sum(b in moe_blocks(m) for b in blocks) * (m.moe.n_experts // dims.ep)
+            * expert_params(m))
+
+
+def _memory(stage: int, psi: int, nd: int, dtype: str, engine: str, pipeline: bool,
+            moments: int, experts: int = 0, dims: ParallelDims | None = None) -> dict:
     """Bytes per rank of parameters, gradients and optimizer state at the chosen zero_stage, for
-    the busiest rank's Ψ parameters (activations and buffers not included); the other stages
-    by the same engine for comparison (DeepSpeed's for 0-1 under FSDP)."""
-    per_stage = {s: zero_memory(s, psi, dp, dtype, engine, pipeline, moments)["total"]
-                 for s in range(4)}
+    the busiest rank's Ψ parameters (activations and buffers not included), sharded over
+    Nd = dp x cp ranks (/ dp_replicate); the other stages by the same engine for comparison
+    (DeepSpeed's for 0-1 under FSDP). Under ep, `experts` of the Ψ are expert slices, which
+    ZeRO shards over their own dp / ep x cp ranks: counted apart (the line said the whole Ψ
+    over Nd, 8.4 GiB for Mixtral at ep8 whose state is 22.2)."""
+    e_nd = max(1, dims.dp // dims.ep * dims.cp) if experts and dims is not None else 1
+
+    def state(s: int) -> dict:
+        dense = zero_memory(s, psi - experts, nd, dtype, engine, pipeline, moments)
+        if not experts:
+            return dense
+        sliced = zero_memory(s, experts, e_nd, dtype, engine, pipeline, moments)
+        both = {k: dense[k] + sliced[k]
+                for k in ("param_bytes", "grad_bytes", "optim_bytes", "total")}
+        both["formula"] = (f"{dense['formula']} (dense) + {sliced['formula'].replace('Nd', 'Nde')}"
+                           " (expert slices)")
+        return both
+
     return {"zero_stage": stage, "engine": engine if stage else "ddp", "params_per_rank": psi,
-            "dp": dp, "dtype": dtype,
-            **zero_memory(stage, psi, dp, dtype, engine, pipeline, moments),
-            "total_by_stage": per_stage}
+            "dp": nd, "dtype": dtype, "expert_params_per_rank": experts, "expert_nd": e_nd,
+            **state(stage), "total_by_stage": {s: state(s)["total"] for s in range(4)}}
 
 
 def _pipeline(cfg: DictConfig, dims: ParallelDims, stages: list[dict]) -> dict:

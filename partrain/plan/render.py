@@ -150,8 +150,11 @@ def _print_memory(plan: dict, console: Console) -> None:
     name = name_of(mem["zero_stage"])
     others = ", ".join(f"{name_of(s)} {_size(total)}"
                        for s, total in mem["total_by_stage"].items() if s != mem["zero_stage"])
+    shards = f"Nd = {mem['dp']}" + (
+        f"; {mem['expert_params_per_rank']:,} of them expert slices, Nde = dp/ep x cp = "
+        f"{mem['expert_nd']}" if mem.get("expert_params_per_rank") else "")
     console.print(f"memory per rank ({name}, {mem['dtype']}, Ψ = {mem['params_per_rank']:,} "
-                  f"parameters, Nd = {mem['dp']}): parameters {_size(mem['param_bytes'])} + "
+                  f"parameters, {shards}): parameters {_size(mem['param_bytes'])} + "
                   f"gradients {_size(mem['grad_bytes'])} + optimizer state "
                   f"{_size(mem['optim_bytes'])} = {mem['formula']} = {_size(mem['total'])}; "
                   f"other stages: {others}")

@@ -14,7 +14,7 @@ def plan_command(args: list[str], world_size, as_json: bool, search: bool, gpus,
                  hardware, tokens_per_step, explain, write_recipe, out) -> None:
     """`partrain plan ARGS...` with its flags; prints to `out` (a rich Console) or JSON."""
     from partrain.launch.preflight import PLAN, Request, preflight
-    from partrain.plan.fit import DEFAULT_HARDWARE, on_hardware
+    from partrain.plan.fit import DEFAULT_HARDWARE, on_gpu, on_hardware
     from partrain.plan.hardware import load_hardware
     from partrain.plan.layout import build_plan
     from partrain.plan.render import print_plan
@@ -40,7 +40,10 @@ def plan_command(args: list[str], world_size, as_json: bool, search: bool, gpus,
         else:
             print_user_plan(result, out)
         return
-    result = build_plan(ready.cfg, ready.world, ready.warnings)
+    # With --hardware the whole plan is the GPU's (its dtype, offload on the host), as its fit
+    # line is: a CPU config's body said fp32's 102.4 GiB beside the fit line's bf16 60.3.
+    result = build_plan(on_gpu(ready.cfg) if hw is not None else ready.cfg, ready.world,
+                        ready.warnings)
     if hw is not None or ready.cfg.launcher.device == "cuda":
         on_hardware(result, ready.cfg, ready.world, hw or load_hardware(DEFAULT_HARDWARE),
                     "--hardware" if hw is not None else

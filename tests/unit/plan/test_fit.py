@@ -160,3 +160,16 @@ def test_price_is_per_gpu_and_per_job():
     assert p["tokens_per_s_per_job"] == pytest.approx(
         cfg.train.global_batch_size * cfg.train.seq_len / p["step_s"])
     assert p["tokens_per_s_per_gpu"] == pytest.approx(p["tokens_per_s_per_job"] / world.size)
+
+
+def test_a_cpu_configs_plan_on_a_gpu_is_the_gpus_throughout(run_main):
+    """`plan --hardware` on a CPU config: the body was planned in fp32 (CPU) beside a fit line in
+    bf16 (llama-7b: 102.4 GiB against 60.3). Both are the GPU's now."""
+    res = run_main("plan", "model=llama-7b", "train.seq_len=4096", "train.global_batch_size=256",
+                   "parallel.dp=8", "parallel.zero_stage=1", "train.micro_batch_size=1",
+                   "--hardware", "H100")
+    assert res.code == 0, res.stderr
+    said = " ".join(res.stdout.split())
+    assert "memory per rank (ZeRO-1, bf16," in said
+    peak = said.split("peak memory, each rank: ")[1].split(" = ")[0]
+    assert f"memory: pp rank 0 {peak}; fits" in said, said

@@ -85,23 +85,6 @@ def cp_traffic(model_cfg, micro_batch: int, seq_len: int, cp: int, tp: int, meth
             for w, op, n, b in rows]
 
 
-def activation_bytes(model_cfg, micro_batch: int, seq_len: int, cp: int, tp: int, layers: int,
-                     act_bytes: int = 4) -> int:
-    """The activations one micro-batch's forward keeps for its backward on one rank, counted as
-    the tensors partrain's blocks save: per token and block the two norm inputs and outputs, q,
-    k, v (rotated, and before rotation), the attention output and its projection's input, the
-    residual, and the MLP's w1, w3, SiLU and product (a tp rank holds heads/tp and ffn/tp of
-    them); attention's own state is its output and log-sum-exp, never a seq_len^2 matrix under
-    the ring. Linear in seq_len / cp: that is what cp buys."""
-    from partrain.models.arith import ffn_dim
-
-    width = head_dim(model_cfg)
-    q = model_cfg.n_heads // tp * width
-    kv = model_cfg.n_kv_heads // tp * width
-    per_token = (5 * model_cfg.dim + 2 * (q + 2 * kv) + 2 * q + 4 * ffn_dim(model_cfg) // tp)
-    return micro_batch * (seq_len // cp) * layers * per_token * act_bytes
-
-
 def moe_traffic(model_cfg, tokens_per_rank: int, micro_batches: int, ep: int,
                 n_moe_blocks: int, bytes_per_element: int = 4) -> dict:
     """What one rank sends to other ranks per step, by the formula: under uniform, dropless

@@ -25,7 +25,6 @@ from partrain.parallel.schedules import (
     stage_layers,
 )
 from partrain.plan.costs import (
-    activation_bytes,
     checkpoint_state_bytes,
     cp_traffic,
     moe_traffic,
@@ -35,7 +34,7 @@ from partrain.plan.costs import (
     true_size,
     zero_memory,
 )
-from partrain.plan.memory_model import memory_per_stage
+from partrain.plan.memory_model import activations, memory_per_stage, shape
 
 TIMELINE_MAX_MICRO_BATCHES = 16  # wider timelines are drawn for fewer (labels stay 2 digits)
 TIMELINE_MAX_RANKS = 32  # a deeper pipeline is not drawn (one line per pp rank)
@@ -264,8 +263,15 @@ def _context(cfg: DictConfig, dims: ParallelDims, stages: list[dict], act_bytes:
                       layers, act_bytes)
     rows = [{**r, "calls": r["calls"] * t.micro_batches, "bytes": r["bytes"] * t.micro_batches}
             for r in rows]
-    at = {cp: activation_bytes(cfg.model, t.micro_batch_size, t.seq_len, cp, dims.tp, layers,
-                               act_bytes) for cp in {1, dims.cp}}
+    # The memory model's own figure (its peak line's activations, for one micro-batch): the line
+    # said a second formula's (all bf16), 11.9 GiB beside the peak line's 13.4.
+    blocks = list(range(layers))
+    sp = dims.tp > 1 and p.sequence_parallel
+    at = {cp: activations(cfg.model, blocks, shape(cfg.model, dims.tp, sp,
+                                                   cp > 1 and p.cp_method == "ring"),
+                          t.micro_batch_size * t.seq_len // cp, 1,
+                          t.activation_checkpointing, act_bytes)["kept_bytes"]
+          for cp in {1, dims.cp}}
     return {"cp": dims.cp, "method": p.cp_method if dims.cp > 1 else None,
             "tokens_per_rank": t.seq_len // dims.cp, "per_step": rows,
             "bytes_per_step": sum(r["bytes"] for r in rows),

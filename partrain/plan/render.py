@@ -235,14 +235,13 @@ def _print_tp_collectives(plan: dict, console: Console) -> None:
 
 def _print_context(plan: dict, console: Console) -> None:
     ctx = plan["context"]
-    # What cp buys, by its formula (dense blocks, nothing recomputed); the peak line above is
-    # the memory model's whole count, and without cp this line only said a second, other figure.
+    # What cp buys, by the memory model (the peak line's activations, one micro-batch); without
+    # cp there is nothing to compare.
     if ctx["cp"] > 1:
         console.print(f"context parallelism: activations kept per micro-batch per rank "
                       f"{_size(ctx['activation_bytes_per_micro_batch'])} "
                       f"({ctx['tokens_per_rank']:,} tokens of each sequence), "
-                      f"{_size(ctx['activation_bytes_per_micro_batch_cp1'])} at cp=1 "
-                      "(dense blocks, nothing recomputed)")
+                      f"{_size(ctx['activation_bytes_per_micro_batch_cp1'])} at cp=1")
     if ctx["per_step"]:
         table = Table(title=f"context-parallel traffic per step, per rank of a cp group of "
                             f"{ctx['cp']} ({ctx['method']})")

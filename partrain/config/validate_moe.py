@@ -70,8 +70,7 @@ def _check_experts_on_every_stage(cfg: DictConfig) -> None:
     (model.moe.first_dense past it) skips that collective and the others wait for it forever (a
     reviewer's ZeRO-1 ep2 x pp2 run with first_dense=2 hung at step 1). DDP and FSDP2 have no
     such collective."""
-    from partrain.models.arith import is_moe_block
-    from partrain.parallel.schedules import stage_layers
+    from partrain.models.arith import is_moe_block, stage_layers
 
     p, m = cfg.parallel, cfg.model
     if not (p.ep > 1 and p.pp > 1 and p.zero_stage in (1, 2) and p.zero_backend == "deepspeed"):

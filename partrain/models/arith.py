@@ -156,3 +156,17 @@ RECOMPUTE_MODES = ("none", "selective", "full")  # train.activation_checkpointin
 # The chunked cross-entropy's chunk (models/loss.py), in fp32 elements of its softmax: 64 Mi,
 # 256 MiB; a chunk is at least one token. Here for the planner's memory model, torch-free.
 CHUNK_ELEMENTS = 1 << 26
+
+
+def stage_layers(n_layers: int, pp: int, v: int = 1, pp_layers=None) -> list[range]:
+    """Block ids of every stage s = 0..pp*v-1, consecutive; pp_layers gives the counts. Ranges,
+    so that `plan` costs the same for any model.n_layers."""
+    stages = pp * v
+    counts = list(pp_layers) if pp_layers else [n_layers // stages] * stages
+    if len(counts) != stages or sum(counts) != n_layers:
+        raise ValueError(f"stage sizes {counts} must be {stages} numbers summing to {n_layers}")
+    ids, start = [], 0
+    for count in counts:
+        ids.append(range(start, start + count))
+        start += count
+    return ids

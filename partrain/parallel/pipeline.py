@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from partrain.models.arith import stage_layers
 from partrain.observe.trace import Tracer
 from partrain.parallel.dist import local
 from partrain.parallel.schedules import (
@@ -44,7 +45,6 @@ from partrain.parallel.schedules import (
     build_program,
     build_schedule,
     message_key,
-    stage_layers,
 )
 
 

@@ -348,17 +348,3 @@ def peak_buffers(schedule: str, pp: int, m: int, v: int = 1, early: bool = True)
     run = simulate_program(build_program(build_schedule(schedule, pp, small, v), early))
     grow = m - small if schedule == "gpipe" else 0
     return tuple(n + grow for n in run.peak_buffers)
-
-
-def stage_layers(n_layers: int, pp: int, v: int = 1, pp_layers=None) -> list[range]:
-    """Block ids of every stage s = 0..pp*v-1, consecutive; pp_layers gives the counts. Ranges,
-    so that `plan` costs the same for any model.n_layers."""
-    stages = pp * v
-    counts = list(pp_layers) if pp_layers else [n_layers // stages] * stages
-    if len(counts) != stages or sum(counts) != n_layers:
-        raise ValueError(f"stage sizes {counts} must be {stages} numbers summing to {n_layers}")
-    ids, start = [], 0
-    for count in counts:
-        ids.append(range(start, start + count))
-        start += count
-    return ids

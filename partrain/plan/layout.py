@@ -13,6 +13,7 @@ from partrain.models.arith import (
     expert_params,
     moe_blocks,
     moe_enabled,
+    stage_layers,
     tied,
 )
 from partrain.models.family import family_of, shape_modeled
@@ -22,7 +23,6 @@ from partrain.parallel.schedules import (
     bubble_theory,
     build_schedule,
     simulate,
-    stage_layers,
 )
 from partrain.plan.costs import (
     checkpoint_state_bytes,

@@ -350,7 +350,10 @@ def test_table_is_big_enough():
 
 
 def test_deepspeed_takes_free_keys(run_main):
-    """A control: the one open section takes keys of the user's own."""
-    result = run_main("show", "+parallel.deepspeed.X=1", "parallel.zero_stage=1")
+    """A control: the one open section takes keys partrain does not declare (DeepSpeed's own;
+    one DeepSpeed does not know is refused: it would ignore it)."""
+    result = run_main("show", "+parallel.deepspeed.steps_per_print=7", "parallel.zero_stage=1")
     assert result.code == 0, result.stderr
-    assert "X: 1" in result.stdout
+    assert "steps_per_print: 7" in result.stdout
+    result = run_main("show", "+parallel.deepspeed.X=1", "parallel.zero_stage=1")
+    assert result.code == 2 and "DeepSpeed has no key X" in result.stderr

@@ -67,7 +67,8 @@ def restart_reporter(run_dir: Path, max_restarts: int, console_print, multi_node
                "; ".join(f"rank {rank} failed: {text}" for rank, text in sorted(failed.items()))
                or "; ".join(f"rank {rank} exited with code 0 before the end of the run and "
                             "recorded no error" for rank in early)
-               or "; ".join(f"rank {rank} {ending(code)}" for rank, code in sorted(silent.items()))
+               or "; ".join(f"rank {rank} {ending(code)}{_quoted(run_dir, rank)}"
+                            for rank, code in sorted(silent.items()))
                or ("a rank on another node failed (this node's ranks lost their peers or were "
                    "stopped; the failed rank is in that node's output and its logs/rank-N.log)"
                    if multi_node else
@@ -82,6 +83,11 @@ def restart_reporter(run_dir: Path, max_restarts: int, console_print, multi_node
     return report
 
 
+def _quoted(run_dir: Path, rank: int) -> str:
+    words = last_words(run_dir / "logs" / f"rank-{rank}.log")
+    return f" (its log ends: {words})" if words else ""
+
+
 def say_hang(run_dir: Path, since: float, console_print) -> bool:
     """Print the summary of a hang from the ranks' reports written since `since` (this launch's);
     False if there are none."""
@@ -89,6 +95,27 @@ def say_hang(run_dir: Path, since: float, console_print) -> bool:
     for line in lines:
         console_print(line)
     return bool(lines)
+
+
+_LAST_WORDS = re.compile(r"what\(\)|terminate called|[A-Za-z]+Error\b|Fatal Python error|"
+                         r"collective mismatch")
+
+
+def last_words(log: Path, limit: int = 300) -> str | None:
+    """What a rank that recorded no Python error said last before it died, from the end of its
+    log: C++'s `what():` line (gloo aborts a rank that meets another rank's collective with
+    SIGABRT, and says `Is there a distributed collective mismatch in your code?` only there), or
+    an error line. None if nothing like it is there."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - (1 << 16)))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    found = [line.strip() for line in lines if _LAST_WORDS.search(line)]
+    said = next((line for line in reversed(found) if "what()" in line), None) or \
+        (found[-1] if found else None)
+    return said[:limit] + ("..." if len(said) > limit else "") if said else None
 
 
 def ending(exitcode: int) -> str:

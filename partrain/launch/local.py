@@ -49,6 +49,7 @@ from partrain.launch.failures import (
     failure_message,
     first_line,
     last_step,
+    last_words,
     lost_a_peer,
     recorded,
     restart_reporter,
@@ -326,6 +327,11 @@ def _run_agent(config: LaunchConfig, run_dir: Path, spec: ElasticLaunch, agent_l
             return EXIT_RANK_FAILED
         if any(failure_message(f).startswith(hang.PREFIX) for f in err.failures.values()):
             say_hang(run_dir, since, console_print)
+            if FORWARDER.received_at is not None and FORWARDER.received_at >= since:
+                # SLURM requeues only on exit 3: a job preempted while hung is not requeued.
+                console_print("  a preemption signal (SIGUSR2) came while the ranks were hung: "
+                              "nothing could be saved on it, and the launcher exits 1 (a "
+                              "`partrain slurm` job is not requeued)")
             console_print(f"  every worker was stopped{exhausted}; {where_to_resume(run_dir)}")
             return EXIT_RANK_FAILED
         for failure in err.failures.values():
@@ -342,6 +348,10 @@ def _run_agent(config: LaunchConfig, run_dir: Path, spec: ElasticLaunch, agent_l
             console_print(f"  every other rank was stopped; {where_to_resume(run_dir)}")
             return EXIT_RANK_FAILED
         console_print(f"rank {rank} failed: {message}{exhausted}")
+        words = (last_words(run_dir / "logs" / f"rank-{rank}.log")
+                 if "no Python error recorded" in message else None)
+        if words:  # a C++ abort (gloo's collective mismatch) says why only in the rank's log
+            console_print(f"  its log ends: {words}")
         console_print(f"  its log: {run_dir / 'logs' / f'rank-{rank}.log'}; every other rank "
                       f"was stopped; {where_to_resume(run_dir)}")
         return EXIT_RANK_FAILED

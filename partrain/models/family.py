@@ -210,11 +210,14 @@ def build_family_model(model_cfg, seed: int):
     import torch
     from torch import nn
 
+    # The process's generator starts from train.seed's state for every family (dropout and any
+    # draw after the build), not only for a user's builder (a reviewer's two runs of the built-in
+    # model saved other generator states).
+    torch.manual_seed(seed)
     family = family_of(model_cfg)
     if family is not None:
         return family.build(model_cfg, seed)
     builder = load_builder(model_cfg.target)
-    torch.manual_seed(seed)
     model = builder(model_cfg)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model.target={model_cfg.target} returned a {type(model).__name__}, "

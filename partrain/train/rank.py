@@ -51,7 +51,8 @@ def run(run_dir: str, early_signals: list[float] = ()) -> None:
     except BaseException as err:
         # @record has written the error file for the launcher. Skip interpreter teardown: the
         # other ranks are being stopped, and gloo's destructors could abort on a half-open group.
-        traceback.print_exc()
+        if not isinstance(err, KeyboardInterrupt):  # Ctrl-C: the launcher says so, once
+            traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()
         if lost_a_peer(f"{err} {err.__cause__ or ''}"):

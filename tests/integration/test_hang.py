@@ -5,6 +5,10 @@ RANK:STEP:HOW makes a rank hang in the first attempt: `sleep` inside the step, `
 collective the others have not reached, `hold` in C code that holds the GIL (its own watch cannot
 run, so the launcher's signal fetches its stack)."""
 
+import os
+import signal
+import time
+
 import pytest
 
 from tests.integration.conftest import processes_mentioning, read_metrics, survivors
@@ -130,3 +134,42 @@ def test_a_slow_deletion_of_a_pruned_checkpoint_is_not_a_hang(cli, tmp_path):
     assert [s["step"] for s in steps] == list(range(1, 9))
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest",
                                                                           "step-00000008"]
+
+
+def test_a_collective_mismatch_gloo_aborts_on_is_quoted_from_the_ranks_log(cli, tmp_path):
+    """dp2 alone: rank 1's skip meets rank 0's gradient all-reduce with another size, and gloo
+    aborts it (SIGABRT) before any hang: the launcher said only `killed by SIGABRT (no Python
+    error recorded)`; gloo's reason was in the rank's log alone."""
+    run_dir = tmp_path / "run"
+    res = cli.run("launch", "parallel.dp=2", *COMMON, "--run-dir", str(run_dir),
+                  env={HANG: "1:3:skip"})
+    said = _said(res)
+    assert res.returncode == 1, said[-3000:]
+    assert "rank 1 failed: killed by SIGABRT (no Python error recorded)" in said, said[-3000:]
+    assert "its log ends: what(): [enforce fail at" in said, said[-3000:]
+    assert "Is there a distributed collective mismatch in your code?" in said
+    assert not survivors(lambda: processes_mentioning(str(run_dir)), 5)
+
+
+def test_a_preemption_signal_during_a_hang_is_said(cli, tmp_path):
+    """SIGUSR2 (SLURM's warning) while the ranks are hung cannot be saved on: the launcher exits
+    1 with the hang's summary, and said nothing of the signal (a SLURM job requeues on 3 only)."""
+    import os
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    proc = cli.start("launch", "parallel.dp=2", *COMMON, "--run-dir", str(run_dir),
+                     env={HANG: "1:3:sleep"})
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        assert time.monotonic() < deadline and proc.poll() is None, "step 2 never came"
+        time.sleep(0.2)
+    time.sleep(1)  # into step 3, where rank 1 sleeps
+    os.kill(proc.pid, signal.SIGUSR2)
+    stdout, stderr = proc.communicate(timeout=120)
+    said = " ".join((stdout + stderr).split())
+    assert proc.returncode == 1, said[-3000:]
+    assert "hang: no rank made progress" in said, said[-3000:]
+    assert "a preemption signal (SIGUSR2) came while the ranks were hung" in said, said[-3000:]

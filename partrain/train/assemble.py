@@ -235,8 +235,10 @@ def _outputs(cfg, run_dir: Path, rank: int, start: Start, first_step: int):
                           f"{record['checkpoint_refused']}; the newest good one stays "
                           f"{record['newest'] or 'none'}")
             return
+        # A preemption save is timed from the signal (the step it waited for included).
+        since = " from the signal" if record["reason"] == "preemption" else ""
         display.print(f"step {record['step']:>6}  checkpoint {record['checkpoint']}: "
-                      f"{record['bytes']:,} bytes in {record['seconds']:.2f} s"
+                      f"{record['bytes']:,} bytes in {record['seconds']:.2f} s{since}"
                       + (f" ({record['reason']})" if record["reason"] != "every" else ""))
 
     checkpointer = Checkpointer(run_dir, cfg.checkpoint, OmegaConf.to_yaml(cfg), report)

@@ -201,6 +201,10 @@ def test_preemption_signal_saves_exits_3_and_resumes(cli, tmp_path, dp2_run):
     assert f"saved at step {step} on a preemption signal" in stderr
     assert f"relaunch to resume: partrain launch --resume {run_dir}" in " ".join(stderr.split())
     assert "s from signal to commit" in stderr
+    # rank 0's checkpoint line times it from the signal too, and says so (it read as the save's
+    # own duration: 3.03 s for a 0.05 s save)
+    assert f"step {step} checkpoint checkpoints/step-{step:08d}:" in " ".join(stdout.split())
+    assert " s from the signal (preemption)" in stdout, stdout[-2000:]
     assert 0 <= saved[0]["seconds"] < time.monotonic() - signalled
     meta = json.loads((run_dir / "checkpoints" / f"step-{step:08d}" / "meta.json").read_text())
     assert meta["reason"] == "preemption" and meta["step"] == step

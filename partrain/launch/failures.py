@@ -112,7 +112,7 @@ def last_words(log: Path, limit: int = 300) -> str | None:
             lines = f.read().decode(errors="replace").splitlines()
     except OSError:
         return None
-    found = [line.strip() for line in lines if _LAST_WORDS.search(line)]
+    found = [" ".join(line.split()) for line in lines if _LAST_WORDS.search(line)]
     said = next((line for line in reversed(found) if "what()" in line), None) or \
         (found[-1] if found else None)
     return said[:limit] + ("..." if len(said) > limit else "") if said else None

@@ -96,3 +96,21 @@ def test_workers_started_reads_only_this_launchs_part_of_the_agent_log(tmp_path)
         f.write("... The node 'n1_2_0' has joined round 1 of the rendezvous 'quickstart' ...\n")
     assert workers_started(log, since)
     assert not workers_started(tmp_path / "missing.log")
+
+
+def test_last_words_quote_a_c_abort_over_the_python_lines_before_it(tmp_path):
+    """A rank killed by a signal records no Python error; what its log says last is the why
+    (gloo's `what():` before a SIGABRT), quoted by the launcher."""
+    from partrain.launch.failures import last_words
+
+    log = tmp_path / "rank-1.log"
+    log.write_text("step 1 loss 5.5\nValueError: an old, handled one\nterminate called after "
+                   "throwing an instance of 'gloo::EnforceNotMet'\n  what():  [enforce fail at "
+                   "pair.cc:456] op.preamble.length <= op.nbytes. Is there a distributed "
+                   "collective mismatch in your code?\n")
+    assert last_words(log).startswith("what(): [enforce fail at pair.cc:456]")
+    log.write_text("step 1 loss 5.5\nstep 2 loss 5.3\n")
+    assert last_words(log) is None
+    assert last_words(tmp_path / "missing.log") is None
+    log.write_text("RuntimeError: " + "x" * 400 + "\n")
+    assert last_words(log).endswith("...") and len(last_words(log)) == 303

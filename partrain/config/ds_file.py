@@ -67,7 +67,12 @@ def read_deepspeed_json(path: Path) -> dict:
     shown = f"parallel.deepspeed_config={path}"
     try:
         if not path.is_file():
-            raise ConfigError(f"{shown}: no such file (give the path of a DeepSpeed JSON config)")
+            from partrain.config.paths import what_is
+
+            found = what_is(path)
+            raise ConfigError(f"{shown}: " + ("no such file" if found == "does not exist" else
+                                              f"it {found}, not a file")
+                              + " (give the path of a DeepSpeed JSON config)")
         if path.stat().st_size > MAX_BYTES:
             raise ConfigError(f"{shown}: more than {MAX_BYTES:,} bytes, not a DeepSpeed config")
         text = path.read_text(encoding="utf-8")

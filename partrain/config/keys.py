@@ -191,6 +191,12 @@ def _unknown_key(key: str, where: str) -> ConfigError:
         f"{' and '.join(OPEN_KEYS)} take keys of your own")
 
 
+def _recipe_names() -> list[str]:
+    from partrain.config.compose import known_recipes  # compose imports this module
+
+    return known_recipes()
+
+
 def check_overrides(overrides: list[str]) -> list[str]:
     """Each override is Hydra grammar, names a real key or group option, and is no sweep. Returns
     them as Hydra takes them: a key under parallel.deepspeed is added (`++`) when it is new."""
@@ -198,6 +204,10 @@ def check_overrides(overrides: list[str]) -> list[str]:
     known_groups = groups()
     accepted = []
     for text in overrides:
+        if "=" not in text and (text.endswith((".yaml", ".yml")) or text in _recipe_names()):
+            raise ConfigError(f"{text} is a CONFIG (a recipe or a YAML file), given after "
+                              f"overrides: it comes first (`partrain COMMAND {text} "
+                              "KEY=VALUE ...`)")
         try:
             override = parser.parse_override(text)
         except HydraException as e:

@@ -23,6 +23,11 @@ CLI_CASES = [
     (["show", "parallel.zero_stage=5"], "parallel.zero_stage=5 must be 0 (DDP), 1, 2 or 3"),
     (["show", "parallel.pp_schedule=zb"], "parallel.pp_schedule=zb is not one of"),
     (["show", "model.foo=1"], "unknown config key model.foo"),
+    # the recipe after an override: Hydra's `missing EQUAL at '<EOF>'`
+    (["show", "train.max_steps=3", "quickstart"], "quickstart is a CONFIG (a recipe or a YAML "
+     "file), given after overrides: it comes first"),
+    (["show", "parallel.zero_stage=1", "parallel.deepspeed_config=/"],
+     "parallel.deepspeed_config=/: it is a directory, not a file"),
     # the same words in another order: spelling alone said `tiny`; case alone said nothing
     (["show", "model=moe-tiny"], "(did you mean tiny-moe?)"),
     (["show", "train.MAX_STEPS=3"], "(did you mean train.max_steps?)"),

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import warnings
 from pathlib import Path
 from typing import List, Optional
 
@@ -376,6 +377,9 @@ def console() -> None:
     # SIGINT) stays ignored, as the shell meant.
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP,
                                                 signal.SIGUSR2})
+    # OmegaConf's grammar warns, with its own source path, of `${oc.env:X,}` before partrain's
+    # one line says what is wrong with the value (a reviewer's find).
+    warnings.filterwarnings("ignore", message="In the sequence", category=UserWarning)
     code = _run()
     logging.shutdown()
     sys.stdout.flush()

@@ -34,6 +34,10 @@ def _bomb_yaml(c: Ctx) -> str:
 
 
 SUBPROCESS_CASES = {
+    # OmegaConf's grammar printed a UserWarning with its source path before the error line
+    "show-env-interpolation-with-an-empty-default": (
+        lambda c: ["show", "name=${oc.env:PARTRAIN_TEST_UNSET_X,}"],
+        ["name=''", "plain name"], None),
     "launch-bad-value-with-run-dir": (
         lambda c: ["launch", "optim.lr=nan", "--run-dir", c.path("run")],
         ["optim.lr=nan", "finite"], None),

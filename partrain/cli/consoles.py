@@ -3,8 +3,7 @@ warnings, progress)."""
 
 import sys
 
-from rich.console import Console
-
+from partrain.observe.console import PipeSafeConsole as Console
 from partrain.observe.width import width_for
 
 # markup=False: what partrain prints holds the user's own text (paths, names, values), and a

@@ -8,7 +8,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from rich.console import Console
 from rich.progress import (
     BarColumn,
     Progress,
@@ -18,6 +17,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from partrain.observe.console import PipeSafeConsole as Console
 from partrain.observe.width import width_for
 
 # Dense bf16 peak FLOP/s per GPU, by a substring of torch.cuda.get_device_name(), the first

@@ -263,3 +263,21 @@ def test_measured_memory_matches_the_plan(cli, tmp_path):
     assert len(peaks) == 2 and peaks[0] != peaks[1]
     for rank, peak in enumerate(peaks):
         assert abs(predicted[rank] / peak - 1) <= 0.10, (rank, predicted[rank], peak)
+
+
+def test_a_launch_whose_output_pipe_closes_trains_on(cli, tmp_path):
+    """`partrain launch | head -3`: rich ends a process whose output pipe closed (SystemExit(1)),
+    which killed rank 0 mid-run (reported as its `sys.exit(1)`) and left the launcher's state
+    `running`. Now the consoles go quiet and the run finishes; its record is in the run dir."""
+    run_dir = tmp_path / "run"
+    proc = cli.start("launch", "train.max_steps=12", "train.eval_every=0", "train.log_every=1",
+                     "--run-dir", str(run_dir))
+    for _ in range(3):  # what `head -3` reads, then it exits
+        assert proc.stdout.readline(), proc.stderr.read()
+    proc.stdout.close()
+    proc.wait(timeout=240)
+    stderr = proc.stderr.read()
+    assert proc.returncode == 0, stderr[-3000:]
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps if "loss" in s] == list(range(1, 13))
+    assert json.loads((run_dir / "logs" / "state.json").read_text())["state"] == "done"

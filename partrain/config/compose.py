@@ -27,7 +27,7 @@ from partrain.config.keys import (
     groups,
 )
 from partrain.config.ds_file import apply_deepspeed_file
-from partrain.config.paths import configs_dir, recipes_dir
+from partrain.config.paths import configs_dir, known_recipes, recipes_dir
 from partrain.config.schema import register
 from partrain.errors import ConfigError
 from partrain.config.hf_families import apply_hf_keys, is_hf
@@ -123,10 +123,6 @@ def _check_expanded_size(raw, where: str) -> None:
                               " a config value is a string, number, boolean, list or mapping: "
                               "quote it to make it a string")
         stack.extend((child, depth + 1) for child in children)
-
-
-def known_recipes() -> list[str]:
-    return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
 
 
 def find_recipe(config: str | None) -> Path:

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
-from partrain.config.paths import configs_dir
+from partrain.config.paths import configs_dir, known_recipes
 from partrain.config.schema import Config
 from partrain.errors import ConfigError
 
@@ -191,12 +191,6 @@ def _unknown_key(key: str, where: str) -> ConfigError:
         f"{' and '.join(OPEN_KEYS)} take keys of your own")
 
 
-def _recipe_names() -> list[str]:
-    from partrain.config.compose import known_recipes  # compose imports this module
-
-    return known_recipes()
-
-
 def check_overrides(overrides: list[str]) -> list[str]:
     """Each override is Hydra grammar, names a real key or group option, and is no sweep. Returns
     them as Hydra takes them: a key under parallel.deepspeed is added (`++`) when it is new."""
@@ -204,7 +198,7 @@ def check_overrides(overrides: list[str]) -> list[str]:
     known_groups = groups()
     accepted = []
     for text in overrides:
-        if "=" not in text and (text.endswith((".yaml", ".yml")) or text in _recipe_names()):
+        if "=" not in text and (text.endswith((".yaml", ".yml")) or text in known_recipes()):
             raise ConfigError(f"{text} is a CONFIG (a recipe or a YAML file), given after "
                               f"overrides: it comes first (`partrain COMMAND {text} "
                               "KEY=VALUE ...`)")

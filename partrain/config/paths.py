@@ -26,6 +26,11 @@ def recipes_dir() -> Path:
     return _find("recipes")
 
 
+def known_recipes() -> list[str]:
+    """The recipes by name: recipes/*.yaml."""
+    return sorted(p.stem for p in recipes_dir().glob("*.yaml"))
+
+
 def what_is(path: Path) -> str:
     """What stands at `path`, said after it in a message: "is a regular file", "is a directory",
     "does not exist", "is a symlink loop", "is a symbolic link to X, which does not exist", "is not

@@ -64,6 +64,26 @@ def _compression(file: Path) -> tuple[str, str] | None:
     return None
 
 
+# Files that are never text, by their suffix (compiled code, images, archives, arrays, weights):
+# read as text they were tokenized byte for byte without a word (a newcomer's `data prepare
+# $STDLIB/email` was 78% __pycache__ bytecode). By name only: a NUL byte is a valid byte to a
+# byte-level vocabulary, and a text file may hold one.
+NOT_TEXT = (".pyc", ".pyo", ".so", ".o", ".a", ".dll", ".dylib", ".exe", ".class", ".jar",
+            ".png", ".jpg", ".jpeg", ".gif", ".bmp", ".ico", ".webp", ".pdf", ".zip", ".tar",
+            ".whl", ".egg", ".npy", ".npz", ".pt", ".pth", ".safetensors", ".onnx")
+
+
+def _refuse_binary(file: Path, given: Path, flag: str) -> None:
+    """A file of a kind that is never text (NOT_TEXT); a walk skips __pycache__ folders."""
+    suffix = file.suffix.lower()
+    if suffix in NOT_TEXT:
+        what = f"{flag} file {file}" + ("" if file == given else f" (under {flag} {given})")
+        raise ConfigError(
+            f"{what} is not text ({suffix}): data prepare reads text, JSON Lines, Parquet and "
+            "Arrow files; give the text files (a directory's __pycache__ folders are skipped; "
+            "move other binary files out of it)")
+
+
 def _refuse_compressed(file: Path, given: Path, flag: str) -> None:
     found = _compression(file)
     if found is None:
@@ -87,6 +107,7 @@ def collect_inputs(paths: list[Path], flag: str = "input") -> list[Path]:
             _refuse_token_dir_file(path, flag)
             _refuse_run_dir(path.parent, path, flag)
             _refuse_compressed(path, path, flag)
+            _refuse_binary(path, path, flag)
             files.append(path)
             continue
         found = []
@@ -98,14 +119,16 @@ def collect_inputs(paths: list[Path], flag: str = "input") -> list[Path]:
                 found += dataset
                 dirs[:] = []
                 continue
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
             here = [Path(root) / n for n in sorted(names)
                     if not n.startswith(".") and (Path(root) / n).is_file()]
             for file in here:
                 _refuse_compressed(file, path, flag)
+                _refuse_binary(file, path, flag)
             found += here
         if not found:
-            raise ConfigError(f"input directory {path} holds no files (hidden ones are skipped)")
+            raise ConfigError(f"input directory {path} holds no files (hidden ones and "
+                              "__pycache__ folders are skipped)")
         files += found
     return files
 

@@ -211,7 +211,8 @@ def test_prepare_input_that_is_an_empty_directory(run_main, tmp_path, text_files
     (folder / ".hidden" / "a.txt").write_text("skipped")
     (folder / ".b.txt").write_text("skipped")
     message = _prepare(run_main, [text_files[0], folder], tmp_path / "tok")
-    assert f"input directory {folder} holds no files (hidden ones are skipped)" in message
+    assert (f"input directory {folder} holds no files (hidden ones and __pycache__ folders are "
+            "skipped)") in message
     assert not (tmp_path / "tok").exists()
 
 

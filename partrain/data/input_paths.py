@@ -84,6 +84,12 @@ def _refuse_binary(file: Path, given: Path, flag: str) -> None:
             "move other binary files out of it)")
 
 
+def _refuse_not_text(file: Path, given: Path, flag: str) -> None:
+    """A file data prepare would read as text and is not: compressed, or never text."""
+    _refuse_compressed(file, given, flag)
+    _refuse_binary(file, given, flag)
+
+
 def _refuse_compressed(file: Path, given: Path, flag: str) -> None:
     found = _compression(file)
     if found is None:
@@ -106,8 +112,7 @@ def collect_inputs(paths: list[Path], flag: str = "input") -> list[Path]:
             _check_file(path)
             _refuse_token_dir_file(path, flag)
             _refuse_run_dir(path.parent, path, flag)
-            _refuse_compressed(path, path, flag)
-            _refuse_binary(path, path, flag)
+            _refuse_not_text(path, path, flag)
             files.append(path)
             continue
         found = []
@@ -123,8 +128,7 @@ def collect_inputs(paths: list[Path], flag: str = "input") -> list[Path]:
             here = [Path(root) / n for n in sorted(names)
                     if not n.startswith(".") and (Path(root) / n).is_file()]
             for file in here:
-                _refuse_compressed(file, path, flag)
-                _refuse_binary(file, path, flag)
+                _refuse_not_text(file, path, flag)
             found += here
         if not found:
             raise ConfigError(f"input directory {path} holds no files (hidden ones and "

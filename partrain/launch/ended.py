@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from partrain.launch.failures import recorded
+from partrain.launch.runs import process_alive
 
 GRACE_S = 3.0  # longer than a rank that lost its peer waits before it exits (train/rank.py)
 # A rank that exits 0 is followed by the agent's first failure no sooner than the others' wait on
@@ -72,19 +73,15 @@ def clear(run_dir: Path, ranks) -> None:
 
 
 def alive(pid: int) -> bool:
-    """The process runs (a zombie, ended and not yet reaped, does not)."""
+    """The process runs: a zombie, ended and not yet reaped (a spawned rank until the agent's
+    next poll), does not. Without /proc, `partrain runs`' signal check (a zombie counts there)."""
+    if not os.path.isdir("/proc/self"):
+        return process_alive(pid)
     try:
         with open(f"/proc/{pid}/stat") as stat:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return not os.path.isdir("/proc/self")  # no /proc entry where /proc exists: gone
-    return True
+        return False
 
 
 class _AgentSawAFailure(logging.Handler):
@@ -181,11 +178,8 @@ class EndWatch:
         several nodes the others' ranks fail on the lost peer (or their hang watch fires): their
         agents start a new round, which this node's agent joins (a restart), or their launchers
         end and this one loses the store (local.py names the rank then)."""
-        living = []
-        for rank in ranks:
-            state = read_state(self.run_dir, rank)
-            if state and state.get("attempt") == attempt and alive(int(state["pid"])):
-                living.append(int(state["pid"]))
+        living = [pid for rank in ranks
+                  if (pid := self._pids.get((attempt, rank))) is not None and alive(pid)]
         for pid in living:
             try:
                 os.kill(pid, signal.SIGTERM)
@@ -213,9 +207,7 @@ class EndWatch:
         """After an attempt the agent counted as a success: this node's ranks that did not
         finish (each exited with code 0 in the middle, or before it could say so)."""
         attempt = self.specs.starts - 1
-        return sorted(rank for rank in self.specs.ranks.values()
-                      if not ((self.state(rank) or {}).get("attempt") == attempt and
-                              (self.state(rank) or {}).get("ended")))
-
-    def state(self, rank: int) -> dict | None:
-        return read_state(self.run_dir, rank)
+        states = {rank: read_state(self.run_dir, rank) or {}
+                  for rank in self.specs.ranks.values()}
+        return sorted(rank for rank, state in states.items()
+                      if not (state.get("attempt") == attempt and state.get("ended")))

@@ -112,7 +112,7 @@ def running_here(run_dir: Path) -> tuple[int, int] | None:
         return None
     nnodes = record.get("nnodes")
     return ((record["pid"], nnodes if isinstance(nnodes, int) else 1)
-            if _alive(record.get("pid"), record.get("started")) else None)
+            if process_alive(record.get("pid"), record.get("started")) else None)
 
 
 def _max_steps(run_dir: Path) -> int | None:
@@ -150,7 +150,7 @@ def last_step(run_dir: Path) -> tuple[int | None, float | None]:
     return None, None
 
 
-def _alive(pid, started=None) -> bool:
+def process_alive(pid, started=None) -> bool:
     """Whether process `pid` runs, and is the one that started at `started` (clock ticks since
     boot, `_start_ticks`) where that was recorded."""
     if not isinstance(pid, int) or pid <= 0:
@@ -188,7 +188,7 @@ def _recorded_state(record: dict) -> str:
     state = record.get("state")
     if state != "running":
         return state if state in ENDED.values() else "unknown"
-    if record.get("host") == socket.gethostname() and not _alive(record.get("pid"),
+    if record.get("host") == socket.gethostname() and not process_alive(record.get("pid"),
                                                                   record.get("started")):
         return "killed"  # the launcher ended without a word: SIGKILL, out of memory, a reboot
     return "running"

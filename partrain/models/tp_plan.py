@@ -25,16 +25,21 @@ def plan_problems(model: nn.Module, tp: int, vocab_size: int | None = None) -> l
     if not isinstance(plan, dict):
         return [f"tensor_parallel_plan() returned {type(plan).__name__}, not a mapping of module "
                 "name -> style"]
-    problems = []
+    problems, heads = [], []  # heads: modules split over the vocabulary
     for name, style in plan.items():
         if style not in STYLES:
             problems.append(f"{name}: unknown style {style!r} (styles: {', '.join(STYLES)})")
             continue
+        if style == "vocab_head":
+            heads.append(name)
         try:
             module = model.get_submodule(name)
         except AttributeError:
             problems.append(f"{name}: the model has no such module")
             continue
+        if (style == "colwise" and vocab_size is not None
+                and getattr(module, "out_features", None) == vocab_size):
+            heads.append(name)
         if style in SPLITS:
             attr, what = SPLITS[style]
             size = getattr(module, attr, None)
@@ -56,19 +61,9 @@ def plan_problems(model: nn.Module, tp: int, vocab_size: int | None = None) -> l
                 elif heads % tp:
                     problems.append(f"{name} (attention): its {attr}={heads} do not split into "
                                     f"parallel.tp={tp} equal parts")
-    heads = [name for name, style in plan.items() if style == "vocab_head" or (
-        style == "colwise" and vocab_size is not None and
-        getattr(_module(model, name), "out_features", None) == vocab_size)]
     if vocab_size is not None and not heads:
         problems.append(f"no module is planned \"vocab_head\": under tp the loss reads each "
                         f"rank's logits as its 1/{tp} of the vocabulary (model.vocab_size="
                         f"{vocab_size}), so the module that makes the logits must be split over "
                         "it; a whole head on every rank trains with a wrong loss")
     return problems
-
-
-def _module(model: nn.Module, name: str) -> nn.Module | None:
-    try:
-        return model.get_submodule(name)
-    except AttributeError:
-        return None

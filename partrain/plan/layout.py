@@ -34,7 +34,12 @@ from partrain.plan.costs import (
     true_size,
     zero_memory,
 )
-from partrain.plan.memory_model import activations, memory_per_stage, shape
+from partrain.plan.memory_model import (
+    activations,
+    expert_slice_params,
+    memory_per_stage,
+    shape,
+)
 
 TIMELINE_MAX_MICRO_BATCHES = 16  # wider timelines are drawn for fewer (labels stay 2 digits)
 TIMELINE_MAX_RANKS = 32  # a deeper pipeline is not drawn (one line per pp rank)
@@ -167,15 +172,10 @@ def stage_plan(cfg: DictConfig, dims: ParallelDims) -> list[dict]:
 
 
 def _busiest_experts(cfg: DictConfig, dims: ParallelDims, stages: list[dict]) -> int:
-    """Expert-slice parameters on the busiest pp rank, under ep > 1 (0 otherwise): ZeRO shards
-    them over their own dp / ep x cp ranks."""
-    if dims.ep <= 1 or not moe_enabled(cfg.model):
-        return 0
-    m = cfg.model
+    """Expert-slice parameters on the busiest stage (memory_model.expert_slice_params)."""
     busiest = max(stages, key=lambda st: st["params_per_rank"])
     blocks = range(busiest["blocks"][0], busiest["blocks"][1] + 1) if busiest["blocks"] else []
-    return (sum(b in moe_blocks(m) for b in blocks) * (m.moe.n_experts // dims.ep)
-            * expert_params(m))
+    return expert_slice_params(cfg.model, blocks, dims.ep) if moe_enabled(cfg.model) else 0
 
 
 def _memory(stage: int, psi: int, nd: int, dtype: str, engine: str, pipeline: bool,

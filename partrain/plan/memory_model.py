@@ -180,15 +180,22 @@ def pipeline_buffer_bytes(dim: int, tokens: int, buffers: int) -> int:
     return buffers * tokens * dim * 4
 
 
+def expert_slice_params(model_cfg, blocks, ep: int) -> int:
+    """Parameters of the routed experts' slices a rank holds among `blocks` under ep > 1 (its
+    1/ep of each MoE block's experts), which ZeRO shards over their own dp / ep x cp ranks; 0
+    without ep."""
+    if ep <= 1 or not getattr(model_cfg, "moe", None):
+        return 0
+    return moe_blocks_among(model_cfg, blocks) * (model_cfg.moe.n_experts // ep) \
+        * expert_params(model_cfg)
+
+
 def model_state(cfg, dims, params: int, blocks: list[int], dtype: str) -> dict:
     """Weights, gradients and optimizer state of a rank's `params` at the ZeRO stage. ZeRO
     shards over dp x cp; under ep > 1 the routed experts' slices (blocks' MoE layers, 1/ep of
     the experts each) are DeepSpeed's expert parameters, sharded over their own dp/ep x cp ranks."""
     p, m = cfg.parallel, cfg.model
-    experts = 0
-    if dims.ep > 1 and getattr(m, "moe", None):
-        experts = (moe_blocks_among(m, blocks) * (m.moe.n_experts // dims.ep)
-                   * expert_params(m))
+    experts = expert_slice_params(m, blocks, dims.ep)
     engine = getattr(p, "zero_backend", "deepspeed")
     moments = optimizer_state_bytes(getattr(cfg, "optim", None))
     # HSDP: a replica's dp / dp_replicate ranks (and their cp ranks) share the shards.

@@ -221,15 +221,16 @@ def _ranked(fits: list[Candidate]) -> list[Candidate]:
     """By predicted tokens/s; among the layouts within TIE (1%) of the fastest left, the
     simplest first. (Fixed 1% buckets of log tokens/s put a layout 0.45% faster but not simpler
     first when the two fell on either side of a bucket's edge.)"""
-    left = sorted(fits, key=lambda c: (-c.time["tokens_per_s"], _simpler(c)))
+    left = sorted(((-c.time["tokens_per_s"], _simpler(c), i, c) for i, c in enumerate(fits)),
+                  key=lambda row: row[:3])
     out = []
     while left and len(out) < RANKED_BY_TIE:
-        fastest = left[0].time["tokens_per_s"]
+        fastest = -left[0][0]
         near = 0
-        while near < len(left) and left[near].time["tokens_per_s"] * TIE >= fastest:
+        while near < len(left) and -left[near][0] * TIE >= fastest:
             near += 1
-        out.append(left.pop(min(range(near), key=lambda i: _simpler(left[i]))))
-    return out + left
+        out.append(left.pop(min(range(near), key=lambda i: left[i][1])))
+    return [row[3] for row in out + left]
 
 
 def search(cfg, gpus: int, hw: Hardware, top: int = 10, explain: dict | None = None) -> dict:

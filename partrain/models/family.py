@@ -343,12 +343,8 @@ def check_user_model(cfg) -> UserModel | None:
     elif p.tp > 1:
         from partrain.models.tp_plan import plan_problems
 
-        try:
-            problems = plan_problems(model, p.tp, m.vocab_size)
-        except (Exception, SystemExit) as e:  # the user's plan raised
-            problems = [f"tensor_parallel_plan() failed: {type(e).__name__}: {e}"]
         needs += [f"its tensor-parallel plan at parallel.tp={p.tp}: {problem}"
-                  for problem in problems]
+                  for problem in plan_problems(model, p.tp, m.vocab_size)]
     if p.pp > 1 and not found.pipeline_split:
         needs.append(f"parallel.pp={p.pp} needs the model's `layers` (an nn.ModuleDict of "
                      "blocks), pipeline_chunk(layer_ids, first, last) and `dim` (the hidden "

@@ -21,17 +21,20 @@ def plan_problems(model: nn.Module, tp: int, vocab_size: int | None = None) -> l
     vocabulary (`vocab_size`: model.vocab_size): under tp the loss reads each rank's logits as
     its shard of the vocabulary, and a whole head on every rank trained with a loss log(tp) too
     high and wrong gradients, silently. Each failed inside the ranks, or trained wrong."""
-    plan = model.tensor_parallel_plan()
+    try:
+        plan = model.tensor_parallel_plan()
+    except (Exception, SystemExit) as e:  # the user's code raised: name it, partrain's own not
+        return [f"tensor_parallel_plan() failed: {type(e).__name__}: {e}"]
     if not isinstance(plan, dict):
         return [f"tensor_parallel_plan() returned {type(plan).__name__}, not a mapping of module "
                 "name -> style"]
-    problems, heads = [], []  # heads: modules split over the vocabulary
+    problems, vocab_heads = [], []  # modules split over the vocabulary
     for name, style in plan.items():
         if style not in STYLES:
             problems.append(f"{name}: unknown style {style!r} (styles: {', '.join(STYLES)})")
             continue
         if style == "vocab_head":
-            heads.append(name)
+            vocab_heads.append(name)
         try:
             module = model.get_submodule(name)
         except AttributeError:
@@ -39,7 +42,7 @@ def plan_problems(model: nn.Module, tp: int, vocab_size: int | None = None) -> l
             continue
         if (style == "colwise" and vocab_size is not None
                 and getattr(module, "out_features", None) == vocab_size):
-            heads.append(name)
+            vocab_heads.append(name)
         if style in SPLITS:
             attr, what = SPLITS[style]
             size = getattr(module, attr, None)
@@ -55,13 +58,13 @@ def plan_problems(model: nn.Module, tp: int, vocab_size: int | None = None) -> l
                                 "under tp")
         if style == "attention":
             for attr in ("n_heads", "n_kv_heads"):
-                heads = getattr(module, attr, None)
-                if not isinstance(heads, int):
+                count = getattr(module, attr, None)
+                if not isinstance(count, int):
                     problems.append(f"{name} (attention): no {attr} to split")
-                elif heads % tp:
-                    problems.append(f"{name} (attention): its {attr}={heads} do not split into "
+                elif count % tp:
+                    problems.append(f"{name} (attention): its {attr}={count} do not split into "
                                     f"parallel.tp={tp} equal parts")
-    if vocab_size is not None and not heads:
+    if vocab_size is not None and not vocab_heads:
         problems.append(f"no module is planned \"vocab_head\": under tp the loss reads each "
                         f"rank's logits as its 1/{tp} of the vocabulary (model.vocab_size="
                         f"{vocab_size}), so the module that makes the logits must be split over "

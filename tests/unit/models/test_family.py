@@ -411,3 +411,28 @@ def test_the_process_generator_starts_from_the_seed_for_every_family():
         build_family_model(cfg.model, 7)
         states.append(torch.get_rng_state())
     assert torch.equal(states[0], states[1])
+
+
+def test_a_plan_with_attention_before_its_head_passes_the_check():
+    """The check once kept an attention entry's head count in the list of vocabulary heads: a
+    plan naming "attention" before its head failed with partrain's own AttributeError, reported
+    as the user's plan failing (CI, the GPT-2 example at dp2 x tp2 x pp2)."""
+    from torch import nn
+
+    from partrain.models.tp_plan import plan_problems
+
+    class Attn(nn.Module):
+        n_heads = n_kv_heads = 2
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn, self.output = Attn(), nn.Linear(8, 16, bias=False)
+
+        def tensor_parallel_plan(self):
+            return {"attn": "attention", "output": "vocab_head"}
+
+    assert plan_problems(Model(), 2, 16) == []
+    model = Model()
+    model.tensor_parallel_plan = lambda: {"attn": "attention", "output": "colwise"}
+    assert plan_problems(model, 2, 16) == []

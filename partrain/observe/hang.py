@@ -1,12 +1,18 @@
 """Who waits on whom: a step that makes no progress (launcher.hang_timeout_s) becomes one summary.
 
-Every rank runs a watch thread (HangWatch). The loop tells it when a step begins and ends, and
-pauses it for saves and evaluations (their length says nothing about a hang). A rank that has made
-no progress for the limit calls it a hang. The limit is hang_timeout_s, and twice that until the
-first step of this start has ended: that step compiles (train.compile), builds NCCL communicators
-and warms caches, so it is told apart by being the first, as torchtitan does with its init and
-train timeouts; building the model and loading a checkpoint before it are not timed (a
-collective there fails at launcher.collective_timeout_s).
+Every rank runs a watch thread (HangWatch). The loop tells it when a step begins and ends. A rank
+that has made no progress for the limit calls it a hang. The limit is hang_timeout_s, and twice
+that until the first step of this start has ended: that step compiles (train.compile), builds NCCL
+communicators and warms caches, so it is told apart by being the first, as torchtitan does with
+its init and train timeouts; building the model and loading a checkpoint before it are not timed
+(a collective there fails at launcher.collective_timeout_s).
+
+Saves and evaluations (`quiet`) are not timed as a whole: writing a large checkpoint to a slow
+file system may take any time. What is timed there is one wait: a main thread that waits in the
+same collective for twice hang_timeout_s (below launcher.collective_timeout_s, where gloo or NCCL
+would fail with an error that names only the waiting rank) calls it a hang. A rank that is
+`quiet` when another rank reports a hang writes its own report too, without ending (the agent ends
+it): the rank stuck writing its part of a checkpoint is named as the one the others wait for.
 
 On a hang the thread reads the main thread's Python stack: the torch.distributed collective it
 waits in (which op, on which process group, with which ranks) and the partrain line that called
@@ -89,6 +95,9 @@ class HangWatch:
         self.first_ended = False
         self.since = None  # monotonic time of the last progress; None = not timed
         self.phase = "before the first step"
+        self.quiet_now = False  # inside quiet(): only one long wait in a collective is a hang
+        self._waiting = None  # (the frame the main thread waits in, since when), when quiet
+        self.started = time.time()  # other ranks' reports from before this start are stale
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._main = threading.main_thread().ident
@@ -112,15 +121,24 @@ class HangWatch:
             self.phase, self.since = f"after step {step}", time.monotonic()
 
     @contextmanager
-    def quiet(self):
-        """Not timed inside (a save, an evaluation); the clock restarts after it."""
+    def quiet(self, phase: str):
+        """Not timed inside (a save, an evaluation), but for one long wait in a collective (see
+        the module docstring); the clock restarts after it. `phase` says what it is (`doing`
+        says it again inside)."""
         with self._lock:
             before, self.since = self.since, None
+            self.quiet_now, self.phase, self._waiting = True, phase, None
         try:
             yield
         finally:
             with self._lock:
                 self.since = time.monotonic() if before is not None else None
+                self.quiet_now, self._waiting = False, None
+
+    def doing(self, phase: str) -> None:
+        """What this quiet part does now (in the evaluation after step N, ...)."""
+        with self._lock:
+            self.phase = phase
 
     def stop(self) -> None:
         self._stopped.set()
@@ -132,27 +150,52 @@ class HangWatch:
         poll = min(1.0, self.limit_s / 10)
         while not self._stopped.wait(poll):
             with self._lock:
-                idle = None if self.since is None else time.monotonic() - self.since
-                limit = self._limit()
+                now = time.monotonic()
+                idle = None if self.since is None else now - self.since
+                limit, quiet = self._limit(), self.quiet_now
+                if quiet:
+                    idle, limit = self._waited(now), FIRST_STEP_FACTOR * self.limit_s
             if idle is not None and idle > limit:
-                self.on_hang(self._report(idle, limit))
+                self.on_hang(self._report(idle, limit, quiet))
+                return
+            if quiet and any(r["rank"] != self.rank
+                             for r in read_reports(self.run_dir, since=self.started)):
+                self._report(None, None, quiet, follows=True)
                 return
 
-    def _report(self, idle: float, limit: float) -> dict:
+    def _waited(self, now: float) -> float | None:
+        """How long the main thread has waited in the collective it waits in now (None: in
+        none). The frame is held, so a later call is another object, never taken for it."""
+        anchor = waiting_frame(sys._current_frames().get(self._main))
+        if anchor is None:
+            self._waiting = None
+            return None
+        if self._waiting is None or self._waiting[0] is not anchor:
+            self._waiting = (anchor, now)
+        return now - self._waiting[1]
+
+    def _report(self, idle: float | None, limit: float | None, quiet: bool = False,
+                follows: bool = False) -> dict:
         """Write this rank's report and every thread's stack, and wait a moment for the other
-        ranks' reports (they saw the hang at about the same time)."""
+        ranks' reports (they saw the hang at about the same time). `follows`: another rank
+        reported a hang while this one was quiet (a save, an evaluation): this one only says
+        where it is."""
         frame = sys._current_frames().get(self._main)
         report = {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(),
-                  "host": socket.gethostname(), "time": time.time(), "step": self.step, "phase": self.phase,
-                  "idle_s": round(idle, 1), "limit_s": limit, "first_step": not self.first_ended,
-                  **where(frame)}
+                  "host": socket.gethostname(), "time": time.time(), "step": self.step,
+                  "phase": self.phase, "idle_s": None if idle is None else round(idle, 1),
+                  "limit_s": limit, "first_step": not self.first_ended and not quiet,
+                  "quiet": quiet, "follows": follows, **where(frame)}
         del frame
         directory = self.run_dir / "logs" / HANG_DIR
         directory.mkdir(parents=True, exist_ok=True)
         write_json(directory / f"rank-{self.rank}.json", report)
-        print(f"partrain: no progress for {limit:g} s {self.phase} (hang); every thread's "
-              "stack follows", file=sys.stderr, flush=True)
+        said = (f"another rank reported a hang while this one was {self.phase}" if follows else
+                f"no progress for {limit:g} s {self.phase} (hang)")
+        print(f"partrain: {said}; every thread's stack follows", file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        if follows:
+            return report
         if self.cuda:
             self._dump_flight_recorder()
         deadline = time.monotonic() + GATHER_S
@@ -192,10 +235,10 @@ def write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def where(frame) -> dict:
-    """Where a thread is, from its innermost Python frame: the collective it waits in (the
-    outermost public function of torch.distributed.distributed_c10d on its stack: the one partrain
-    called), and the innermost partrain line, with its source."""
+def _walk(frame) -> tuple:
+    """From a thread's innermost Python frame outwards: the outermost public function of
+    torch.distributed.distributed_c10d on its stack (the collective partrain called), the
+    innermost partrain frame, and the first frames as `file:line in function`."""
     collective, ours, stack = None, None, []
     while frame is not None:
         code = frame.f_code
@@ -206,14 +249,34 @@ def where(frame) -> dict:
         if ours is None and _is_partrain(code.co_filename):
             ours = frame
         frame = frame.f_back
+    return collective, ours, stack
+
+
+def _waits_in_ours(ours) -> bool:
+    """partrain's line waits for a transfer: it says what (`waiting_for`), or calls .wait()."""
+    return ours is not None and ("waiting_for" in ours.f_locals or ".wait()" in linecache.getline(
+        ours.f_code.co_filename, ours.f_lineno))
+
+
+def waiting_frame(frame):
+    """The frame a thread waits for a collective in (the c10d call, or partrain's line that
+    waits), or None where it waits in none that Python can see."""
+    collective, ours, _ = _walk(frame)
+    return collective if collective is not None else ours if _waits_in_ours(ours) else None
+
+
+def where(frame) -> dict:
+    """Where a thread is, from its innermost Python frame: the collective it waits in (the
+    outermost public function of torch.distributed.distributed_c10d on its stack: the one partrain
+    called), and the innermost partrain line, with its source."""
+    collective, ours, stack = _walk(frame)
     found = {"stack": stack}
     if collective is not None:
         found["collective"] = {"op": collective.f_code.co_name, **_group(collective)}
-    elif ours is not None and "waiting_for" in ours.f_locals:  # what partrain says it awaits
+    elif _waits_in_ours(ours) and "waiting_for" in ours.f_locals:  # what partrain awaits
         found["collective"] = {"op": f"wait() for the {ours.f_locals['waiting_for']}",
                                "group": "", "ranks": None}
-    elif ours is not None and ".wait()" in linecache.getline(ours.f_code.co_filename,
-                                                             ours.f_lineno):
+    elif _waits_in_ours(ours):
         found["collective"] = {"op": "wait() for an async send, receive or collective",
                                "group": "", "ranks": None}
     elif stack and stack[0].startswith("torch/autograd/"):
@@ -296,10 +359,13 @@ def summary(run_dir: Path, reports: list[dict]) -> list[str]:
     if not reports:
         return []
     world = max(r.get("world_size", 0) for r in reports)
-    first = min(reports, key=lambda r: r.get("step") or 0)
-    limit = first.get("limit_s")
+    first = min([r for r in reports if not r.get("follows")] or reports,
+                key=lambda r: r.get("step") or 0)
+    limit = first.get("limit_s") or 0
     how = ("twice launcher.hang_timeout_s: the first step of a start" if first.get("first_step")
-           else f"launcher.hang_timeout_s={limit:.0f}")
+           else "twice launcher.hang_timeout_s in one collective: a save or an evaluation is "
+           "not timed as a whole" if first.get("quiet") else
+           f"launcher.hang_timeout_s={limit:.0f}")
     lines = [f"hang: no rank made progress for {limit:.0f} s ({how}) {first.get('phase')}; "
              "who waits on whom:"]
     places: dict[str, list[int]] = {}

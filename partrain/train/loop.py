@@ -81,18 +81,21 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag,
                 check_no_new_parameters(built, run.backend.module)
             watch.end(step)
             history.append(rec)
-            with watch.quiet():  # an evaluation or a save may take long; neither is timed
+            # An evaluation or a save may take long: only a long wait in one collective is timed.
+            with watch.quiet(f"in the profiler's output after step {step}"):
                 table = profiler.end(step, rec["step_time_s"])
                 if table is not None:
                     log.info("profiled steps %d-%d: %s (and its Chrome trace beside it)",
                              profiler.first, step, table)
                 if (t.eval_every and step % t.eval_every == 0) or step == t.max_steps:
+                    watch.doing(f"in the evaluation after step {step}")
                     val_losses.append((step, run_evaluation(run, step)))
+                watch.doing(f"in the checkpoint save after step {step}")
                 if save_if_due(run, step, preemption, skipped=rec.get("skipped", False)):
                     preempted_at = step
                     break
                 run.checkpointer.poll()
-        with watch.quiet():
+        with watch.quiet(f"in the last checkpoint save, after step {step}"):
             run.checkpointer.close(preempted=preempted_at is not None)
     finally:
         # Also on a failure: a live display left running would leave the terminal's cursor hidden.
@@ -105,7 +108,7 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag,
         except Exception as err:  # noqa: BLE001
             log.warning("the profile of steps %s-%d could not be written: %s", profiler.first,
                         step, err)
-    with watch.quiet():
+    with watch.quiet("in the run's end (its summary, the last collectives)"):
         finish(run, history, val_losses, time.perf_counter() - started)
     if preempted_at is not None:
         log.info("stopped at step %d on a preemption signal", preempted_at)

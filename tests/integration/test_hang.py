@@ -110,6 +110,28 @@ def test_a_pipeline_stage_names_the_transfer_it_waits_for(cli, tmp_path):
     assert "rank 1 is in no collective" in said
 
 
+def test_a_rank_stuck_in_a_checkpoint_save_is_named_not_the_rank_that_waits_for_it(cli,
+                                                                                  tmp_path):
+    """Rank 0 stops while writing its part of step 2's checkpoint (a stuck file system; the test
+    hook). Saves are not timed as a whole, so rank 1, done with its part and waiting in DCP's
+    gather, failed at the collective timeout with gloo's `Timed out waiting ... for send`, named
+    as the failed rank. Now its wait in one collective is timed (twice the limit) and rank 0,
+    quiet, reports where it is."""
+    run_dir = tmp_path / "run"
+    res = cli.run("launch", "parallel.dp=2", *COMMON, "checkpoint.every=2", "--run-dir",
+                  str(run_dir), env={"PARTRAIN_TEST_SAVE_PAUSE": "0:2:during"})
+    said = _ended_clean(res, run_dir)
+    assert ("hang: no rank made progress for 10 s (twice launcher.hang_timeout_s in one "
+            "collective: a save or an evaluation is not timed as a whole) in the checkpoint save "
+            "after step 2; who waits on whom:") in said, said
+    assert "rank 0 is in no collective: at partrain/checkpoint/checkpointer.py:" in said, said
+    assert "rank 1 waits in gather_object on the default group (ranks 0, 1)" in said, said
+    assert "the ranks in no collective are the ones the others wait for" in said, said
+    assert "no checkpoint was committed, so nothing was kept" in said, said
+    assert "another rank reported a hang while this one was in the checkpoint save after step " \
+        "2" in (run_dir / "logs" / "rank-0.log").read_text()
+
+
 @pytest.mark.slow
 def test_a_slow_deletion_of_a_pruned_checkpoint_is_not_a_hang(cli, tmp_path):
     """checkpoint.keep=1: the commit of step 4 prunes step 2's checkpoint, and deleting it takes

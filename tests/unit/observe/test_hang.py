@@ -1,5 +1,6 @@
 """The hang watch's parts, in one process: the limit it takes from the config, when a rank calls
-a step hung (twice the limit for the first step of a start; saves and evaluations not timed),
+a step hung (twice the limit for the first step of a start; saves and evaluations timed only in
+one collective, and a quiet rank reporting where it is once another did),
 what its report says, the launcher's summary of every report, and the launcher's signal that
 fetches the stack of a rank that could not report (a real child process, a real signal).
 Through the CLI with real ranks: tests/integration/test_hang.py."""
@@ -79,10 +80,41 @@ def test_saves_and_evaluations_are_not_timed_nor_before_the_first_step(tmp_path)
     assert not _wait_for(fired, 0.6)  # building the model: not timed
     watch.begin(1)
     watch.end(1)
-    with watch.quiet():
+    with watch.quiet("in a save"):
         assert not _wait_for(fired, 0.6)
     assert _wait_for(fired, 10)  # the clock runs again after it
     watch.stop()
+
+
+def test_a_quiet_rank_reports_where_it_is_once_another_rank_reported_and_goes_on(tmp_path):
+    """Rank 0 is writing its part of a checkpoint (quiet, in no collective) when rank 1, waiting
+    for it, reports a hang: rank 0 writes its own report (`follows`), without ending; a report
+    from before this start is not followed."""
+    directory = tmp_path / "logs" / hang.HANG_DIR
+    directory.mkdir(parents=True)
+    hang.write_json(directory / "rank-1.json", _report(1, world=2, time=time.time() - 60))
+    fired = []
+    watch = HangWatch(tmp_path, rank=0, world_size=2, limit_s=0.2, on_hang=fired.append).start()
+    watch.begin(2)
+    watch.end(2)
+    with watch.quiet("in the checkpoint save after step 2"):
+        time.sleep(0.8)  # twice the limit, and more: no collective waited in, nothing to follow
+        assert not (directory / "rank-0.json").exists()
+        hang.write_json(directory / "rank-1.json", _report(1, world=2, quiet=True,
+                                                          phase="in the checkpoint save"))
+        deadline = time.monotonic() + 10
+        while not (directory / "rank-0.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    watch.stop()
+    mine = json.loads((directory / "rank-0.json").read_text())
+    assert (mine["follows"], mine["phase"], mine["step"]) == (
+        True, "in the checkpoint save after step 2", 2)
+    assert not fired
+    lines = summary(tmp_path, hang.read_reports(tmp_path))
+    # The headline is the reporting rank's, not the follower's.
+    assert lines[0] == ("hang: no rank made progress for 5 s (twice launcher.hang_timeout_s in "
+                        "one collective: a save or an evaluation is not timed as a whole) in the "
+                        "checkpoint save; who waits on whom:"), lines
 
 
 def test_no_limit_no_thread(tmp_path):

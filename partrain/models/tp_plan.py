@@ -28,7 +28,7 @@ def plan_problems(model: nn.Module, tp: int, vocab_size: int | None = None) -> l
     if not isinstance(plan, dict):
         return [f"tensor_parallel_plan() returned {type(plan).__name__}, not a mapping of module "
                 "name -> style"]
-    problems, vocab_heads = [], []  # modules split over the vocabulary
+    problems, vocab_heads, splits = [], [], {}  # over the vocabulary; colwise and rowwise
     for name, style in plan.items():
         if style not in STYLES:
             problems.append(f"{name}: unknown style {style!r} (styles: {', '.join(STYLES)})")
@@ -43,6 +43,8 @@ def plan_problems(model: nn.Module, tp: int, vocab_size: int | None = None) -> l
         if (style == "colwise" and vocab_size is not None
                 and getattr(module, "out_features", None) == vocab_size):
             vocab_heads.append(name)
+        elif style in ("colwise", "rowwise"):
+            splits[name] = style
         if style in SPLITS:
             attr, what = SPLITS[style]
             size = getattr(module, attr, None)
@@ -64,9 +66,45 @@ def plan_problems(model: nn.Module, tp: int, vocab_size: int | None = None) -> l
                 elif count % tp:
                     problems.append(f"{name} (attention): its {attr}={count} do not split into "
                                     f"parallel.tp={tp} equal parts")
+    problems += _unpartnered(plan, splits, tp)
     if vocab_size is not None and not vocab_heads:
         problems.append(f"no module is planned \"vocab_head\": under tp the loss reads each "
                         f"rank's logits as its 1/{tp} of the vocabulary (model.vocab_size="
                         f"{vocab_size}), so the module that makes the logits must be split over "
                         "it; a whole head on every rank trains with a wrong loss")
     return problems
+
+
+def _unpartnered(plan: dict, splits: dict[str, str], tp: int) -> list[str]:
+    """Split linears without their partner: a colwise layer's outputs are each rank's 1/tp of
+    them, which only a rowwise layer reads, and a rowwise layer reads nothing else. Each looks
+    for its partner in its scope, its nearest module planned `region` or `attention` (else its
+    parent). Unpartnered, the ranks failed at the first step with a shape error, or where the
+    shapes happened to fit, trained wrong."""
+    problems = []
+    for name, style in splits.items():
+        scope = _scope(name, plan)
+        partner = "rowwise" if style == "colwise" else "colwise"
+        if any(other_style == partner and (not scope or other.startswith(scope + "."))
+               for other, other_style in splits.items()):
+            continue
+        where = f"in {scope}" if scope else "in the model"
+        problems.append(
+            f"{name} (colwise): each rank makes 1/{tp} of its outputs, and no rowwise layer "
+            f"{where} reads them: plan the layer that reads {name}'s outputs rowwise, or "
+            f"{name} replicated" if style == "colwise" else
+            f"{name} (rowwise): it reads each rank's 1/{tp} of its inputs, and no colwise layer "
+            f"{where} makes them: plan the layer before it colwise, or {name} replicated")
+    return problems
+
+
+def _scope(name: str, plan: dict) -> str:
+    """The nearest module above `name` the plan calls a region (or attention), else its parent
+    ("" for the model itself)."""
+    parent = name.rpartition(".")[0]
+    above = parent
+    while above:
+        if plan.get(above) in ("region", "attention"):
+            return above
+        above = above.rpartition(".")[0]
+    return parent

@@ -369,6 +369,13 @@ def test_a_parameter_shared_between_modules_that_the_layout_keeps_is_accepted(
     ("stack", ["parallel.tp=2", "parallel.dp=1", "model.vocab_size=257"],
      ["tok_embeddings (vocab_embedding): its 257 vocabulary rows do not split into "
       "parallel.tp=2", "output (vocab_head): its 257 vocabulary rows"]),
+    # Split linears without partners failed at the first step: "mat1 and mat2 shapes cannot be
+    # multiplied (1024x64 and 32x16)".
+    ("unpartnered", ["parallel.tp=2", "parallel.dp=1"],
+     ["layers.0.mlp.down (rowwise): it reads each rank's 1/2 of its inputs, and no colwise layer "
+      "in layers.0.mlp makes them", "layers.1.mlp.up (colwise): each rank makes 1/2 of its "
+      "outputs, and no rowwise layer in layers.1.mlp reads them: plan the layer that reads "
+      "layers.1.mlp.up's outputs rowwise, or layers.1.mlp.up replicated"]),
     ("unplanned", ["parallel.tp=2", "parallel.dp=1"],
      ["tensor_parallel_plan() returned NoneType, not a mapping"]),
     # A whole head on every rank: it trained, exit 0, with a loss log(tp) too high.
@@ -436,3 +443,19 @@ def test_a_plan_with_attention_before_its_head_passes_the_check():
     model = Model()
     model.tensor_parallel_plan = lambda: {"attn": "attention", "output": "colwise"}
     assert plan_problems(model, 2, 16) == []
+
+
+@pytest.mark.parametrize("overrides", [(), ("model=tiny-moe",), ("model.qk_norm=true",
+                                                                    "model.qkv_bias=true")],
+                         ids=["dense", "moe", "qk-norm"])
+def test_the_built_in_plan_passes_the_check_a_users_plan_gets(overrides):
+    """The built-in family's plan is the reference the styles are written for: the check a
+    user's plan gets (split sizes, partners, the vocabulary head) finds nothing in it."""
+    import torch
+
+    from partrain.models.tp_plan import plan_problems
+
+    cfg = compose("launcher.device=cpu", *overrides)
+    with torch.device("meta"):
+        model = build_family_model(cfg.model, 0)
+    assert plan_problems(model, 2, cfg.model.vocab_size) == []

@@ -213,6 +213,21 @@ def head_colwise(model_cfg) -> nn.Module:
     return HeadColwise(model_cfg.vocab_size, 16, 2)
 
 
+class Unpartnered(Stack):
+    """layers.1's MLP splits `up` colwise but keeps `down` whole: up's outputs are each rank's
+    1/tp, which the whole `down` cannot read (a shape error at the first step); layers.0's
+    `down` is rowwise with a whole `up` before it."""
+
+    def tensor_parallel_plan(self) -> dict[str, str]:
+        plan = super().tensor_parallel_plan()
+        del plan["layers.1.mlp.down"], plan["layers.0.mlp.up"]
+        return plan
+
+
+def unpartnered(model_cfg) -> nn.Module:
+    return Unpartnered(model_cfg.vocab_size, 16, 2)
+
+
 def wrong_vocab(model_cfg) -> nn.Module:
     """Logits of three classes more than model.vocab_size."""
     return Plain(model_cfg.vocab_size + 3, 16)

@@ -286,7 +286,25 @@ def compose_config(config: str | None, overrides: list[str]) -> DictConfig:
     apply_deepspeed_file(cfg, overrides)
     if is_hf(cfg.model.init_from):  # the model's shape is config.json's
         apply_hf_keys(cfg, _model_keys_given(overrides))
+    _check_blend_source(cfg, overrides)
     return cfg
+
+
+def _check_blend_source(cfg: DictConfig, overrides: list[str]) -> None:
+    """A blend reads token dirs whatever `data=` chose (validation sets data.source=tokens), so
+    only an override that asks for another source says something the blend would overrule."""
+    if cfg.data.get("blend") is None:
+        return
+    parser = OverridesParser.create()
+    for text in overrides:
+        override = parser.parse_override(text)
+        if override.key_or_group in ("data", "data.source"):
+            value = override.value()
+            if value != "tokens":
+                raise ConfigError(
+                    f"{override.key_or_group}={value} and data.blend both choose the training "
+                    "data; a blend reads the token dirs it names (data.source=tokens): drop "
+                    f"{override.key_or_group}={value}, or data.blend for {value}")
 
 
 def _model_keys_given(overrides: list[str]) -> set[str]:

@@ -495,3 +495,15 @@ def test_zero_with_ep_and_pp_needs_a_moe_block_on_every_stage():
     validated(*layout, "model.moe.every=2", nproc=4)
     validated(*layout, "model.moe.first_dense=2", "parallel.zero_backend=fsdp",
               "parallel.zero_stage=2", nproc=4)
+
+
+@pytest.mark.parametrize("source", ["data.source=stdlib", "data=stdlib"])
+def test_a_blend_with_another_source_asked_for_is_refused(source):
+    """A blend reads token dirs, whatever data= chose: an override that asks for another source
+    was overruled silently (the run trained on the blend)."""
+    key = source.partition("=")[0]
+    with pytest.raises(ConfigError, match=f"{key}=stdlib and data.blend both choose the "
+                                          f"training data; .* drop {key}=stdlib"):
+        compose(source, "data.blend=[{path: /b}]")
+    for consistent in (("data=tokens",), ("data.source=tokens",), ()):
+        assert compose(*consistent, "data.blend=[{path: /b}]").data.blend[0].path == "/b"

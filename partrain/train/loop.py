@@ -198,7 +198,8 @@ def _test_hook(name: str, rank: int, step: int) -> str | None:
 def _hang(run: Run, step: int) -> None:
     """Test hook PARTRAIN_TEST_HANG="RANK:STEP:sleep" makes that rank sleep inside the step;
     ":hold" holds the GIL there (its watch cannot run: the launcher's signal must fetch its
-    stack); ":skip" makes it skip ahead, past the step's first collectives, into a world all-reduce
+    stack); ":eval" makes it sleep in the evaluation after the step instead; ":skip" makes it
+    skip ahead, past the step's first collectives, into a world all-reduce
     that the others reach only after those: a rank in a different branch."""
     how = _test_hook(HANG_ENV, run.rank, step)
     if how == "sleep":
@@ -222,6 +223,8 @@ def _loss_fn(run: Run, step: int):
 
 def run_evaluation(run: Run, step: int) -> float:
     run.tracer.recording = False
+    if _test_hook(HANG_ENV, run.rank, step) == "eval":  # test hook: a rank stuck in evaluation
+        time.sleep(3600)
     val_loss = evaluate(run.backend, run.batches, run.loss_fn, run.cfg, run.dims, run.mesh,
                         run.coords, run.device, run.autocast)
     run.metrics.write({"step": step, "val_loss": val_loss})

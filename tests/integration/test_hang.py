@@ -133,6 +133,23 @@ def test_a_rank_stuck_in_a_checkpoint_save_is_named_not_the_rank_that_waits_for_
 
 
 @pytest.mark.slow
+def test_a_rank_stuck_in_an_evaluation_is_named(cli, tmp_path):
+    """Rank 1 sleeps in the evaluation after step 2 (the test hook); rank 0 waits for it in the
+    evaluation's collective. An evaluation is not timed as a whole, so this ended at the
+    collective timeout with gloo's error on rank 0; now rank 0's wait in one collective is the
+    hang and rank 1, quiet, says where it is."""
+    run_dir = tmp_path / "run"
+    res = cli.run("launch", "parallel.dp=2", *COMMON[:2], "train.eval_every=2",
+                  "train.eval_batches=1", *COMMON[3:], "--run-dir", str(run_dir),
+                  env={HANG: "1:2:eval"})
+    said = _ended_clean(res, run_dir)
+    assert "in the evaluation after step 2; who waits on whom:" in said, said
+    assert "rank 1 is in no collective: at partrain/train/loop.py:" in said, said
+    assert "time.sleep(3600)" in said, said
+    assert "rank 0 waits in all_reduce" in said, said
+
+
+@pytest.mark.slow
 def test_a_slow_deletion_of_a_pruned_checkpoint_is_not_a_hang(cli, tmp_path):
     """checkpoint.keep=1: the commit of step 4 prunes step 2's checkpoint, and deleting it takes
     8 s, longer than the hang limit (a large checkpoint on a network file system; the test hook

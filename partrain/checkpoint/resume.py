@@ -39,7 +39,8 @@ from partrain.errors import ConfigError
 # itself (optim.name) stay.
 RESUMABLE = ("name", "parallel.", "launcher.", "checkpoint.", "train.micro_batch_size",
              "train.micro_batches", "train.max_steps", "train.eval_every", "train.eval_batches",
-             "train.log_every", "train.max_skipped_steps", "train.trace", "train.tensorboard", "train.wandb",
+             "train.log_every", "train.max_skipped_steps", "train.trace", "train.profile_start",
+             "train.profile_steps", "train.tensorboard", "train.wandb",
              "train.wandb_project", "train.activation_checkpointing", "train.compile",
              "train.measure_memory", "optim.lr", "optim.warmup_steps",
              "optim.min_lr_ratio", "optim.grad_clip", "optim.weight_decay", "optim.beta1",

@@ -276,7 +276,8 @@ class TrainConfig:
     """Tensor accounting of the run's 2nd step: memory_base_bytes / memory_peak_bytes per rank in
     metrics.jsonl, and memory_cuda_peak_bytes (max_memory_allocated) on CUDA (slows that step)."""
     trace: bool = False
-    """Write trace.json (Chrome trace events, one track per rank) to the run dir."""
+    """Write trace.json (Chrome trace events, one track per rank, the first 50 steps) to the run
+    dir; a start that resumed writes trace.from-step-S.json beside it (S: its first step)."""
     profile_start: int = 0
     """torch.profiler from this optimizer step (0 = off) over train.profile_steps steps: each
     rank's Chrome trace and top-operator table in RUN_DIR/profile/."""

@@ -1,6 +1,8 @@
 """`train.trace=true`: compute and communication spans of every rank, written as trace.json in the
 run directory in the Chrome trace event format (open it in https://ui.perfetto.dev or
 chrome://tracing): one track per rank, so a pipeline's bubble is the gaps between F/B blocks.
+A start that resumed writes trace.from-step-S.json instead (S: its first step), so that the
+earlier start's trace stays; one with no step among the first TRACE_STEPS writes none.
 
 Times come from time.perf_counter (CLOCK_MONOTONIC, shared by the processes of one node), so
 ranks on one node line up exactly; across nodes the tracks are aligned only roughly.

@@ -27,7 +27,7 @@ from partrain.observe.hang import HangWatch, hang_limit
 from partrain.observe.memory import StepMemory, per_rank
 from partrain.observe.metrics import format_step, summary_table
 from partrain.observe.profile import StepProfiler
-from partrain.observe.trace import write_trace
+from partrain.observe.trace import TRACE_STEPS, write_trace
 from partrain.parallel.dist import (
     attempt,
     end_distributed,
@@ -66,7 +66,8 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag,
     t = cfg.train
     history, val_losses, started = [], [], time.perf_counter()
     preempted_at = None
-    profiler = StepProfiler(run_dir, run.rank, device, t.profile_start, t.profile_steps)
+    profiler = StepProfiler(run_dir, run.rank, device, t.profile_start, t.profile_steps,
+                            run.first_step)
     if t.profile_start and run.first_step > t.profile_start + t.profile_steps - 1:
         log.info("train.profile_start=%d: its steps ran before this resume; nothing profiled",
                  t.profile_start)
@@ -104,7 +105,7 @@ def train(cfg, run_dir: Path, device: torch.device, preemption: PreemptionFlag,
         # A preemption or an error inside the profiled window: what it recorded is written
         # (and a failure to write it never hides the run's own error).
         try:
-            profiler.close(step)
+            profiler.close()
         except Exception as err:  # noqa: BLE001
             log.warning("the profile of steps %s-%d could not be written: %s", profiler.first,
                         step, err)
@@ -293,11 +294,17 @@ def finish(run: Run, history: list[dict], val_losses: list, seconds: float) -> N
     if run.cfg.train.trace:
         gathered = [None] * dims.world_size if run.rank == 0 else None
         dist.gather_object(run.tracer.spans, gathered, dst=0)
-        if run.rank == 0:
+        if run.rank == 0 and not any(gathered):
+            log.info("train.trace: no step of this start is among the first %d; no trace written",
+                     TRACE_STEPS)
+        elif run.rank == 0:
             labels = [f"rank {r} (pp {c['pp']}, dp {c['dp']}, "
                       + (f"cp {c['cp']}, " if dims.cp_enabled else "") + f"tp {c['tp']})"
                       for r, c in ((r, dims.coords(r)) for r in range(dims.world_size))]
-            write_trace(run.run_dir / "trace.json", gathered, labels)
+            # A resumed start's trace beside the earlier start's, not over it.
+            name = ("trace.json" if run.first_step == 1 else
+                    f"trace.from-step-{run.first_step}.json")
+            write_trace(run.run_dir / name, gathered, labels)
     if run.rank == 0 and history:
         run.display.console.print(summary_table(history, val_losses, seconds, run.run_dir,
                                                 run.checkpointer.newest or run.start.resume))

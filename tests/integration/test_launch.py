@@ -239,6 +239,19 @@ def test_profile_writes_each_ranks_trace_and_table(cli, tmp_path):
         steps = [e for e in trace["traceEvents"] if e["name"] == "Optimizer.step#AdamW.step"]
         assert len(steps) == 2
     assert "profiled steps 2-3" in (run_dir / "logs" / "rank-0.log").read_text()
+    # A resume may move the window (it was refused: "it changes the math of the run") and turn
+    # the trace on; what it writes goes beside the first start's files, not over them.
+    first = (run_dir / "profile" / "rank-0.txt").read_text()
+    res = cli.run("launch", "--resume", str(run_dir), "train.max_steps=6", "train.profile_start=5",
+                  "train.profile_steps=2", "train.trace=true")
+    assert res.returncode == 0, res.stderr
+    assert (run_dir / "profile" / "rank-0.txt").read_text() == first
+    for rank in (0, 1):
+        table = (run_dir / "profile" / f"rank-{rank}.from-step-5.txt").read_text()
+        assert table.startswith("steps 5-6: "), table[:2000]
+    trace = json.loads((run_dir / "trace.from-step-5.json").read_text())
+    assert {e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"} == {0, 1}
+    assert not (run_dir / "trace.json").exists()
 
 
 @pytest.mark.slow

@@ -250,6 +250,8 @@ def remove_trees(paths: list[Path]) -> None:
 def find(path: Path, what: str) -> Checkpoint:
     """A committed checkpoint named by the user: its directory, a run dir (its newest), or a run
     dir's checkpoints/ (its newest). Raises ConfigError naming `what` (the key or flag)."""
+    if path.name == LATEST and path.is_file():  # checkpoints/latest names the newest
+        path = path.parent
     candidates = [path] if STEP_DIR.fullmatch(path.name) else []
     for root in (path / CHECKPOINTS, path):
         if root.is_dir() and not candidates:

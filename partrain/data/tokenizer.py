@@ -262,9 +262,12 @@ class TextTokenizer:
             return list(text.encode("utf-8", "surrogateescape"))
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def decoder(self):
+    def decoder(self, prompt: list[int] = ()):
         """A function from each new id to the text it completes ('' while a character or a
-        merged word is still partial), and a final flush."""
+        merged word is still partial), and a final flush. The stream first reads `prompt`'s ids
+        (their text is printed already): a decoder that strips the first token's leading space
+        (SentencePiece's Metaspace, Llama-2's Strip) took the continuation's first token for the
+        text's start and dropped its space ("Hello" + "▁world" printed "Helloworld")."""
         if self._tok is None:
             import codecs
 
@@ -273,6 +276,8 @@ class TextTokenizer:
         from tokenizers.decoders import DecodeStream
 
         stream, tok = DecodeStream(skip_special_tokens=False), self._tok
+        for token in prompt:
+            stream.step(tok, token)
         return (lambda token: stream.step(tok, token) or ""), (lambda: "")
 
 

@@ -157,7 +157,7 @@ def generate(model, tokenizer, ids: list[int], max_new_tokens: int, temperature:
     forward for every token (the same tokens, slower)."""
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
-    step, flush = tokenizer.decoder()
+    step, flush = tokenizer.decoder(ids)
     use_cache = kv_cache and cache_exact(model)
     logits_of = (Cached if use_cache else Recompute)(model, max_seq_len, device)
     out = list(ids)

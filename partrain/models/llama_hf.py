@@ -156,9 +156,13 @@ def model_keys(hf: dict, where: str) -> dict:
     dim, heads = _whole(hf, "hidden_size", where), _whole(hf, "num_attention_heads", where)
     # transformers' default when config.json has none (or null): hidden_size / heads
     width = _whole(hf, "head_dim", where) if hf.get("head_dim") is not None else dim // heads
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    # transformers 5 reads rope_scaling first (convert_rope_params_to_dict: `rope_scaling or
+    # rope_parameters`): a YaRN or linear rope_scaling beside a default rope_parameters (a v5
+    # config edited after a model card) is the model's rope, not to be dropped.
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    rope = hf.get(key) or {}
     if not isinstance(rope, dict):
-        raise ConfigError(f"{where}: rope_parameters={rope!r} must be an object")
+        raise ConfigError(f"{where}: {key}={rope!r} must be an object")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         raise ConfigError(f"{where}: rope_type={rope_type!r}; partrain has default and llama3")
@@ -174,7 +178,9 @@ def model_keys(hf: dict, where: str) -> dict:
     if family in ("qwen2", "qwen3"):
         _refuse_sliding_layers(hf, family, where)
     keys = {"n_layers": _whole(hf, "num_hidden_layers", where), "n_heads": heads,
-            "n_kv_heads": _whole(hf, "num_key_value_heads", where, heads), "dim": dim,
+            # null, as absent, is transformers' "as many as num_attention_heads"
+            "n_kv_heads": _whole(hf, "num_key_value_heads", where, heads)
+            if hf.get("num_key_value_heads") is not None else heads, "dim": dim,
             "head_dim": width,
             "ffn_dim": _whole(hf, "intermediate_size", where),
             "vocab_size": _whole(hf, "vocab_size", where),

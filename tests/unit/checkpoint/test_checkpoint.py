@@ -263,6 +263,9 @@ def test_find_takes_a_step_dir_a_run_dir_or_its_checkpoints(tmp_path):
     assert store.find(run_dir, "model.init_from").step == 20
     assert store.find(root, "model.init_from").step == 20
     assert store.find(Path(str(root / "step-00000010") + "/"), "x").step == 10
+    # checkpoints/latest, the file that names the newest (it "held no committed checkpoint")
+    assert (root / store.LATEST).is_file()
+    assert store.find(root / store.LATEST, "RUN_DIR_OR_CHECKPOINT").step == 20
 
 
 @pytest.mark.parametrize("where, rule", [

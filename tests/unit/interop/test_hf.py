@@ -364,6 +364,35 @@ def test_import_refuses_a_malformed_config_json(tmp_path, changes, fragments):
     assert all(f in str(e.value) for f in fragments), str(e.value)
 
 
+@pytest.mark.parametrize("scaling", [{"rope_type": "yarn", "factor": 4.0,
+                                      "original_max_position_embeddings": 64},
+                                     {"type": "linear", "factor": 4.0}])
+def test_a_rope_scaling_beside_a_default_rope_parameters_is_read_first(tmp_path, scaling):
+    """transformers 5 takes rope_scaling over rope_parameters: a model card's YaRN (or a linear
+    scaling) written beside a v5 config's default rope_parameters imported as default rope and
+    trained silently off transformers' model (logits 1.4e-2 apart). Now it is read, and refused
+    as a rope partrain does not have."""
+    from partrain.errors import ConfigError
+    from partrain.interop.hf import check_hf_init
+
+    hf_llama(tmp_path / "hf")
+    _rewrite_config(tmp_path / "hf", rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+                    rope_scaling=scaling)
+    with pytest.raises(ConfigError, match="rope_type='(yarn|linear)'; partrain has default and "
+                                          "llama3"):
+        check_hf_init(_model_cfg(tmp_path / "hf"))
+
+
+def test_a_null_num_key_value_heads_is_as_many_as_the_heads(tmp_path):
+    """transformers reads null as absent: one kv head per query head. It was refused."""
+    from partrain.models.llama_hf import model_keys
+
+    hf_llama(tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["num_key_value_heads"] = None
+    assert model_keys(config, "here")["n_kv_heads"] == config["num_attention_heads"]
+
+
 def test_import_refuses_weights_that_do_not_fit(tmp_path):
     """Checked in the launcher, from the files' headers: a truncated file, a missing tensor and
     a tensor of the wrong shape (which a slice under tp would silently crop)."""

@@ -164,3 +164,40 @@ def test_a_malformed_tokenizer_config_is_refused_naming_it(run_main, llama3_run,
     assert res.code == 2 and "Traceback" not in res.stderr, res.stderr
     assert "tokenizer_config.json is not a JSON object" in res.stderr
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("decoder", ["metaspace", "llama2"])
+def test_the_streamed_continuation_is_the_decode_of_every_id(decoder):
+    """sample prints the prompt, then streams the continuation's text. A fresh stream took the
+    continuation's first token for the text's start: SentencePiece's Metaspace decoder and
+    Llama-2's Strip dropped its space ("Hello" then "\u2581world" printed "Helloworld"), at 7 of
+    15 cuts of a reviewer's sentence. The stream now reads the prompt's ids first."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    text = "Hello world, the world says hello to the whole wide world of words. " * 20
+    if decoder == "metaspace":
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+        tok.decoder = decoders.Metaspace(prepend_scheme="first")
+    else:  # Llama-2's tokenizer.json: spaces replaced by the marker, a leading one added
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                               normalizers.Replace(" ", "\u2581")])
+        # SentencePiece's words begin with the marker (the tokenizer.json has no pre-tokenizer;
+        # here one, so that the trainer learns such words)
+        tok.pre_tokenizer = pre_tokenizers.Split("\u2581", behavior="merged_with_next")
+        tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.train_from_iterator([text], trainers.BpeTrainer(
+        vocab_size=120, special_tokens=["<|endoftext|>", "<unk>"], show_progress=False))
+    tokenizer = TextTokenizer.__new__(TextTokenizer)
+    tokenizer._tok = tok
+    ids = tok.encode("Hello world, the world says hello").ids
+    assert len(ids) > 4
+    wrong = 0
+    for cut in range(1, len(ids)):
+        step, flush = tokenizer.decoder(ids[:cut])
+        streamed = "".join(step(token) for token in ids[cut:]) + flush()
+        assert tok.decode(ids[:cut]) + streamed == tok.decode(ids), (cut, streamed)
+        fresh, _ = TextTokenizer.decoder(tokenizer)
+        wrong += "".join(fresh(token) for token in ids[cut:]) != streamed
+    assert wrong  # the cuts where a fresh stream printed something else

@@ -28,6 +28,10 @@ ARROW_SUFFIXES = (".arrow",)
 # A text file (one document) is read in pieces of about this many bytes, cut after a newline
 # between printable non-space characters (_text_pieces): bounded memory for any file size.
 TEXT_PIECE_BYTES = 16 << 20
+# A piece that found no such cut grows until this many pieces' bytes, then is cut anyway
+# (_forced_cut): a CRLF or Cyrillic file had no cut at all and was read whole (11 GB of memory
+# for 100 MB of text), each block copying the growing carry again.
+MAX_CARRY_PIECES = 4
 ROWS_PER_BATCH = 4096  # Parquet rows turned into Python strings at a time
 # pyarrow reads JSON Lines in blocks, and a record must fit in one: a document of up to this much
 # JSON is read (the reader's own default, 1 MiB, refuses a long book as a "straddling object").
@@ -218,22 +222,50 @@ def _utf8(value) -> bool:
     return True
 
 
+def _word_byte(byte: int) -> bool:
+    """Not ASCII whitespace or a control character: a printable character, or a byte of a
+    UTF-8 character beyond ASCII (Cyrillic, CJK: every byte >= 0x80)."""
+    return byte > 0x20 and byte != 0x7F
+
+
 def _piece_cut(data: bytes) -> int:
-    """The offset just after the last newline of `data` between two printable ASCII characters
-    other than a space (a line that ends in a word, then one that starts with one), or -1. A
-    newline inside a run of whitespace is no cut: pre-tokenizers merge the run ("\n\n" is one
-    token at the end of a piece, two before a word)."""
+    """The offset just after the last newline of `data` between two characters that are not
+    whitespace (a line that ends in a word, then one that starts with one), or -1; in a CRLF
+    file, between the "\r" and the "\n" of such a line end (GPT-2's regex splits "\r\nword" into
+    "\r", "\n", "word": so do the two pieces). A newline inside a run of whitespace is no cut:
+    pre-tokenizers merge the run ("\n\n" is one token at the end of a piece, two before a
+    word)."""
     at = len(data) - 1
     while (at := data.rfind(b"\n", 1, at)) >= 0:
-        if 0x21 <= data[at + 1] <= 0x7E and 0x21 <= data[at - 1] <= 0x7E:
+        if not _word_byte(data[at + 1]):
+            continue
+        if _word_byte(data[at - 1]):
             return at + 1
+        if data[at - 1] == 0x0D and at >= 2 and _word_byte(data[at - 2]):
+            return at
     return -1
+
+
+def _forced_cut(data: bytes) -> int:
+    """Where to cut a carry that found no clean cut in MAX_CARRY_PIECES pieces (a file of
+    whitespace runs, one endless line): after its last newline, else its last space, else
+    before its last UTF-8 character. The ids there may differ from the whole file's by a token
+    or two (as _text_pieces says of every cut); the memory stays bounded."""
+    for mark in (b"\n", b" "):
+        at = data.rfind(mark)
+        if at > 0:
+            return at + 1
+    at = len(data) - 1
+    while at > 0 and 0x80 <= data[at] <= 0xBF:  # UTF-8 continuation bytes
+        at -= 1
+    return at if at > 0 else len(data)
 
 
 def _text_pieces(file: Path) -> Iterator[tuple[bytes, int]]:
     """A text file's bytes in pieces of about TEXT_PIECE_BYTES, each (bytes, its offset in the
-    file), cut after a newline between printable non-space ASCII characters. A file with no such
-    newline is one piece.
+    file), cut after a newline between characters that are not whitespace (between "\r" and "\n"
+    in a CRLF file). A piece that finds no such newline in MAX_CARRY_PIECES pieces' bytes is cut
+    at its last newline, space or character (_forced_cut).
 
     Each piece is encoded as a string of its own. Byte-level pre-tokenizers (GPT-2's regex, with
     add_prefix_space off) split at that newline, merged neither into the word after it nor into
@@ -254,6 +286,8 @@ def _text_pieces(file: Path) -> Iterator[tuple[bytes, int]]:
             while block := f.read(TEXT_PIECE_BYTES):
                 data = carry + block
                 cut = _piece_cut(data)
+                if cut <= 0 and len(data) >= MAX_CARRY_PIECES * TEXT_PIECE_BYTES:
+                    cut = _forced_cut(data)
                 if cut <= 0:
                     carry = data
                     continue

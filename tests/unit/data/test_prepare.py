@@ -394,6 +394,51 @@ def test_a_large_text_file_is_read_in_pieces_with_the_same_ids(tmp_path, monkeyp
         assert (pieced_ids == tok.token_to_id("<|endoftext|>")).sum() == 2
 
 
+@pytest.mark.parametrize("kind", ["crlf", "cyrillic"])
+def test_a_crlf_or_cyrillic_text_file_is_read_in_pieces_with_the_same_ids(tmp_path, monkeypatch,
+                                                                         kind):
+    """A CRLF file ("\r" before each newline) or one in Cyrillic (bytes >= 0x80 on both sides)
+    had no cut: it was read whole (11 GB of memory for 100 MB), each 16 MB block copying the
+    growing rest again. Now cut there too, with a byte-level BPE's ids of the whole file."""
+    from partrain.data import inputs
+
+    words = ("быстрая бурая лиса прыгает через ленивую собаку" if kind == "cyrillic" else
+             "the quick brown fox jumps over the lazy dog")
+    end = "\r\n" if kind == "crlf" else "\n"
+    text = "".join(f"{words.split()[i % 7]} {i}: {words}{'.' * (i % 3)}{end}" for i in range(120))
+    big = tmp_path / "big.txt"
+    big.write_bytes(text.encode())
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator([text] * 3, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    options = {"tokenizer": tmp_path / "tokenizer.json", "workers": 1}
+    prepare_token_dir([big], tmp_path / "whole", 0.1, **options)
+    monkeypatch.setattr(inputs, "TEXT_PIECE_BYTES", 300)
+    pieces = list(inputs._text_pieces(big))
+    assert len(pieces) > 10 and b"".join(p for p, _ in pieces) == big.read_bytes()
+    assert max(len(p) for p, _ in pieces) < 2 * 300
+    prepare_token_dir([big], tmp_path / "pieced", 0.1, **options)
+    assert _ids(tmp_path / "pieced")[1].tolist() == _ids(tmp_path / "whole")[1].tolist()
+
+
+def test_a_text_file_with_no_clean_cut_is_still_read_in_bounded_pieces(tmp_path, monkeypatch):
+    """One endless line (no newline at all), and then a run of blank lines: cut anyway, at a
+    space or a character's start, once a piece's rest reaches MAX_CARRY_PIECES pieces."""
+    from partrain.data import inputs
+
+    monkeypatch.setattr(inputs, "TEXT_PIECE_BYTES", 100)
+    big = tmp_path / "line.txt"
+    big.write_bytes(("слово " * 300 + "\n \n" * 300 + "ж" * 500).encode())
+    pieces = list(inputs._text_pieces(big))
+    assert b"".join(p for p, _ in pieces) == big.read_bytes()
+    assert max(len(p) for p, _ in pieces) <= (inputs.MAX_CARRY_PIECES + 1) * 100
+    for piece, _ in pieces:
+        piece.decode("utf-8")  # every cut at a character's start
+
+
 def _prefixing_tokenizer(kind: str, text: str):
     """A BPE tokenizer trained on `text` that acts at the start of a string (`kind`)."""
     tok = Tokenizer(models.BPE(unk_token="<unk>"))

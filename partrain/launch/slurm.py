@@ -222,6 +222,23 @@ def check_job(job: SlurmJob) -> None:
     for arg in job.sbatch_args:
         check_sbatch_arg(arg)
         _check_not_against_flags(job, arg)
+        _check_time_min(arg)
+
+
+def _check_time_min(arg: str) -> None:
+    """--time-min lets SLURM lower the job's limit down to it to start the job sooner: the same
+    rule as --time (a limit within the preemption notice stops and requeues every start)."""
+    name, value = _long_name(arg) or "", arg.partition("=")[2]
+    if not (len(name) > len("time") and "time-min".startswith(name)):
+        return
+    limit, least = _time_limit_s(value.strip()), SIGNAL_BEFORE_END_S + SIGNAL_EARLY_S
+    if limit is not None and limit <= least:
+        raise ConfigError(
+            f"--sbatch-arg {arg!r}: SLURM may lower the job's time limit to {limit} s to start "
+            f"it sooner, within the {SIGNAL_BEFORE_END_S} s before its end at which the job is "
+            f"told to save and requeue (--signal=USR2@{SIGNAL_BEFORE_END_S}; up to "
+            f"{SIGNAL_EARLY_S} s earlier): every start would be stopped at once and requeued "
+            f"without end; give a --time-min longer than {least // 60} minutes")
 
 
 # sbatch takes an #SBATCH line holding either word anywhere, in any case, as the start of

@@ -376,8 +376,8 @@ def prepare_job(request: Request, dry_run: bool, out: Console, err: Console,
 def check_gpu_request(device: str, gpus_per_node: int | None, nproc_per_node: int) -> str | None:
     """What the job asks SLURM for against what its ranks will use (the submitting machine's own
     GPUs say nothing of the nodes'): a CUDA run that asks for none is refused (a site that
-    confines a job to its GPUs shows it none; one that does not lets it take other jobs'), and
-    more ranks than GPUs too; `auto` that asks for none is said (a warning), since it trains on
+    confines a job to its GPUs shows it none; one that does not lets it take other jobs'), more
+    ranks than GPUs too, and a CPU run that asks for GPUs (it would hold them idle); `auto` that asks for none is said (a warning), since it trains on
     the CPU where the nodes show no GPU."""
     if gpus_per_node is None:
         if device == "cuda":
@@ -389,7 +389,13 @@ def check_gpu_request(device: str, gpus_per_node: int | None, nproc_per_node: in
                     "GPUs, and where the nodes show a job none it trains on their CPUs; give "
                     "--gpus-per-node G for a GPU job, or launcher.device=cpu")
         return None
-    if device != "cpu" and nproc_per_node > gpus_per_node:
+    if device == "cpu":
+        raise ConfigError(
+            f"launcher.device=cpu and --gpus-per-node {gpus_per_node}: the job would hold "
+            f"{gpus_per_node} GPUs on each node and train on its CPUs (the quickstart recipe "
+            "sets cpu); set launcher.device=cuda (or auto), or leave --gpus-per-node out for a "
+            "CPU job")
+    if nproc_per_node > gpus_per_node:
         raise ConfigError(
             f"--nproc-per-node {nproc_per_node} > --gpus-per-node {gpus_per_node}: each rank "
             f"takes a GPU of its own, and ranks past {gpus_per_node} would have none; give "

@@ -164,6 +164,13 @@ ROWS_FLAGS = [
     row("slurm --time 0-0:3:00 (SLURM may signal 60 s early)",
         ["slurm", "--time", "0-0:3:00", "--nodes", "1", "--dry-run"],
         "--time 0-0:3:00 is 180 s", "up to 60 s earlier"),
+    # ... and so would SLURM lowering the limit to --time-min to start the job sooner (was let by)
+    row("slurm --sbatch-arg=--time-min=1", ["slurm", "--time", "10", "--sbatch-arg=--time-min=1",
+                                           "--nodes", "1", "--dry-run"],
+        "SLURM may lower the job's time limit to 60 s", "longer than 3 minutes"),
+    row("slurm --sbatch-arg=--time-m=0:2:00", ["slurm", "--sbatch-arg=--time-m=0:2:00",
+                                              "--nodes", "1", "--dry-run"],
+        "--time-m=0:2:00", "to 120 s"),
     row("slurm --nodes 0", ["slurm", "--nodes", "0", "--dry-run"], "--nodes=0", "at least 1"),
     row("slurm --nodes abc", ["slurm", "--nodes", "abc", "--dry-run"], "--nodes", "'abc'",
         "whole number"),

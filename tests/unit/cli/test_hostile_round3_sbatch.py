@@ -167,6 +167,11 @@ ROWS_FLAGS = [
                                            "launcher.device=cuda", "--dry-run", "--run-dir",
                                            "run"],
         "--nproc-per-node 2 > --gpus-per-node 1", "would have none"),
+    # The quickstart's cpu with GPUs asked for: the job held them idle and trained on CPUs.
+    row("launcher.device=cpu with --gpus-per-node", _slurm("launcher.device=cpu",
+                                                           "--gpus-per-node", "8"),
+        "launcher.device=cpu and --gpus-per-node 8", "hold 8 GPUs on each node and train on its "
+        "CPUs", "launcher.device=cuda"),
     row("--cpus-per-task with --sbatch-arg=--cpus-per-gpu",
         _slurm("--cpus-per-task", "8", "--sbatch-arg=--cpus-per-gpu=4"),
         "--sbatch-arg '--cpus-per-gpu=4'", "--cpus-per-task", "takes one of"),

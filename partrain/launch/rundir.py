@@ -121,9 +121,17 @@ def check_run_dir(run_dir: Path, cfg: DictConfig | None = None, resuming: bool =
         if run_dir.is_dir() and any(run_dir.iterdir()):
             frozen = run_dir / CONFIG
             checkpoint = store.newest(run_dir / store.CHECKPOINTS) if cfg is not None else None
-            if checkpoint is not None and not resuming and not (
+            differences = (_config_differences(frozen, cfg) if cfg is not None and frozen.is_file()
+                           else None)
+            # Only the world differs (--nnodes, --nproc-per-node): a job script that continues
+            # the run on its own allocation after a `launch --resume` on another layout (the
+            # script was refused at every node). The start resumes, as --resume would.
+            new_world = bool(differences) and all(
+                d.startswith(("launcher.nnodes:", "launcher.nproc_per_node:"))
+                for d in differences)
+            if checkpoint is not None and not resuming and not new_world and not (
                     frozen.exists() and _same_config(frozen, cfg)):
-                differences = (_config_differences(frozen, cfg) if frozen.is_file() else None) or []
+                differences = differences or []
                 which = f" ({_listed(differences)})" if differences else ""
                 raise refuse(
                     f"holds a checkpoint at step {checkpoint.step} of another config{which}; "

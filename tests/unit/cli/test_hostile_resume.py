@@ -316,8 +316,14 @@ def test_relaunch_of_a_finished_run_has_nothing_to_do(run_main, tmp_path, monkey
     # The first run's process count follows the new degrees (it said "world size 1 ... from
     # launcher.nproc_per_node", a count the user never gave, when cp changed).
     (_resume(_run(100), "--dry-run", "parallel.cp=2"), "start 2 worker(s)"),
+    # A job script's launch line (CONFIG --run-dir, its own --nnodes and --nproc-per-node) after
+    # a `launch --resume` on another world: it was refused at every node ("of another config
+    # (launcher.nnodes: 1 there, 2 here ...)").
+    (lambda c: ["launch", "--dry-run", str(Path(_run(100)(c)) / "config.yaml"), "--run-dir",
+                "run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-endpoint",
+                "127.0.0.1:29999"], "start 1 worker(s)"),
 ], ids=["newest of two", "--run-dir the same dir", "another layout", "bookkeeping keys",
-        "the same command again", "cp changes the world"])
+        "the same command again", "cp changes the world", "a job script on another world"])
 def test_resume_dry_run_says_where_it_resumes(argv, says, run_main, tmp_path, monkeypatch):
     out = _allowed(run_main, tmp_path, monkeypatch, argv)
     assert "dry run: would write run" in out

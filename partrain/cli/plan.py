@@ -20,6 +20,9 @@ def plan_command(args: list[str], world_size, as_json: bool, search: bool, gpus,
     from partrain.plan.render import print_plan
 
     if search:
+        if world_size is not None:  # it was ignored: the search plans for --gpus
+            raise ConfigError(f"--world-size {world_size} is not a --search option: the search "
+                              "lays out --gpus N; give --gpus, or drop --search")
         _search(args, gpus, gpus_per_node, hardware, tokens_per_step, explain, write_recipe,
                 as_json, out)
         return
@@ -116,7 +119,9 @@ def _search(args, gpus, gpus_per_node, hardware, tokens_per_step, explain, write
         + (", --gpus-per-node" if gpus_per_node is not None else ""))
     if write_recipe is not None:
         command = " ".join(["partrain plan --search", shlex.join(args or []), f"--gpus {gpus}",
-                            f"--gpus-per-node {hw.gpus_per_node}", f"--hardware {hw.name}"])
+                            f"--gpus-per-node {hw.gpus_per_node}",
+                            # what was given (a YAML's path), not the name inside it
+                            f"--hardware {shlex.quote(hardware or hw.name)}"])
         write(write_recipe, result, command)
     if as_json:
         sys.stdout.write(json.dumps(search_json(result), indent=2) + "\n")

@@ -88,7 +88,7 @@ def _prepared_by_partrain(run_dir: Path) -> bool:
                for entry in run_dir.iterdir())
 
 
-def _nearest_existing(path: Path) -> Path:
+def nearest_existing(path: Path) -> Path:
     path = path.absolute()
     while not path.exists() and path != path.parent:
         path = path.parent
@@ -172,7 +172,7 @@ def check_run_dir(run_dir: Path, cfg: DictConfig | None = None, resuming: bool =
             if not joinable:
                 raise refuse("already exists and is not empty; give a new one (a run dir holds "
                              "one run: partrain writes only into a new or empty directory)")
-        parent = _nearest_existing(run_dir)
+        parent = nearest_existing(run_dir)
         if not parent.is_dir():
             raise refuse(f"cannot be made: {parent} is a file, not a directory")
         if not os.access(parent, os.W_OK | os.X_OK):
@@ -289,7 +289,7 @@ def write_run_dir(cfg: DictConfig, run_dir: Path, resuming: bool = False) -> Pat
     that nodes writing the same file at once never see half of it). If the disk refuses any of
     it, what this call made is removed and the error names --run-dir."""
     check_run_dir(run_dir, cfg, resuming)
-    made = _nearest_existing(run_dir)
+    made = nearest_existing(run_dir)
     # pid and host: nodes in pid namespaces of their own (containers) may share a pid.
     tmp = run_dir / f".{CONFIG}.{socket.gethostname()}-{os.getpid()}.tmp"
     copied = not (run_dir / RUN_TOKENIZER).exists()  # and so removed again on a failure

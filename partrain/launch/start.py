@@ -28,7 +28,7 @@ from partrain.launch.lifeline import LAUNCHER_PID_ENV
 from partrain.launch.netif import set_ifname_variables
 from partrain.launch.preemption import FORWARDER
 from partrain.launch.preflight import Ready, Request, preflight, runs_on_cuda
-from partrain.launch.rundir import hold_run_dir, trained_in, write_run_dir
+from partrain.launch.rundir import hold_run_dir, nearest_existing, trained_in, write_run_dir
 from partrain.launch.runs import ENDED, STATE_FILE, ended_done_at, write_state
 from partrain.launch.slurm import (
     SlurmJob,
@@ -354,7 +354,9 @@ def prepare_job(request: Request, dry_run: bool, out: Console, err: Console,
                         f"{world.nproc_per_node}")
     for warning in warnings:
         warn(warning)
-    created = not run_dir.exists()
+    # The nearest directory that is there before this call (None: the run dir is): what a failed
+    # submission takes back goes up to it, the parents made for the run dir too.
+    created = None if run_dir.exists() else nearest_existing(run_dir)
     script = write_job(ready, job, created)
     if dry_run:
         sys.stdout.write(script_text)
@@ -403,9 +405,10 @@ def check_gpu_request(device: str, gpus_per_node: int | None, nproc_per_node: in
     return None
 
 
-def write_job(ready: Ready, job: SlurmJob, created: bool) -> Path:
+def write_job(ready: Ready, job: SlurmJob, created: Path | None) -> Path:
     """The run dir with its frozen config and the sbatch script; if the script cannot be written,
-    what was written goes again (all of the run dir if this call `created` it)."""
+    what was written goes again (all of the run dir and the parents made for it if this call
+    created it below `created`, the nearest directory there before)."""
     write_run_dir(ready.cfg, ready.run_dir)
     try:
         return write_script(job)

@@ -295,13 +295,14 @@ def test_submission_prints_job_id_and_logs(run_main, tmp_path, sbatch_stub):
 def test_sbatch_refusing_exits_2_with_its_message_and_takes_back_the_run_dir(
         run_main, tmp_path, sbatch_stub):
     sbatch_stub('echo "sbatch: error: invalid partition specified: nope" >&2; exit 1')
-    run_dir = tmp_path / "run"
+    # The parents made for it go too (new/a was left behind); tmp_path, there before, stays.
+    run_dir = tmp_path / "new" / "a" / "run"
     result = run_main(*SLURM_ARGS, "--partition", "nope", "--run-dir", str(run_dir))
     assert result.code == 2
     assert "sbatch refused the job (exit 1): sbatch: error: invalid partition specified: nope" \
         in result.stderr
     assert "Traceback" not in result.stderr and result.stdout == ""
-    assert not run_dir.exists()
+    assert not (tmp_path / "new").exists() and tmp_path.is_dir()
 
 
 def test_sbatch_missing_exits_2(run_main, tmp_path, monkeypatch):

@@ -225,6 +225,30 @@ def test_write_recipe_runs_as_written(run_main, tmp_path):
     assert again.code == 2 and "exists" in again.stderr
 
 
+def test_write_recipe_records_the_hardware_as_given(run_main, tmp_path, monkeypatch):
+    """A --hardware YAML: the recipe's header recorded the `name:` inside it, a command that
+    fails when run again ("neither a preset ... nor a YAML file")."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hw.yaml").write_text("name: my-cluster\ngpus_per_node: 8\nmemory_gib: 80\n"
+                                      "peak_tflops: 989\nintra_node_gbps: 450\n"
+                                      "inter_node_gbps: 50\n")
+    res = run_main("plan", "--search", "model=llama-1b", "--gpus", "8", "--hardware", "hw.yaml",
+                   "--write-recipe", "best.yaml")
+    assert res.code == 0, res.stderr
+    header = (tmp_path / "best.yaml").read_text().splitlines()[0]
+    assert "--hardware hw.yaml" in header and "my-cluster" not in header, header
+    command = header.split("`")[1].removeprefix("partrain ").split()
+    (tmp_path / "best.yaml").unlink()
+    again = run_main(*command, "--write-recipe", "best.yaml")  # the recorded command, again
+    assert again.code == 0, again.stderr
+
+
+def test_world_size_is_not_a_search_option(run_main):
+    """It was ignored: `--gpus 8 --world-size 4` planned for 8."""
+    res = run_main("plan", "--search", "--gpus", "8", "--world-size", "4")
+    assert res.code == 2 and "--world-size 4 is not a --search option" in res.stderr, res.stderr
+
+
 def test_search_prints_a_table(run_main):
     res = run_main("plan", "--search", "model=llama-7b", "train.seq_len=4096",
                    "train.global_batch_size=256", "--gpus", "8")

@@ -104,7 +104,8 @@ def _refuse_compressed(file: Path, given: Path, flag: str) -> None:
 
 def collect_inputs(paths: list[Path], flag: str = "input") -> list[Path]:
     """The files the inputs stand for, in order: a directory's regular files recursively, in
-    sorted order, hidden files and directories skipped. A partrain token dir, given or under a
+    sorted order, hidden files and directories skipped, symbolic links to directories followed
+    (each directory read once: a link back up is no loop), a broken link refused. A partrain token dir, given or under a
     directory, is refused. `flag` names the inputs in messages ("input", "--val")."""
     files = []
     for path in paths:
@@ -115,8 +116,13 @@ def collect_inputs(paths: list[Path], flag: str = "input") -> list[Path]:
             _refuse_not_text(path, path, flag)
             files.append(path)
             continue
-        found = []
-        for root, dirs, names in os.walk(path, onerror=_walk_error):
+        found, walked = [], set()
+        for root, dirs, names in os.walk(path, onerror=_walk_error, followlinks=True):
+            key = _dir_key(root)
+            if key in walked:  # reached again through a link: its files are in already
+                dirs[:] = []
+                continue
+            walked.add(key)
             _refuse_token_dir(Path(root), path, flag)
             _refuse_run_dir(Path(root), path, flag)
             dataset = _hf_dataset_files(Path(root))
@@ -125,8 +131,8 @@ def collect_inputs(paths: list[Path], flag: str = "input") -> list[Path]:
                 dirs[:] = []
                 continue
             dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
-            here = [Path(root) / n for n in sorted(names)
-                    if not n.startswith(".") and (Path(root) / n).is_file()]
+            here = [Path(root) / n for n in sorted(names) if not n.startswith(".")
+                    and _walked_file(Path(root) / n, path, flag)]
             for file in here:
                 _refuse_not_text(file, path, flag)
             found += here
@@ -261,6 +267,23 @@ def _refuse_run_dir(directory: Path, given: Path, flag: str) -> None:
         f"{what} ({CONFIG} and {written}); "
         "data prepare reads text, and would read its checkpoints, logs and metrics as text; give "
         f"the text files instead{where}")
+
+
+def _dir_key(directory: str) -> tuple[int, int]:
+    try:
+        st = os.stat(directory)
+    except OSError as e:
+        raise ConfigError(f"input directory {directory} cannot be read: {reason(e)}") from None
+    return st.st_dev, st.st_ino
+
+
+def _walked_file(file: Path, given: Path, flag: str) -> bool:
+    """A regular file to read (through a link too); a broken link is refused, as when given by
+    itself (skipped, its text was left out without a word); other kinds (a pipe) are skipped."""
+    if file.is_symlink() and not file.exists():
+        raise ConfigError(f"{flag} file {file} (under {flag} {given}) is a symbolic link to "
+                          f"{os.readlink(file)}, which does not exist; fix or remove the link")
+    return file.is_file()
 
 
 def _walk_error(e: OSError) -> None:

@@ -216,6 +216,27 @@ def test_prepare_input_that_is_an_empty_directory(run_main, tmp_path, text_files
     assert not (tmp_path / "tok").exists()
 
 
+def test_a_directorys_links_are_followed_once_and_a_broken_one_is_refused(tmp_path):
+    """A linked folder inside an input directory was skipped without a word (os.walk does not
+    follow links), and so was a broken link; a link back up is read once, not in a loop."""
+    from partrain.data.input_paths import collect_inputs
+
+    tree, shared = tmp_path / "tree", tmp_path / "shared"
+    (tree / "a").mkdir(parents=True)
+    shared.mkdir()
+    (tree / "a" / "one.txt").write_text("alpha")
+    (shared / "two.txt").write_text("beta")
+    (tree / "linked").symlink_to(shared)
+    (tree / "a" / "up").symlink_to(tree)  # a loop
+    assert [p.relative_to(tree).as_posix() for p in collect_inputs([tree])] == [
+        "a/one.txt", "linked/two.txt"]
+    (tree / "broken.txt").symlink_to(tmp_path / "gone.txt")
+    with pytest.raises(ConfigError) as e:
+        collect_inputs([tree])
+    assert (f"input file {tree / 'broken.txt'} (under input {tree}) is a symbolic link to "
+            f"{tmp_path / 'gone.txt'}, which does not exist") in str(e.value)
+
+
 def test_prepare_input_that_is_a_pipe(run_main, tmp_path, text_files):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)

@@ -68,6 +68,25 @@ def _read_meta(path: Path) -> dict | None:
     return meta if isinstance(meta, dict) else None
 
 
+# meta.json's fields a start reads, and the kind each must be: one edited or damaged into
+# another kind failed in every rank ("invalid literal for int() with base 10: 'zero'"), with the
+# advice to resume from the same checkpoint again.
+WHOLE_NUMBERS = ("world_size", "skipped_in_a_row", "bytes")
+KINDS = {"loss_scaler": (dict, "an object"), "data": (list, "a list")}
+
+
+def _meta_types(meta: dict) -> str | None:
+    """Why a meta.json's fields cannot be read (a field of the wrong kind), or None."""
+    for key in WHOLE_NUMBERS:
+        value = meta.get(key)
+        if key in meta and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            return f"its {META} says {key}={value!r}, not a whole number"
+    for key, (kind, named) in KINDS.items():
+        if meta.get(key) is not None and not isinstance(meta[key], kind):
+            return f"its {META} says {key}={meta[key]!r}, not {named}"
+    return None
+
+
 def _step_dirs(root: Path) -> list[tuple[Path, int, dict | None, str | None]]:
     """Each `step-N` directory under `root`, by step: (path, step, its meta.json, why it does not
     count as committed: None when it does)."""
@@ -83,7 +102,8 @@ def _step_dirs(root: Path) -> list[tuple[Path, int, dict | None, str | None]]:
         step, meta = int(match.group(1)), _read_meta(entry)
         why = (f"it has no {DCP_METADATA}" if not (entry / DCP_METADATA).is_file() else
                f"its {META} is missing or not JSON" if meta is None else
-               f"its {META} says step {meta.get('step')!r}" if meta.get("step") != step else None)
+               f"its {META} says step {meta.get('step')!r}" if meta.get("step") != step else
+               _meta_types(meta))
         found.append((entry, step, meta, why))
     return sorted(found, key=lambda found: found[1])
 

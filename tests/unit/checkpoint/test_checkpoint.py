@@ -42,6 +42,11 @@ def test_committed_counts_only_complete_step_dirs(tmp_path):
     write_checkpoint(root, 70, meta=[70])                          # meta.json not a mapping
     write_checkpoint(root, 80, meta={"reason": "every"})           # meta.json without a step
     (write_checkpoint(root, 90) / store.META).write_text('{"step": 9')  # truncated meta.json
+    # Fields a start reads, of another kind (each failed in every rank with the advice to
+    # resume from it again)
+    write_checkpoint(root, 91, meta={"step": 91, "skipped_in_a_row": "zero"})
+    write_checkpoint(root, 92, meta={"step": 92, "world_size": 2.5})
+    write_checkpoint(root, 93, meta={"step": 93, "loss_scaler": [1]})
     write_checkpoint(root, 95, name="step-95")                     # not a step-NNNNNNNN name
     write_checkpoint(root, 96, name="step-00000096.old")
     (root / "step-00000099").write_text("a file, not a directory")
@@ -58,8 +63,11 @@ def test_committed_counts_only_complete_step_dirs(tmp_path):
         ("step-00000060", "its meta.json says step 61"),
         ("step-00000070", "its meta.json is missing or not JSON"),
         ("step-00000080", "its meta.json says step None"),
-        ("step-00000090", "its meta.json is missing or not JSON")]
-    assert store.not_committed(root, 90) == []
+        ("step-00000090", "its meta.json is missing or not JSON"),
+        ("step-00000091", "its meta.json says skipped_in_a_row='zero', not a whole number"),
+        ("step-00000092", "its meta.json says world_size=2.5, not a whole number"),
+        ("step-00000093", "its meta.json says loss_scaler=[1], not an object")]
+    assert store.not_committed(root, 93) == []
 
 
 def test_a_start_says_it_passes_a_broken_newer_step_dir(tmp_path, run_main, monkeypatch):

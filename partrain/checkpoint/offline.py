@@ -35,5 +35,12 @@ def checkpoint_model(checkpoint, device: str = "cpu"):
     model.init_rope(device)
     with warnings.catch_warnings():  # DCP's note that it loads in a single process: it does
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        load_weights(model, checkpoint.path, None)
+        try:
+            load_weights(model, checkpoint.path, None)
+        except RuntimeError as err:  # damaged files of the right size (the checks passed)
+            from partrain.errors import ConfigError
+
+            raise ConfigError(
+                f"{checkpoint.path} could not be read: its files are damaged ({err}); give an "
+                f"older checkpoint ({checkpoint.path.parent}/step-N)") from None
     return model.eval(), cfg

@@ -195,14 +195,32 @@ def workers_started(agent_log: Path, since: int = 0) -> bool:
     return re.search(r"has joined round \d+ of the rendezvous", text) is not None
 
 
-def where_to_resume(run_dir: Path) -> str:
-    """The newest committed checkpoint and the command that goes on from it."""
+# A rank's error on loading a checkpoint (checkpoint/state.py, its `said`): "reading the
+# weights of PATH failed: ..."
+UNREADABLE = re.compile(r"reading the (?:weights|optimizer state|generator states) of (\S+) "
+                        r"failed")
+
+
+def where_to_resume(run_dir: Path, failure: str = "") -> str:
+    """The newest committed checkpoint and the command that goes on from it; where the rank's
+    `failure` was reading that very checkpoint (files damaged with their sizes intact: zeros
+    after a power cut), how to go on from the one before it instead (resuming from it again
+    failed again)."""
     from partrain.checkpoint import store
 
-    newest = store.newest(run_dir / store.CHECKPOINTS)
-    if newest is None:
+    committed = store.committed(run_dir / store.CHECKPOINTS)
+    if not committed:
         return ("no checkpoint was committed, so nothing was kept: the same command starts "
                 "the run again")
+    newest, unreadable = committed[-1], UNREADABLE.search(failure)
+    if unreadable and Path(unreadable.group(1)).resolve() == newest.path.resolve():
+        aside = newest.path.parent.parent / f"{newest.path.name}.unreadable"
+        then = (f"relaunch with partrain launch --resume {run_dir}: it goes on from step "
+                f"{committed[-2].step}" if len(committed) > 1 else
+                "run the same command again: no checkpoint is before it, and the run starts "
+                "again from step 1")
+        return (f"the newest checkpoint, {newest.path} (step {newest.step}), could not be read: "
+                f"its files are damaged. Move it aside (mv {newest.path} {aside}) and {then}")
     return (f"the newest checkpoint is {newest.path} (step {newest.step}); go on from it with "
             f"partrain launch --resume {run_dir}")
 

@@ -353,7 +353,7 @@ def _run_agent(config: LaunchConfig, run_dir: Path, spec: ElasticLaunch, agent_l
         if words:  # a C++ abort (gloo's collective mismatch) says why only in the rank's log
             console_print(f"  its log ends: {words}")
         console_print(f"  its log: {run_dir / 'logs' / f'rank-{rank}.log'}; every other rank "
-                      f"was stopped; {where_to_resume(run_dir)}")
+                      f"was stopped; {where_to_resume(run_dir, message)}")
         return EXIT_RANK_FAILED
     except StoppedTogether as stop:
         console_print(f"error: {stop.message}")

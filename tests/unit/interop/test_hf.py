@@ -468,3 +468,34 @@ def test_sample_edges(run_main, saved, tmp_path):
                  checkpoint_id=checkpoint.path)
     res = run_main("sample", str(broken), "--prompt", "x")
     assert res.code == 2 and "non-finite logits" in res.stderr, res.stderr
+
+
+def test_a_checkpoint_damaged_with_its_sizes_intact_is_named_not_a_traceback(run_main, tmp_path):
+    """A .distcp file zeroed in place (a power cut: the size checks pass): export and sample
+    printed DCP's traceback (exit 1); a launch's failure said to resume from the same checkpoint
+    again. Now exit 2 naming it, and the launch says to move it aside."""
+    from partrain.checkpoint import store
+    from partrain.launch.failures import where_to_resume
+    from partrain.models.llama import Transformer
+
+    cfg = OmegaConf.structured(Config)
+    hf_llama(tmp_path / "hf")
+    cfg.model = _model_cfg(tmp_path / "hf")
+    model = Transformer(cfg.model).eval()
+    for step in (1, 2):
+        save_checkpoint(model, cfg, tmp_path / "run", step)
+    newest = store.newest(tmp_path / "run" / store.CHECKPOINTS)
+    for file in newest.path.glob("*.distcp"):
+        file.write_bytes(bytes(file.stat().st_size))
+    for argv in (["export", str(tmp_path / "run"), "--out", str(tmp_path / "out")],
+                 ["sample", str(tmp_path / "run"), "--prompt", "x", "--max-new-tokens", "1"]):
+        res = run_main(*argv)
+        said = one_line(res.stderr)
+        assert res.code == 2 and "Traceback" not in said, said
+        assert f"{newest.path} could not be read: its files are damaged" in said, said
+    advice = where_to_resume(tmp_path / "run", f"RuntimeError: reading the weights of "
+                                               f"{newest.path} failed: UnpicklingError: x")
+    assert (f"Move it aside (mv {newest.path} {newest.path.parent.parent}/step-00000002"
+            f".unreadable) and relaunch with partrain launch --resume {tmp_path / 'run'}: it "
+            "goes on from step 1") in advice, advice
+    assert "go on from it" in where_to_resume(tmp_path / "run", "RuntimeError: x")

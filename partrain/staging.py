@@ -2,13 +2,18 @@
 
 `check_out` refuses an --out that is not a new or empty directory before any work; `staged_dir`
 gives a temporary directory beside it that is renamed into place only when everything in it is
-written, and removed (with any parent directories it made) on any failure or Ctrl-C. What it
+written, and removed (with any parent directories it made) on any failure or Ctrl-C, and on
+SIGTERM and SIGHUP (a job runner's stop, a closed terminal) as on Ctrl-C: their default action
+ended the process at once, leaving the temporary directory and data prepare's tokenizer
+processes blocked forever on a pipe no one read. What it
 holds gets the modes the umask gives, whatever the writers chose (a team shares the output).
 """
 
 import os
 import secrets
 import shutil
+import signal
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -57,6 +62,30 @@ def staged_dir(out: Path, errors: tuple = (OSError,)):
     ends well. On any failure (Ctrl-C included) it and the parents made here are removed; an
     error of `errors` becomes one message naming --out and the step that failed."""
     target = Path(os.path.abspath(out))  # messages name `out` as given
+    with _stops_as_interrupts():
+        yield from _staged(out, target, errors)
+
+
+@contextmanager
+def _stops_as_interrupts():
+    """SIGTERM and SIGHUP raise KeyboardInterrupt in the main thread while inside: the cleanup
+    and the exit 130 of a Ctrl-C."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _staged(out: Path, target: Path, errors: tuple):
     missing = [p for p in reversed(target.parents) if not p.exists()]  # outermost first
     made = []  # those created here, removed again on a failure
     stage = Stage(target.with_name(f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"))

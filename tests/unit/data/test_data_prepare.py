@@ -274,3 +274,51 @@ def test_prepare_val_fraction_too_small_for_a_val_split(tmp_path, text_files):
     assert str(info.value) == ("the input files hold 1921 bytes; --val-fraction=1e-09 splits them "
                                "into 1920 train and 1 val tokens, and each split needs at least 2")
     assert not (tmp_path / "tok").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGHUP"])
+def test_a_stop_signal_mid_prepare_leaves_nothing_and_no_worker(tmp_path, stop):
+    """A real `partrain data prepare` with two tokenizer processes, stopped by SIGTERM (a job
+    runner) or SIGHUP (a closed terminal) while it encodes: it ended at once (their default
+    action), leaving its temporary directory and both workers blocked forever on a pipe. Now as
+    on Ctrl-C: exit 130, nothing left, no process of it alive."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.unit.data.test_prepare import train_bpe
+
+    train_bpe(tmp_path / "tokenizer.json")
+    line = "the quick brown fox jumps over the lazy dog, again and again, 0123456789.\n"
+    (tmp_path / "big.txt").write_text(line * (24_000_000 // len(line)))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "partrain", "data", "prepare", str(tmp_path / "big.txt"), "--out",
+         str(tmp_path / "out"), "--tokenizer", str(tmp_path / "tokenizer.json"), "--workers", "2"],
+        cwd=Path(__file__).parents[3], start_new_session=True, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(tmp_path.glob(".out.tmp-*")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # the workers are encoding
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(getattr(signal, stop))
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 130, err
+        assert "Traceback" not in err, err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["big.txt", "tokenizer.json"]
+        for _ in range(100):  # its tokenizer processes end with it
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("a process of the stopped prepare is still alive")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

@@ -137,9 +137,17 @@ class SlurmJob:
 
 
 def partrain_command() -> tuple[str, ...]:
-    """This install of partrain, so that the nodes run the same code as the submitting shell."""
+    """This install of partrain, so that the nodes run the same code as the submitting shell:
+    its console script, except where this process imported partrain from the working
+    directory (`python -m partrain` in a checkout): the console script imports the installed
+    package, which may be another (an older `pip install` beside the checkout). The job runs
+    in the directory it was submitted from, where `python -m partrain` finds the same one."""
+    import partrain
+
     script = Path(sys.executable).parent / "partrain"
-    return (str(script),) if script.is_file() else (sys.executable, "-m", "partrain")
+    from_cwd = Path(partrain.__file__).resolve().parent.parent == Path.cwd().resolve()
+    return (str(script),) if script.is_file() and not from_cwd else (sys.executable, "-m",
+                                                                       "partrain")
 
 
 def passed_through_env(env=os.environ) -> tuple[tuple[str, str], ...]:

@@ -335,3 +335,21 @@ def test_a_one_node_job_takes_a_free_port(tmp_path):
     argv = (tmp_path / "srun-args").read_text().split("\0")[:-1]
     assert argv[-4:] == ["--nnodes", "1", "--nproc-per-node", "2"]
     assert "rdzv" not in write_script(job).read_text()
+
+
+def test_the_nodes_run_the_partrain_this_process_imported(monkeypatch, tmp_path):
+    """Imported from the working directory (`python -m partrain` in a checkout), the nodes run
+    `python -m partrain` in it too (the job starts where it was submitted): the console script
+    imports the installed package, which may be another, older one beside the checkout."""
+    import sys
+
+    import partrain
+    from partrain.launch.slurm import partrain_command
+
+    checkout = Path(partrain.__file__).resolve().parent.parent
+    monkeypatch.chdir(checkout)
+    assert partrain_command() == (sys.executable, "-m", "partrain")
+    monkeypatch.chdir(tmp_path)
+    script = Path(sys.executable).parent / "partrain"
+    assert partrain_command() == ((str(script),) if script.is_file() else
+                                  (sys.executable, "-m", "partrain"))

@@ -204,8 +204,13 @@ def _pool(file: Path, eot_id: int, dtype: str, workers: int):
                                initargs=(str(file), eot_id, dtype))
     main = threading.current_thread() is threading.main_thread()  # signals are the main thread's
     before = set(multiprocessing.active_children())
+    # Born with Ctrl-C ignored, and SIGTERM and SIGHUP at their default (the parent takes them
+    # as Ctrl-C while it stages its output: a forked worker with that handler took terminate()
+    # as a KeyboardInterrupt and went on waiting for work).
+    births = {signal.SIGINT: signal.SIG_IGN, signal.SIGTERM: signal.SIG_DFL,
+              signal.SIGHUP: signal.SIG_DFL}
     try:
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        previous = {sig: signal.signal(sig, how) for sig, how in births.items()} if main else {}
         try:
             for started in [pool.submit(os.getpid) for _ in range(workers)]:
                 started.result()
@@ -220,8 +225,8 @@ def _pool(file: Path, eot_id: int, dtype: str, workers: int):
                 f"--workers={workers}: the system refused to start a tokenizer process "
                 f"({reason(e)}); give fewer --workers") from None
         finally:
-            if main:
-                signal.signal(signal.SIGINT, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         yield pool
     finally:
         pool.shutdown(wait=True, cancel_futures=True)

@@ -280,6 +280,44 @@ def _locked(path: Path) -> int:
         os.close(fd)  # its holder removed it as it let go: the next one is this path's
 
 
+# File systems that live on this machine: a run dir there is not the other nodes' (tmpfs in
+# memory; local disks). A shared one (nfs, lustre, gpfs, beegfs, ceph, ...) is none of these.
+LOCAL_FILE_SYSTEMS = ("tmpfs", "ramfs", "overlay", "ext2", "ext3", "ext4", "xfs", "btrfs",
+                      "f2fs", "vfat")
+
+
+def file_system_of(path: Path, mounts: str = "/proc/self/mounts") -> tuple[str, str] | None:
+    """(type, mount point) of the file system `path` (or its nearest existing parent) is on,
+    from the mount table (the longest mount point above it); None where it cannot be read."""
+    existing = nearest_existing(path)
+    target = existing.resolve() / path.absolute().relative_to(existing)
+    try:
+        with open(mounts) as table:
+            entries = [line.split()[1:3] for line in table if len(line.split()) > 2]
+    except OSError:
+        return None
+    found = None
+    for point, kind in entries:
+        point = point.replace("\\040", " ")  # the table's escape of a space
+        if (target == Path(point) or Path(point) in target.parents) and (
+                found is None or len(point) >= len(found[1])):
+            found = (kind, point)
+    return found
+
+
+def node_local_warning(run_dir: Path, nnodes: int) -> str | None:
+    """Said when a job of several nodes gets a run dir on a file system local to this machine:
+    each node would write its own (the start finds out and stops; said here, before the job
+    waits in the queue)."""
+    found = file_system_of(run_dir) if nnodes > 1 else None
+    if found is None or found[0] not in LOCAL_FILE_SYSTEMS:
+        return None
+    return (f"--run-dir {run_dir} is on {found[0]} (mounted at {found[1]}), a file system local "
+            f"to this machine as far as it shows: the {nnodes} nodes of the job must all see the "
+            "same run dir (a shared file system mounted at the same path on every node), or "
+            "the run stops at its start")
+
+
 def _read_only_fs(path: Path) -> bool:
     return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
 

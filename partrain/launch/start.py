@@ -28,7 +28,13 @@ from partrain.launch.lifeline import LAUNCHER_PID_ENV
 from partrain.launch.netif import set_ifname_variables
 from partrain.launch.preemption import FORWARDER
 from partrain.launch.preflight import Ready, Request, preflight, runs_on_cuda
-from partrain.launch.rundir import hold_run_dir, nearest_existing, trained_in, write_run_dir
+from partrain.launch.rundir import (
+    hold_run_dir,
+    nearest_existing,
+    node_local_warning,
+    trained_in,
+    write_run_dir,
+)
 from partrain.launch.runs import ENDED, STATE_FILE, ended_done_at, write_state
 from partrain.launch.slurm import (
     SlurmJob,
@@ -347,7 +353,9 @@ def prepare_job(request: Request, dry_run: bool, out: Console, err: Console,
                    setup=(*cfg.launcher.setup, *setup))
     script_text = render_script(job)  # refuses unsafe values before anything is written
     check_sbatch_env(job, os.environ)
-    warnings = [*ready.warnings, *([gpu_warning] if gpu_warning else [])]
+    local = node_local_warning(run_dir, world.nnodes)
+    warnings = [*ready.warnings, *([gpu_warning] if gpu_warning else []),
+                *([local] if local else [])]
     if cpus_per_task is not None and cpus_per_task < world.nproc_per_node:
         warnings.append(f"--cpus-per-task={cpus_per_task} gives the {world.nproc_per_node} ranks "
                         f"of each node less than a core each; ask for at least "

@@ -353,3 +353,24 @@ def test_the_nodes_run_the_partrain_this_process_imported(monkeypatch, tmp_path)
     script = Path(sys.executable).parent / "partrain"
     assert partrain_command() == ((str(script),) if script.is_file() else
                                   (sys.executable, "-m", "partrain"))
+
+
+def test_a_run_dir_of_several_nodes_on_a_local_file_system_is_said(tmp_path):
+    """Each node of a job writes its own run dir on a local disk: said at submission (the
+    start found out only after the job waited in the queue)."""
+    from partrain.launch.rundir import file_system_of, node_local_warning
+
+    mounts = tmp_path / "mounts"
+    mounts.write_text("/dev/sda1 / ext4 rw 0 0\nserver:/shared /shared nfs4 rw 0 0\n"
+                      "tmpfs /shared/tmp\\040dir tmpfs rw 0 0\n")
+    assert file_system_of(Path("/shared/runs/a"), str(mounts)) == ("nfs4", "/shared")
+    assert file_system_of(Path("/shared/tmp dir/x"), str(mounts)) == ("tmpfs", "/shared/tmp dir")
+    assert file_system_of(Path("/home/u/runs"), str(mounts)) == ("ext4", "/")
+    # This machine's own table: the warning names the kind and the mount point, for 2 nodes
+    found = file_system_of(tmp_path)
+    said = node_local_warning(tmp_path / "run", 2)
+    assert (said is None) == (found is None or found[0] not in ("tmpfs", "ext4", "xfs",
+                                                                "overlay", "btrfs"))
+    if said:
+        assert f"is on {found[0]} (mounted at {found[1]})" in said and "2 nodes" in said
+    assert node_local_warning(tmp_path / "run", 1) is None

@@ -68,8 +68,8 @@ def staged_dir(out: Path, errors: tuple = (OSError,)):
 
 @contextmanager
 def _stops_as_interrupts():
-    """SIGTERM and SIGHUP raise KeyboardInterrupt in the main thread while inside: the cleanup
-    and the exit 130 of a Ctrl-C."""
+    """SIGTERM and SIGHUP raise KeyboardInterrupt in the main thread while inside (unless
+    ignored): the cleanup and the exit 130 of a Ctrl-C."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -77,7 +77,10 @@ def _stops_as_interrupts():
     def interrupt(signum, frame):
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
-    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    # An ignored one stays ignored: `nohup` ignores SIGHUP so that a closed terminal does not
+    # stop the job (a reviewer's find: a nohup'ed prepare exited 130 on it).
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)
+                if signal.getsignal(sig) is not signal.SIG_IGN}
     try:
         yield
     finally:

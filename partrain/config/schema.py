@@ -320,7 +320,7 @@ class LauncherConfig:
     stack is dumped, one summary says who waits in which collective, and the job ends (exit 1)
     or restarts (max_restarts). The first step of each start may take twice as long (it
     compiles, builds communicators); saves and evaluations are timed only where a rank waits in
-    one collective (twice the limit). null = a third of collective_timeout_s; 0 = off; 2 x hang_timeout_s must be below collective_timeout_s."""
+    one collective (until 15 s before collective_timeout_s). null = a third of collective_timeout_s; 0 = off; 2 x hang_timeout_s must be below collective_timeout_s."""
     setup: List[str] = field(default_factory=list)
     """Shell lines `partrain slurm`'s script runs on every node before partrain (e.g. `module
     load cuda/12.4`); --setup adds more."""

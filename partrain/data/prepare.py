@@ -207,8 +207,9 @@ def _pool(file: Path, eot_id: int, dtype: str, workers: int):
     # Born with Ctrl-C ignored, and SIGTERM and SIGHUP at their default (the parent takes them
     # as Ctrl-C while it stages its output: a forked worker with that handler took terminate()
     # as a KeyboardInterrupt and went on waiting for work).
-    births = {signal.SIGINT: signal.SIG_IGN, signal.SIGTERM: signal.SIG_DFL,
-              signal.SIGHUP: signal.SIG_DFL}
+    births = {signal.SIGINT: signal.SIG_IGN, **{
+        sig: signal.SIG_IGN if signal.getsignal(sig) is signal.SIG_IGN else signal.SIG_DFL
+        for sig in (signal.SIGTERM, signal.SIGHUP)}}  # ignored (nohup): ignored in them too
     try:
         previous = {sig: signal.signal(sig, how) for sig, how in births.items()} if main else {}
         try:

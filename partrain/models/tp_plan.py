@@ -40,11 +40,9 @@ def plan_problems(model: nn.Module, tp: int, vocab_size: int | None = None) -> l
         except AttributeError:
             problems.append(f"{name}: the model has no such module")
             continue
-        if (style == "colwise" and vocab_size is not None
-                and getattr(module, "out_features", None) == vocab_size):
-            vocab_heads.append(name)
-        elif style in ("colwise", "rowwise"):
-            splits[name] = style
+        if style in ("colwise", "rowwise"):
+            splits[name] = (style, style == "colwise" and vocab_size is not None
+                            and getattr(module, "out_features", None) == vocab_size)
         if style in SPLITS:
             attr, what = SPLITS[style]
             size = getattr(module, attr, None)
@@ -66,7 +64,20 @@ def plan_problems(model: nn.Module, tp: int, vocab_size: int | None = None) -> l
                 elif count % tp:
                     problems.append(f"{name} (attention): its {attr}={count} do not split into "
                                     f"parallel.tp={tp} equal parts")
-    problems += _unpartnered(plan, splits, tp)
+    unpartnered = _unpartnered(plan, splits)
+    for name, style in unpartnered:
+        if splits[name][1]:  # a colwise head over the vocabulary: the loss reads its split
+            vocab_heads.append(name)
+        elif style == "colwise":
+            problems.append(
+                f"{name} (colwise): each rank makes 1/{tp} of its outputs, and no rowwise layer "
+                f"{_where(name, plan)} reads them: plan the layer that reads {name}'s outputs "
+                f"rowwise, or {name} replicated")
+        else:
+            problems.append(
+                f"{name} (rowwise): it reads each rank's 1/{tp} of its inputs, and no colwise "
+                f"layer {_where(name, plan)} makes them: plan the layer before it colwise, or "
+                f"{name} replicated")
     if vocab_size is not None and not vocab_heads:
         problems.append(f"no module is planned \"vocab_head\": under tp the loss reads each "
                         f"rank's logits as its 1/{tp} of the vocabulary (model.vocab_size="
@@ -75,27 +86,32 @@ def plan_problems(model: nn.Module, tp: int, vocab_size: int | None = None) -> l
     return problems
 
 
-def _unpartnered(plan: dict, splits: dict[str, str], tp: int) -> list[str]:
-    """Split linears without their partner: a colwise layer's outputs are each rank's 1/tp of
-    them, which only a rowwise layer reads, and a rowwise layer reads nothing else. Each looks
-    for its partner in its scope, its nearest module planned `region` or `attention` (else its
-    parent). Unpartnered, the ranks failed at the first step with a shape error, or where the
-    shapes happened to fit, trained wrong."""
-    problems = []
-    for name, style in splits.items():
+def _unpartnered(plan: dict, splits: dict[str, tuple[str, bool]]) -> list[tuple[str, str]]:
+    """Split linears without their partner, (name, style): a colwise layer's outputs are each
+    rank's 1/tp of them, which only a rowwise layer reads (or the loss: a colwise head over the
+    vocabulary, `splits`' flag), and a rowwise layer reads nothing else. Each looks for its
+    partner in its scope: under its nearest module planned `region` or `attention`, else among
+    its siblings.
+    Unpartnered, the ranks failed at the first step with a shape error, or where the shapes
+    happened to fit, trained wrong. A colwise layer as wide as the vocabulary inside an MLP
+    (4 x 64 = 256 bytes) is an MLP's layer, partnered."""
+    found = []
+    for name, (style, _) in splits.items():
         scope = _scope(name, plan)
+        region = plan.get(scope) in ("region", "attention")
         partner = "rowwise" if style == "colwise" else "colwise"
-        if any(other_style == partner and (not scope or other.startswith(scope + "."))
-               for other, other_style in splits.items()):
-            continue
-        where = f"in {scope}" if scope else "in the model"
-        problems.append(
-            f"{name} (colwise): each rank makes 1/{tp} of its outputs, and no rowwise layer "
-            f"{where} reads them: plan the layer that reads {name}'s outputs rowwise, or "
-            f"{name} replicated" if style == "colwise" else
-            f"{name} (rowwise): it reads each rank's 1/{tp} of its inputs, and no colwise layer "
-            f"{where} makes them: plan the layer before it colwise, or {name} replicated")
-    return problems
+        # inside a region: anywhere under it; else a sibling (the model's own head at the top
+        # has no rowwise sibling: it is the head, not an MLP's layer)
+        if not any(other_style == partner and (other.startswith(scope + ".") if region else
+                                               other.rpartition(".")[0] == scope)
+                   for other, (other_style, _) in splits.items()):
+            found.append((name, style))
+    return found
+
+
+def _where(name: str, plan: dict) -> str:
+    scope = _scope(name, plan)
+    return f"in {scope}" if scope else "in the model"
 
 
 def _scope(name: str, plan: dict) -> str:

@@ -9,8 +9,11 @@ its init and train timeouts; building the model and loading a checkpoint before 
 
 Saves and evaluations (`quiet`) are not timed as a whole: writing a large checkpoint to a slow
 file system may take any time. What is timed there is one wait: a main thread that waits in the
-same collective for twice hang_timeout_s (below launcher.collective_timeout_s, where gloo or NCCL
-would fail with an error that names only the waiting rank) calls it a hang. A rank that is
+same collective until QUIET_MARGIN_S before launcher.collective_timeout_s (where gloo or NCCL
+would fail with an error that names only the waiting rank; at least twice hang_timeout_s) calls
+it a hang. So late, because a peer may be slow there and not stuck: rank 0 deleting pruned
+checkpoints on a network file system at the end of the run while the others wait in its last
+gather; such a wait failed at the collective timeout before, and fails no sooner now. A rank that is
 `quiet` when another rank reports a hang writes its own report too, without ending (the agent ends
 it): the rank stuck writing its part of a checkpoint is named as the one the others wait for.
 
@@ -50,6 +53,9 @@ TRACE_DIR = "nccl-trace"  # under RUN_DIR/logs/: the NCCL flight recorder's dump
 DUMP_SIGNAL = signal.SIGRTMIN + 3  # a real-time signal nothing else uses: the stacks, from C
 FIRST_STEP_FACTOR = 2
 GATHER_S = 5.0  # how long a rank that saw the hang waits for the others' reports
+# A quiet rank's wait in one collective is a hang this long before the collective timeout: its
+# report, the others' (GATHER_S) and the stacks are written before gloo or NCCL give up.
+QUIET_MARGIN_S = 15.0
 PREFIX = "Hang: "  # the error a rank records; the launcher reads it from the error file
 _C10D = os.path.join("torch", "distributed", "distributed_c10d.py")
 _NOT_OURS = tuple(os.sep + name + os.sep for name in ("torch", "deepspeed", "site-packages"))
@@ -88,9 +94,12 @@ class HangWatch:
     is not timed, `stop()` at the end. With no limit it does nothing."""
 
     def __init__(self, run_dir: Path, rank: int, world_size: int, limit_s: float | None,
-                 cuda: bool = False, on_hang=None):
+                 cuda: bool = False, on_hang=None, collective_timeout_s: float | None = None):
         self.run_dir, self.rank, self.world_size = run_dir, rank, world_size
         self.limit_s, self.cuda = limit_s, cuda
+        self.quiet_limit_s = None if limit_s is None else max(
+            FIRST_STEP_FACTOR * limit_s,
+            (collective_timeout_s or 0) - QUIET_MARGIN_S)
         self.step = None  # the step in progress or last ended
         self.first_ended = False
         self.since = None  # monotonic time of the last progress; None = not timed
@@ -154,7 +163,7 @@ class HangWatch:
                 idle = None if self.since is None else now - self.since
                 limit, quiet = self._limit(), self.quiet_now
                 if quiet:
-                    idle, limit = self._waited(now), FIRST_STEP_FACTOR * self.limit_s
+                    idle, limit = self._waited(now), self.quiet_limit_s
             if idle is not None and idle > limit:
                 self.on_hang(self._report(idle, limit, quiet))
                 return
@@ -363,8 +372,8 @@ def summary(run_dir: Path, reports: list[dict]) -> list[str]:
                 key=lambda r: r.get("step") or 0)
     limit = first.get("limit_s") or 0
     how = ("twice launcher.hang_timeout_s: the first step of a start" if first.get("first_step")
-           else "twice launcher.hang_timeout_s in one collective: a save or an evaluation is "
-           "not timed as a whole" if first.get("quiet") else
+           else "one wait in one collective, near launcher.collective_timeout_s: a save or an "
+           "evaluation is not timed as a whole" if first.get("quiet") else
            f"launcher.hang_timeout_s={limit:.0f}")
     lines = [f"hang: no rank made progress for {limit:.0f} s ({how}) {first.get('phase')}; "
              "who waits on whom:"]

@@ -335,7 +335,8 @@ def main(run_dir: str, preemption: PreemptionFlag | None = None) -> None:
     device = pick_device(cfg.launcher.device, local_rank)
     init_distributed(device, cfg.launcher.collective_timeout_s)
     watch = HangWatch(run_dir, rank, int(os.environ["WORLD_SIZE"]), hang_limit(cfg.launcher),
-                      cuda=device.type == "cuda").start()
+                      cuda=device.type == "cuda",
+                      collective_timeout_s=cfg.launcher.collective_timeout_s).start()
     stopped = None
     try:
         if int(os.environ.get("GROUP_WORLD_SIZE", 1)) > 1:  # several nodes: one run dir?

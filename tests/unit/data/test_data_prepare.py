@@ -277,12 +277,13 @@ def test_prepare_val_fraction_too_small_for_a_val_split(tmp_path, text_files):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stop", ["SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGHUP", "SIGHUP-under-nohup"])
 def test_a_stop_signal_mid_prepare_leaves_nothing_and_no_worker(tmp_path, stop):
     """A real `partrain data prepare` with two tokenizer processes, stopped by SIGTERM (a job
     runner) or SIGHUP (a closed terminal) while it encodes: it ended at once (their default
     action), leaving its temporary directory and both workers blocked forever on a pipe. Now as
-    on Ctrl-C: exit 130, nothing left, no process of it alive."""
+    on Ctrl-C: exit 130, nothing left, no process of it alive. Under `nohup` (SIGHUP ignored)
+    the signal is still ignored, and the prepare finishes."""
     import signal
     import subprocess
     import sys
@@ -297,15 +298,21 @@ def test_a_stop_signal_mid_prepare_leaves_nothing_and_no_worker(tmp_path, stop):
         [sys.executable, "-m", "partrain", "data", "prepare", str(tmp_path / "big.txt"), "--out",
          str(tmp_path / "out"), "--tokenizer", str(tmp_path / "tokenizer.json"), "--workers", "2"],
         cwd=Path(__file__).parents[3], start_new_session=True, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
+        stderr=subprocess.PIPE, text=True,
+        preexec_fn=(lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+        if stop.endswith("nohup") else None)
     try:
         deadline = time.monotonic() + 60
         while not list(tmp_path.glob(".out.tmp-*")) and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(1.0)  # the workers are encoding
         assert proc.poll() is None, proc.communicate()
-        proc.send_signal(getattr(signal, stop))
+        proc.send_signal(getattr(signal, stop.split("-")[0]))
         _, err = proc.communicate(timeout=120)
+        if stop.endswith("nohup"):
+            assert proc.returncode == 0, err
+            assert (tmp_path / "out" / "meta.json").is_file()
+            return
         assert proc.returncode == 130, err
         assert "Traceback" not in err, err
         assert sorted(p.name for p in tmp_path.iterdir()) == ["big.txt", "tokenizer.json"]

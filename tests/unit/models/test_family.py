@@ -404,6 +404,11 @@ def test_the_examples_plan_passes_the_check(run_main):
     res = run_main("launch", "--dry-run", USER_MODELS + "head_colwise", "parallel.tp=2",
                    "parallel.dp=1")
     assert res.code == 0, res.stderr
+    # An MLP layer as wide as the vocabulary (4 x 64 = 256 bytes) is the MLP's, partnered by
+    # its rowwise layer (it was taken for a head, and the rowwise one refused as unpartnered).
+    res = run_main("launch", "--dry-run", USER_MODELS + "stack", "model.args.dim=64",
+                   "parallel.tp=2", "parallel.dp=1")
+    assert res.code == 0, res.stderr
 
 
 def test_the_process_generator_starts_from_the_seed_for_every_family():

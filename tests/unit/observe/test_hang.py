@@ -112,9 +112,18 @@ def test_a_quiet_rank_reports_where_it_is_once_another_rank_reported_and_goes_on
     assert not fired
     lines = summary(tmp_path, hang.read_reports(tmp_path))
     # The headline is the reporting rank's, not the follower's.
-    assert lines[0] == ("hang: no rank made progress for 5 s (twice launcher.hang_timeout_s in "
-                        "one collective: a save or an evaluation is not timed as a whole) in the "
-                        "checkpoint save; who waits on whom:"), lines
+    assert lines[0] == ("hang: no rank made progress for 5 s (one wait in one collective, near "
+                        "launcher.collective_timeout_s: a save or an evaluation is not timed as "
+                        "a whole) in the checkpoint save; who waits on whom:"), lines
+
+
+def test_a_quiet_wait_is_timed_until_shortly_before_the_collective_timeout(tmp_path):
+    """Twice the limit at least; with a collective timeout, QUIET_MARGIN_S before it (a peer
+    deleting pruned checkpoints at the run's end is slow, not stuck)."""
+    assert HangWatch(tmp_path, 0, 2, 40, collective_timeout_s=120).quiet_limit_s == 105
+    assert HangWatch(tmp_path, 0, 2, 5, collective_timeout_s=12).quiet_limit_s == 10
+    assert HangWatch(tmp_path, 0, 2, 5).quiet_limit_s == 10
+    assert HangWatch(tmp_path, 0, 2, None, collective_timeout_s=120).quiet_limit_s is None
 
 
 def test_no_limit_no_thread(tmp_path):

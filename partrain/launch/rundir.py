@@ -343,7 +343,7 @@ def write_run_dir(cfg: DictConfig, run_dir: Path, resuming: bool = False) -> Pat
             tmp.unlink(missing_ok=True)
             if copied:
                 shutil.rmtree(run_dir / RUN_TOKENIZER, ignore_errors=True)
-            _remove_made(run_dir, made)
+            remove_made(run_dir, made)
         except OSError:
             pass  # the message below names the run dir; what could not be removed is in it
         raise ConfigError(f"--run-dir {run_dir} cannot be written: {e.strerror}") from None
@@ -374,13 +374,16 @@ def _put_config(tmp: Path, run_dir: Path, cfg: DictConfig, resuming: bool) -> No
         raise _another_config(run_dir, differences, resuming)
 
 
-def _remove_made(run_dir: Path, existed: Path) -> None:
+def remove_made(run_dir: Path, existed: Path) -> None:
     """Remove the directories from run_dir up to (not including) `existed`, the nearest one that
-    was there before; only empty ones, so nothing of anyone else's goes."""
+    was there before; only empty ones, so nothing of anyone else's goes (one already gone is
+    passed)."""
     for path in (run_dir.absolute() / "logs", *[run_dir.absolute(), *run_dir.absolute().parents]):
         if path == existed or existed not in path.parents:
             break
         try:
             path.rmdir()
+        except FileNotFoundError:
+            continue
         except OSError:
             break

@@ -509,16 +509,9 @@ def submit(script: Path) -> str:
 def remove_prepared(run_dir: Path, created: Path | None) -> None:
     """After a failed submission, take back what `partrain slurm` wrote: nothing half-done stays.
     `created`: the nearest directory there before the run dir was made (None: it was there);
-    the empty parents made below it go too."""
+    the caller takes back the parents made below it (rundir.remove_made)."""
     if created is not None:
         shutil.rmtree(run_dir, ignore_errors=True)
-        for parent in run_dir.absolute().parents:
-            if parent == created or created not in parent.parents:
-                break
-            try:
-                parent.rmdir()
-            except OSError:
-                break
         return
     for name in (SCRIPT, "config.yaml"):
         (run_dir / name).unlink(missing_ok=True)

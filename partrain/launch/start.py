@@ -32,6 +32,7 @@ from partrain.launch.rundir import (
     hold_run_dir,
     nearest_existing,
     node_local_warning,
+    remove_made,
     trained_in,
     write_run_dir,
 )
@@ -374,7 +375,7 @@ def prepare_job(request: Request, dry_run: bool, out: Console, err: Console,
     try:
         job_id = submit(script)
     except ConfigError:
-        remove_prepared(run_dir, created)
+        _take_back(run_dir, created)
         raise
     out.print(f"submitted job {job_id}: {world.nnodes} node(s) x {world.nproc_per_node} rank(s); "
               f"run dir {run_dir}", soft_wrap=True)
@@ -413,6 +414,13 @@ def check_gpu_request(device: str, gpus_per_node: int | None, nproc_per_node: in
     return None
 
 
+def _take_back(run_dir: Path, created: Path | None) -> None:
+    """What a failed submission wrote, and the parents made for the run dir."""
+    remove_prepared(run_dir, created)
+    if created is not None:
+        remove_made(run_dir, created)
+
+
 def write_job(ready: Ready, job: SlurmJob, created: Path | None) -> Path:
     """The run dir with its frozen config and the sbatch script; if the script cannot be written,
     what was written goes again (all of the run dir and the parents made for it if this call
@@ -421,5 +429,5 @@ def write_job(ready: Ready, job: SlurmJob, created: Path | None) -> Path:
     try:
         return write_script(job)
     except OSError as e:
-        remove_prepared(ready.run_dir, created)
+        _take_back(ready.run_dir, created)
         raise ConfigError(f"--run-dir {ready.run_dir} cannot be written: {e.strerror}") from None

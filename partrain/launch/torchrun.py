@@ -36,7 +36,7 @@ def read_nnodes(text: str) -> int:
         raise ValueError(f"--nnodes={text!r} is not a whole number (or MIN:MAX, torchrun's range)")
     if sep and int(low) != int(high):
         raise ValueError(f"--nnodes={text}: partrain runs a fixed number of nodes, not an elastic "
-                         f"range; give --nnodes {high} (or {low}:{low})")
+                         f"range; give --nnodes {high} (or {high}:{high})")
     if int(low) < 1:
         raise ValueError(f"--nnodes={text} must be at least 1")
     return int(low)

@@ -99,6 +99,9 @@ def test_readers_directly():
     assert read_nnodes("3") == 3 and read_nnodes("3:3") == 3
     with pytest.raises(ValueError, match="at least 1"):
         read_nnodes("0:0")
+    # Both suggestions the same count (it said "--nnodes 2 (or 1:1)")
+    with pytest.raises(ValueError, match=r"give --nnodes 2 \(or 2:2\)"):
+        read_nnodes("1:2")
 
 
 def test_counts_follow_torchrun():

@@ -106,13 +106,10 @@ def last_words(log: Path, limit: int = 300) -> str | None:
     log: C++'s `what():` line (gloo aborts a rank that meets another rank's collective with
     SIGABRT, and says `Is there a distributed collective mismatch in your code?` only there), or
     an error line. None if nothing like it is there."""
-    try:
-        with open(log, "rb") as f:
-            f.seek(max(0, f.seek(0, 2) - (1 << 16)))
-            lines = f.read().decode(errors="replace").splitlines()
-    except OSError:
+    text = hang.log_tail(log)
+    if text is None:
         return None
-    found = [" ".join(line.split()) for line in lines if _LAST_WORDS.search(line)]
+    found = [" ".join(line.split()) for line in text.splitlines() if _LAST_WORDS.search(line)]
     said = next((line for line in reversed(found) if "what()" in line), None) or \
         (found[-1] if found else None)
     return said[:limit] + ("..." if len(said) > limit else "") if said else None

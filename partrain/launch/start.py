@@ -388,8 +388,8 @@ def check_gpu_request(device: str, gpus_per_node: int | None, nproc_per_node: in
     """What the job asks SLURM for against what its ranks will use (the submitting machine's own
     GPUs say nothing of the nodes'): a CUDA run that asks for none is refused (a site that
     confines a job to its GPUs shows it none; one that does not lets it take other jobs'), more
-    ranks than GPUs too, and a CPU run that asks for GPUs (it would hold them idle); `auto` that asks for none is said (a warning), since it trains on
-    the CPU where the nodes show no GPU."""
+    ranks than GPUs too, and a CPU run that asks for GPUs (it would hold them idle); `auto` that
+    asks for none is said (a warning), since it trains on the CPU where the nodes show no GPU."""
     if gpus_per_node is None:
         if device == "cuda":
             raise ConfigError(

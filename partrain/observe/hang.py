@@ -413,14 +413,22 @@ def summary(run_dir: Path, reports: list[dict]) -> list[str]:
 _FRAME = re.compile(r'\s+File "(.+)", line (\d+) in (\S+)')
 
 
+def log_tail(log: Path, size: int = 1 << 16) -> str | None:
+    """The end of a rank's log as text (its last `size` bytes), None where it cannot be read:
+    what a dead or hung rank said last is there."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - size))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return None
+
+
 def dumped_at(log: Path) -> str | None:
     """Where the main thread was in the last faulthandler dump in a rank's log: its innermost
     partrain line, and what that called (faulthandler writes the innermost frame first)."""
-    try:
-        with open(log, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - (1 << 16)))
-            text = f.read().decode(errors="replace")
-    except OSError:
+    text = log_tail(log)
+    if text is None:
         return None
     blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", text)
     for block in reversed(blocks):

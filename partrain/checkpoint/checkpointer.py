@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from partrain.checkpoint import store
 from partrain.checkpoint.state import failures, out_of_space
-from partrain.checkpoint.verify import problems
+from partrain.checkpoint.verify import SHARD, crc32_of, problems, take_sums, write_sums
 from partrain.models.family import count_params
 from partrain.parallel.dist import attempt, local
 
@@ -65,11 +65,13 @@ FULL_BELOW = 1 << 20
 
 class _NotingFileSystem(FileSystem):
     """DCP's file system, noting the first error a file's write meets, in whichever thread, and
-    saying ENOSPC for a write that failed on a full disk however torch reported it."""
+    saying ENOSPC for a write that failed on a full disk however torch reported it; and the crc32
+    of each tensor file once written (read back: DCP's writes go through torch's own streams)."""
 
     def __init__(self, after_first_file=None):
         super().__init__()
         self.error: BaseException | None = None
+        self.sums: dict[str, str] = {}
         self.after_first_file, self.files = after_first_file, itertools.count(1)
 
     @contextmanager
@@ -85,6 +87,8 @@ class _NotingFileSystem(FileSystem):
             if noted is err:
                 raise
             raise noted from err
+        if SHARD.fullmatch(Path(path).name):
+            self.sums[Path(path).name] = crc32_of(Path(path))
         if next(self.files) == 1 and self.after_first_file is not None:
             self.after_first_file()
 
@@ -107,6 +111,7 @@ class _Writer(FileSystemWriter):
         if lost:
             raise self.fs.error or RuntimeError(
                 f"{lost} of this rank's {len(plan.items)} items were not written")
+        write_sums(Path(self.path), self.fs.sums)
         return written
 
 
@@ -340,10 +345,11 @@ class Checkpointer:
                 "the same run dir: run every node on one shared file system mounted at the same "
                 "path (--run-dir). The newest committed checkpoint is still "
                 f"{kept.path if kept else 'none'}")
+        sums = take_sums(written)
         seconds = time.time() - started
         meta = {"reason": reason, "saved_at": time.time(), "seconds": round(seconds, 4),
                 "blocked_s": round(blocked_s, 4), "world_size": dist.get_world_size(),
-                **(extra or {})}
+                **(extra or {}), "files": sums}
         if self.data() is not None:
             meta["data"] = self.data()
         with self._undone_on_failure(step, f"committing the checkpoint of step {step}"):

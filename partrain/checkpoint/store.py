@@ -72,7 +72,8 @@ def _read_meta(path: Path) -> dict | None:
 # another kind failed in every rank ("invalid literal for int() with base 10: 'zero'"), with the
 # advice to resume from the same checkpoint again.
 WHOLE_NUMBERS = ("world_size", "skipped_in_a_row", "bytes")
-KINDS = {"loss_scaler": (dict, "an object"), "data": (list, "a list")}
+KINDS = {"loss_scaler": (dict, "an object"), "data": (list, "a list"),
+         "files": (dict, "an object")}
 
 
 def _meta_types(meta: dict) -> str | None:

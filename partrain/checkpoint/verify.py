@@ -1,20 +1,104 @@
 """Is a checkpoint whole? Every file DCP's .metadata names must be there with at least the bytes
-the metadata says were written into it.
+the metadata says were written into it, and hold the bytes that were written (their crc32).
 
 Checked on rank 0 before a save is committed (a rank whose files went elsewhere, such as a
 node-local run dir that is not the other nodes' directory, fails the save instead of committing
 a checkpoint that cannot be read), and by the launcher, `export` and `sample` before a checkpoint
 is read (one message naming the file, exit 2, instead of a failure inside the ranks).
+
+Sizes and .metadata do not see a bit flipped on a disk or in a copy: DCP keeps no checksums. So a
+rank's writer reads each file back once written and keeps its crc32 beside it (`__R.crc32.json`,
+`write_sums`), the commit folds them into meta.json's `files` (`take_sums`), and a start checks
+them before it reads a tensor (`damaged`): the ranks, each its share of the files, so that the
+checkpoint is read once however many nodes start (train/assemble.py), and `export` and `sample`
+in full. A checkpoint saved before partrain kept them has no `files` and is not checked.
 """
 
+import json
 import re
+import zlib
 from pathlib import Path
 
 from partrain.checkpoint import store
-from partrain.errors import ConfigError
+from partrain.errors import ConfigError, reason
 
 # DCP's FileSystemWriter names a rank's files __<rank>_<n>.distcp.
 SHARD = re.compile(r"__(\d+)_\d+\.distcp")
+# A rank's crc32 of the files it wrote, beside them until the commit (RUN_DIR's .tmp-step-N).
+SUMS = "__{rank}.crc32.json"
+# Read in pieces: a rank's file is gigabytes; crc32 reads about 6 GB/s on one core.
+CHUNK = 16 << 20
+
+
+class DamagedCheckpoint(Exception):
+    """A checkpoint's file does not hold the bytes that were written into it; raised on every
+    rank at once, before any is read (the launcher: exit 2, a broken input)."""
+
+
+def crc32_of(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return f"{crc:08x}"
+
+
+def write_sums(directory: Path, sums: dict[str, str]) -> None:
+    """Keep the crc32 of each file a rank wrote (by name) beside them, one file per rank."""
+    ranks: dict[str, dict[str, str]] = {}
+    for name, crc in sums.items():
+        match = SHARD.fullmatch(name)
+        if match:
+            ranks.setdefault(match.group(1), {})[name] = crc
+    for rank, mine in ranks.items():
+        (directory / SUMS.format(rank=rank)).write_text(json.dumps(mine, sort_keys=True))
+
+
+def take_sums(directory: Path) -> dict[str, str]:
+    """Every rank's crc32s in the save `directory`, in one mapping for meta.json; their files are
+    removed (rank 0, before the commit)."""
+    sums: dict[str, str] = {}
+    for path in sorted(directory.glob(SUMS.format(rank="*"))):
+        sums.update(json.loads(path.read_text()))
+        path.unlink()
+    return dict(sorted(sums.items()))
+
+
+def damaged(checkpoint: store.Checkpoint, rank: int = 0, ranks: int = 1) -> list[str]:
+    """The files of `checkpoint` that do not read back as written (their crc32 in meta.json's
+    `files`), of one reader's share: every `ranks`-th file from the `rank`-th, by name."""
+    sums = checkpoint.meta.get("files") or {}
+    found = []
+    for name, want in sorted(sums.items())[rank::ranks]:
+        match = SHARD.fullmatch(name)
+        writer = f", written by rank {match.group(1)}" if match else ""
+        if not match or not isinstance(want, str):  # meta.json edited: not DCP's, not a crc32
+            found.append(f"its {store.META} lists {name!r}: {want!r}, not a file's crc32")
+            continue
+        try:
+            have = crc32_of(checkpoint.path / name)
+        except OSError as e:
+            found.append(f"{name} cannot be read ({reason(e)}){writer}")
+            continue
+        if have != want:
+            found.append(f"{name} does not hold the bytes written into it (crc32 {have}, "
+                         f"{want} when saved){writer}")
+    return found
+
+
+def move_it_aside(checkpoint: store.Checkpoint, what: str) -> str:
+    """What to do about a broken `checkpoint` that `what` (a flag or key) names."""
+    folder = checkpoint.path.parent
+    if what in ("--resume", "--run-dir"):  # these take a run dir, and read its newest
+        return (f"Move it out of {folder} (a run dir resumes from its newest checkpoint) and run "
+                "the same command again to go on from the one before it")
+    return (f"Give an older one ({folder}/step-N), or move this one out of {folder} and give "
+            "the run dir: its newest checkpoint left is read")
+
+
+def broken(checkpoint: store.Checkpoint, what: str, found: list[str]) -> str:
+    return (f"{what}: the checkpoint {checkpoint.path} (step {checkpoint.step}) is broken: "
+            f"{'; '.join(found)}. {move_it_aside(checkpoint, what)}")
 
 
 def problems(path: Path) -> list[str]:
@@ -81,22 +165,17 @@ def shape_problems(metadata, model_cfg) -> list[str]:
     return found
 
 
-def check_whole(checkpoint: store.Checkpoint, what: str) -> None:
+def check_whole(checkpoint: store.Checkpoint, what: str, read_all: bool = False) -> None:
     """Refuse (ConfigError naming `what` and the files) a committed checkpoint that cannot be
     read whole, or whose weights are not the model its config.yaml describes (an edited or
-    swapped config.yaml would otherwise fail inside the ranks)."""
+    swapped config.yaml would otherwise fail inside the ranks). `read_all`: its files' crc32s
+    too (one process reading the whole checkpoint: `export`, `sample`; a launch leaves that to
+    its ranks)."""
     found, metadata = _read_whole(checkpoint.path)  # .metadata read once, for both checks
+    if not found and read_all:
+        found = damaged(checkpoint)
     if found:
-        folder = checkpoint.path.parent
-        if what in ("--resume", "--run-dir"):  # these take a run dir, and read its newest
-            instead = (f"Move it out of {folder} (a run dir resumes from its newest checkpoint) "
-                       "and run the same command again to go on from the one before it")
-        else:
-            instead = (f"Give an older one ({folder}/step-N), or move this one out of {folder} "
-                       "and give the run dir: its newest checkpoint left is read")
-        raise ConfigError(
-            f"{what}: the checkpoint {checkpoint.path} (step {checkpoint.step}) is broken: "
-            f"{'; '.join(found)}. {instead}")
+        raise ConfigError(broken(checkpoint, what, found))
     from omegaconf import OmegaConf
 
     from partrain.checkpoint.resume import saved_config

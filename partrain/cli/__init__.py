@@ -268,7 +268,7 @@ def export(
     if fmt != "hf":
         raise ConfigError(f"--format {fmt} is not a format partrain writes (formats: hf)")
     checkpoint = find(source, "RUN_DIR_OR_CHECKPOINT")
-    check_whole(checkpoint, "RUN_DIR_OR_CHECKPOINT")
+    check_whole(checkpoint, "RUN_DIR_OR_CHECKPOINT", read_all=True)
     info = export_hf(checkpoint, out_dir, dtype, max_shard_mb)
     out.print(f"exported {checkpoint.path} (step {info['step']}) to {out_dir}: {info['tensors']} "
               f"tensors, {info['bytes']:,} bytes in {dtype}, {len(info['files'])} safetensors "
@@ -304,7 +304,7 @@ def sample(
     if device == "cuda" and not has_cuda():
         raise ConfigError("--device cuda: no CUDA device is visible")
     checkpoint = find(source, "RUN_DIR_OR_CHECKPOINT")
-    check_whole(checkpoint, "RUN_DIR_OR_CHECKPOINT")
+    check_whole(checkpoint, "RUN_DIR_OR_CHECKPOINT", read_all=True)
     on_cuda = device == "cuda" or (device == "auto" and has_cuda())
     model, cfg = checkpoint_model(checkpoint, "cuda" if on_cuda else "cpu")
     check_weights(model, checkpoint.path)  # a nan: refused before the prompt is printed

@@ -65,11 +65,13 @@ from partrain.observe import hang
 EXIT_OK, EXIT_RANK_FAILED, EXIT_PREEMPTED, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 1, 3, 4, 130
 # A rank's error file names its exception first. Every rank raises one of these together, and
 # the launcher says its message as the error and exits with its code: the divergence guard
-# (partrain.train.guard), its check of the state a run starts from, the run-dir check of a
+# (partrain.train.guard), its check of the state a run starts from, a checkpoint whose files do
+# not read back as written (partrain.checkpoint.verify), the run-dir check of a
 # multi-node start (partrain.train.shared_dir), train.float8 on GPUs without FP8
 # (partrain.parallel.float8), offload to nvme without libaio or a writable path
 # (partrain.parallel.zero), and a preemption signal whose save was refused (partrain.train.loop).
-STOPPED = {"Diverged: ": EXIT_DIVERGED, "NonFiniteStart: ": 2, "RunDirNotShared: ": 2,
+STOPPED = {"Diverged: ": EXIT_DIVERGED, "NonFiniteStart: ": 2, "DamagedCheckpoint: ": 2,
+           "RunDirNotShared: ": 2,
            "Float8Unavailable: ": 2, "OffloadUnavailable: ": 2,
            "PreemptedUnsaved: ": EXIT_PREEMPTED}
 

@@ -23,6 +23,7 @@ from partrain.checkpoint import store
 from partrain.checkpoint.checkpointer import Checkpointer
 from partrain.checkpoint.resume import saved_config
 from partrain.checkpoint.state import load_optimizer, load_rng, load_weights
+from partrain.checkpoint.verify import DamagedCheckpoint, damaged, move_it_aside
 from partrain.config.resolve import compute_dtype
 from partrain.data.sampler import Batches, build_batches
 from partrain.interop.hf import hf_dir, is_hf, load_hf_weights
@@ -107,7 +108,28 @@ def find_start(cfg, run_dir: Path, rank: int) -> Start:
     if rank != 0:
         resume, init_from = (_committed_at(Path(p), rank) if p else None for p in chosen)
     hf_from = hf_dir(fresh_from) if resume is None and is_hf(fresh_from) else None
+    if resume or init_from:
+        check_read_back(resume or init_from, "--resume" if resume else "model.init_from")
     return Start(resume, init_from, hf_from, leftovers)
+
+
+def check_read_back(checkpoint: store.Checkpoint, what: str) -> None:
+    """Refuse, on every rank, a checkpoint whose files do not hold what was written (a bit
+    flipped on a disk or in a copy loads silently otherwise): each rank reads its share of the
+    files, so the whole checkpoint is read once, before any tensor is."""
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    started = time.monotonic()
+    every: list = [None] * ranks
+    dist.all_gather_object(every, damaged(checkpoint, rank, ranks))
+    found = sorted(problem for part in every for problem in part)
+    if found:
+        raise DamagedCheckpoint(
+            f"the checkpoint {checkpoint.path} (step {checkpoint.step}) is damaged: "
+            f"{'; '.join(found)}. {move_it_aside(checkpoint, what)}")
+    files = len(checkpoint.meta.get("files") or {})
+    if files and rank == 0:
+        log.info("the %d files of %s read back as written (crc32, %.2f s)", files,
+                 checkpoint.path, time.monotonic() - started)
 
 
 def _committed_at(path: Path, rank: int) -> store.Checkpoint:

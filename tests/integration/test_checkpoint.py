@@ -122,6 +122,40 @@ def test_relaunch_resumes_bit_identical(cli, tmp_path, dp2_run):
     assert_no_abort(run_dir, res.stderr)
 
 
+def test_a_bit_flipped_in_a_checkpoint_is_refused_before_it_is_read(cli, tmp_path, dp2_run):
+    """Every file a run's ranks write has its crc32 in meta.json. One bit flipped in rank 1's
+    file since (the size unchanged: the launcher's checks see nothing) loaded silently; now the
+    ranks, each reading its share, refuse it before any tensor is read: exit 2, the file named,
+    what to do, no restart."""
+    from partrain.checkpoint.verify import crc32_of
+
+    source, _ = dp2_run
+    run_dir = _interrupted_after_5(source, copy_to=tmp_path / "run")
+    step5 = run_dir / "checkpoints" / "step-00000005"
+    sums = json.loads((step5 / "meta.json").read_text())["files"]
+    shards = sorted(p.name for p in step5.glob("*.distcp"))
+    assert sorted(sums) == shards and {n[:4] for n in shards} == {"__0_", "__1_"}
+    assert all(sums[name] == crc32_of(step5 / name) for name in shards)
+    assert not list(step5.glob("*.crc32.json"))
+    victim = step5 / [n for n in shards if n.startswith("__1_")][0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 4
+    victim.write_bytes(bytes(data))
+    metrics = (run_dir / "metrics.jsonl").read_bytes()
+    res = cli.run("launch", "--resume", str(run_dir), "launcher.max_restarts=1", timeout=300)
+    said = " ".join(res.stderr.split())
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert (f"error: the checkpoint {step5} (step 5) is damaged: {victim.name} does not hold "
+            "the bytes written into it (crc32 ") in said, said
+    assert (f"{sums[victim.name]} when saved), written by rank 1. Move it out of "
+            f"{run_dir / 'checkpoints'}") in said, said
+    assert "Traceback" not in said and "; restart 1" not in said, said
+    # Nothing trained from it: no line kept or dropped, no save.
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics
+    assert sorted(p.name for p in step5.parent.glob("step-*")) == [step5.name]
+    assert_no_abort(run_dir, res.stderr)
+
+
 def _wait_for(predicate, proc, what, timeout=120):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -131,3 +131,41 @@ def test_a_write_on_a_full_disk_is_said_to_be_one(full_fs):
         dcp.save(state, storage_writer=storage_writer(full_fs / "save"))
     assert out_of_space(failed.value), failed.value.failures
     assert failures(failed.value) == "rank 0: OSError: [Errno 28] No space left on device"
+
+
+def test_each_file_a_rank_writes_has_its_crc32_and_a_flipped_bit_is_named(tmp_path):
+    """DCP keeps no checksums: a bit flipped inside a tensor loaded silently. The writer keeps
+    each file's crc32 beside it, the commit folds them into meta.json, and `damaged` names the
+    file that no longer reads back as written; every file is read by exactly one of the ranks
+    that share the check."""
+    from partrain.checkpoint.verify import crc32_of, damaged, take_sums
+
+    root = tmp_path / store.CHECKPOINTS
+    written = store.tmp_dir(root, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(_state(), storage_writer=storage_writer(written))
+    shards = sorted(p.name for p in written.glob("*.distcp"))
+    assert len(shards) == WRITE_THREADS and (written / "__0.crc32.json").is_file()
+    sums = take_sums(written)
+    assert sums == {name: crc32_of(written / name) for name in shards}
+    assert not list(written.glob("*.crc32.json"))  # folded, not committed beside the shards
+    checkpoint = store.commit(root, 3, {"reason": "test", "files": sums}, "{}\n")
+    assert store.committed(root)[0].meta["files"] == sums
+    assert damaged(checkpoint) == []
+    victim = checkpoint.path / shards[-1]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x10  # one bit, the size unchanged: problems() sees nothing
+    victim.write_bytes(bytes(data))
+    assert problems(checkpoint.path) == []
+    (found,) = damaged(checkpoint)
+    assert found.startswith(f"{shards[-1]} does not hold the bytes written into it (crc32 ")
+    assert f"{sums[shards[-1]]} when saved), written by rank 0" in found
+    # Shared by three readers (more than the files): each file once, the flipped one named once.
+    assert sum((damaged(checkpoint, rank, 3) for rank in range(3)), []) == [found]
+    victim.unlink()
+    assert damaged(checkpoint) == [f"{shards[-1]} cannot be read (No such file or directory), "
+                                   "written by rank 0"]
+    # An edited meta.json: its entry named, not a traceback.
+    edited = store.Checkpoint(checkpoint.path, 3, {"files": {"../etc/passwd": 5}})
+    assert damaged(edited) == ["its meta.json lists '../etc/passwd': 5, not a file's crc32"]

@@ -13,12 +13,14 @@ anything starts. Paths are given relative to the cwd (the test's directory) so t
 can be matched exactly.
 """
 
+import json
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
 from partrain.checkpoint import store
+from partrain.checkpoint.verify import crc32_of
 from tests.unit.checkpoint.builders import dcp_files, write_checkpoint, write_run_dir
 from tests.unit.cli.hostile import (
     Ctx,
@@ -230,6 +232,13 @@ def _broken(how: str):
             shard.unlink()
         elif how == "truncated":
             shard.write_bytes(shard.read_bytes()[:10])
+        elif how == "flipped":  # one bit, the size unchanged, under partrain's crc32s
+            meta = json.loads((step / store.META).read_text())
+            meta["files"] = {shard.name: crc32_of(shard)}
+            (step / store.META).write_text(json.dumps(meta))
+            data = bytearray(shard.read_bytes())
+            data[len(data) // 2] ^= 1
+            shard.write_bytes(bytes(data))
         elif how == "swapped":  # another model's tensors under this config.yaml
             model = OmegaConf.create(frozen_text()).model
             model.n_layers, model.dim = 2, model.dim * 2
@@ -251,6 +260,8 @@ ROWS_BROKEN = [
         *(() if how == "swapped" else (MOVE_IT if command.startswith("launch --") else OLDER_ONE,)))
     for how, what, fragments in (
         ("missing", "shard is gone", ("__0_0.distcp is missing", "written by rank 0")),
+        ("flipped", "shard has a bit flipped",
+         ("__0_0.distcp does not hold the bytes written into it", "written by rank 0")),
         ("truncated", "shard is cut short", ("__0_0.distcp holds 10 of its",)),
         ("garbage", ".metadata is garbage", (".metadata cannot be read",)),
         ("swapped", "tensors are another model's",
@@ -264,6 +275,9 @@ ROWS_BROKEN = [
                                                  "model.init_from=" + _broken(how)(c)]),
         ("export", lambda c, how=how: ["export", _broken(how)(c), "--out", "out"]),
         ("sample", lambda c, how=how: ["sample", _broken(how)(c), "--prompt", "x"]))
+    # A launch leaves the crc32s to its ranks (each reads its share: tests/integration/
+    # test_checkpoint.py); a dry run starts none.
+    if how != "flipped" or command in ("export", "sample")
 ]
 
 TABLE = [*ROWS_RESUME, *ROWS_CHECKPOINT_KEYS, *ROWS_INIT_FROM, *ROWS_RUN_DIR_WITH_CHECKPOINT,

@@ -17,6 +17,7 @@ import queue
 import shutil
 import threading
 import time
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -66,7 +67,7 @@ FULL_BELOW = 1 << 20
 class _NotingFileSystem(FileSystem):
     """DCP's file system, noting the first error a file's write meets, in whichever thread, and
     saying ENOSPC for a write that failed on a full disk however torch reported it; and the crc32
-    of each tensor file once written (read back: DCP's writes go through torch's own streams)."""
+    of each tensor file, of the bytes as they are written."""
 
     def __init__(self, after_first_file=None):
         super().__init__()
@@ -76,9 +77,11 @@ class _NotingFileSystem(FileSystem):
 
     @contextmanager
     def create_stream(self, path, mode):
+        counted = None
         try:
             with super().create_stream(path, mode) as stream:
-                yield stream
+                counted = _Crc32Stream(stream) if SHARD.fullmatch(Path(path).name) else None
+                yield counted or stream
         except Exception as err:
             full = out_of_space(err) or (not isinstance(err, OSError)
                                          and _free(Path(path).parent) < FULL_BELOW)
@@ -87,10 +90,37 @@ class _NotingFileSystem(FileSystem):
             if noted is err:
                 raise
             raise noted from err
-        if SHARD.fullmatch(Path(path).name):
-            self.sums[Path(path).name] = crc32_of(Path(path))
+        if counted is not None:
+            # Read back only if something wrote other than in order (not DCP's way in torch 2.13).
+            whole = counted.written == os.path.getsize(path) and not counted.moved
+            self.sums[Path(path).name] = counted.hex() if whole else crc32_of(Path(path))
         if next(self.files) == 1 and self.after_first_file is not None:
             self.after_first_file()
+
+
+class _Crc32Stream:
+    """A file DCP writes a rank's tensors into, keeping the crc32 of the bytes as they pass: its
+    items are written one after another through write() (torch.save's zip writer included)."""
+
+    def __init__(self, raw):
+        self.raw, self.crc, self.written, self.moved = raw, 0, 0, False
+
+    def write(self, data) -> int:
+        count = self.raw.write(data)
+        view = memoryview(data).cast("B")
+        self.crc = zlib.crc32(view[:count] if count is not None else view, self.crc)
+        self.written += count if count is not None else view.nbytes
+        return count
+
+    def seek(self, *args):
+        self.moved = True
+        return self.raw.seek(*args)
+
+    def hex(self) -> str:
+        return f"{self.crc:08x}"
+
+    def __getattr__(self, name):  # tell, fileno, flush: the file's own
+        return getattr(self.raw, name)
 
 
 class _Writer(FileSystemWriter):

@@ -37,9 +37,8 @@ from partrain.launch.rundir import (
     write_run_dir,
 )
 from partrain.launch.runs import ENDED, STATE_FILE, ended_done_at, write_state
+from partrain.launch.sbatch_checks import SlurmJob, check_sbatch_env
 from partrain.launch.slurm import (
-    SlurmJob,
-    check_sbatch_env,
     partrain_command,
     passed_through_env,
     remove_prepared,

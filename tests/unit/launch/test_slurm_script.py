@@ -15,7 +15,8 @@ import pytest
 
 from partrain.errors import ConfigError
 from partrain.launch.cluster import slurm_port
-from partrain.launch.slurm import NODE_PROGRAM, SlurmJob, render_script, write_script
+from partrain.launch.sbatch_checks import SlurmJob
+from partrain.launch.slurm import NODE_PROGRAM, render_script, write_script
 
 EXPECTED = Path(__file__).parent / "expected" / "llama-2x8.sbatch"
 

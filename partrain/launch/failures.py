@@ -12,7 +12,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from partrain.observe import hang
+from partrain.observe import hang, hang_launcher
 from partrain.observe.metrics import recorded_losses
 
 
@@ -91,7 +91,7 @@ def _quoted(run_dir: Path, rank: int) -> str:
 def say_hang(run_dir: Path, since: float, console_print) -> bool:
     """Print the summary of a hang from the ranks' reports written since `since` (this launch's);
     False if there are none."""
-    lines = hang.summary(run_dir, hang.read_reports(run_dir, since))
+    lines = hang_launcher.summary(run_dir, hang.read_reports(run_dir, since))
     for line in lines:
         console_print(line)
     return bool(lines)
@@ -106,7 +106,7 @@ def last_words(log: Path, limit: int = 300) -> str | None:
     log: C++'s `what():` line (gloo aborts a rank that meets another rank's collective with
     SIGABRT, and says `Is there a distributed collective mismatch in your code?` only there), or
     an error line. None if nothing like it is there."""
-    text = hang.log_tail(log)
+    text = hang_launcher.log_tail(log)
     if text is None:
         return None
     found = [" ".join(line.split()) for line in text.splitlines() if _LAST_WORDS.search(line)]

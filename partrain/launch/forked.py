@@ -15,7 +15,7 @@ launcher's when the agent starts it, as for a spawned rank: elastic sets it in t
 What differs from a spawned rank, each handled here or where it is used:
 - the parent is the rank server, not the launcher (lifeline.py ties a forked rank to both);
 - the command line is the server's (`python -c 'from multiprocessing.forkserver import ...'`),
-  so the launcher finds its ranks as the server's children (observe/hang.local_workers), and
+  so the launcher finds its ranks as the server's children (observe/hang_launcher.local_workers), and
   the environment names the run dir (PARTRAIN_RUN_DIR, absolute) for anyone looking for a
   run's processes;
 - SIGUSR2 is ignored in the server (rank_server.py) and in a fork until the rank takes it;

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 
-from partrain.observe.hang import parent_of
+from partrain.observe.hang_launcher import parent_of
 
 LAUNCHER_PID_ENV = "PARTRAIN_LAUNCHER_PID"
 PR_SET_PDEATHSIG = 1  # linux/prctl.h

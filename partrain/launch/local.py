@@ -60,7 +60,7 @@ from partrain.launch.failures import (
 )
 from partrain.launch.netif import split_endpoint, wait_for_endpoint
 from partrain.launch.preemption import FORWARDER
-from partrain.observe import hang
+from partrain.observe import hang, hang_launcher
 
 EXIT_OK, EXIT_RANK_FAILED, EXIT_PREEMPTED, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 1, 3, 4, 130
 # A rank's error file names its exception first. Every rank raises one of these together, and
@@ -317,7 +317,7 @@ def _run_agent(config: LaunchConfig, run_dir: Path, spec: ElasticLaunch, agent_l
     unused = (f" (launcher.max_restarts={spec.max_restarts} unused: no rank of this node was "
               "left for the agent to restart)" if spec.max_restarts else "")
     try:
-        with hang.DumpRequester(run_dir), watch:
+        with hang_launcher.DumpRequester(run_dir), watch:
             elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as err:
         add_recorded(err, run_dir / "logs", config.logs_specs.ranks.values())

@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from partrain.observe.hang import local_workers
+from partrain.observe.hang_launcher import local_workers
 
 PREEMPT_SIGNAL = signal.SIGUSR2
 

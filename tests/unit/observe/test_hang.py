@@ -10,15 +10,15 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-from partrain.observe import hang
-from partrain.observe.hang import HangWatch, summary
+from partrain.observe import hang, hang_launcher
+from partrain.observe.hang import HangWatch
+from partrain.observe.hang_launcher import summary
 
 
 @pytest.mark.parametrize("hang_timeout_s, collective_timeout_s, limit", [
@@ -173,7 +173,7 @@ def test_a_rank_that_did_not_report_is_found_in_its_faulthandler_dump(tmp_path):
     with open(log, "w") as err:
         subprocess.run([sys.executable, str(package / "rank.py"), str(package)], stderr=err,
                        check=True, timeout=60)
-    assert hang.dumped_at(log) == "partrain/train/stuck.py:3 in wait"
+    assert hang_launcher.dumped_at(log) == "partrain/train/stuck.py:3 in wait"
     lines = summary(tmp_path, [_report(0, world=2)])
     assert ("  rank 1 did not report (its main thread holds the GIL, or its node is gone): its "
             "stack, dumped on its launcher's signal, is at partrain/train/stuck.py:3 in "
@@ -193,9 +193,9 @@ def test_the_launcher_signals_a_worker_that_did_not_report(tmp_path):
                                  stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "ready"
-        assert child.pid in hang.local_workers()
+        assert child.pid in hang_launcher.local_workers()
         (tmp_path / "logs" / "hang").mkdir(parents=True)
-        with hang.DumpRequester(tmp_path, poll_s=0.05, grace_s=0.1):
+        with hang_launcher.DumpRequester(tmp_path, poll_s=0.05, grace_s=0.1):
             hang.write_json(tmp_path / "logs" / "hang" / "rank-0.json", _report(0, pid=-1))
             deadline = time.monotonic() + 20
             while "most recent call first" not in log.read_text() and time.monotonic() < deadline:
@@ -247,7 +247,7 @@ def test_a_launchers_workers_are_its_rank_servers_forks_not_the_server(tmp_path)
     try:
         server, *ranks = map(int, launcher.stdout.readline().split())
         assert b"partrain.launch.rank_server" in Path(f"/proc/{server}/cmdline").read_bytes()
-        assert hang.local_workers(launcher.pid) == sorted(ranks)
+        assert hang_launcher.local_workers(launcher.pid) == sorted(ranks)
         for pid in (server, *ranks):
             assert _ignores(pid, signal.SIGUSR2), pid
     finally:

@@ -146,6 +146,10 @@ def slurm(
         None, "--sbatch-arg", help="Another #SBATCH option, e.g. --sbatch-arg=--constraint=a100 "
         "(repeatable)"),
     run_dir: Optional[Path] = typer.Option(None, "--run-dir", help="Default: runs/<name>-<time>"),
+    resume: Optional[Path] = typer.Option(
+        None, "--resume", metavar="RUN_DIR", help="Continue RUN_DIR from its newest checkpoint "
+        "on this job's nodes x ranks (the layout may change): its config and script are "
+        "rewritten; OVERRIDEs as for launch --resume"),
     max_restarts: Optional[int] = typer.Option(
         None, "--max-restarts", "--max_restarts", metavar="N", parser=whole_flag("--max-restarts", 0),
         help="In-job restarts after a rank fails (launcher.max_restarts, frozen in the run dir)"),
@@ -161,7 +165,7 @@ def slurm(
 
     # --nproc-per-node defaults to --gpus-per-node (its help says so), then to the config's.
     request = Request(args, SLURM, nnodes=nodes, nproc_per_node=nproc_per_node or gpus_per_node,
-                      run_dir=run_dir)
+                      run_dir=run_dir, resume=resume)
     prepare_job(request, dry_run, out, err, _warn, gpus_per_node=gpus_per_node,
                 partition=partition, time=time_limit, account=account, qos=qos,
                 cpus_per_task=cpus_per_task, mem=mem, exclusive=exclusive,

@@ -173,7 +173,9 @@ def preflight(request: Request) -> Ready:
         check_curves(cfg)
     if checks.run_dir:
         ready.run_dir = _run_dir(request, cfg, place)
-        joins = checks.run_dir == "start"
+        # A launch joins its run dir; `partrain slurm` prepares a new one, or with --resume
+        # writes the resumed config and a new script into one that holds a checkpoint.
+        joins = checks.run_dir == "start" or resume is not None
         ready.checkpoint = check_run_dir(ready.run_dir, cfg if joins else None,
                                          resuming=resume is not None)
         if joins:
@@ -223,6 +225,13 @@ def resolve(request: Request, place: NodePlace | None) -> tuple[DictConfig, Worl
     launcher.*) and every rule; returns the warnings too."""
     cfg = load_config(request.args, request.resume)
     nnodes, nproc_per_node = request.nnodes, request.nproc_per_node
+    given = {item.split("=", 1)[0].lstrip("+") for item in split_args(request.args)[1]}
+    if request.resume is not None and (nnodes is not None or nproc_per_node is not None) and \
+            "parallel.dp" not in given:
+        # A resume on the ranks it names: dp follows them (world / (pp * cp * tp), the same
+        # number on the same world), as torchrun users expect of --nnodes and --nproc-per-node;
+        # the frozen number would refuse every other world.
+        cfg.parallel.dp = "auto"
     if nnodes is None and place is not None:
         nnodes = place.nnodes
     if request.world_size is not None:
@@ -248,7 +257,6 @@ def resolve(request: Request, place: NodePlace | None) -> tuple[DictConfig, Worl
     if nproc_from is not None:
         world = dataclasses.replace(world, nproc_from=nproc_from)
     # A resume that names neither micro-batch key has its split derived again (resume.py).
-    given = {item.split("=", 1)[0].lstrip("+") for item in split_args(request.args)[1]}
     resplit = request.resume is not None and not given & {"train.micro_batch_size",
                                                           "train.micro_batches"}
     warnings = resolve_and_validate(cfg, world, resplit)

@@ -165,8 +165,9 @@ def check_run_dir(run_dir: Path, cfg: DictConfig | None = None, resuming: bool =
                 from partrain.launch.slurm import SCRIPT
 
                 script = run_dir / SCRIPT
-                again = (f"resubmit its script to continue it: sbatch {script}" if script.is_file()
-                         else f"continue it with `partrain launch --resume {run_dir}`")
+                again = ((f"resubmit its script to continue it: sbatch {script}; on other nodes: "
+                          if script.is_file() else "continue it with ")
+                         + f"`partrain slurm --resume {run_dir} --nodes N`")
                 raise refuse(f"holds a run with a checkpoint at step {kept.step}; {again}; or "
                              "give a new --run-dir for a new run")
             if not joinable:

@@ -222,3 +222,52 @@ def remove_prepared(run_dir: Path, created: Path | None) -> None:
         (run_dir / name).unlink(missing_ok=True)
     if (run_dir / "logs").is_dir() and not any((run_dir / "logs").iterdir()):
         (run_dir / "logs").rmdir()
+
+
+def job_files(run_dir: Path) -> dict[str, bytes | None]:
+    """The run dir's config and script as they are (None: not there), for put_back."""
+    found = {}
+    for name in (SCRIPT, "config.yaml"):
+        try:
+            found[name] = (run_dir / name).read_bytes()
+        except FileNotFoundError:
+            found[name] = None
+    return found
+
+
+def put_back(run_dir: Path, files: dict[str, bytes | None]) -> None:
+    """After a failed submission of `slurm --resume`: the run's config and script as they were."""
+    for name, data in files.items():
+        if data is None:
+            (run_dir / name).unlink(missing_ok=True)
+        else:
+            tmp = run_dir / f".{name}.put-back.tmp"
+            tmp.write_bytes(data)
+            os.replace(tmp, run_dir / name)
+
+
+def check_no_job_in(run_dir: Path, environ=os.environ) -> None:
+    """Refuse a resume's submission into a run dir whose script a job of this user still runs or waits to
+    run (squeue: pending, running, requeued, suspended): two jobs would train in one run dir at
+    once, writing and pruning each other's checkpoints. Where squeue is missing or fails (no
+    SLURM here: --dry-run on a laptop), nothing is checked."""
+    import getpass
+
+    script = (run_dir / SCRIPT).resolve()
+    try:
+        result = subprocess.run(["squeue", "-h", "-u", environ.get("USER") or getpass.getuser(),
+                                 "-o", "%i|%T|%Z|%o"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return
+    if result.returncode != 0:
+        return
+    for line in result.stdout.splitlines():
+        parts = line.strip().split("|", 3)
+        if len(parts) != 4:
+            continue
+        job_id, state, workdir, command = parts
+        if (Path(workdir) / command).resolve() == script:
+            raise ConfigError(
+                f"--resume {run_dir}: job {job_id} ({state}) runs its script {script}; two jobs "
+                f"would train in one run dir at once. Wait for it to end, or end it (scancel "
+                f"{job_id}), and submit again")

@@ -39,7 +39,10 @@ from partrain.launch.rundir import (
 from partrain.launch.runs import ENDED, STATE_FILE, ended_done_at, write_state
 from partrain.launch.sbatch_checks import SlurmJob, check_sbatch_env
 from partrain.launch.slurm import (
+    check_no_job_in,
+    job_files,
     partrain_command,
+    put_back,
     passed_through_env,
     remove_prepared,
     render_script,
@@ -362,10 +365,16 @@ def prepare_job(request: Request, dry_run: bool, out: Console, err: Console,
                         f"{world.nproc_per_node}")
     for warning in warnings:
         warn(warning)
+    if ready.changed:
+        out.print("changed on resume: " + ", ".join(ready.changed))
+    if request.resume is not None:  # a new run dir has no job (a prepared one is refused)
+        check_no_job_in(run_dir)
     # The nearest directory that is there before this call (None: the run dir is): what a failed
-    # submission takes back goes up to it, the parents made for the run dir too.
+    # submission takes back goes up to it, the parents made for the run dir too. A resume's
+    # config and script as they were: what a failed submission puts back.
     created = None if run_dir.exists() else nearest_existing(run_dir)
-    script = write_job(ready, job, created)
+    before = job_files(run_dir) if request.resume is not None else None
+    script = write_job(ready, job, created, before)
     if dry_run:
         sys.stdout.write(script_text)
         err.print(f"dry run: wrote {run_dir / 'config.yaml'} and {script}; nothing submitted "
@@ -374,10 +383,12 @@ def prepare_job(request: Request, dry_run: bool, out: Console, err: Console,
     try:
         job_id = submit(script)
     except ConfigError:
-        _take_back(run_dir, created)
+        _take_back(run_dir, created, before)
         raise
+    resumes = (f"; it resumes from step {ready.checkpoint.step} ({ready.checkpoint.path})"
+               if ready.checkpoint is not None else "")
     out.print(f"submitted job {job_id}: {world.nnodes} node(s) x {world.nproc_per_node} rank(s); "
-              f"run dir {run_dir}", soft_wrap=True)
+              f"run dir {run_dir}{resumes}", soft_wrap=True)
     out.print(f"logs: {run_dir / 'logs' / f'slurm-{job_id}.out'} (the job), "
               f"{run_dir / 'logs'}/rank-N.log (each rank); metrics: {run_dir / 'metrics.jsonl'}",
               soft_wrap=True)
@@ -413,20 +424,25 @@ def check_gpu_request(device: str, gpus_per_node: int | None, nproc_per_node: in
     return None
 
 
-def _take_back(run_dir: Path, created: Path | None) -> None:
-    """What a failed submission wrote, and the parents made for the run dir."""
+def _take_back(run_dir: Path, created: Path | None, before: dict | None = None) -> None:
+    """What a failed submission wrote, and the parents made for the run dir; a resume's config
+    and script as they were (`before`: job_files')."""
+    if before is not None:
+        put_back(run_dir, before)
+        return
     remove_prepared(run_dir, created)
     if created is not None:
         remove_made(run_dir, created)
 
 
-def write_job(ready: Ready, job: SlurmJob, created: Path | None) -> Path:
+def write_job(ready: Ready, job: SlurmJob, created: Path | None, before: dict | None) -> Path:
     """The run dir with its frozen config and the sbatch script; if the script cannot be written,
     what was written goes again (all of the run dir and the parents made for it if this call
-    created it below `created`, the nearest directory there before)."""
-    write_run_dir(ready.cfg, ready.run_dir)
+    created it below `created`, the nearest directory there before; a resume's files as they
+    were, `before`)."""
+    write_run_dir(ready.cfg, ready.run_dir, resuming=before is not None)
     try:
         return write_script(job)
     except OSError as e:
-        _take_back(ready.run_dir, created)
+        _take_back(ready.run_dir, created, before)
         raise ConfigError(f"--run-dir {ready.run_dir} cannot be written: {e.strerror}") from None

@@ -12,13 +12,14 @@ Needs root and apt-get on a machine without SLURM (the fixture installs the Debi
 skipped, with the reason, where that cannot work.
 """
 
+import json
 import re
 import time
 
 import pytest
 
 from partrain.checkpoint import store
-from tests.integration.conftest import PARITY_COMMON, assert_parity, read_metrics
+from tests.integration.conftest import PARITY_COMMON, PARITY_STEPS, assert_parity, read_metrics
 from tests.integration.debian import Unavailable
 from tests.integration.slurm_cluster import SlurmCluster, install
 
@@ -70,6 +71,34 @@ def test_quickstart_on_two_slurm_nodes(cli, tmp_path, slurm_cluster, single_proc
                      ).group(1) == "slurm-test"
     assert job_log.exists()  # SLURM wrote the job's output under the hostile path, literally
     assert not canary.exists()
+
+    # Trained on: `partrain slurm --resume` on one node of 2 ranks (dp follows: 2), the config
+    # and the script rewritten. While that job is in the queue (held there), a second resume
+    # is refused, its files untouched.
+    res = cli.run("slurm", "--resume", str(run_dir), "train.max_steps=12", "--nodes", "1",
+                  "--nproc-per-node", "2", "--sbatch-arg=--hold", env=env)
+    assert res.returncode == 0, res.stderr
+    resumed_id = re.search(r"submitted job (\d+)", res.stdout).group(1)
+    assert f"it resumes from step {PARITY_STEPS} " in " ".join(res.stdout.split())
+    script = (run_dir / "job.sbatch").read_text()
+    again = cli.run("slurm", "--resume", str(run_dir), "--nodes", "2", "--nproc-per-node", "2",
+                    env=env)
+    said = " ".join(again.stderr.split())
+    assert again.returncode == 2, said
+    assert (f"job {resumed_id} (PENDING) runs its script {run_dir / 'job.sbatch'}; two jobs "
+            "would train in one run dir at once") in said, said
+    assert (run_dir / "job.sbatch").read_text() == script
+    slurm_cluster.scontrol("release", resumed_id)
+    info = slurm_cluster.wait_job(resumed_id, timeout=180)
+    resumed_log = run_dir / "logs" / f"slurm-{resumed_id}.out"
+    output = resumed_log.read_text() if resumed_log.exists() else "(no job log)"
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), output
+    assert f"resuming from step {PARITY_STEPS} " in " ".join(output.split()), output
+    steps, _ = read_metrics(run_dir)
+    assert [s["step"] for s in steps] == list(range(1, 13))
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["world_size"] for r in records if "resumed_from" in r] == [2]
+    assert store.newest(run_dir / store.CHECKPOINTS).meta["world_size"] == 2
 
 
 # Still training when signalled after 3 steps (a step takes 0.1-1 s here); only the save on

@@ -217,7 +217,7 @@ ROWS_RUN_DIR_WITH_CHECKPOINT = [
     row("slurm --run-dir holding a checkpoint",
         lambda c: ["slurm", "--nodes", "1", "--dry-run", "--run-dir", _run(100)(c)],
         "--run-dir", "run", "holds a run with a checkpoint at step 100",
-        "continue it with `partrain launch --resume ", "new --run-dir"),
+        "continue it with `partrain slurm --resume ", "--nodes N`", "new --run-dir"),
 ]
 
 def _broken(how: str):
@@ -350,6 +350,18 @@ def test_init_from_dry_run(run_main, tmp_path, monkeypatch):
                    lambda c: ["launch", "--dry-run", "model.init_from=" + _run(100)(c),
                               "train.seed=3", "optim.lr=0.01", "--run-dir", "new"])
     assert "dry run: would write new" in out and "resuming" not in out
+
+
+@pytest.mark.parametrize("ranks, dp, split", [("1", "parallel.dp 2 -> 1", "micro_batches 2 -> 4"),
+                                               ("4", "parallel.dp 2 -> 4", "micro_batches 2 -> 1")])
+def test_a_resume_on_other_ranks_has_dp_follow_them(ranks, dp, split, run_main, tmp_path,
+                                                     monkeypatch):
+    """`--nproc-per-node N` on resume: dp follows (world / (pp * cp * tp)) and the micro-batch
+    split with it, as torchrun users expect; it was refused (`pp(1) * dp(2) * tp(1) = 2 != world
+    size 1`) unless parallel.dp was given too."""
+    out = _allowed(run_main, tmp_path, monkeypatch,
+                   _resume(_run(100), "--dry-run", "--nproc-per-node", ranks))
+    assert f"changed on resume: launcher.nproc_per_node 2 -> {ranks}, {dp}, train.{split}" in out
 
 
 def test_resume_may_change_the_schedule(run_main, tmp_path, monkeypatch):

@@ -317,12 +317,14 @@ def test_slurm_on_a_run_dir_with_a_checkpoint_says_how_to_continue_it(tmp_path):
     with pytest.raises(ConfigError) as e:
         check_run_dir(run_dir, None)
     assert str(e.value) == (f"--run-dir {run_dir} holds a run with a checkpoint at step 8; "
-                            f"continue it with `partrain launch --resume {run_dir}`; or give a "
-                            "new --run-dir for a new run")
+                            f"continue it with `partrain slurm --resume {run_dir} --nodes N`; "
+                            "or give a new --run-dir for a new run")
     (run_dir / "job.sbatch").write_text("#!/bin/bash\n")
-    with pytest.raises(ConfigError, match=f"resubmit its script to continue it: sbatch "
-                                          f"{run_dir / 'job.sbatch'}; or give a new --run-dir"):
+    with pytest.raises(ConfigError) as e:
         check_run_dir(run_dir, None)
+    assert (f"resubmit its script to continue it: sbatch {run_dir / 'job.sbatch'}; on other "
+            f"nodes: `partrain slurm --resume {run_dir} --nodes N`; or give a new --run-dir"
+            ) in str(e.value)
 
 
 def test_a_head_node_whose_name_does_not_resolve_is_reached_at_its_node_addr(

@@ -375,3 +375,73 @@ def test_a_run_dir_of_several_nodes_on_a_local_file_system_is_said(tmp_path):
     if said:
         assert f"is on {found[0]} (mounted at {found[1]})" in said and "2 nodes" in said
     assert node_local_warning(tmp_path / "run", 1) is None
+
+
+def _squeue_stub(bin_dir: Path, lines: str = "") -> None:
+    """An `squeue` that lists `lines` as this user's jobs (`%i|%T|%Z|%o`)."""
+    stub = bin_dir / "squeue"
+    stub.write_text(f"#!/bin/sh\nprintf '%s' '{lines}'\n")
+    stub.chmod(0o755)
+
+
+def test_slurm_resume_continues_a_run_on_other_nodes(run_main, tmp_path, sbatch_stub):
+    """`partrain slurm --resume RUN_DIR --nodes N`: a run continued on another allocation (the
+    only ways before were its old script, for its old node count, or `launch --resume` by hand).
+    dp follows the ranks asked for, the config and the script are rewritten, the job resumes."""
+    from tests.unit.checkpoint.builders import write_run_dir
+
+    run_dir = write_run_dir(tmp_path / "run", 100)
+    sbatch_stub(f'echo "$@" > {tmp_path}/sbatch-args; echo "77"')
+    _squeue_stub(tmp_path / "bin")
+    result = run_main("slurm", "--resume", str(run_dir), "train.max_steps=400", "--nodes", "2",
+                      "--nproc-per-node", "2")
+    assert result.code == 0, result.stderr
+    said = " ".join(result.stdout.split())
+    assert (f"submitted job 77: 2 node(s) x 2 rank(s); run dir {run_dir}; it resumes from step "
+            f"100 ({run_dir}/checkpoints/step-00000100)") in said, said
+    assert "changed on resume: launcher.nnodes 1 -> 2" in said and "parallel.dp 2 -> 4" in said
+    frozen = (run_dir / "config.yaml").read_text()
+    assert "nnodes: 2" in frozen and "dp: 4" in frozen and "max_steps: 400" in frozen
+    script = (run_dir / "job.sbatch").read_text()
+    assert "#SBATCH --nodes=2" in script and "--nnodes 2 --nproc-per-node 2" in script
+    assert (run_dir / "checkpoints" / "step-00000100").is_dir()
+
+
+def test_slurm_resume_that_sbatch_refuses_puts_the_run_back(run_main, tmp_path, sbatch_stub):
+    from tests.unit.checkpoint.builders import write_run_dir
+
+    run_dir = write_run_dir(tmp_path / "run", 100)
+    (run_dir / "job.sbatch").write_text("#!/bin/bash\n# the old script\n")
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    sbatch_stub('echo "sbatch: error: QOSMaxNodePerJobLimit" >&2; exit 1')
+    _squeue_stub(tmp_path / "bin")
+    result = run_main("slurm", "--resume", str(run_dir), "--nodes", "4", "--nproc-per-node", "2")
+    assert result.code == 2 and "QOSMaxNodePerJobLimit" in result.stderr, result.stderr
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+
+
+def test_a_run_dir_a_queued_job_will_train_in_takes_no_resume_job(run_main, tmp_path, sbatch_stub):
+    """A job of this user still pending or running the run dir's script: a second would train in
+    the same run dir at once (its checkpoints pruned by the other). squeue says which."""
+    from tests.unit.checkpoint.builders import write_run_dir
+
+    sbatch_stub(f": > {tmp_path}/submitted; echo 78")
+    run_dir = write_run_dir(tmp_path / "run", 100)
+    (run_dir / "job.sbatch").write_text("#!/bin/bash\n")
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    # Submitted from the run dir by hand (`sbatch job.sbatch`): its path relative to the job's.
+    _squeue_stub(tmp_path / "bin", f"12|RUNNING|/elsewhere|/x.sbatch\n"
+                                   f"13|PENDING|{run_dir}|job.sbatch\n")
+    args = ("slurm", "--resume", str(run_dir), "--nodes", "2", "--nproc-per-node", "2")
+    result = run_main(*args)
+    said = " ".join(result.stderr.split())
+    assert result.code == 2, said
+    assert (f"--resume {run_dir}: job 13 (PENDING) runs its script {run_dir}/job.sbatch; two "
+            "jobs would train in one run dir at once. Wait for it to end, or end it (scancel "
+            "13), and submit again") in said, said
+    assert not (tmp_path / "submitted").exists()
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+    # Once it is gone from the queue, the same command submits.
+    _squeue_stub(tmp_path / "bin", "12|RUNNING|/elsewhere|/x.sbatch\n")
+    result = run_main(*args)
+    assert result.code == 0 and (tmp_path / "submitted").exists(), result.stderr

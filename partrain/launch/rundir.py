@@ -44,6 +44,7 @@ def _config_differences(path: Path, cfg: DictConfig) -> list[str] | None:
     from partrain.checkpoint.resume import flat_keys
     from partrain.config.compose import read_yaml
     from partrain.config.keys import SECTIONS, shown
+    from partrain.config.schema import Config
 
     try:  # read_yaml refuses what is not a small regular file (a FIFO would block here)
         frozen = read_yaml(path)
@@ -51,11 +52,15 @@ def _config_differences(path: Path, cfg: DictConfig) -> list[str] | None:
         return None
     if not isinstance(frozen, dict) or not SECTIONS <= frozen.keys():  # not a run's config
         return None
-    # A run dir frozen before its paths were made absolute holds them as typed.
+    # Typed against today's schema, as the launch reads it (config/frozen.py): a key added to
+    # partrain since the run froze its config takes its default (a requeued job after an
+    # upgrade was refused at every node: "data.sampling: null there, random here"). A run dir
+    # frozen before its paths were made absolute holds them as typed.
     try:
-        there = flat_keys(OmegaConf.to_container(with_anchored_paths(OmegaConf.create(frozen))))
-    except OmegaConfBaseException:  # an edited file (a ${...} that does not resolve)
-        return None
+        typed = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.create(frozen))
+        there = flat_keys(OmegaConf.to_container(with_anchored_paths(typed)))
+    except OmegaConfBaseException:  # an edited file (a ${...} that does not resolve, a key
+        return None                 # partrain no longer has)
     here = flat_keys(OmegaConf.to_container(with_anchored_paths(cfg)))
     return [f"{key}: {shown(there.get(key))} there, {shown(here.get(key))} here"
             for key in sorted(there.keys() | here.keys()) if there.get(key) != here.get(key)]

@@ -6,8 +6,11 @@ into RUN_DIR/wandb/ (offline: files only, nothing is sent; `wandb sync` uploads 
 libraries are optional extras (`pip install 'partrain[tensorboard]'`, `'partrain[wandb]'`); the
 launcher refuses a run that asks for one that is not installed.
 
-A resumed run continues the same curves: TensorBoard drops the events after the checkpoint's step
-(`purge_step`), and W&B reuses the run id kept in RUN_DIR/wandb/run-id.
+A resumed run continues the same curves: the event file of each start marks its first step
+(`purge_step`), and W&B reuses the run id kept in RUN_DIR/wandb/run-id. TensorBoard's Python
+reader (EventAccumulator: `tensorboard --load_fast=false`, tbparse) drops the earlier start's
+events from that step on; its default Rust data server does not, and a tag the resumed run does
+not write again (an evaluation at the end of the abandoned part) keeps its stale points there.
 """
 
 import secrets
@@ -58,8 +61,9 @@ class Curves:
         if t.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"),
-                                             purge_step=first_step if first_step > 1 else None)
+            # At step 1 too: a start again from the first step (no checkpoint yet, an in-job
+            # restart, a requeue) must drop the earlier start's points as a resume does.
+            self.tensorboard = SummaryWriter(str(run_dir / "tensorboard"), purge_step=first_step)
         if t.wandb != "off":
             import wandb
             from omegaconf import OmegaConf

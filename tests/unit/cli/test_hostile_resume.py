@@ -313,6 +313,29 @@ def test_resume_of_a_finished_run_has_nothing_to_do(dry_run, run_main, tmp_path,
     assert "partrain launch --resume run train.max_steps=N" in out
 
 
+def _frozen_by_an_older_partrain() -> str:
+    """The quickstart's config.yaml as a partrain before launcher.start_method and
+    data.sampling froze it."""
+    text = frozen_text()
+    for line in ("\n  start_method: auto\n", "\n  sampling: random\n"):
+        assert line in text, line
+        text = text.replace(line, "\n")
+    return text
+
+
+@pytest.mark.parametrize("command", ["job script", "--run-dir"])
+def test_a_run_dir_of_an_older_partrain_goes_on(command, run_main, tmp_path, monkeypatch):
+    """Keys partrain gained since a run froze its config take their defaults, as --resume's
+    do: the same command (or a requeued job's script, after an upgrade) was refused at every
+    node (`of another config (data.sampling: null there, random here; ...)`)."""
+    def argv(c):
+        run = _run(100, config_text=_frozen_by_an_older_partrain())(c)
+        return (["launch", "--dry-run", f"{run}/config.yaml", "--run-dir", run]
+                if command == "job script" else ["launch", "--dry-run", "--run-dir", run])
+    out = _allowed(run_main, tmp_path, monkeypatch, argv)
+    assert "resuming from step 100 (run/checkpoints/step-00000100); nothing started" in out
+
+
 def test_relaunch_of_a_finished_run_has_nothing_to_do(run_main, tmp_path, monkeypatch):
     out = _allowed(run_main, tmp_path, monkeypatch,
                    lambda c: ["launch", "--run-dir", _run(300)(c)])

@@ -100,6 +100,22 @@ def test_tensorboard_curves_and_a_resume(tmp_path):
     assert not (run_dir / "wandb").exists()
 
 
+def test_tensorboard_after_a_start_again_from_step_1(tmp_path):
+    """A run that starts again from its first step (stopped before its first checkpoint, an
+    in-job restart before one, a requeue): the earlier start's points are dropped too. Without
+    a purge marker at step 1, EventAccumulator kept both (val/loss 2, 4, 2, 4, 6)."""
+    run_dir = tmp_path / "run"
+    cfg = _cfg(tensorboard=True)
+    _run(run_dir, cfg, [1, 2, 3, 4])
+    _run(run_dir, cfg, [1, 2, 3, 4, 5, 6], shift=0.5)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0}).Reload()
+    assert [e.step for e in events.Scalars("val/loss")] == [2, 4, 6]  # each point once
+    want = [r["loss"] for r in _records([1, 2, 3, 4, 5, 6], 0.5) if "loss" in r]
+    assert [e.value for e in events.Scalars("train/loss")] == pytest.approx(want, rel=1e-6)
+
+
 def test_wandb_offline_run_files_and_a_resume(tmp_path, monkeypatch):
     import wandb
 

@@ -375,14 +375,14 @@ class Checkpointer:
                 "the same run dir: run every node on one shared file system mounted at the same "
                 "path (--run-dir). The newest committed checkpoint is still "
                 f"{kept.path if kept else 'none'}")
-        sums = take_sums(written)
         seconds = time.time() - started
         meta = {"reason": reason, "saved_at": time.time(), "seconds": round(seconds, 4),
                 "blocked_s": round(blocked_s, 4), "world_size": dist.get_world_size(),
-                **(extra or {}), "files": sums}
+                **(extra or {})}
         if self.data() is not None:
             meta["data"] = self.data()
         with self._undone_on_failure(step, f"committing the checkpoint of step {step}"):
+            meta["files"] = take_sums(written)
             self.newest = store.commit(self.root, step, meta, self.config_yaml)
         pruned = store.prune(self.root, self.cfg.keep,
                              lambda paths: self.delete_in_background(paths, step))

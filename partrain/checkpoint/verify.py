@@ -7,8 +7,9 @@ a checkpoint that cannot be read), and by the launcher, `export` and `sample` be
 is read (one message naming the file, exit 2, instead of a failure inside the ranks).
 
 Sizes and .metadata do not see a bit flipped on a disk or in a copy: DCP keeps no checksums. So a
-rank's writer reads each file back once written and keeps its crc32 beside it (`__R.crc32.json`,
-`write_sums`), the commit folds them into meta.json's `files` (`take_sums`), and a start checks
+rank's writer takes the crc32 of each file as its bytes go out and keeps them beside it
+(`__R.crc32.json`, `write_sums`), the commit folds them and the .metadata's into meta.json's
+`files` (`take_sums`, which refuses a save with a file left out), and a start checks
 them before it reads a tensor (`damaged`): the ranks, each its share of the files, so that the
 checkpoint is read once however many nodes start (train/assemble.py), and `export` and `sample`
 in full. A checkpoint saved before partrain kept them has no `files` and is not checked.
@@ -54,51 +55,109 @@ def write_sums(directory: Path, sums: dict[str, str]) -> None:
         (directory / SUMS.format(rank=rank)).write_text(json.dumps(mine, sort_keys=True))
 
 
+def file_order(name: str) -> tuple:
+    """.metadata first, then the ranks' files by rank and number (__10_0 after __2_0)."""
+    match = re.fullmatch(r"__(\d+)_(\d+)\.distcp", name)
+    return (1, int(match.group(1)), int(match.group(2))) if match else (0, 0, 0)
+
+
+def _writer(name: str) -> str:
+    match = SHARD.fullmatch(name)
+    return f", written by rank {match.group(1)}" if match else ""
+
+
+def _listed_files(path: Path) -> set[str]:
+    """The files DCP's .metadata in `path` names (its tensors' places)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    metadata = FileSystemReader(str(path)).read_metadata()
+    return {info.relative_path for info in metadata.storage_data.values()}
+
+
 def take_sums(directory: Path) -> dict[str, str]:
-    """Every rank's crc32s in the save `directory`, in one mapping for meta.json; their files are
-    removed (rank 0, before the commit)."""
+    """Every rank's crc32s in the save `directory`, with the .metadata's own, in one mapping for
+    meta.json; their files are removed (rank 0, before the commit). Raises RuntimeError naming
+    what is missing or unreadable: a checkpoint whose files are not all summed is not committed
+    (a file left out would never be checked)."""
     sums: dict[str, str] = {}
-    for path in sorted(directory.glob(SUMS.format(rank="*"))):
-        sums.update(json.loads(path.read_text()))
+    sidecars = sorted(directory.glob(SUMS.format(rank="*")))
+    for path in sidecars:
+        try:
+            mine = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise RuntimeError(f"{path.name} cannot be read ({type(e).__name__}: {e})") from None
+        if not isinstance(mine, dict) or not all(
+                SHARD.fullmatch(str(k)) and isinstance(v, str) and re.fullmatch(r"[0-9a-f]{8}", v)
+                for k, v in mine.items()):
+            raise RuntimeError(f"{path.name} does not hold a crc32 per file of the rank")
+        sums.update(mine)
+    unsummed = sorted(_listed_files(directory) - sums.keys(), key=file_order)
+    if unsummed:
+        raise RuntimeError(
+            f"no crc32 was kept of {', '.join(unsummed[:3])}"
+            f"{f' (and {len(unsummed) - 3} more)' if len(unsummed) > 3 else ''}: the rank that "
+            f"wrote it left no {SUMS.format(rank='R')} in {directory}")
+    sums[store.DCP_METADATA] = crc32_of(directory / store.DCP_METADATA)
+    for path in sidecars:
         path.unlink()
-    return dict(sorted(sums.items()))
+    return dict(sorted(sums.items(), key=lambda item: file_order(item[0])))
 
 
 def damaged(checkpoint: store.Checkpoint, rank: int = 0, ranks: int = 1) -> list[str]:
     """The files of `checkpoint` that do not read back as written (their crc32 in meta.json's
-    `files`), of one reader's share: every `ranks`-th file from the `rank`-th, by name."""
+    `files`), of one reader's share: every `ranks`-th file from the `rank`-th, in order. The
+    first reader also names the files .metadata lists that have none (a meta.json edited)."""
     sums = checkpoint.meta.get("files") or {}
+    names = sorted(sums, key=file_order)
     found = []
-    for name, want in sorted(sums.items())[rank::ranks]:
-        match = SHARD.fullmatch(name)
-        writer = f", written by rank {match.group(1)}" if match else ""
-        if not match or not isinstance(want, str):  # meta.json edited: not DCP's, not a crc32
-            found.append(f"its {store.META} lists {name!r}: {want!r}, not a file's crc32")
+    for name in names[rank::ranks]:
+        want = sums[name]
+        if not (SHARD.fullmatch(name) or name == store.DCP_METADATA) or \
+                not isinstance(want, str):  # meta.json edited: not DCP's, not a crc32
+            found.append(f"its {store.META} lists {json.dumps(name)}: {json.dumps(want)}, not "
+                         "a file's crc32")
             continue
         try:
             have = crc32_of(checkpoint.path / name)
         except OSError as e:
-            found.append(f"{name} cannot be read ({reason(e)}){writer}")
+            found.append(f"{name} cannot be read ({reason(e)}){_writer(name)}")
             continue
-        if have != want:
+        if have != want.lower():
             found.append(f"{name} does not hold the bytes written into it (crc32 {have}, "
-                         f"{want} when saved){writer}")
+                         f"{want} when saved){_writer(name)}")
+    if sums and rank == 0 and not found:
+        try:
+            listed = _listed_files(checkpoint.path)
+        except Exception:  # noqa: BLE001 (unpickling garbage raises anything): DCP says so
+            listed = set()
+        found += [f"{name} has no crc32 in its {store.META}{_writer(name)}"
+                  for name in sorted(listed - sums.keys(), key=file_order)]
     return found
+
+
+def listed(found: list[str], most: int = 3) -> str:
+    """The first `most` problems, and how many more."""
+    more = f" (and {len(found) - most} more)" if len(found) > most else ""
+    return "; ".join(found[:most]) + more
 
 
 def move_it_aside(checkpoint: store.Checkpoint, what: str) -> str:
     """What to do about a broken `checkpoint` that `what` (a flag or key) names."""
     folder = checkpoint.path.parent
     if what in ("--resume", "--run-dir"):  # these take a run dir, and read its newest
-        return (f"Move it out of {folder} (a run dir resumes from its newest checkpoint) and run "
-                "the same command again to go on from the one before it")
+        if any(c.step < checkpoint.step for c in store.committed(folder)):
+            return (f"Move it out of {folder} (a run dir resumes from its newest checkpoint) and "
+                    "run the same command again to go on from the one before it")
+        run_dir = folder.parent
+        return (f"Move it out of {folder}: no checkpoint is before it, so the run starts again "
+                f"from step 1 with partrain launch {run_dir / 'config.yaml'} --run-dir {run_dir}")
     return (f"Give an older one ({folder}/step-N), or move this one out of {folder} and give "
             "the run dir: its newest checkpoint left is read")
 
 
 def broken(checkpoint: store.Checkpoint, what: str, found: list[str]) -> str:
     return (f"{what}: the checkpoint {checkpoint.path} (step {checkpoint.step}) is broken: "
-            f"{'; '.join(found)}. {move_it_aside(checkpoint, what)}")
+            f"{listed(found)}. {move_it_aside(checkpoint, what)}")
 
 
 def problems(path: Path) -> list[str]:

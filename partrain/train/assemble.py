@@ -11,6 +11,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Callable
@@ -23,7 +24,13 @@ from partrain.checkpoint import store
 from partrain.checkpoint.checkpointer import Checkpointer
 from partrain.checkpoint.resume import saved_config
 from partrain.checkpoint.state import load_optimizer, load_rng, load_weights
-from partrain.checkpoint.verify import DamagedCheckpoint, damaged, move_it_aside
+from partrain.checkpoint.verify import (
+    DamagedCheckpoint,
+    damaged,
+    file_order,
+    listed,
+    move_it_aside,
+)
 from partrain.config.resolve import compute_dtype
 from partrain.data.sampler import Batches, build_batches
 from partrain.interop.hf import hf_dir, is_hf, load_hf_weights
@@ -43,6 +50,10 @@ from partrain.train.optim import build_optimizer, param_groups
 from partrain.train.step import loss_function
 
 log = logging.getLogger("partrain")
+
+# The slowest read a rank's share of a checkpoint's crc32 check is allowed (a network file
+# system under load), on top of launcher.collective_timeout_s.
+READ_FLOOR_BYTES_S = 25e6
 
 
 @dataclass
@@ -109,26 +120,36 @@ def find_start(cfg, run_dir: Path, rank: int) -> Start:
         resume, init_from = (_committed_at(Path(p), rank) if p else None for p in chosen)
     hf_from = hf_dir(fresh_from) if resume is None and is_hf(fresh_from) else None
     if resume or init_from:
-        check_read_back(resume or init_from, "--resume" if resume else "model.init_from")
+        check_read_back(resume or init_from, "--resume" if resume else "model.init_from",
+                        cfg.launcher.collective_timeout_s)
     return Start(resume, init_from, hf_from, leftovers)
 
 
-def check_read_back(checkpoint: store.Checkpoint, what: str) -> None:
+def check_read_back(checkpoint: store.Checkpoint, what: str, collective_timeout_s: float) -> None:
     """Refuse, on every rank, a checkpoint whose files do not hold what was written (a bit
     flipped on a disk or in a copy loads silently otherwise): each rank reads its share of the
-    files, so the whole checkpoint is read once, before any tensor is."""
+    files, so the whole checkpoint is read once, before any tensor is. The ranks meet on a group
+    of their own whose timeout allows each share's read at READ_FLOOR_BYTES_S, beside the
+    collective timeout (a large share on slow storage would fail that one, unexplained)."""
+    files = checkpoint.meta.get("files") or {}
+    if not files:  # saved before partrain kept crc32s
+        return
     rank, ranks = dist.get_rank(), dist.get_world_size()
+    share = 2 * int(checkpoint.meta.get("bytes") or 0) / ranks  # twice: shares go by file
+    group = dist.new_group(backend="gloo", timeout=timedelta(
+        seconds=collective_timeout_s + share / READ_FLOOR_BYTES_S))
     started = time.monotonic()
     every: list = [None] * ranks
-    dist.all_gather_object(every, damaged(checkpoint, rank, ranks))
-    found = sorted(problem for part in every for problem in part)
+    dist.all_gather_object(every, damaged(checkpoint, rank, ranks), group=group)
+    dist.destroy_process_group(group)
+    found = sorted((problem for part in every for problem in part),
+                   key=lambda problem: file_order(problem.split(" ", 1)[0]))
     if found:
         raise DamagedCheckpoint(
             f"the checkpoint {checkpoint.path} (step {checkpoint.step}) is damaged: "
-            f"{'; '.join(found)}. {move_it_aside(checkpoint, what)}")
-    files = len(checkpoint.meta.get("files") or {})
-    if files and rank == 0:
-        log.info("the %d files of %s read back as written (crc32, %.2f s)", files,
+            f"{listed(found)}. {move_it_aside(checkpoint, what)}")
+    if rank == 0:
+        log.info("the %d files of %s read back as written (crc32, %.2f s)", len(files),
                  checkpoint.path, time.monotonic() - started)
 
 

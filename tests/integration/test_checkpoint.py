@@ -134,8 +134,8 @@ def test_a_bit_flipped_in_a_checkpoint_is_refused_before_it_is_read(cli, tmp_pat
     step5 = run_dir / "checkpoints" / "step-00000005"
     sums = json.loads((step5 / "meta.json").read_text())["files"]
     shards = sorted(p.name for p in step5.glob("*.distcp"))
-    assert sorted(sums) == shards and {n[:4] for n in shards} == {"__0_", "__1_"}
-    assert all(sums[name] == crc32_of(step5 / name) for name in shards)
+    assert sorted(sums) == [".metadata", *shards] and {n[:4] for n in shards} == {"__0_", "__1_"}
+    assert all(sums[name] == crc32_of(step5 / name) for name in sums)
     assert not list(step5.glob("*.crc32.json"))
     victim = step5 / [n for n in shards if n.startswith("__1_")][0]
     data = bytearray(victim.read_bytes())
@@ -148,7 +148,8 @@ def test_a_bit_flipped_in_a_checkpoint_is_refused_before_it_is_read(cli, tmp_pat
     assert (f"error: the checkpoint {step5} (step 5) is damaged: {victim.name} does not hold "
             "the bytes written into it (crc32 ") in said, said
     assert (f"{sums[victim.name]} when saved), written by rank 1. Move it out of "
-            f"{run_dir / 'checkpoints'}") in said, said
+            f"{run_dir / 'checkpoints'}: no checkpoint is before it, so the run starts again from "
+            f"step 1 with partrain launch {run_dir / 'config.yaml'} --run-dir {run_dir}") in said, said
     assert "Traceback" not in said and "; restart 1" not in said, said
     # Nothing trained from it: no line kept or dropped, no save.
     assert (run_dir / "metrics.jsonl").read_bytes() == metrics

@@ -154,7 +154,7 @@ def test_each_file_a_rank_writes_has_its_crc32_and_a_flipped_bit_is_named(tmp_pa
     shards = sorted(p.name for p in written.glob("*.distcp"))
     assert len(shards) == WRITE_THREADS and (written / "__0.crc32.json").is_file()
     sums = take_sums(written)
-    assert sums == {name: crc32_of(written / name) for name in shards}
+    assert sums == {name: crc32_of(written / name) for name in [".metadata", *shards]}
     assert not list(written.glob("*.crc32.json"))  # folded, not committed beside the shards
     checkpoint = store.commit(root, 3, {"reason": "test", "files": sums}, "{}\n")
     assert store.committed(root)[0].meta["files"] == sums
@@ -167,11 +167,37 @@ def test_each_file_a_rank_writes_has_its_crc32_and_a_flipped_bit_is_named(tmp_pa
     (found,) = damaged(checkpoint)
     assert found.startswith(f"{shards[-1]} does not hold the bytes written into it (crc32 ")
     assert f"{sums[shards[-1]]} when saved), written by rank 0" in found
-    # Shared by three readers (more than the files): each file once, the flipped one named once.
-    assert sum((damaged(checkpoint, rank, 3) for rank in range(3)), []) == [found]
+    # Shared by four readers (more than the files): each file once, the flipped one named once.
+    assert sum((damaged(checkpoint, rank, 4) for rank in range(4)), []) == [found]
     victim.unlink()
     assert damaged(checkpoint) == [f"{shards[-1]} cannot be read (No such file or directory), "
                                    "written by rank 0"]
-    # An edited meta.json: its entry named, not a traceback.
-    edited = store.Checkpoint(checkpoint.path, 3, {"files": {"../etc/passwd": 5}})
-    assert damaged(edited) == ["its meta.json lists '../etc/passwd': 5, not a file's crc32"]
+    # An edited meta.json: its entry named, not a traceback; a file left out of it named too.
+    edited = store.Checkpoint(checkpoint.path, 3, {"files": {"../etc/passwd": None}})
+    assert damaged(edited) == ['its meta.json lists "../etc/passwd": null, not a file\'s crc32']
+    edited = store.Checkpoint(checkpoint.path, 3, {"files": {".metadata": sums[".metadata"]}})
+    assert damaged(edited) == [f"{name} has no crc32 in its meta.json, written by rank 0"
+                               for name in shards]
+
+
+def test_a_save_whose_crc32s_are_not_all_there_is_not_committed(tmp_path):
+    """A rank's crc32 file lost (or not yet shown by a network file system's listing), or one
+    that cannot be read: the commit would have kept a `files` without that rank's, never
+    checked. Refused, naming it; the caller discards the save."""
+    import json
+
+    from partrain.checkpoint.verify import take_sums
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(_state(), storage_writer=storage_writer(tmp_path))
+    (tmp_path / "__0.crc32.json").rename(tmp_path / "kept")
+    with pytest.raises(RuntimeError, match=r"no crc32 was kept of __0_0.distcp, __0_1.distcp: "
+                                           r"the rank that wrote it left no __R.crc32.json"):
+        take_sums(tmp_path)
+    (tmp_path / "__0.crc32.json").write_text('{"__0_0.dist')
+    with pytest.raises(RuntimeError, match=r"__0.crc32.json cannot be read \(JSONDecodeError"):
+        take_sums(tmp_path)
+    (tmp_path / "__0.crc32.json").write_text(json.dumps({"__0_0.distcp": 7}))
+    with pytest.raises(RuntimeError, match="does not hold a crc32 per file of the rank"):
+        take_sums(tmp_path)

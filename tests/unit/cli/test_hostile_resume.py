@@ -225,7 +225,7 @@ def _broken(how: str):
     is garbage, or whose tensors are another model's: committed as far as the directory says,
     unreadable all the same."""
     def build(c: Ctx) -> str:
-        write_run_dir(c.root / "run", 100)
+        write_run_dir(c.root / "run", 50, 100)  # the one before it: what the advice goes on from
         step = c.root / "run" / store.CHECKPOINTS / "step-00000100"
         shard = step / "__0_0.distcp"
         if how == "missing":

@@ -1,10 +1,45 @@
 """A committed checkpoint's model on one process, with no process group: what `export` and
 `sample` read."""
 
+from pathlib import Path
+from typing import Callable, TypeVar
+
 import torch
 from omegaconf import OmegaConf
 
 from partrain.checkpoint.state import load_weights
+from partrain.errors import ConfigError
+
+T = TypeVar("T")
+
+# Looks for the newest checkpoint again after a running launch pruned the one being read.
+READ_TRIES = 3
+
+
+def read_checkpoint(source: Path, what: str, read: Callable) -> T:
+    """`read(checkpoint)` of the committed checkpoint `source` names (a run dir: its newest).
+    A launch still training in the run dir prunes its old checkpoints (checkpoint.keep): the
+    one found may be renamed away while it is read, which failed with a missing .metadata or
+    the advice to move a damaged checkpoint aside. A run dir's newest is then looked for again;
+    a checkpoint named by its own directory is said to be gone."""
+    from partrain.checkpoint.store import find
+
+    for _ in range(READ_TRIES):
+        checkpoint = find(source, what)
+        try:
+            return read(checkpoint)
+        except (ConfigError, OSError, RuntimeError):
+            if checkpoint.path.is_dir():
+                raise
+        if checkpoint.path.resolve() == Path(source).resolve():
+            raise ConfigError(
+                f"{what}={source} was removed while it was read: a launch training in its run "
+                "dir prunes the older checkpoints (checkpoint.keep); give a newer one, or the run "
+                "dir (its newest)")
+    raise ConfigError(f"{what}={source}: its newest checkpoint was removed while it was read, "
+                      f"{READ_TRIES} times: a launch training there prunes them quickly "
+                      "(checkpoint.every, checkpoint.keep); give a checkpoint it keeps, or wait for "
+                      "it to end")
 
 
 @torch.no_grad()

@@ -265,15 +265,18 @@ def export(
                                      "index file when there are several"),
 ) -> None:
     """Write a checkpoint's weights in another library's format, on one process."""
-    from partrain.checkpoint.store import find
+    from partrain.checkpoint.offline import read_checkpoint
     from partrain.checkpoint.verify import check_whole
     from partrain.interop.hf import export_hf
 
     if fmt != "hf":
         raise ConfigError(f"--format {fmt} is not a format partrain writes (formats: hf)")
-    checkpoint = find(source, "RUN_DIR_OR_CHECKPOINT")
-    check_whole(checkpoint, "RUN_DIR_OR_CHECKPOINT", read_all=True)
-    info = export_hf(checkpoint, out_dir, dtype, max_shard_mb)
+
+    def read(checkpoint):
+        check_whole(checkpoint, "RUN_DIR_OR_CHECKPOINT", read_all=True)
+        return checkpoint, export_hf(checkpoint, out_dir, dtype, max_shard_mb)
+
+    checkpoint, info = read_checkpoint(source, "RUN_DIR_OR_CHECKPOINT", read)
     out.print(f"exported {checkpoint.path} (step {info['step']}) to {out_dir}: {info['tensors']} "
               f"tensors, {info['bytes']:,} bytes in {dtype}, {len(info['files'])} safetensors "
               f"file(s); load with transformers.AutoModelForCausalLM.from_pretrained({str(out_dir)!r})")
@@ -295,8 +298,7 @@ def sample(
     device: str = typer.Option("auto", "--device", help="auto (CUDA when visible), cpu or cuda"),
 ) -> None:
     """Generate text from a checkpoint on one process, streamed as it comes."""
-    from partrain.checkpoint.offline import checkpoint_model
-    from partrain.checkpoint.store import find
+    from partrain.checkpoint.offline import checkpoint_model, read_checkpoint
     from partrain.checkpoint.verify import check_whole
     from partrain.data.tokenizer import TextTokenizer, run_tokenizer_dir
     from partrain.interop.sample import check_options, check_weights, encode, generate
@@ -307,10 +309,13 @@ def sample(
         raise ConfigError(f"--device {device} is not one of auto, cpu, cuda")
     if device == "cuda" and not has_cuda():
         raise ConfigError("--device cuda: no CUDA device is visible")
-    checkpoint = find(source, "RUN_DIR_OR_CHECKPOINT")
-    check_whole(checkpoint, "RUN_DIR_OR_CHECKPOINT", read_all=True)
     on_cuda = device == "cuda" or (device == "auto" and has_cuda())
-    model, cfg = checkpoint_model(checkpoint, "cuda" if on_cuda else "cpu")
+
+    def read(checkpoint):
+        check_whole(checkpoint, "RUN_DIR_OR_CHECKPOINT", read_all=True)
+        return checkpoint, *checkpoint_model(checkpoint, "cuda" if on_cuda else "cpu")
+
+    checkpoint, model, cfg = read_checkpoint(source, "RUN_DIR_OR_CHECKPOINT", read)
     check_weights(model, checkpoint.path)  # a nan: refused before the prompt is printed
     run_dir = checkpoint.path.parent.parent
     tokenizer = TextTokenizer(run_tokenizer_dir(run_dir, cfg.data, cfg.model.vocab_size))

@@ -124,6 +124,13 @@ def check_run_dir(run_dir: Path, cfg: DictConfig | None = None, resuming: bool =
                          "run dir of a run that saved one (every checkpoint.every steps, at the "
                          "end, and on SIGUSR2)")
         if run_dir.is_dir() and any(run_dir.iterdir()):
+            for name in ("metrics.jsonl", "logs"):  # what a start reads and appends to
+                entry, kind = run_dir / name, ("a directory" if name == "logs" else "a file")
+                if (entry.exists() or entry.is_symlink()) and not (
+                        entry.is_dir() if name == "logs" else entry.is_file()):
+                    raise refuse(f"holds {name}, which is not {kind}: a start appends to it "
+                                 f"(the run's {'records' if name != 'logs' else 'logs'}); put "
+                                 f"{kind} there or move it away")
             frozen = run_dir / CONFIG
             checkpoint = store.newest(run_dir / store.CHECKPOINTS) if cfg is not None else None
             differences = (_config_differences(frozen, cfg) if cfg is not None and frozen.is_file()

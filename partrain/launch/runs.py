@@ -144,9 +144,11 @@ def last_step(run_dir: Path) -> tuple[int | None, float | None]:
             record = json.loads(line)
         except (ValueError, RecursionError):
             continue  # the first line cut by the seek, or one being written
-        if isinstance(record, dict) and "loss" in record and isinstance(record.get("step"), int):
+        step = record.get("step") if isinstance(record, dict) and "loss" in record else None
+        if isinstance(step, int) and not isinstance(step, bool):  # `true` is no step
             loss = record["loss"]
-            return record["step"], float(loss) if isinstance(loss, (int, float)) else None
+            return step, (float(loss) if isinstance(loss, (int, float))
+                          and not isinstance(loss, bool) else None)
     return None, None
 
 

@@ -119,8 +119,9 @@ def find_start(cfg, run_dir: Path, rank: int) -> Start:
     if rank != 0:
         resume, init_from = (_committed_at(Path(p), rank) if p else None for p in chosen)
     hf_from = hf_dir(fresh_from) if resume is None and is_hf(fresh_from) else None
-    if resume or init_from:
-        check_read_back(resume or init_from, "--resume" if resume else "model.init_from",
+    source = resume or init_from
+    if source is not None and source.meta.get("files"):  # none: saved before crc32s were kept
+        check_read_back(source, "--resume" if resume else "model.init_from",
                         cfg.launcher.collective_timeout_s)
     return Start(resume, init_from, hf_from, leftovers)
 
@@ -131,9 +132,7 @@ def check_read_back(checkpoint: store.Checkpoint, what: str, collective_timeout_
     files, so the whole checkpoint is read once, before any tensor is. The ranks meet on a group
     of their own whose timeout allows each share's read at READ_FLOOR_BYTES_S, beside the
     collective timeout (a large share on slow storage would fail that one, unexplained)."""
-    files = checkpoint.meta.get("files") or {}
-    if not files:  # saved before partrain kept crc32s
-        return
+    files = checkpoint.meta["files"]
     rank, ranks = dist.get_rank(), dist.get_world_size()
     share = 2 * int(checkpoint.meta.get("bytes") or 0) / ranks  # twice: shares go by file
     group = dist.new_group(backend="gloo", timeout=timedelta(

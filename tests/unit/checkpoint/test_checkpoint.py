@@ -324,3 +324,40 @@ def test_find_names_the_flag_it_is_given(tmp_path):
 ])
 def test_canonical_name(wrapped, canonical):
     assert canonical_name(wrapped) == canonical
+
+
+def test_export_and_sample_look_again_when_a_running_launch_prunes_the_newest(tmp_path):
+    """A launch still training prunes old checkpoints (checkpoint.keep): the newest that
+    `export` or `sample` found could be renamed away while it was read (half of 8 exports of a
+    live run failed: a missing .metadata, or the advice to move a damaged checkpoint aside).
+    Here the prune comes between the find and the read, as store.prune renames."""
+    from partrain.checkpoint.offline import read_checkpoint
+    from partrain.checkpoint.verify import check_whole
+    from partrain.errors import ConfigError
+    from tests.unit.checkpoint.builders import write_run_dir
+
+    run_dir = write_run_dir(tmp_path / "run", 100, 200, 300)
+    read = []
+
+    def pruned_meanwhile(checkpoint):
+        if checkpoint.step == 300:  # pruned as it is read; the run's newest is now 200
+            checkpoint.path.rename(checkpoint.path.parent / ".tmp-pruned-step-00000300")
+        check_whole(checkpoint, "RUN_DIR_OR_CHECKPOINT", read_all=True)
+        read.append(checkpoint.step)
+        return checkpoint.step
+
+    assert read_checkpoint(run_dir, "RUN_DIR_OR_CHECKPOINT", pruned_meanwhile) == 200
+    assert read == [200]
+    named = run_dir / "checkpoints" / "step-00000200"
+
+    def gone(checkpoint):
+        checkpoint.path.rename(checkpoint.path.parent / ".tmp-pruned-step-00000200")
+        return check_whole(checkpoint, "RUN_DIR_OR_CHECKPOINT", read_all=True)
+
+    with pytest.raises(ConfigError, match=rf"RUN_DIR_OR_CHECKPOINT={named} was removed while it "
+                                          r"was read: a launch training in its run dir prunes"):
+        read_checkpoint(named, "RUN_DIR_OR_CHECKPOINT", gone)
+    # A damaged checkpoint that stays where it is: its own message, no second look.
+    with pytest.raises(ConfigError, match="is broken"):
+        read_checkpoint(run_dir, "RUN_DIR_OR_CHECKPOINT",
+                        lambda c: check_whole(store.Checkpoint(tmp_path, 1, {}), "X"))

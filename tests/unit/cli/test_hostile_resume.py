@@ -280,7 +280,22 @@ ROWS_BROKEN = [
     if how != "flipped" or command in ("export", "sample")
 ]
 
-TABLE = [*ROWS_RESUME, *ROWS_CHECKPOINT_KEYS, *ROWS_INIT_FROM, *ROWS_RUN_DIR_WITH_CHECKPOINT,
+def _metrics_a_directory(c: Ctx) -> str:
+    """metrics.jsonl replaced by a directory: rank 0 failed on it (IsADirectoryError, exit 1)
+    after every rank had started."""
+    run = _run(100)(c)
+    (c.root / run / "metrics.jsonl").unlink()
+    (c.root / run / "metrics.jsonl").mkdir()
+    return run
+
+
+ROWS_RUN_DIR_ENTRIES = [
+    row("launch --resume of a run dir whose metrics.jsonl is a directory",
+        _resume(_metrics_a_directory, "--dry-run"), "--resume run holds metrics.jsonl, which is "
+        "not a file: a start appends to it"),
+]
+
+TABLE = [*ROWS_RESUME, *ROWS_RUN_DIR_ENTRIES, *ROWS_CHECKPOINT_KEYS, *ROWS_INIT_FROM, *ROWS_RUN_DIR_WITH_CHECKPOINT,
          *ROWS_BROKEN]
 
 

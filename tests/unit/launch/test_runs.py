@@ -292,3 +292,14 @@ def test_a_pid_given_to_another_process_since_is_not_the_launch(tmp_path, live_l
     assert read_run(run_dir).state == "killed"
     _says_running(run_dir, live_launch.pid)
     assert read_run(run_dir).state == "running"
+
+
+def test_the_last_step_is_a_whole_number_not_true(tmp_path):
+    """A line `{"step": true, "loss": 2.5}` showed as step True (`isinstance(True, int)`)."""
+    from partrain.launch.runs import last_step
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 7, "loss": 3.0}\n{"step": true, "loss": 2.5}\n'
+                                            '{"step": 8, "loss": true}\n')
+    assert last_step(tmp_path) == (8, None)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 7, "loss": 3.0}\n{"step": true, "loss": 2.5}\n')
+    assert last_step(tmp_path) == (7, 3.0)

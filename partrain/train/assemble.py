@@ -264,11 +264,15 @@ def build(cfg, run_dir: Path, device: torch.device) -> Run:
 
 def _outputs(cfg, run_dir: Path, rank: int, start: Start, first_step: int):
     """metrics.jsonl (and curves), the progress display and the checkpointer; rank 0 writes."""
+    dropped = None
     if rank == 0:  # a start before any checkpoint (a restart, a requeue) trains from step 1
-        _keep_metrics_until(run_dir / "metrics.jsonl", start.resume.step if start.resume else 0)
+        dropped = _keep_metrics_until(run_dir / "metrics.jsonl",
+                                      start.resume.step if start.resume else 0)
     metrics = MetricsLog(run_dir / "metrics.jsonl", enabled=rank == 0,
                          curves=Curves(run_dir, cfg, first_step, enabled=rank == 0))
     display = ProgressDisplay(cfg.train.max_steps, cfg.train.log_every, enabled=rank == 0)
+    if dropped:  # on the console too, not in rank 0's log alone
+        display.print(f"warning: {dropped}")
 
     def report(record: dict) -> None:
         metrics.write(record)
@@ -289,15 +293,15 @@ def _outputs(cfg, run_dir: Path, rank: int, start: Start, first_step: int):
     return metrics, display, checkpointer
 
 
-def _keep_metrics_until(path: Path, step: int) -> None:
+def _keep_metrics_until(path: Path, step: int) -> str | None:
     """On resume: drop the metrics lines of steps after the checkpoint (the interrupted run
     trained them, and they are trained again), so that metrics.jsonl has one line per step.
     A line that is not a JSON object is dropped too, with a warning: the end of a line the
     interrupted run was writing (a full disk, a node that lost power leaves it cut short or
     padded with NUL bytes). Kept, it would stop every resume, and the next record appended to it
-    would be lost with it."""
+    would be lost with it. Returns what was said of such lines (None: there were none)."""
     if not path.exists():
-        return
+        return None
     kept, broken = [], 0
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         if not line.strip("\x00 \t\r"):
@@ -310,12 +314,14 @@ def _keep_metrics_until(path: Path, step: int) -> None:
             broken += 1
         elif record.get("step", 0) <= step:
             kept.append(line)
-    if broken:
-        log.warning(f"{path}: dropped {broken} line(s) that are not a metrics record (the end "
-                    "of a write the interrupted run did not finish)")
+    said = (f"{path}: dropped {broken} line(s) that are not a metrics record (the end of a "
+            "write the interrupted run did not finish)") if broken else None
+    if said:
+        log.warning(said)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, path)
+    return said
 
 
 def _announce(run: Run, n_params: int, sequence_parallel: bool) -> None:

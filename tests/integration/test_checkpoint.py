@@ -104,6 +104,7 @@ def test_relaunch_resumes_bit_identical(cli, tmp_path, dp2_run):
     assert "resuming from step 5" in res.stdout
     assert ("dropped 1 line(s) that are not a metrics record" in
             (run_dir / "logs" / "rank-0.log").read_text())
+    assert "dropped 1 line(s) that are not a metrics record" in " ".join(res.stdout.split())
     steps, _ = read_metrics(run_dir)
     _assert_identical(steps, uninterrupted)
     # One line per step: what the interrupted run trained after the checkpoint was dropped.

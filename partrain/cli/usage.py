@@ -23,6 +23,20 @@ FLAG_SYNONYMS = {
     "resume-from": ("--resume",), "resume-from-checkpoint": ("--resume",),
     "max-retries": ("--max-restarts",), "restarts": ("--max-restarts",),
 }
+# torchrun's flags partrain has no flag for, and what it does instead (its nearest spelling
+# meant something else: --tee suggested --resume, --rdzv_conf --rdzv-backend).
+TORCHRUN_OWN = {
+    **dict.fromkeys(("tee", "redirects", "local-ranks-filter"), (
+        "each rank writes its output to RUN_DIR/logs/rank-N.log, and rank 0's progress is on the "
+        "console; `partrain runs` and the launcher's summary of a failure name the rank")),
+    "rdzv-conf": ("partrain sets the rendezvous itself; its timeout is the override "
+                  "launcher.rdzv_timeout_s=SECONDS"),
+    **dict.fromkeys(("no-python", "module", "run-path"), (
+        "partrain launch runs partrain's trainer, not a script: your model goes in "
+        "model.target=pkg.module:build (docs/models.md)")),
+    "monitor-interval": "partrain's launcher watches the ranks itself",
+    "role": "every rank is a trainer",
+}
 # torchrun's flags for where the nodes meet, which `partrain slurm` takes from the job instead.
 SLURM_SETS = ("master-addr", "master-port", "rdzv-endpoint", "node-rank", "standalone",
               "local-addr", "rdzv-id", "rdzv-backend")
@@ -44,6 +58,8 @@ def meant(e, ctx) -> str:
     likely = next((flag for flag in FLAG_SYNONYMS.get(name, ()) if flag in flags), None)
     if likely is not None:
         return f"{e.message} (did you mean {likely}?)"
+    if name in TORCHRUN_OWN and ctx.command.name in ("launch", "slurm"):
+        return f"{e.message} (torchrun's --{name}: {TORCHRUN_OWN[name]})"
     if ctx.command.name == "slurm" and name in SLURM_SETS:
         return (f"{e.message} (partrain slurm sets where the nodes meet itself: node ranks from "
                 "SLURM, the rendezvous on the job's first node)")

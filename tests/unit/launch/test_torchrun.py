@@ -202,6 +202,22 @@ def test_unknown_flags_are_answered_by_meaning(run_main, command, flag, meant):
     assert f"No such option: {flag} (did you mean {meant}?)" in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize("flag, says", [
+    ("--tee", "each rank writes its output to RUN_DIR/logs/rank-N.log"),
+    ("--redirects", "each rank writes its output to RUN_DIR/logs/rank-N.log"),
+    ("--rdzv_conf", "its timeout is the override launcher.rdzv_timeout_s=SECONDS"),
+    ("--no-python", "model.target=pkg.module:build"),
+    ("--monitor_interval", "watches the ranks itself"),
+])
+def test_torchruns_own_flags_say_what_partrain_does_instead(run_main, flag, says):
+    """torchrun's flags with no partrain flag: their nearest spelling meant something else
+    (--tee suggested --resume, --rdzv_conf --rdzv-backend)."""
+    result = run_main("launch", flag, "3")
+    said = " ".join(result.stderr.split())
+    assert result.code == 2 and f"No such option: {flag} (torchrun's --" in said, said
+    assert says in said and "Possible options" not in said, said
+
+
 def test_master_addr_is_never_read_as_local_addr(run_main, asked):
     """--master-addr is node 0's address; --local-addr, the nearest spelling, is this node's."""
     assert run_main("launch", "--master-addr", "node0").code == 0

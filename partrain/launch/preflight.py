@@ -148,6 +148,11 @@ def preflight(request: Request) -> Ready:
             request.run_dir.absolute() != resume.absolute():
         raise ConfigError(f"--run-dir {request.run_dir} and --resume {resume} name two run dirs; "
                           "--resume continues in its own")
+    if resume is not None and checks.run_dir and (resume / "config.yaml").is_file() and \
+            store.newest(resume / store.CHECKPOINTS) is None:
+        # Before the world's checks: a run dir prepared for several nodes that never saved was
+        # refused for its missing --rdzv-endpoint first, which would not have helped.
+        check_run_dir(resume, None, resuming=True)
     place = detect_place(request.nproc_per_node if isinstance(request.nproc_per_node, int)
                          else None) if checks.on_this_node else None
     cfg, world, warnings = resolve(request, place)

@@ -289,7 +289,19 @@ def _metrics_a_directory(c: Ctx) -> str:
     return run
 
 
+def _prepared_for_two_nodes(c: Ctx) -> str:
+    """What `partrain slurm --nodes 2 --dry-run` leaves: a config for two nodes, nothing trained."""
+    (c.root / "prep" / "logs").mkdir(parents=True)
+    (c.root / "prep" / "config.yaml").write_text(
+        frozen_text().replace("\n  nnodes: 1\n", "\n  nnodes: 2\n"))
+    return "prep"
+
+
 ROWS_RUN_DIR_ENTRIES = [
+    # Named before the second node's missing --rdzv-endpoint, which would not have helped.
+    row("launch --resume of a run dir prepared for 2 nodes that never trained",
+        _resume(_prepared_for_two_nodes, "--dry-run"), "--resume prep holds no committed "
+        "checkpoint", absent=("--rdzv-endpoint",)),
     row("launch --resume of a run dir whose metrics.jsonl is a directory",
         _resume(_metrics_a_directory, "--dry-run"), "--resume run holds metrics.jsonl, which is "
         "not a file: a start appends to it"),

@@ -149,7 +149,8 @@ def preflight(request: Request) -> Ready:
         raise ConfigError(f"--run-dir {request.run_dir} and --resume {resume} name two run dirs; "
                           "--resume continues in its own")
     if resume is not None and checks.run_dir and (resume / "config.yaml").is_file() and \
-            store.newest(resume / store.CHECKPOINTS) is None:
+            not store.STEP_DIR.fullmatch(resume.name) and \
+            store.newest(resume / store.CHECKPOINTS) is None:  # (a step dir: resume.py says)
         # Before the world's checks: a run dir prepared for several nodes that never saved was
         # refused for its missing --rdzv-endpoint first, which would not have helped.
         check_run_dir(resume, None, resuming=True)

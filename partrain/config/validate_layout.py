@@ -139,6 +139,19 @@ def check_fsdp(cfg: DictConfig) -> None:
         raise ConfigError(
             "parallel.deepspeed sets raw DeepSpeed keys, but parallel.zero_backend=fsdp does not "
             "run DeepSpeed; remove them, or set parallel.zero_backend=deepspeed")
+    # Weights tp splits by rows (q, k, v, the MLP's first matrices, the embedding, the head) are
+    # sharded by FSDP on their second dimension, model.dim, which FSDP2 splits only evenly (an
+    # uneven first dimension it takes): every rank failed at its start otherwise.
+    m = cfg.model
+    shards = p.dp // p.dp_replicate * p.cp if isinstance(p.dp, int) else 1
+    if p.tp > 1 and shards > 1 and not m.get("target") and m.dim % shards:
+        over = ("dp / dp_replicate" if p.dp_replicate > 1 else "dp") + (" x cp" if p.cp > 1 else "")
+        raise ConfigError(
+            f"parallel.zero_backend=fsdp with parallel.tp={p.tp}: FSDP2 shards the weights tp "
+            f"splits by rows (q, k, v, the MLP's first matrices, the embedding and the head) on "
+            f"their second dimension, model.dim={m.dim}, over {over} = {shards} ranks, and it "
+            f"cannot split that dimension unevenly: {shards} must divide {m.dim} (try {over} in "
+            f"{divisors(m.dim)}), or use parallel.zero_backend=deepspeed, which runs this layout")
 
 
 def check_tp(p: DictConfig, m: DictConfig) -> None:

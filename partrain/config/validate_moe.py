@@ -80,9 +80,17 @@ def _check_experts_on_every_stage(cfg: DictConfig) -> None:
     for rank in range(p.pp):
         blocks = [b for chunk in range(v) for b in stages[chunk * p.pp + rank]]
         if not any(is_moe_block(m, b) for b in blocks):
+            runs = []  # its blocks as ranges: "blocks 0-1, 4-5" (interleaved), "block 1"
+            for b in blocks:
+                if runs and b == runs[-1][1] + 1:
+                    runs[-1][1] = b
+                else:
+                    runs.append([b, b])
+            held = ("block " if len(blocks) == 1 else "blocks ") + ", ".join(
+                str(a) if a == z else f"{a}-{z}" for a, z in runs)
             raise ConfigError(
                 f"parallel.ep={p.ep} with DeepSpeed's ZeRO-{p.zero_stage} and parallel.pp="
-                f"{p.pp}: pp rank {rank} holds no MoE block (blocks {blocks[0]}-{blocks[-1]}; "
+                f"{p.pp}: pp rank {rank} holds no MoE block ({held}; "
                 f"model.moe.first_dense={m.moe.first_dense}, every={m.moe.every}), and DeepSpeed "
                 "reduces the expert gradients' norm over the pipeline only on ranks with "
                 "experts: the others would wait for it forever. Give every pipeline stage a MoE "

@@ -112,6 +112,13 @@ RULES = [
                  "use parallel.dp_replicate=1"],
      ["model.moe.n_experts=4", "parallel.dp=4", "parallel.ep=2", "parallel.zero_stage=3",
       "parallel.zero_backend=fsdp"], (None, 4)),
+    # Every rank failed at its start (FSDP2: "does not support uneven sharding on dim 1").
+    ("fsdp-tp-uneven-dim", ["parallel.dp=3", "parallel.tp=2", "parallel.zero_stage=3",
+                            "parallel.zero_backend=fsdp", "train.global_batch_size=12"], (None, 6),
+     ["parallel.zero_backend=fsdp with parallel.tp=2", "model.dim=128, over dp = 3 ranks",
+      "3 must divide 128", "zero_backend=deepspeed"],
+     ["parallel.dp=3", "parallel.tp=2", "parallel.zero_stage=3", "parallel.zero_backend=fsdp",
+      "train.global_batch_size=12", "model.dim=96"], (None, 6)),
     ("ep-zero-not-contiguous", ["model.moe.n_experts=4", "parallel.ep=2", "parallel.zero_stage=1",
                                 "+parallel.deepspeed.zero_optimization.contiguous_gradients=false"],
      (None, None), ["contiguous_gradients=false cannot be used with parallel.ep=2"],
@@ -491,6 +498,14 @@ def test_zero_with_ep_and_pp_needs_a_moe_block_on_every_stage():
     with pytest.raises(ConfigError, match=r"pp rank 0 holds no MoE block \(blocks 0-1; "
                                           r"model.moe.first_dense=2"):
         validated(*layout, "model.moe.first_dense=2", nproc=4)
+    # A one-block stage said as one block, an interleaved one as its ranges ("blocks 1-1" was
+    # said, and "blocks 0-5" for blocks 0, 1, 4, 5).
+    with pytest.raises(ConfigError, match=r"pp rank 1 holds no MoE block \(block 1; "):
+        validated(*layout, "parallel.pp=4", "model.moe.every=2", nproc=8)
+    with pytest.raises(ConfigError, match=r"pp rank 1 holds no MoE block \(blocks 2-3, 6-7; "):
+        validated(*layout, "model.n_layers=8", "model.moe.every=4",
+                  "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2",
+                  nproc=4)
     validated(*layout, nproc=4)
     validated(*layout, "model.moe.every=2", nproc=4)
     validated(*layout, "model.moe.first_dense=2", "parallel.zero_backend=fsdp",

@@ -35,6 +35,7 @@ launcher.device auto or cuda, to ask whether CUDA is visible; `plan` runs withou
 """
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -232,8 +233,10 @@ def resolve(request: Request, place: NodePlace | None) -> tuple[DictConfig, Worl
     cfg = load_config(request.args, request.resume)
     nnodes, nproc_per_node = request.nnodes, request.nproc_per_node
     given = {item.split("=", 1)[0].lstrip("+") for item in split_args(request.args)[1]}
-    if request.resume is not None and (nnodes is not None or nproc_per_node is not None) and \
-            "parallel.dp" not in given:
+    names_ranks = (nnodes is not None or nproc_per_node is not None
+                   or bool(given & {"launcher.nnodes", "launcher.nproc_per_node"}))
+    follows = request.resume is not None and names_ranks and "parallel.dp" not in given
+    if follows:
         # A resume on the ranks it names: dp follows them (world / (pp * cp * tp), the same
         # number on the same world), as torchrun users expect of --nnodes and --nproc-per-node;
         # the frozen number would refuse every other world.
@@ -265,7 +268,13 @@ def resolve(request: Request, place: NodePlace | None) -> tuple[DictConfig, Worl
     # A resume that names neither micro-batch key has its split derived again (resume.py).
     resplit = request.resume is not None and not given & {"train.micro_batch_size",
                                                           "train.micro_batches"}
-    warnings = resolve_and_validate(cfg, world, resplit)
+    try:
+        warnings = resolve_and_validate(cfg, world, resplit)
+    except ConfigError as e:
+        if not follows:
+            raise
+        raise ConfigError(f"{e} (on a resume that names the ranks, parallel.dp follows them: "
+                          "world / (pp * cp * tp); give parallel.dp=N to set it)") from None
     return cfg, world, warnings
 
 
@@ -381,7 +390,8 @@ def _run_dir(request: Request, cfg: DictConfig, place: NodePlace | None) -> Path
     runs/<name>-job<id>, the same on every node); absolute where a job runs elsewhere."""
     job_id = place.job_id if place is not None else None
     run_dir = request.resume or request.run_dir or default_run_dir(cfg.name, job_id)
-    return run_dir.absolute() if request.checks.run_dir == "prepare" else run_dir
+    # Absolute where the job runs elsewhere, `..` folded (it lands in the script).
+    return Path(os.path.abspath(run_dir)) if request.checks.run_dir == "prepare" else run_dir
 
 
 def check_init_from(cfg) -> store.Checkpoint | None:

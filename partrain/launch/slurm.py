@@ -194,17 +194,31 @@ def write_script(job: SlurmJob) -> Path:
     return path
 
 
+SBATCH_TIMEOUT_S = 120
+
+
+class SubmissionUnknown(ConfigError):
+    """sbatch took too long to answer: the job may be queued all the same, so the script and
+    config it was given stay (taken back, a queued job would start on the old pair)."""
+
+
 def submit(script: Path) -> str:
     """Submit with sbatch and return the job id; sbatch's own message if it is missing or fails."""
     try:
         result = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True,
-                                text=True, timeout=120)
+                                text=True, timeout=SBATCH_TIMEOUT_S)
     except FileNotFoundError:
         raise ConfigError("sbatch not found on PATH: `partrain slurm` submits through SLURM's "
                           "sbatch; run it on the cluster's login node, or use --dry-run to "
                           "print the script") from None
+    except OSError as e:  # not executable (EACCES), a wrapper without a #! line (ENOEXEC)
+        raise ConfigError(f"sbatch could not be run ({e.strerror or e}): `partrain slurm` "
+                          "submits through SLURM's sbatch") from None
     except subprocess.TimeoutExpired:
-        raise ConfigError("sbatch did not answer within 120 s; is slurmctld reachable?") from None
+        raise SubmissionUnknown(
+            f"sbatch did not answer within {SBATCH_TIMEOUT_S} s, so whether the job was queued "
+            f"is unknown (is slurmctld reachable?): see `squeue --me`; {script} is the script "
+            "it was given, kept with its config, and `sbatch` of it submits it") from None
     if result.returncode != 0:
         message = (result.stderr.strip() or result.stdout.strip() or "(no message)")
         raise ConfigError(f"sbatch refused the job (exit {result.returncode}): {message}")
@@ -224,50 +238,70 @@ def remove_prepared(run_dir: Path, created: Path | None) -> None:
         (run_dir / "logs").rmdir()
 
 
-def job_files(run_dir: Path) -> dict[str, bytes | None]:
-    """The run dir's config and script as they are (None: not there), for put_back."""
+def job_files(run_dir: Path) -> dict[str, tuple[bytes, int] | None]:
+    """The run dir's config and script as they are, with their modes (None: not there), for
+    put_back."""
     found = {}
     for name in (SCRIPT, "config.yaml"):
         try:
-            found[name] = (run_dir / name).read_bytes()
+            found[name] = ((run_dir / name).read_bytes(), (run_dir / name).stat().st_mode)
         except FileNotFoundError:
             found[name] = None
     return found
 
 
-def put_back(run_dir: Path, files: dict[str, bytes | None]) -> None:
+def put_back(run_dir: Path, files: dict[str, tuple[bytes, int] | None]) -> None:
     """After a failed submission of `slurm --resume`: the run's config and script as they were."""
-    for name, data in files.items():
-        if data is None:
+    for name, kept in files.items():
+        if kept is None:
             (run_dir / name).unlink(missing_ok=True)
         else:
             tmp = run_dir / f".{name}.put-back.tmp"
-            tmp.write_bytes(data)
+            tmp.write_bytes(kept[0])
+            tmp.chmod(kept[1] & 0o7777)
             os.replace(tmp, run_dir / name)
 
 
-def check_no_job_in(run_dir: Path, environ=os.environ) -> None:
-    """Refuse a resume's submission into a run dir whose script a job of this user still runs or waits to
-    run (squeue: pending, running, requeued, suspended): two jobs would train in one run dir at
-    once, writing and pruning each other's checkpoints. Where squeue is missing or fails (no
-    SLURM here: --dry-run on a laptop), nothing is checked."""
-    import getpass
-
+def check_no_job_in(run_dir: Path) -> None:
+    """Refuse a resume's submission into a run dir whose script a job of this user still runs
+    or waits to run (squeue: pending, running, requeued, suspended): two jobs would train in one
+    run dir at once, writing and pruning each other's checkpoints. Where squeue is missing or
+    fails (no SLURM here: --dry-run on a laptop), nothing is checked."""
     script = (run_dir / SCRIPT).resolve()
-    try:
-        result = subprocess.run(["squeue", "-h", "-u", environ.get("USER") or getpass.getuser(),
-                                 "-o", "%i|%T|%Z|%o"], capture_output=True, text=True, timeout=60)
+    try:  # by uid: $USER may name someone else (squeue -u of an unknown user lists nothing)
+        result = subprocess.run(["squeue", "-h", "-u", str(os.getuid()), "-o", "%i|%T|%Z|%o"],
+                                capture_output=True, text=True, errors="replace", timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return
     if result.returncode != 0:
         return
     for line in result.stdout.splitlines():
         parts = line.strip().split("|", 3)
-        if len(parts) != 4:
+        if len(parts) != 4 or "\0" in line:
             continue
         job_id, state, workdir, command = parts
-        if (Path(workdir) / command).resolve() == script:
+        # The script, or the script and its arguments (`sbatch job.sbatch x`).
+        if any((Path(workdir) / path).resolve() == script
+               for path in (command, command.split(" ", 1)[0])):
             raise ConfigError(
                 f"--resume {run_dir}: job {job_id} ({state}) runs its script {script}; two jobs "
                 f"would train in one run dir at once. Wait for it to end, or end it (scancel "
                 f"{job_id}), and submit again")
+
+
+# The #SBATCH options a resume on another allocation changes on purpose, or partrain derives.
+RESIZED = ("--nodes=", "--gpus-per-node=", "--output=", "--job-name=")
+
+
+def dropped_settings(old_script: bytes, new_script: str) -> list[str]:
+    """What the run dir's earlier script asked of sbatch or ran on every node that the new one
+    does not (`slurm --resume` takes its flags anew: --partition, --time, --setup, ...)."""
+    def asked(text: str) -> list[str]:
+        lines, setup = text.splitlines(), []
+        if "setup=(" in lines and ")" in lines:  # the setup lines' bash array (_setup_lines)
+            start = lines.index("setup=(") + 1
+            setup = [f"--setup {line.strip()}" for line in lines[start:lines.index(")", start)]]
+        return [line[len("#SBATCH "):] for line in lines if line.startswith("#SBATCH ")
+                and not line[len("#SBATCH "):].startswith(RESIZED)] + setup
+    new = set(asked(new_script))
+    return [item for item in asked(old_script.decode("utf-8", "replace")) if item not in new]

@@ -39,7 +39,10 @@ from partrain.launch.rundir import (
 from partrain.launch.runs import ENDED, STATE_FILE, ended_done_at, write_state
 from partrain.launch.sbatch_checks import SlurmJob, check_sbatch_env
 from partrain.launch.slurm import (
+    SCRIPT,
+    SubmissionUnknown,
     check_no_job_in,
+    dropped_settings,
     job_files,
     partrain_command,
     put_back,
@@ -100,7 +103,11 @@ def start(request: Request, dry_run: bool, out: Console, err: Console,
                 from partrain.launch.local import launch_workers
 
             before = _config_before(run_dir, checkpoint)
-            write_run_dir(cfg, run_dir, resuming=request.resume is not None)
+            # Going on from a checkpoint replaces config.yaml, as a resume does: a job script's
+            # command on another split of the ranks than the config's (the checks let it through)
+            # was refused here at every node.
+            write_run_dir(cfg, run_dir, resuming=request.resume is not None or
+                          checkpoint is not None)
             records = ready.node.rank == 0  # node 0's launcher says the run's state (`runs`)
             if records:
                 _record(run_dir, "running", None, warn, ready.world.nnodes)
@@ -347,6 +354,11 @@ def prepare_job(request: Request, dry_run: bool, out: Console, err: Console,
     `setup` (--setup) runs on every node after the config's launcher.setup."""
     ready = preflight(request)
     cfg, world, run_dir = ready.cfg, ready.world, ready.run_dir
+    if ready.checkpoint is not None and ready.checkpoint.step >= cfg.train.max_steps:
+        raise ConfigError(  # the job would start, say "nothing to do" and end
+            f"--resume {run_dir} is trained to step {ready.checkpoint.step} = train.max_steps "
+            f"({ready.checkpoint.path}): there is nothing to submit; to train on, give a larger "
+            f"one: partrain slurm --resume {run_dir} train.max_steps=N --nodes {world.nnodes}")
     gpu_warning = check_gpu_request(cfg.launcher.device, gpus_per_node, world.nproc_per_node)
     job = SlurmJob(run_dir=run_dir, job_name=cfg.name, nodes=world.nnodes,
                    nproc_per_node=world.nproc_per_node, partrain=partrain_command(),
@@ -374,6 +386,11 @@ def prepare_job(request: Request, dry_run: bool, out: Console, err: Console,
     # config and script as they were: what a failed submission puts back.
     created = None if run_dir.exists() else nearest_existing(run_dir)
     before = job_files(run_dir) if request.resume is not None else None
+    if before and before[SCRIPT] is not None:
+        dropped = dropped_settings(before[SCRIPT][0], script_text)
+        if dropped:
+            warn(f"{run_dir / SCRIPT} asked for {', '.join(dropped)}, which this job does not "
+                 "(a resume takes its flags anew): give them again to keep them")
     script = write_job(ready, job, created, before)
     if dry_run:
         sys.stdout.write(script_text)
@@ -382,6 +399,8 @@ def prepare_job(request: Request, dry_run: bool, out: Console, err: Console,
         return
     try:
         job_id = submit(script)
+    except SubmissionUnknown:
+        raise  # the job may be queued: it must find the script and config it was given
     except ConfigError:
         _take_back(run_dir, created, before)
         raise

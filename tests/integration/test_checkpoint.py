@@ -158,6 +158,32 @@ def test_a_bit_flipped_in_a_checkpoint_is_refused_before_it_is_read(cli, tmp_pat
     assert_no_abort(run_dir, res.stderr)
 
 
+def test_a_job_script_goes_on_on_another_split_of_the_same_ranks(cli, tmp_path, dp2_run):
+    """A job script's command (`launch RUN_DIR/config.yaml --run-dir RUN_DIR --nnodes 2
+    --nproc-per-node 1`) on a run dir whose config.yaml says 1 x 2 (a `launch --resume` on one
+    node had rewritten it): the start resumes and freezes 2 x 1. It was let through the checks
+    and then refused at every node as it wrote config.yaml (`holds another config
+    (launcher.nnodes: 1 there, 2 here; ...)`). Two launchers on this host stand for the nodes."""
+    import socket
+
+    source, uninterrupted = dp2_run
+    run_dir = _interrupted_after_5(source, copy_to=tmp_path / "run")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    nodes = [cli.start("launch", str(run_dir / "config.yaml"), "--run-dir", str(run_dir),
+                       "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(rank),
+                       "--rdzv-endpoint", f"127.0.0.1:{port}") for rank in (0, 1)]
+    for rank, node in enumerate(nodes):
+        stdout, stderr = node.communicate(timeout=300)
+        assert node.returncode == 0, f"node {rank}: {stderr[-3000:]}"
+    assert "resuming from step 5" in stdout
+    steps, _ = read_metrics(run_dir)
+    _assert_identical(steps, uninterrupted)  # dp2 either way: the same ranks' roles
+    frozen = (run_dir / "config.yaml").read_text()
+    assert "nnodes: 2" in frozen and "nproc_per_node: 1" in frozen
+
+
 def _wait_for(predicate, proc, what, timeout=120):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -32,7 +32,15 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from partrain.checkpoint import store
 from partrain.checkpoint.state import failures, out_of_space
-from partrain.checkpoint.verify import SHARD, crc32_of, problems, take_sums, write_sums
+from partrain.checkpoint.verify import (
+    SHARD,
+    NotWhole,
+    crc32_of,
+    files_of,
+    read_whole,
+    take_sums,
+    write_sums,
+)
 from partrain.models.family import count_params
 from partrain.parallel.dist import attempt, local
 
@@ -331,7 +339,7 @@ class Checkpointer:
         checkpoint needs and how much there is."""
         try:
             yield
-        except (CheckpointException, OSError) as err:
+        except (CheckpointException, OSError, NotWhole) as err:
             store.discard(self.root, step)
             raise RuntimeError(self._failed(err, what)) from None
 
@@ -365,7 +373,7 @@ class Checkpointer:
             return
         _test_pause(self.rank, step, "after")
         written = store.tmp_dir(self.root, step)
-        found = problems(written)
+        found, metadata = read_whole(written)  # .metadata read once, for both checks
         if found:
             # What rank 0 sees is not every rank's save: commit nothing, keep the newest.
             kept = store.newest(self.root)
@@ -382,7 +390,7 @@ class Checkpointer:
         if self.data() is not None:
             meta["data"] = self.data()
         with self._undone_on_failure(step, f"committing the checkpoint of step {step}"):
-            meta["files"] = take_sums(written)
+            meta["files"] = take_sums(written, files_of(metadata))
             self.newest = store.commit(self.root, step, meta, self.config_yaml)
         pruned = store.prune(self.root, self.cfg.keep,
                              lambda paths: self.delete_in_background(paths, step))

@@ -17,6 +17,7 @@ in full. A checkpoint saved before partrain kept them has no `files` and is not 
 
 import json
 import re
+import time
 import zlib
 from pathlib import Path
 
@@ -24,11 +25,17 @@ from partrain.checkpoint import store
 from partrain.errors import ConfigError, reason
 
 # DCP's FileSystemWriter names a rank's files __<rank>_<n>.distcp.
-SHARD = re.compile(r"__(\d+)_\d+\.distcp")
+SHARD = re.compile(r"__(\d+)_(\d+)\.distcp")
 # A rank's crc32 of the files it wrote, beside them until the commit (RUN_DIR's .tmp-step-N).
 SUMS = "__{rank}.crc32.json"
+# How often rank 0 looks for a rank's crc32 file at the commit, 0.2 s apart.
+SUMS_LOOKS = 10
 # Read in pieces: a rank's file is gigabytes; crc32 reads about 6 GB/s on one core.
 CHUNK = 16 << 20
+
+
+class NotWhole(Exception):
+    """A save whose files are not all there, or not all summed: not committed (rank 0)."""
 
 
 class DamagedCheckpoint(Exception):
@@ -57,7 +64,7 @@ def write_sums(directory: Path, sums: dict[str, str]) -> None:
 
 def file_order(name: str) -> tuple:
     """.metadata first, then the ranks' files by rank and number (__10_0 after __2_0)."""
-    match = re.fullmatch(r"__(\d+)_(\d+)\.distcp", name)
+    match = SHARD.fullmatch(name)
     return (1, int(match.group(1)), int(match.group(2))) if match else (0, 0, 0)
 
 
@@ -66,40 +73,51 @@ def _writer(name: str) -> str:
     return f", written by rank {match.group(1)}" if match else ""
 
 
-def _listed_files(path: Path) -> set[str]:
-    """The files DCP's .metadata in `path` names (its tensors' places)."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    metadata = FileSystemReader(str(path)).read_metadata()
+def files_of(metadata) -> set[str]:
+    """The files DCP's `metadata` names (its tensors' places)."""
     return {info.relative_path for info in metadata.storage_data.values()}
 
 
-def take_sums(directory: Path) -> dict[str, str]:
+def _listed_files(path: Path) -> set[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return files_of(FileSystemReader(str(path)).read_metadata())
+
+
+def take_sums(directory: Path, listed: set[str]) -> dict[str, str]:
     """Every rank's crc32s in the save `directory`, with the .metadata's own, in one mapping for
-    meta.json; their files are removed (rank 0, before the commit). Raises RuntimeError naming
-    what is missing or unreadable: a checkpoint whose files are not all summed is not committed
-    (a file left out would never be checked)."""
+    meta.json; their files are removed (rank 0, before the commit). `listed`: the files DCP's
+    .metadata names. Each rank's is opened by name (a directory listing on a network file system
+    may not show another node's new file yet), looked for again for a moment. Raises NotWhole
+    naming what is missing or unreadable: a checkpoint whose files are not all summed is not
+    committed (a file left out would never be checked)."""
     sums: dict[str, str] = {}
-    sidecars = sorted(directory.glob(SUMS.format(rank="*")))
+    sidecars = sorted({directory / SUMS.format(rank=SHARD.fullmatch(name).group(1))
+                       for name in listed if SHARD.fullmatch(name)})
     for path in sidecars:
-        try:
-            mine = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise RuntimeError(f"{path.name} cannot be read ({type(e).__name__}: {e})") from None
+        for attempt in range(SUMS_LOOKS):
+            try:
+                mine = json.loads(path.read_text())
+                break
+            except FileNotFoundError:
+                if attempt == SUMS_LOOKS - 1:
+                    mine = {}  # its files are named below
+                    break
+                time.sleep(0.2)
+            except (OSError, ValueError) as e:
+                raise NotWhole(f"{path.name} cannot be read ({type(e).__name__}: {e})") from None
         if not isinstance(mine, dict) or not all(
                 SHARD.fullmatch(str(k)) and isinstance(v, str) and re.fullmatch(r"[0-9a-f]{8}", v)
                 for k, v in mine.items()):
-            raise RuntimeError(f"{path.name} does not hold a crc32 per file of the rank")
+            raise NotWhole(f"{path.name} does not hold a crc32 per file of the rank")
         sums.update(mine)
-    unsummed = sorted(_listed_files(directory) - sums.keys(), key=file_order)
+    unsummed = sorted(listed - sums.keys(), key=file_order)
     if unsummed:
-        raise RuntimeError(
-            f"no crc32 was kept of {', '.join(unsummed[:3])}"
-            f"{f' (and {len(unsummed) - 3} more)' if len(unsummed) > 3 else ''}: the rank that "
-            f"wrote it left no {SUMS.format(rank='R')} in {directory}")
+        raise NotWhole(f"no crc32 was kept of {listed_briefly(unsummed, ', ')}: the rank that "
+                       f"wrote it left no {SUMS.format(rank='R')} in {directory}")
     sums[store.DCP_METADATA] = crc32_of(directory / store.DCP_METADATA)
     for path in sidecars:
-        path.unlink()
+        path.unlink(missing_ok=True)
     return dict(sorted(sums.items(), key=lambda item: file_order(item[0])))
 
 
@@ -135,10 +153,10 @@ def damaged(checkpoint: store.Checkpoint, rank: int = 0, ranks: int = 1) -> list
     return found
 
 
-def listed(found: list[str], most: int = 3) -> str:
-    """The first `most` problems, and how many more."""
+def listed_briefly(found: list[str], sep: str = "; ", most: int = 3) -> str:
+    """The first `most` of `found`, and how many more."""
     more = f" (and {len(found) - most} more)" if len(found) > most else ""
-    return "; ".join(found[:most]) + more
+    return sep.join(found[:most]) + more
 
 
 def move_it_aside(checkpoint: store.Checkpoint, what: str) -> str:
@@ -157,15 +175,15 @@ def move_it_aside(checkpoint: store.Checkpoint, what: str) -> str:
 
 def broken(checkpoint: store.Checkpoint, what: str, found: list[str]) -> str:
     return (f"{what}: the checkpoint {checkpoint.path} (step {checkpoint.step}) is broken: "
-            f"{listed(found)}. {move_it_aside(checkpoint, what)}")
+            f"{listed_briefly(found)}. {move_it_aside(checkpoint, what)}")
 
 
 def problems(path: Path) -> list[str]:
     """What keeps the checkpoint directory `path` from being read: [] when it is whole."""
-    return _read_whole(path)[0]
+    return read_whole(path)[0]
 
 
-def _read_whole(path: Path):
+def read_whole(path: Path):
     """(problems, DCP's metadata: None when it cannot be read) of the directory `path`."""
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -179,15 +197,13 @@ def _read_whole(path: Path):
         return [f"its {store.DCP_METADATA} cannot be read ({type(e).__name__}: {e})"], None
     found = []
     for name, size in sorted(needed.items()):
-        match = SHARD.fullmatch(name)
-        writer = f", written by rank {match.group(1)}" if match else ""
         try:
             have = (path / name).stat().st_size
         except OSError:
-            found.append(f"{name} is missing{writer}")
+            found.append(f"{name} is missing{_writer(name)}")
             continue
         if have < size:
-            found.append(f"{name} holds {have:,} of its {size:,} bytes{writer}")
+            found.append(f"{name} holds {have:,} of its {size:,} bytes{_writer(name)}")
     return found, metadata
 
 
@@ -230,7 +246,7 @@ def check_whole(checkpoint: store.Checkpoint, what: str, read_all: bool = False)
     swapped config.yaml would otherwise fail inside the ranks). `read_all`: its files' crc32s
     too (one process reading the whole checkpoint: `export`, `sample`; a launch leaves that to
     its ranks)."""
-    found, metadata = _read_whole(checkpoint.path)  # .metadata read once, for both checks
+    found, metadata = read_whole(checkpoint.path)  # .metadata read once, for both checks
     if not found and read_all:
         found = damaged(checkpoint)
     if found:

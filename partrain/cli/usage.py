@@ -31,7 +31,7 @@ TORCHRUN_OWN = {
         "console; `partrain runs` and the launcher's summary of a failure name the rank")),
     "rdzv-conf": ("partrain sets the rendezvous itself; its timeout is the override "
                   "launcher.rdzv_timeout_s=SECONDS"),
-    **dict.fromkeys(("no-python", "module", "run-path"), (
+    **dict.fromkeys(("no-python", "module", "m", "run-path"), (
         "partrain launch runs partrain's trainer, not a script: your model goes in "
         "model.target=pkg.module:build (docs/models.md)")),
     "monitor-interval": "partrain's launcher watches the ranks itself",
@@ -59,7 +59,8 @@ def meant(e, ctx) -> str:
     if likely is not None:
         return f"{e.message} (did you mean {likely}?)"
     if name in TORCHRUN_OWN and ctx.command.name in ("launch", "slurm"):
-        return f"{e.message} (torchrun's --{name}: {TORCHRUN_OWN[name]})"
+        dashes = "-" if len(name) == 1 else "--"
+        return f"{e.message} (torchrun's {dashes}{name}: {TORCHRUN_OWN[name]})"
     if ctx.command.name == "slurm" and name in SLURM_SETS:
         return (f"{e.message} (partrain slurm sets where the nodes meet itself: node ranks from "
                 "SLURM, the rendezvous on the job's first node)")

@@ -21,6 +21,7 @@ from partrain.config.keys import SCHEMA_KEYS, float_keys, shown
 from partrain.config.resolve import World, resolve_batch, resolve_dp
 from partrain.config.validate_layout import (
     check_cp,
+    check_fsdp_shards,
     check_hsdp,
     check_micro_batches,
     check_pipeline,
@@ -102,6 +103,7 @@ def resolve_and_validate(cfg: DictConfig, world: World, resplit: bool = False) -
     dp = resolve_dp(p, world)
     check_world(p, dp, world)
     check_hsdp(p, dp)
+    check_fsdp_shards(cfg, dp)
     g, b, mb = resolve_batch(t, dp, resplit)
     check_micro_batches(p, mb)
     if user is None:

@@ -139,12 +139,18 @@ def check_fsdp(cfg: DictConfig) -> None:
         raise ConfigError(
             "parallel.deepspeed sets raw DeepSpeed keys, but parallel.zero_backend=fsdp does not "
             "run DeepSpeed; remove them, or set parallel.zero_backend=deepspeed")
-    # Weights tp splits by rows (q, k, v, the MLP's first matrices, the embedding, the head) are
-    # sharded by FSDP on their second dimension, model.dim, which FSDP2 splits only evenly (an
-    # uneven first dimension it takes): every rank failed at its start otherwise.
-    m = cfg.model
-    shards = p.dp // p.dp_replicate * p.cp if isinstance(p.dp, int) else 1
-    if p.tp > 1 and shards > 1 and not m.get("target") and m.dim % shards:
+
+
+def check_fsdp_shards(cfg: DictConfig, dp: int) -> None:
+    """Weights tp splits by rows (q, k, v, the MLP's first matrices, the embedding, the head)
+    are sharded by FSDP on their second dimension, model.dim, which FSDP2 splits only evenly
+    (an uneven first dimension it takes): every rank failed at its start otherwise. `dp`: the
+    resolved degree (an `auto` one too)."""
+    p, m = cfg.parallel, cfg.model
+    if p.zero_backend != "fsdp" or p.zero_stage < 2 or p.tp == 1 or m.get("target"):
+        return
+    shards = dp // p.dp_replicate * p.cp
+    if shards > 1 and m.dim % shards:
         over = ("dp / dp_replicate" if p.dp_replicate > 1 else "dp") + (" x cp" if p.cp > 1 else "")
         raise ConfigError(
             f"parallel.zero_backend=fsdp with parallel.tp={p.tp}: FSDP2 shards the weights tp "

@@ -271,7 +271,7 @@ def resolve(request: Request, place: NodePlace | None) -> tuple[DictConfig, Worl
     try:
         warnings = resolve_and_validate(cfg, world, resplit)
     except ConfigError as e:
-        if not follows:
+        if not follows or not re.search(r"\bdp\b", str(e)):  # a rule of dp's, not optim.lr's
             raise
         raise ConfigError(f"{e} (on a resume that names the ranks, parallel.dp follows them: "
                           "world / (pp * cp * tp); give parallel.dp=N to set it)") from None

@@ -335,11 +335,15 @@ def _read_only_fs(path: Path) -> bool:
     return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
 
 
-def write_run_dir(cfg: DictConfig, run_dir: Path, resuming: bool = False) -> Path:
+def write_run_dir(cfg: DictConfig, run_dir: Path, resuming: bool = False,
+                  replace: bool | None = None) -> Path:
     """Create the run dir with its frozen config.yaml (written whole, then renamed into place, so
     that nodes writing the same file at once never see half of it). If the disk refuses any of
-    it, what this call made is removed and the error names --run-dir."""
+    it, what this call made is removed and the error names --run-dir. `replace`: config.yaml is
+    replaced (a start that goes on from a checkpoint, on its own nodes x ranks); by default
+    only on a resume."""
     check_run_dir(run_dir, cfg, resuming)
+    resuming = resuming if replace is None else replace  # what _put_config does
     made = nearest_existing(run_dir)
     # pid and host: nodes in pid namespaces of their own (containers) may share a pid.
     tmp = run_dir / f".{CONFIG}.{socket.gethostname()}-{os.getpid()}.tmp"

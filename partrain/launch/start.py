@@ -106,8 +106,8 @@ def start(request: Request, dry_run: bool, out: Console, err: Console,
             # Going on from a checkpoint replaces config.yaml, as a resume does: a job script's
             # command on another split of the ranks than the config's (the checks let it through)
             # was refused here at every node.
-            write_run_dir(cfg, run_dir, resuming=request.resume is not None or
-                          checkpoint is not None)
+            write_run_dir(cfg, run_dir, resuming=request.resume is not None,
+                          replace=checkpoint is not None)
             records = ready.node.rank == 0  # node 0's launcher says the run's state (`runs`)
             if records:
                 _record(run_dir, "running", None, warn, ready.world.nnodes)
@@ -123,10 +123,14 @@ def start(request: Request, dry_run: bool, out: Console, err: Console,
         if records:
             for line in next_steps(run_dir, cfg):
                 out.print(line)
-    elif before is not None and store.newest(run_dir / store.CHECKPOINTS) == checkpoint:
+    elif before is not None and store.newest(run_dir / store.CHECKPOINTS) == checkpoint and \
+            ready.node.rank == 0 and _config_now(run_dir) != before:
         # A resume that failed before it saved anything leaves the run dir as it found it: its
         # config.yaml is the one its checkpoints were trained with, not this try's overrides.
-        (run_dir / CONFIG).write_text(before)
+        # Node 0's launcher puts it back, whole (the others read it at their start).
+        tmp = run_dir / f".{CONFIG}.put-back.tmp"
+        tmp.write_text(before)
+        os.replace(tmp, run_dir / CONFIG)
         if request.resume is not None and request.args:  # the command said above lacks them
             again = " ".join(shlex.quote(a) for a in request.args)
             err.print(f"  {run_dir / CONFIG} is as before this resume, which saved nothing: to "
@@ -210,12 +214,16 @@ def next_steps(run_dir: Path, cfg) -> list[str]:
     return lines
 
 
-def _config_before(run_dir: Path, checkpoint) -> str | None:
-    """The run dir's config.yaml before a resume rewrites it (None for a new run)."""
+def _config_now(run_dir: Path) -> str | None:
     try:
-        return (run_dir / CONFIG).read_text() if checkpoint is not None else None
+        return (run_dir / CONFIG).read_text()
     except OSError:
         return None
+
+
+def _config_before(run_dir: Path, checkpoint) -> str | None:
+    """The run dir's config.yaml before a resume rewrites it (None for a new run)."""
+    return _config_now(run_dir) if checkpoint is not None else None
 
 
 # DeepSpeed's C++ ops a ZeRO run on CPU JIT-builds on first use, with what they took on 2 cores:

@@ -28,7 +28,7 @@ from partrain.checkpoint.verify import (
     DamagedCheckpoint,
     damaged,
     file_order,
-    listed,
+    listed_briefly,
     move_it_aside,
 )
 from partrain.config.resolve import compute_dtype
@@ -134,7 +134,10 @@ def check_read_back(checkpoint: store.Checkpoint, what: str, collective_timeout_
     collective timeout (a large share on slow storage would fail that one, unexplained)."""
     files = checkpoint.meta["files"]
     rank, ranks = dist.get_rank(), dist.get_world_size()
-    share = 2 * int(checkpoint.meta.get("bytes") or 0) / ranks  # twice: shares go by file
+    # Shares go by whole files: fewer files than ranks leaves a rank a whole one (a checkpoint
+    # of 2 ranks resumed on 64); twice the mean file for files of unequal size.
+    per_rank = -(-len(files) // ranks)
+    share = 2 * int(checkpoint.meta.get("bytes") or 0) * per_rank / len(files)
     group = dist.new_group(backend="gloo", timeout=timedelta(
         seconds=collective_timeout_s + share / READ_FLOOR_BYTES_S))
     started = time.monotonic()
@@ -146,7 +149,7 @@ def check_read_back(checkpoint: store.Checkpoint, what: str, collective_timeout_
     if found:
         raise DamagedCheckpoint(
             f"the checkpoint {checkpoint.path} (step {checkpoint.step}) is damaged: "
-            f"{listed(found)}. {move_it_aside(checkpoint, what)}")
+            f"{listed_briefly(found)}. {move_it_aside(checkpoint, what)}")
     if rank == 0:
         log.info("the %d files of %s read back as written (crc32, %.2f s)", len(files),
                  checkpoint.path, time.monotonic() - started)

@@ -153,7 +153,7 @@ def test_each_file_a_rank_writes_has_its_crc32_and_a_flipped_bit_is_named(tmp_pa
         dcp.save(_state(), storage_writer=storage_writer(written))
     shards = sorted(p.name for p in written.glob("*.distcp"))
     assert len(shards) == WRITE_THREADS and (written / "__0.crc32.json").is_file()
-    sums = take_sums(written)
+    sums = take_sums(written, _listed(written))
     assert sums == {name: crc32_of(written / name) for name in [".metadata", *shards]}
     assert not list(written.glob("*.crc32.json"))  # folded, not committed beside the shards
     checkpoint = store.commit(root, 3, {"reason": "test", "files": sums}, "{}\n")
@@ -180,24 +180,36 @@ def test_each_file_a_rank_writes_has_its_crc32_and_a_flipped_bit_is_named(tmp_pa
                                for name in shards]
 
 
-def test_a_save_whose_crc32s_are_not_all_there_is_not_committed(tmp_path):
-    """A rank's crc32 file lost (or not yet shown by a network file system's listing), or one
-    that cannot be read: the commit would have kept a `files` without that rank's, never
-    checked. Refused, naming it; the caller discards the save."""
+def _listed(path):
+    from partrain.checkpoint.verify import files_of, read_whole
+
+    return files_of(read_whole(path)[1])
+
+
+def test_a_save_whose_crc32s_are_not_all_there_is_not_committed(tmp_path, monkeypatch):
+    """A rank's crc32 file lost (or not shown by a network file system for a while: looked for
+    by name, again), or one that cannot be read: the commit would have kept a `files` without
+    that rank's, never checked. Refused, naming it (the checkpointer discards the save:
+    tests/integration/test_checkpoint.py)."""
     import json
 
-    from partrain.checkpoint.verify import take_sums
+    from partrain.checkpoint import verify
+    from partrain.checkpoint.verify import NotWhole, take_sums
 
+    monkeypatch.setattr(verify, "SUMS_LOOKS", 2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(_state(), storage_writer=storage_writer(tmp_path))
     (tmp_path / "__0.crc32.json").rename(tmp_path / "kept")
-    with pytest.raises(RuntimeError, match=r"no crc32 was kept of __0_0.distcp, __0_1.distcp: "
-                                           r"the rank that wrote it left no __R.crc32.json"):
-        take_sums(tmp_path)
+    with pytest.raises(NotWhole, match=r"no crc32 was kept of __0_0.distcp, __0_1.distcp: "
+                                       r"the rank that wrote it left no __R.crc32.json"):
+        take_sums(tmp_path, _listed(tmp_path))
     (tmp_path / "__0.crc32.json").write_text('{"__0_0.dist')
-    with pytest.raises(RuntimeError, match=r"__0.crc32.json cannot be read \(JSONDecodeError"):
-        take_sums(tmp_path)
+    with pytest.raises(NotWhole, match=r"__0.crc32.json cannot be read \(JSONDecodeError"):
+        take_sums(tmp_path, _listed(tmp_path))
     (tmp_path / "__0.crc32.json").write_text(json.dumps({"__0_0.distcp": 7}))
-    with pytest.raises(RuntimeError, match="does not hold a crc32 per file of the rank"):
-        take_sums(tmp_path)
+    with pytest.raises(NotWhole, match="does not hold a crc32 per file of the rank"):
+        take_sums(tmp_path, _listed(tmp_path))
+    (tmp_path / "kept").rename(tmp_path / "__0.crc32.json")
+    assert set(take_sums(tmp_path, _listed(tmp_path))) == {".metadata", "__0_0.distcp",
+                                                            "__0_1.distcp"}

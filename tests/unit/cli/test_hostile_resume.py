@@ -298,6 +298,15 @@ def _prepared_for_two_nodes(c: Ctx) -> str:
 
 
 ROWS_RUN_DIR_ENTRIES = [
+    # dp follows the ranks a resume names: a refusal of dp's says so, one of another key not.
+    row("launch --resume on 1 rank with cp=2", _resume(_run(100), "--dry-run", "parallel.cp=2",
+                                                        "--nproc-per-node", "1"),
+        "parallel.dp=auto needs the world size 1", "on a resume that names the ranks, "
+        "parallel.dp follows them", "give parallel.dp=N"),
+    row("launch --resume on 2 ranks with optim.lr=-1", _resume(_run(100), "--dry-run",
+                                                               "optim.lr=-1", "--nproc-per-node",
+                                                               "2"),
+        "optim.lr=-1.0 must be positive", absent=("parallel.dp follows",)),
     # Named before the second node's missing --rdzv-endpoint, which would not have helped.
     row("launch --resume of a run dir prepared for 2 nodes that never trained",
         _resume(_prepared_for_two_nodes, "--dry-run"), "--resume prep holds no committed "

@@ -258,9 +258,8 @@ def check_whole(checkpoint: store.Checkpoint, what: str, read_all: bool = False)
     model_cfg = OmegaConf.create(saved_config(checkpoint)["model"])
     found = shape_problems(metadata, model_cfg)
     if found:
-        more = f" (and {len(found) - 3} more)" if len(found) > 3 else ""
         raise ConfigError(
             f"{what}: the checkpoint {checkpoint.path} (step {checkpoint.step}) does not hold "
-            f"the model its {store.SAVED_CONFIG} describes: {'; '.join(found[:3])}{more}. Its "
+            f"the model its {store.SAVED_CONFIG} describes: {listed_briefly(found)}. Its "
             f"model.* keys must be the ones it was trained with (was {store.SAVED_CONFIG} "
             "edited or copied from another run?)")

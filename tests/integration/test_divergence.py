@@ -7,6 +7,7 @@ resume command; no checkpoint holding a NaN is committed and rotation keeps the 
 A real divergence (optim.lr=30) on DDP and ZeRO-2; on the other layouts a NaN loss on one rank
 (PARTRAIN_TEST_NONFINITE, the loop's test hook) makes one on demand."""
 
+import json
 import math
 from pathlib import Path
 
@@ -267,6 +268,10 @@ def _poison_checkpoint(checkpoint: Path, key: str, tmp: Path) -> None:
     dcp.save(state, storage_writer=dcp.FileSystemWriter(checkpoint))
     for name, data in keep.items():
         (checkpoint / name).write_bytes(data)
+    # Such a partrain kept no crc32s (these would refuse the edited files as damaged).
+    meta = json.loads(keep["meta.json"])
+    del meta["files"]
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ T = TypeVar("T")
 READ_TRIES = 3
 
 
-def read_checkpoint(source: Path, what: str, read: Callable) -> T:
+def read_checkpoint(source: Path, what: str, read: Callable[..., T]) -> T:
     """`read(checkpoint)` of the committed checkpoint `source` names (a run dir: its newest).
     A launch still training in the run dir prunes its old checkpoints (checkpoint.keep): the
     one found may be renamed away while it is read, which failed with a missing .metadata or

@@ -343,7 +343,6 @@ def write_run_dir(cfg: DictConfig, run_dir: Path, resuming: bool = False,
     replaced (a start that goes on from a checkpoint, on its own nodes x ranks); by default
     only on a resume."""
     check_run_dir(run_dir, cfg, resuming)
-    resuming = resuming if replace is None else replace  # what _put_config does
     made = nearest_existing(run_dir)
     # pid and host: nodes in pid namespaces of their own (containers) may share a pid.
     tmp = run_dir / f".{CONFIG}.{socket.gethostname()}-{os.getpid()}.tmp"
@@ -351,7 +350,7 @@ def write_run_dir(cfg: DictConfig, run_dir: Path, resuming: bool = False,
     try:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         tmp.write_text(OmegaConf.to_yaml(with_anchored_paths(cfg)))
-        _put_config(tmp, run_dir, cfg, resuming)
+        _put_config(tmp, run_dir, cfg, resuming if replace is None else replace)
         tokenizer = data_tokenizer_dir(tokenizer_source(cfg.data))
         if tokenizer is not None:  # export and sample use the run's own copy
             copy_files(tokenizer, run_dir / RUN_TOKENIZER)

@@ -212,10 +212,13 @@ def check_not_in_use(run_dir: Path, nnodes: int, resuming: bool) -> None:
     raise _in_use(run_dir, live[0], resuming, "logs/state.json")
 
 
-def _in_use(run_dir: Path, pid, resuming: bool, seen_in: str) -> ConfigError:
+def _in_use(run_dir: Path, pid: int | str | None, resuming: bool, seen_in: str) -> ConfigError:
+    """pid None: the holder of the lock has not written its pid (yet): named by its lock alone."""
+    who = f"pid {pid}, {seen_in}" if pid is not None else f"{seen_in}, its pid not written there"
+    stop = (f"(`kill -USR2 {pid}` saves a checkpoint first, then it exits 3)" if pid is not None
+            else "(SIGUSR2 to it saves a checkpoint first, then it exits 3)")
     return ConfigError(f"{'--resume' if resuming else '--run-dir'} {run_dir} is in use: a launch "
-                       f"runs in it (pid {pid}, {seen_in}); wait for it to end, or stop it "
-                       f"(`kill -USR2 {pid}` saves a checkpoint first, then it exits 3) and "
+                       f"runs in it ({who}); wait for it to end, or stop it {stop} and "
                        "launch again, or give a new --run-dir")
 
 
@@ -261,14 +264,34 @@ def hold_run_dir(run_dir: Path, node_rank: int, resuming: bool):
 
 
 class _Held(Exception):
-    def __init__(self, pid: str):
+    def __init__(self, pid: str | None):
         super().__init__(pid)
         self.pid = pid
 
 
+# How long a launch refused by the lock waits for its holder's pid to appear in it: the holder
+# writes it right after it takes the flock, but two launches started together meet in between
+PID_WRITTEN_WITHIN_S = 2.0
+
+
+def _holder_pid(fd: int) -> str | None:
+    """The pid the lock's holder wrote in it, waited for up to PID_WRITTEN_WITHIN_S; None where
+    none came (a holder stopped between its flock and its write)."""
+    import time
+
+    deadline = time.monotonic() + PID_WRITTEN_WITHIN_S
+    while True:
+        written = os.pread(fd, 32, 0).decode(errors="replace")
+        if written.endswith("\n") and written.strip():
+            return written.strip()
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.02)
+
+
 def _locked(path: Path) -> int:
     """An fd of path holding its flock, with this pid written in it; _Held (the holder's pid, as
-    it wrote it) where another process holds it."""
+    it wrote it; None where it wrote none) where another process holds it."""
     import fcntl
 
     while True:
@@ -276,7 +299,7 @@ def _locked(path: Path) -> int:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            held_by = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            held_by = _holder_pid(fd)
             os.close(fd)
             raise _Held(held_by) from None
         except BaseException:

@@ -279,6 +279,50 @@ def test_the_run_dir_lock_is_one_launchs_per_node_and_goes_with_it(tmp_path):
     assert not run_dir.exists()
 
 
+SLOW_HOLDER = """
+import fcntl, os, sys, time
+from pathlib import Path
+path = Path(sys.argv[1])
+path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+print("held", flush=True)
+time.sleep(float(sys.argv[2]))
+os.pwrite(fd, f"{os.getpid()}\\n".encode(), 0)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("writes_after_s", [0.5, 60])
+def test_a_launch_refused_between_the_holders_flock_and_its_pid_names_it(
+        tmp_path, monkeypatch, writes_after_s):
+    """Two launches started together: the second met the lock after the first took its flock and
+    before it wrote its pid, and said `pid unknown` and `kill -USR2 unknown` (CI, stop 55). It now
+    waits a moment for the pid; a holder that never writes one is named by its lock alone."""
+    from partrain.errors import ConfigError
+    from partrain.launch import rundir
+    from partrain.launch.rundir import hold_run_dir, lock_path
+
+    monkeypatch.setattr(rundir, "PID_WRITTEN_WITHIN_S", 2.0)
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", SLOW_HOLDER, str(lock_path(run_dir, 0)),
+                               str(writes_after_s)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(ConfigError) as refused:
+            with hold_run_dir(run_dir, 0, False):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()
+    said = str(refused.value)
+    assert "unknown" not in said, said
+    if writes_after_s < rundir.PID_WRITTEN_WITHIN_S:
+        assert f"(pid {holder.pid}, its lock " in said and f"kill -USR2 {holder.pid}`" in said
+    else:
+        assert "its pid not written there" in said and "kill -USR2" not in said, said
+
+
 def test_a_pid_given_to_another_process_since_is_not_the_launch(tmp_path, live_launch):
     """state.json says running with the pid of a launcher that died without a word, and the
     system has since given that pid to another process (here: a live process whose start time

@@ -93,7 +93,7 @@ def _search(args, gpus, gpus_per_node, hardware, tokens_per_step, explain, write
     wanted = parse_explain(explain) if explain is not None else None
     hw = load_hardware(hardware if hardware is not None else DEFAULT_HARDWARE)
     if gpus_per_node is not None:
-        from partrain.config.validate import MAX_NPROC_PER_NODE
+        from partrain.config.validate_keys import MAX_NPROC_PER_NODE
 
         if gpus_per_node > MAX_NPROC_PER_NODE:
             raise ConfigError(f"--gpus-per-node={gpus_per_node} must be at most "

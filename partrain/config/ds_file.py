@@ -146,7 +146,7 @@ def _partrain_values(data: dict, flat: dict, cp: int) -> tuple[dict, list[str]]:
         put(key, converted, where)
     optimizer = data.get("optimizer") or {}
     if "type" in optimizer and optimizer["type"] != AUTO:
-        from partrain.config.validate import OPTIMIZERS
+        from partrain.config.validate_keys import OPTIMIZERS
 
         name = _optimizer_name(optimizer["type"], optimizer)
         if name in OPTIMIZERS:

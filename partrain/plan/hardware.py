@@ -45,7 +45,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from partrain.config.paths import what_is
-from partrain.config.validate import MAX_NPROC_PER_NODE
+from partrain.config.validate_keys import MAX_NPROC_PER_NODE
 from partrain.errors import ConfigError
 
 

@@ -381,7 +381,7 @@ def check_config(cfg) -> None:
                           "`partrain plan` without --search shows its parameters and model state")
     # validate.py has no public name for its layout-free rules; they run here on a copy of the
     # config whose parallel and micro-batch keys (which the search sets) are the plainest.
-    from partrain.config.validate import _check_each_key, _check_model_shape
+    from partrain.config.validate_keys import check_each_key, check_model_shape
     from partrain.config.validate_layout import check_seq_len
     from partrain.config.validate_moe import check_moe
 
@@ -391,8 +391,8 @@ def check_config(cfg) -> None:
             view.parallel[key] = 1
         view.parallel.pp_layers = None
         view.train.micro_batch_size, view.train.micro_batches = 1, None
-    _check_each_key(view)
-    _check_model_shape(view.model)
+    check_each_key(view)
+    check_model_shape(view.model)
     check_moe(view, 1)
     check_seq_len(view)
 

@@ -113,3 +113,23 @@ def save_checkpoint(model, cfg, run_dir, step: int = 1) -> None:
         dcp.save(build_state(model, torch.optim.AdamW(model.parameters()), None, zero=False),
                  checkpoint_id=store.tmp_dir(root, step))
     store.commit(root, step, {"reason": "test"}, OmegaConf.to_yaml(cfg))
+
+
+def assert_rule(bad, bad_world, fragments, good, good_world):
+    """A row of a rules table: `bad` (on its world: nnodes, nproc_per_node; None keeps the
+    config's) is one ConfigError of one line holding every fragment; `good` validates."""
+    from partrain.errors import ConfigError
+
+    try:
+        validated(*bad, nnodes=bad_world[0], nproc=bad_world[1])
+    except ConfigError as e:
+        message = str(e)
+    else:
+        raise AssertionError(f"{bad} on {bad_world} was not refused")
+    for fragment in fragments:
+        assert fragment in message, message
+    assert "\n" not in message  # one line: key, value, rule
+    cfg, world, _ = validated(*good, nnodes=good_world[0], nproc=good_world[1])
+    p, t = cfg.parallel, cfg.train
+    assert p.pp * p.dp * p.cp * p.tp == world.size
+    assert t.global_batch_size == t.micro_batch_size * t.micro_batches * p.dp

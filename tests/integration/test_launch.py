@@ -143,7 +143,7 @@ def test_prepared_token_data_end_to_end(cli, tmp_path):
     """A BPE tokenizer trained here: `data prepare --tokenizer` on two worker processes, a launch
     on the token dir (which keeps a copy of the tokenizer), and a sample decoded with it."""
     from partrain.data.tokens import fingerprint
-    from tests.unit.data.test_prepare import train_bpe
+    from tests.unit.data.corpus import train_bpe
 
     train_bpe(tmp_path / "tokenizer.json")
     text = tmp_path / "corpus.jsonl"

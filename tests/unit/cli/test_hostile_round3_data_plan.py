@@ -27,7 +27,7 @@ from tests.unit.cli.hostile import (
     row,
     tree,
 )
-from tests.unit.data.test_prepare import train_bpe
+from tests.unit.data.corpus import train_bpe
 
 BOUND = WORKERS_PER_CORE * default_workers()
 NO_TEMP = (".partial", ".tmp-")  # a message names the user's path, never a temporary one

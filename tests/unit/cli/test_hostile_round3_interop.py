@@ -140,7 +140,7 @@ def _run(poke: float | None = None):
 
 @functools.cache
 def _bpe_json(vocab_size: int = 300) -> bytes:
-    from tests.unit.data.test_prepare import train_bpe
+    from tests.unit.data.corpus import train_bpe
 
     with tempfile.TemporaryDirectory() as tmp:
         train_bpe(Path(tmp) / "tokenizer.json", vocab_size=vocab_size)

@@ -289,7 +289,7 @@ def test_a_stop_signal_mid_prepare_leaves_nothing_and_no_worker(tmp_path, stop):
     import sys
     import time
 
-    from tests.unit.data.test_prepare import train_bpe
+    from tests.unit.data.corpus import train_bpe
 
     train_bpe(tmp_path / "tokenizer.json")
     line = "the quick brown fox jumps over the lazy dog, again and again, 0123456789.\n"

@@ -1,6 +1,7 @@
 """`partrain data prepare --tokenizer`: a BPE tokenizer trained here with the `tokenizers` library,
 inputs in every kind (text files, a directory tree, JSON Lines, Parquet written with pyarrow), the
-ids checked against the tokenizer's own encoding of each document, and the refusals."""
+ids checked against the tokenizer's own encoding of each document, and the refusals. Large
+files read in pieces are test_prepare_pieces.py's."""
 
 import json
 import multiprocessing
@@ -9,68 +10,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from partrain.data.format import vocab_to_use
 from partrain.data.prepare import prepare_token_dir
 from partrain.data.tokens import check_data, load_tokens
 from partrain.errors import ConfigError
+from tests.unit.data.corpus import DOCS, read_ids, refusal, train_bpe
 from tests.unit.helpers import one_line, quick
-
-DOCS = [f"Document {i}: the quick brown fox {'jumps ' * (i % 5)}over the lazy dog. Ünïcödé ✓ {i * i}\n"
-        for i in range(60)]
-
-
-def train_bpe(path, vocab_size=300, extra=()):
-    """A byte-level BPE tokenizer with <|endoftext|> as its only special token, saved at `path`."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(DOCS, trainer)
-    if extra:
-        tok.add_tokens(list(extra))
-    tok.save(str(path))
-    return tok
-
-
-@pytest.fixture(scope="module")
-def bpe(tmp_path_factory):
-    path = tmp_path_factory.mktemp("bpe") / "tokenizer.json"
-    return path, train_bpe(path)
-
-
-@pytest.fixture
-def corpus(tmp_path):
-    """DOCS spread over a directory tree (text files, hidden ones to skip), a JSON Lines and a
-    Parquet file; returns the inputs and the documents in the order prepare must read them."""
-    root = tmp_path / "corpus"
-    (root / "b" / "deeper").mkdir(parents=True)
-    (root / ".git").mkdir()
-    (root / ".git" / "HEAD").write_text("skipped")
-    (root / ".notes.txt").write_text("skipped")
-    (root / "a.txt").write_text(DOCS[0])
-    (root / "b" / "deeper" / "c.txt").write_text(DOCS[1])
-    (root / "b" / "b.txt").write_text(DOCS[2])
-    jsonl = tmp_path / "docs.jsonl"
-    jsonl.write_text("".join(json.dumps({"id": i, "text": d, "meta": {"x": [1]}}) + "\n"
-                             for i, d in enumerate(DOCS[3:30])) + json.dumps({"text": None}) + "\n")
-    parquet = tmp_path / "docs.parquet"
-    pq.write_table(pa.table({"n": list(range(30, 60)), "text": DOCS[30:]}), parquet,
-                   row_group_size=7)
-    # Directory order is sorted: a.txt, b/b.txt, b/deeper/c.txt.
-    return [root, jsonl, parquet], [DOCS[0], DOCS[2], DOCS[1], *DOCS[3:]]
-
-
-def _ids(out):
-    """meta.json and the ids of both splits, train then val, read from the shard files."""
-    meta = json.loads((out / "meta.json").read_text())
-    ids = np.concatenate([np.fromfile(out / f"{s}-{i:05d}.bin", dtype=meta["dtype"])
-                          for s in ("train", "val") for i in range(len(meta[f"{s}_shards"]))])
-    return meta, ids
-
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_every_kind_of_input_is_tokenized_in_order(tmp_path, bpe, corpus, workers):
@@ -79,7 +26,7 @@ def test_every_kind_of_input_is_tokenized_in_order(tmp_path, bpe, corpus, worker
     meta = prepare_token_dir(inputs, tmp_path / "tok", 0.1, tokenizer=path, workers=workers)
     eot = tok.token_to_id("<|endoftext|>")
     expected = [i for d in docs for i in tok.encode(d, add_special_tokens=False).ids + [eot]]
-    meta, ids = _ids(tmp_path / "tok")
+    meta, ids = read_ids(tmp_path / "tok")
     assert ids.tolist() == expected
     assert meta["dtype"] == "uint16" and meta["vocab_size"] == tok.get_vocab_size() == 300
     assert (meta["eot_token"], meta["eot_id"], meta["files"]) == ("<|endoftext|>", eot, 5)
@@ -97,7 +44,7 @@ def test_a_big_vocabulary_is_stored_as_uint32_and_the_model_must_cover_it(tmp_pa
     tok = train_bpe(path, extra=[f"<extra_{i}>" for i in range(70_000)])
     inputs, docs = corpus
     prepare_token_dir(inputs[:1], tmp_path / "tok", 0.5, tokenizer=path, workers=1)
-    meta, ids = _ids(tmp_path / "tok")
+    meta, ids = read_ids(tmp_path / "tok")
     assert meta["dtype"] == "uint32" and meta["vocab_size"] == tok.get_vocab_size() > 65536
     cfg = quick("data.source=tokens", f"data.path={tmp_path / 'tok'}", "train.seq_len=8", "parallel.tp=2")
     with pytest.raises(ConfigError) as info:
@@ -126,7 +73,7 @@ def test_a_vocabulary_with_a_gap_is_sized_by_its_highest_id(tmp_path):
     meta = prepare_token_dir([tmp_path / "a.txt", tmp_path / "b.txt"], tmp_path / "tok", 0.5,
                              tokenizer=path, workers=1)
     assert (meta["dtype"], meta["vocab_size"], meta["eot_id"]) == ("uint32", 70_001, 70_000)
-    _, ids = _ids(tmp_path / "tok")
+    _, ids = read_ids(tmp_path / "tok")
     assert ids.tolist() == [1, 2, 3] * 40 + [70_000] + [4, 5] * 40 + [70_000]
     assert meta["max_token_id"] == 70_000
     cfg = quick("data.source=tokens", f"data.path={tmp_path / 'tok'}", "train.seq_len=8",
@@ -162,7 +109,7 @@ def test_end_of_text_in_a_documents_text_is_text(tmp_path, bpe, workers):
     (tmp_path / "val.txt").write_text("val text <|endoftext|> still val\n")
     prepare_token_dir([jsonl], tmp_path / "tok", tokenizer=path, workers=workers,
                       val_inputs=[tmp_path / "val.txt"])
-    meta, ids = _ids(tmp_path / "tok")
+    meta, ids = read_ids(tmp_path / "tok")
     train = ids[:meta["train_tokens"]]
     assert (train == eot).sum() == len(docs) == meta["train_documents"]
     assert (ids[meta["train_tokens"]:] == eot).sum() == 1 == meta["val_documents"]
@@ -188,7 +135,7 @@ def test_eot_comes_from_the_flag_then_the_tokenizer_config(tmp_path, bpe, corpus
     text = corpus[0][:1]
     flag, configured = tok.id_to_token(100), tok.id_to_token(101)  # two merges of the vocabulary
     prepare_token_dir(text, tmp_path / "flag", 0.5, tokenizer=path, eot=flag, workers=1)
-    meta, ids = _ids(tmp_path / "flag")
+    meta, ids = read_ids(tmp_path / "flag")
     assert (meta["eot_token"], meta["eot_id"], ids[-1]) == (flag, 100, 100)
     own = tmp_path / "own"
     own.mkdir()
@@ -196,18 +143,10 @@ def test_eot_comes_from_the_flag_then_the_tokenizer_config(tmp_path, bpe, corpus
     (own / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": configured},
                                                             "chat_template": "kept"}))
     prepare_token_dir(text, tmp_path / "cfg", 0.5, tokenizer=own, workers=1)
-    meta, ids = _ids(tmp_path / "cfg")
+    meta, ids = read_ids(tmp_path / "cfg")
     assert (meta["eot_token"], ids[-1]) == (configured, 101)
     # The source's own tokenizer_config.json travels with the tokenizer.
     assert json.loads((tmp_path / "cfg" / "tokenizer_config.json").read_text())["chat_template"] == "kept"
-
-
-def _refusal(tmp_path, inputs, **options) -> str:
-    with pytest.raises(ConfigError) as info:
-        prepare_token_dir(inputs, tmp_path / "tok", 0.1, **{"workers": 1, **options})
-    assert not (tmp_path / "tok").exists()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tok.tmp")]
-    return str(info.value)
 
 
 def test_refusals_name_the_input_and_the_rule(tmp_path, bpe):
@@ -216,36 +155,36 @@ def test_refusals_name_the_input_and_the_rule(tmp_path, bpe):
     good.write_text(DOCS[0] * 10)
     latin = tmp_path / "latin.txt"
     latin.write_bytes("café".encode("latin-1"))
-    assert _refusal(tmp_path, [good, latin], tokenizer=path) == (
+    assert refusal(tmp_path, [good, latin], tokenizer=path) == (
         f"input file {latin} is not UTF-8 text (byte 0xe9 at offset 3); the tokenizer reads text")
     numbers = tmp_path / "numbers.jsonl"
     numbers.write_text('{"text": "a"}\n{"text": 5}\n')
-    assert _refusal(tmp_path, [numbers]).startswith(
+    assert refusal(tmp_path, [numbers]).startswith(
         f"input file {numbers} is not JSON Lines with a string field 'text' in every object (")
     other = tmp_path / "other.jsonl"
     other.write_text('{"body": "a"}\n')
-    assert _refusal(tmp_path, [other], tokenizer=path) == (
+    assert refusal(tmp_path, [other], tokenizer=path) == (
         f"input file {other} holds no text in field 'text' (--field names the field of each "
         "record that holds the document)")
     table = tmp_path / "t.parquet"
     pq.write_table(pa.table({"body": ["a"], "n": [1]}), table)
-    assert _refusal(tmp_path, [table], tokenizer=path) == (
+    assert refusal(tmp_path, [table], tokenizer=path) == (
         f"input file {table} has no column 'text' (--field); its columns: body, n")
-    assert _refusal(tmp_path, [table], field="n") == (
+    assert refusal(tmp_path, [table], field="n") == (
         f"input file {table}: column 'n' (--field) holds int64, not text")
     fake = tmp_path / "fake.parquet"
     fake.write_text("not parquet")
-    assert _refusal(tmp_path, [fake]).startswith(f"input file {fake} is not a Parquet file (")
-    assert _refusal(tmp_path, [good], tokenizer=tmp_path / "none.json") == (
+    assert refusal(tmp_path, [fake]).startswith(f"input file {fake} is not a Parquet file (")
+    assert refusal(tmp_path, [good], tokenizer=tmp_path / "none.json") == (
         f"--tokenizer {tmp_path / 'none.json'} does not exist")
-    assert _refusal(tmp_path, [good], tokenizer=tmp_path) == (
+    assert refusal(tmp_path, [good], tokenizer=tmp_path) == (
         f"--tokenizer {tmp_path}: the directory holds no tokenizer.json")
-    assert _refusal(tmp_path, [good], tokenizer=good).startswith(
+    assert refusal(tmp_path, [good], tokenizer=good).startswith(
         f"--tokenizer {good} is not a tokenizer.json the tokenizers library reads (")
-    assert _refusal(tmp_path, [good], tokenizer=path, eot="<|nope|>") == (
+    assert refusal(tmp_path, [good], tokenizer=path, eot="<|nope|>") == (
         f"--eot '<|nope|>' is not a token of --tokenizer {path}")
-    assert _refusal(tmp_path, [good], eot="x").startswith("--eot 'x' needs --tokenizer")
-    assert _refusal(tmp_path, [good], tokenizer=path, workers=0) == "--workers=0 must be at least 1"
+    assert refusal(tmp_path, [good], eot="x").startswith("--eot 'x' needs --tokenizer")
+    assert refusal(tmp_path, [good], tokenizer=path, workers=0) == "--workers=0 must be at least 1"
 
 
 def test_a_tokenizer_without_an_end_of_text_token_is_refused(tmp_path):
@@ -253,8 +192,8 @@ def test_a_tokenizer_without_an_end_of_text_token_is_refused(tmp_path):
     tok.save(str(tmp_path / "wl.json"))
     text = tmp_path / "a.txt"
     text.write_text("a a a a")
-    assert "no end-of-text token found" in _refusal(tmp_path, [text], tokenizer=tmp_path / "wl.json")
-    assert "--eot TOKEN" in _refusal(tmp_path, [text], tokenizer=tmp_path / "wl.json")
+    assert "no end-of-text token found" in refusal(tmp_path, [text], tokenizer=tmp_path / "wl.json")
+    assert "--eot TOKEN" in refusal(tmp_path, [text], tokenizer=tmp_path / "wl.json")
 
 
 def test_a_failure_with_workers_running_leaves_nothing(tmp_path, bpe):
@@ -265,14 +204,14 @@ def test_a_failure_with_workers_running_leaves_nothing(tmp_path, bpe):
     more.write_text("".join(DOCS) * 800)
     bad = tmp_path / "bad.txt"
     bad.write_bytes(b"\xff")
-    assert "is not UTF-8 text" in _refusal(tmp_path, [big, more, bad], tokenizer=path, workers=2)
+    assert "is not UTF-8 text" in refusal(tmp_path, [big, more, bad], tokenizer=path, workers=2)
     assert not multiprocessing.active_children()
 
 
 def test_bytes_read_directories_and_records_too(tmp_path, corpus):
     inputs, docs = corpus
     prepare_token_dir(inputs, tmp_path / "tok", 0.1)
-    meta, ids = _ids(tmp_path / "tok")
+    meta, ids = read_ids(tmp_path / "tok")
     assert bytes(ids.astype(np.uint8)) == "\n".join(docs).encode()
     assert (meta["tokenizer"], meta["dtype"], meta["files"]) == ("bytes", "uint8", 5)
 
@@ -349,155 +288,3 @@ def test_export_hands_the_tokenizer_to_transformers(run_main, tmp_path, bpe, bpe
     eot = tok.token_to_id("<|endoftext|>")
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == eot
     assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] == eot
-
-
-@pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
-def test_a_large_text_file_is_read_in_pieces_with_the_same_ids(tmp_path, monkeypatch, tokenizer):
-    """A text file is one document read in pieces of TEXT_PIECE_BYTES (bounded memory for any
-    size): with pieces of ~200 bytes, the ids, the document index and meta.json are those of
-    the whole-file read; one document per file still, the end-of-text only at its end."""
-    from partrain.data import inputs
-
-    # Indented lines, blank lines before a word ("\n\n" is one token at a piece's end, two
-    # before a word: no cut there) and lines that end in spaces.
-    lines = [f"{'    ' * (i % 3)}line {i}: {DOCS[i % len(DOCS)].strip()}" + " " * (i % 5 == 4)
-             + "\n" * (i % 4 == 3) for i in range(80)]
-    big = tmp_path / "big.txt"
-    big.write_text("\n".join(lines) + "\n\n  indented tail\n")
-    small = tmp_path / "small.txt"
-    small.write_text(DOCS[7])
-    options = {}
-    if tokenizer == "bpe":  # trained on this text: it merges "\n\n" into one token
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.train_from_iterator([big.read_text()] * 3, trainers.BpeTrainer(
-            vocab_size=400, special_tokens=["<|endoftext|>"], show_progress=False,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-        assert tok.token_to_id("ĊĊ") is not None
-        tok.save(str(tmp_path / "tokenizer.json"))
-        options = {"tokenizer": tmp_path / "tokenizer.json", "workers": 2}
-    whole = prepare_token_dir([big, small], tmp_path / "whole", 0.1, **options)
-    monkeypatch.setattr(inputs, "TEXT_PIECE_BYTES", 200)
-    pieces = list(inputs._text_pieces(big))
-    assert len(pieces) > 10 and b"".join(p for p, _ in pieces) == big.read_bytes()
-    assert all(p.endswith(b"\n") for p, _ in pieces[:-1])
-    pieced = prepare_token_dir([big, small], tmp_path / "pieced", 0.1, **options)
-    assert pieced == {**whole, "sources": pieced["sources"]}
-    assert pieced["train_documents"] + pieced["val_documents"] in (2, 3)  # val may cut one
-    _, whole_ids = _ids(tmp_path / "whole")
-    _, pieced_ids = _ids(tmp_path / "pieced")
-    assert pieced_ids.tolist() == whole_ids.tolist()
-    for split in ("train", "val"):
-        assert np.array_equal(np.load(tmp_path / "whole" / f"{split}.idx.npy"),
-                              np.load(tmp_path / "pieced" / f"{split}.idx.npy"))
-    if tokenizer == "bpe":
-        assert (pieced_ids == tok.token_to_id("<|endoftext|>")).sum() == 2
-
-
-@pytest.mark.parametrize("kind", ["crlf", "cyrillic"])
-def test_a_crlf_or_cyrillic_text_file_is_read_in_pieces_with_the_same_ids(tmp_path, monkeypatch,
-                                                                         kind):
-    """A CRLF file ("\r" before each newline) or one in Cyrillic (bytes >= 0x80 on both sides)
-    had no cut: it was read whole (11 GB of memory for 100 MB), each 16 MB block copying the
-    growing rest again. Now cut there too, with a byte-level BPE's ids of the whole file."""
-    from partrain.data import inputs
-
-    words = ("быстрая бурая лиса прыгает через ленивую собаку" if kind == "cyrillic" else
-             "the quick brown fox jumps over the lazy dog")
-    end = "\r\n" if kind == "crlf" else "\n"
-    text = "".join(f"{words.split()[i % 7]} {i}: {words}{'.' * (i % 3)}{end}" for i in range(120))
-    big = tmp_path / "big.txt"
-    big.write_bytes(text.encode())
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator([text] * 3, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(tmp_path / "tokenizer.json"))
-    options = {"tokenizer": tmp_path / "tokenizer.json", "workers": 1}
-    prepare_token_dir([big], tmp_path / "whole", 0.1, **options)
-    monkeypatch.setattr(inputs, "TEXT_PIECE_BYTES", 300)
-    pieces = list(inputs._text_pieces(big))
-    assert len(pieces) > 10 and b"".join(p for p, _ in pieces) == big.read_bytes()
-    assert max(len(p) for p, _ in pieces) < 2 * 300
-    prepare_token_dir([big], tmp_path / "pieced", 0.1, **options)
-    assert _ids(tmp_path / "pieced")[1].tolist() == _ids(tmp_path / "whole")[1].tolist()
-
-
-def test_a_text_file_with_no_clean_cut_is_still_read_in_bounded_pieces(tmp_path, monkeypatch):
-    """One endless line (no newline at all), and then a run of blank lines: cut anyway, at a
-    space or a character's start, once a piece's rest reaches MAX_CARRY_PIECES pieces."""
-    from partrain.data import inputs
-
-    monkeypatch.setattr(inputs, "TEXT_PIECE_BYTES", 100)
-    big = tmp_path / "line.txt"
-    big.write_bytes(("слово " * 300 + "\n \n" * 300 + "ж" * 500).encode())
-    pieces = list(inputs._text_pieces(big))
-    assert b"".join(p for p, _ in pieces) == big.read_bytes()
-    assert max(len(p) for p, _ in pieces) <= (inputs.MAX_CARRY_PIECES + 1) * 100
-    for piece, _ in pieces:
-        piece.decode("utf-8")  # every cut at a character's start
-
-
-def _prefixing_tokenizer(kind: str, text: str):
-    """A BPE tokenizer trained on `text` that acts at the start of a string (`kind`)."""
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    alphabet = []
-    if kind == "bytelevel-prefix-space":
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
-        alphabet = pre_tokenizers.ByteLevel.alphabet()
-    else:
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
-    tok.train_from_iterator([text] * 3, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>", "<unk>"], show_progress=False,
-        initial_alphabet=alphabet))
-    return tok
-
-
-@pytest.mark.xfail(strict=True, reason="known, documented in inputs._text_pieces and "
-                   "docs/huggingface-and-data.md: a tokenizer that adds a prefix at a string's "
-                   "start adds it at every piece of a large text file, and Metaspace merges "
-                   "across the newline at a cut")
-@pytest.mark.parametrize("kind", ["bytelevel-prefix-space", "metaspace-first"])
-def test_pieces_of_a_prefixing_tokenizer_encode_as_the_whole_file(tmp_path, monkeypatch, kind):
-    from partrain.data import inputs
-
-    text = "".join(f"line {i}: {DOCS[i % len(DOCS)]}" for i in range(60))
-    big = tmp_path / "big.txt"
-    big.write_text(text)
-    _prefixing_tokenizer(kind, text).save(str(tmp_path / "tokenizer.json"))
-    options = {"tokenizer": tmp_path / "tokenizer.json", "workers": 1}
-    prepare_token_dir([big], tmp_path / "whole", 0.1, **options)
-    monkeypatch.setattr(inputs, "TEXT_PIECE_BYTES", 500)
-    assert len(list(inputs._text_pieces(big))) > 5
-    prepare_token_dir([big], tmp_path / "pieced", 0.1, **options)
-    assert _ids(tmp_path / "pieced")[1].tolist() == _ids(tmp_path / "whole")[1].tolist()
-
-
-def test_a_bad_byte_deep_in_a_large_text_file_is_named_at_its_offset(tmp_path, bpe, monkeypatch):
-    from partrain.data import inputs
-
-    monkeypatch.setattr(inputs, "TEXT_PIECE_BYTES", 64)
-    text = tmp_path / "t.txt"
-    text.write_bytes(b"".join(f"line {i}\n".encode() for i in range(100)) + b"bad \xff\n")
-    offset = text.read_bytes().index(b"\xff")
-    message = _refusal(tmp_path, [text], tokenizer=bpe[0])
-    assert f"input file {text} is not UTF-8 text (byte 0xff at offset {offset})" in message
-
-
-def test_json_lines_are_parsed_in_chunks_of_whole_lines(tmp_path, bpe, corpus, monkeypatch):
-    """JSON Lines are read JSONL_CHUNK_BYTES of whole lines at a time (pyarrow's own streaming
-    reader reads far ahead: a 5 GB file held 2.9 GB resident): chunks of ~300 bytes give the
-    documents and ids of one chunk."""
-    from partrain.data import inputs
-
-    jsonl = corpus[0][1]
-    whole = list(inputs.documents(jsonl, "text", as_text=True))
-    monkeypatch.setattr(inputs, "JSONL_CHUNK_BYTES", 300)
-    assert len(list(inputs._jsonl_chunks(jsonl))) > 5
-    assert list(inputs.documents(jsonl, "text", as_text=True)) == whole
-    prepare_token_dir([jsonl], tmp_path / "tok", 0.1, tokenizer=bpe[0], workers=1)
-    eot = bpe[1].token_to_id("<|endoftext|>")
-    expected = [i for d, _, _ in whole
-                for i in bpe[1].encode(d, add_special_tokens=False).ids + [eot]]
-    assert _ids(tmp_path / "tok")[1].tolist() == expected

@@ -16,7 +16,7 @@ from partrain.data import tokenizer as tokenizer_module
 from partrain.data.prepare import prepare_token_dir
 from partrain.data.tokens import ShardedTokens, check_data, load_tokens
 from partrain.errors import ConfigError
-from tests.unit.data.test_prepare import DOCS, train_bpe
+from tests.unit.data.corpus import DOCS, train_bpe
 from tests.unit.helpers import one_line, quick
 
 

@@ -13,7 +13,7 @@ from partrain.config.schema import Config
 from partrain.data.tokenizer import RUN_TOKENIZER, TextTokenizer, write_files
 from partrain.interop.sample import generate
 from partrain.models.llama import build_model
-from tests.unit.data.test_prepare import train_bpe
+from tests.unit.data.corpus import train_bpe
 from tests.unit.helpers import save_checkpoint
 
 BOS, EOT = "<|begin_of_text|>", "<|endoftext|>"

@@ -19,7 +19,7 @@ from tests.integration.conftest import (
     assert_parity,
     read_metrics,
 )
-from tests.unit.interop.test_hf import LLAMA3, LLAMA3_KEYS, hf_llama
+from tests.unit.interop.hf_models import LLAMA3, LLAMA3_KEYS, hf_llama
 
 pytestmark = pytest.mark.slow
 # The tiny model's shape has 4 layers (test_hf's has 2): pp2 takes 2 each.

@@ -50,7 +50,7 @@ def _write(root: Path, files: dict[str, bytes]) -> None:
 def _hf_files(tied: bool) -> dict[str, bytes]:
     """The files of a transformers Llama of the tiny model's shape with 2 layers, as
     save_pretrained writes them (written once)."""
-    from tests.unit.interop.test_hf import hf_llama
+    from tests.unit.interop.hf_models import hf_llama
 
     with tempfile.TemporaryDirectory() as tmp:
         hf_llama(Path(tmp), tie_word_embeddings=tied)
@@ -377,10 +377,10 @@ def test_a_file_changed_after_the_check_is_refused_at_load(tmp_path, monkeypatch
     from partrain.errors import ConfigError
     from partrain.interop.hf import check_hf_init, load_hf_weights
     from partrain.models.llama import Transformer
-    from tests.unit.interop.test_hf import _model_cfg
+    from tests.unit.interop.hf_models import import_keys
 
     _hf()(Ctx(tmp_path, monkeypatch))
-    model_cfg = _model_cfg(tmp_path / "hf")
+    model_cfg = import_keys(tmp_path / "hf")
     assert check_hf_init(model_cfg) == tmp_path / "hf"
     weights = tmp_path / "hf" / "model.safetensors"
     tensors = {k: v.clone() for k, v in load_file(weights).items()}

@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from partrain.checkpoint import store
 from partrain.checkpoint.offline import checkpoint_model
-from tests.unit.interop.test_hf import _batch, _model_cfg, _rel_l2, hf_llama, saved_run
+from tests.unit.interop.hf_models import batch, hf_llama, import_keys, rel_l2, saved_run
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def test_a_tied_checkpoint_holds_the_embedding_once(saved_tied):
     assert not [k for k in keys if ".output." in k]
     loaded, cfg = checkpoint_model(checkpoint)
     assert cfg.model.tie_embeddings and loaded.output.weight is loaded.tok_embeddings.weight
-    x = _batch()
+    x = batch()
     with torch.no_grad():
         assert torch.equal(loaded(x), saved_tied[1](x))
 
@@ -46,9 +46,9 @@ def test_tied_export_loads_in_transformers_with_partrains_logits(run_main, saved
     assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
-    x = _batch()
+    x = batch()
     with torch.no_grad():
-        assert _rel_l2(hf(x).logits, model(x)) <= 1e-5
+        assert rel_l2(hf(x).logits, model(x)) <= 1e-5
 
 
 def test_tied_import_computes_transformers_logits(tmp_path):
@@ -58,12 +58,12 @@ def test_tied_import_computes_transformers_logits(tmp_path):
     hf = hf_llama(tmp_path / "hf", tie_word_embeddings=True)
     with safe_open(tmp_path / "hf" / "model.safetensors", framework="pt") as f:
         assert "lm_head.weight" not in f.keys()  # what save_pretrained writes for a tied model
-    model_cfg = _model_cfg(tmp_path / "hf", tie_embeddings=True)
+    model_cfg = import_keys(tmp_path / "hf", tie_embeddings=True)
     assert check_hf_init(model_cfg) == tmp_path / "hf"
     model = Transformer(model_cfg).eval()
     load_hf_weights(model, tmp_path / "hf", model_cfg, None)
     assert model.output.weight is model.tok_embeddings.weight
     assert torch.equal(model.output.weight, hf.lm_head.weight)
-    x = _batch(seq=64)
+    x = batch(seq=64)
     with torch.no_grad():
-        assert _rel_l2(model(x), hf(x).logits) <= 1e-5
+        assert rel_l2(model(x), hf(x).logits) <= 1e-5

@@ -217,9 +217,10 @@ def _in_use(run_dir: Path, pid: int | str | None, resuming: bool, seen_in: str) 
     who = f"pid {pid}, {seen_in}" if pid is not None else f"{seen_in}, its pid not written there"
     stop = (f"(`kill -USR2 {pid}` saves a checkpoint first, then it exits 3)" if pid is not None
             else "(SIGUSR2 to it saves a checkpoint first, then it exits 3)")
+    # The same command again, whichever it was (`launch`, or `slurm --resume`, which submits)
     return ConfigError(f"{'--resume' if resuming else '--run-dir'} {run_dir} is in use: a launch "
-                       f"runs in it ({who}); wait for it to end, or stop it {stop} and "
-                       "launch again, or give a new --run-dir")
+                       f"runs in it ({who}); wait for it to end, or stop it {stop}, then run "
+                       "this command again" + ("" if resuming else ", or give a new --run-dir"))
 
 
 def lock_path(run_dir: Path, node_rank: int) -> Path:

@@ -228,8 +228,13 @@ def test_a_run_dir_a_launch_runs_in_takes_no_other(tmp_path, live_launch, resumi
     _says_running(run_dir, live_launch.pid)
     flag = "--resume" if resuming else "--run-dir"
     with pytest.raises(ConfigError, match=f"{flag} {run_dir} is in use: a launch runs in it "
-                                          f"\\(pid {live_launch.pid}, logs/state.json\\)"):
+                                          f"\\(pid {live_launch.pid}, logs/state.json\\)") as info:
         check_not_in_use(run_dir, 1, resuming)
+    # What to do next fits both commands that meet it (`launch`; `slurm --resume`, which submits
+    # a job: "launch again" was said to it), and a resume is not sent to a new run dir.
+    said = str(info.value)
+    assert "then run this command again" in said and "launch again" not in said, said
+    assert ("give a new --run-dir" in said) is not resuming, said
     # A launch of several nodes meets the one of its own job's node 0 (here on one host: network
     # namespaces); one of a single node is refused by it, as it is by a single-node launch.
     _says_running(run_dir, live_launch.pid, nnodes=2)

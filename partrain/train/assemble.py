@@ -354,7 +354,10 @@ def _announce(run: Run, n_params: int, sequence_parallel: bool) -> None:
         + (", blocks compiled" if t.compile else ""))
     start = run.start
     if start.resume:
-        run.display.print(f"resuming from step {start.resume.step} ({start.resume.path})")
+        # The launcher said "resuming from step N" before it started the ranks; this says the
+        # checkpoint is in (after a restart inside the launch, the only word of it).
+        run.display.print(f"loaded step {start.resume.step}'s checkpoint ({start.resume.path}): "
+                          f"training goes on at step {start.resume.step + 1}")
         run.metrics.write({"step": start.resume.step,
                            "resumed_from": str(start.resume.path.relative_to(run.run_dir)),
                            "world_size": dims.world_size})

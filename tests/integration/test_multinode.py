@@ -311,7 +311,7 @@ def test_a_worker_killed_on_node_1_restarts_both_nodes_from_the_newest_checkpoin
         assert (f"{who[rank]} (after step 6); restart 1 of 1 (launcher.max_restarts), from "
                 "step-00000004 (step 4)") in text, text
         assert "Traceback" not in text
-    assert "resuming from step 4" in said[0]
+    assert "loaded step 4's checkpoint" in said[0]
 
     steps, _ = read_metrics(run_dir)
     assert [s["step"] for s in steps] == list(range(1, 9))  # one line per step

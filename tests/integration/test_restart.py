@@ -40,7 +40,7 @@ def test_a_restarted_run_ends_as_the_uninterrupted_one(cli, tmp_path, layout):
     assert ("rank 1 failed: RuntimeError: injected fault (PARTRAIN_TEST_FAULT=1:5) on rank 1 at "
             "step 5 (after step 4); restart 1 of 2 (launcher.max_restarts), from step-00000004 "
             "(step 4)") in said, said
-    assert "resuming from step 4" in said
+    assert "loaded step 4's checkpoint" in said and "training goes on at step 5" in said, said
     steps, _ = read_metrics(run_dir)
     reference, _ = read_metrics(tmp_path / "plain")
     assert [s["step"] for s in steps] == list(range(1, 9))  # one line per step

@@ -11,6 +11,10 @@ Counted as partrain's code really holds them (checked against tensor accounting 
   times this rank's tokens per micro-batch (micro_batch x seq_len / cp), its blocks, and the
   micro-batches in flight on its pipeline stage at once (the schedule's simulated peak: GPipe all
   of them, 1F1B at most pp - stage, interleaved by its own rule; one without pp).
+- ZeRO-3's gathered blocks: the weights of the block computing and of the one prefetched, whole
+  (w bytes each), and one block's whole gradients before their reduce-scatter (fp32 under FSDP2,
+  which reduces in fp32; w under DeepSpeed) (`gathered_bytes`). Parameter offload
+  (parallel.offload_params) keeps the weights' shards in host memory.
 - the loss: log-probabilities and two gradients of a micro-batch (vocabulary / tp per token).
 - pipeline sends and receives: the p2p buffers the executor's program holds at most at once
   (a send until the peer has posted its receive, a receive from its early post to its wait).
@@ -35,6 +39,7 @@ MODEL_ERROR = 0.10
 
 from partrain.models.arith import (
     CHUNK_ELEMENTS,
+    count_params_per_rank,
     expert_ffn_dim,
     expert_params,
     ffn_dim,
@@ -227,6 +232,9 @@ def memory_per_stage(cfg, dims, stages: list[dict], dtype: str, simulate: bool =
     # the GPU's count. On a CPU run the host is the device, so it stays.
     on_host = (p.zero_stage >= 1 and p.offload_optimizer != "none"
                and cfg.launcher.device != "cpu")
+    # ZeRO-Infinity's parameter offload (ZeRO-3) keeps the weights' shards there too.
+    params_on_host = (p.zero_stage == 3 and getattr(p, "offload_params", "none") != "none"
+                      and cfg.launcher.device != "cpu")
     out = []
     for rank in range(dims.pp):
         own = [st for st in stages if st["pp_rank"] == rank]
@@ -250,7 +258,9 @@ def memory_per_stage(cfg, dims, stages: list[dict], dtype: str, simulate: bool =
         # 2 micro-batches, 10-13% above the plan without it.
         ddp_copy = (p.zero_stage == 0 and dims.pp == 1 and dims.dp * dims.cp > 1
                     and t.micro_batches > 1)
-        parts = {"param_bytes": state["param_bytes"], "grad_bytes": state["grad_bytes"],
+        parts = {"param_bytes": 0 if params_on_host else state["param_bytes"],
+                 "grad_bytes": state["grad_bytes"],
+                 "gathered_bytes": gathered_bytes(cfg, dims, blocks, dtype),
                  "accumulation_bytes": state["dense_grad_bytes"] if ddp_copy else 0,
                  "optim_bytes": 0 if on_host else state["optim_bytes"],
                  "activation_bytes": acts["kept_bytes"],
@@ -265,8 +275,28 @@ def memory_per_stage(cfg, dims, stages: list[dict], dtype: str, simulate: bool =
                  - (0 if grads_live else state["grad_bytes"]))
         out.append({"pp_rank": rank, "in_flight": in_flight[rank], **parts, "total": total,
                     "largest": max(parts, key=parts.get), "optim_on_host": on_host,
+                    "params_on_host": params_on_host,
                     "grads_at_peak": grads_live})
     return out
+
+
+def gathered_bytes(cfg, dims, blocks: list[int], dtype: str) -> float:
+    """ZeRO-3's working set beside its shards on a rank holding `blocks`: the largest block's
+    weights gathered whole twice (the block computing and the next one, prefetched: FSDP2's
+    default, DeepSpeed's prefetch bucket) in the compute dtype, and its gradients whole once in
+    the backward until they are reduce-scattered (FSDP2 reduces in fp32; DeepSpeed in the compute
+    dtype). 0 below stage 3, and under FSDP2 with pp, whose stage keeps its blocks whole
+    through the step (counted in its weights)."""
+    p = cfg.parallel
+    fsdp = getattr(p, "zero_backend", "deepspeed") == "fsdp"
+    if p.zero_stage != 3 or not blocks or fsdp and dims.pp > 1:
+        return 0
+    w = 4 if dtype == "fp32" else 2
+    # Dense blocks are all one size, as are MoE blocks (arith): the larger of the two kinds.
+    kinds = {is_moe_block(cfg.model, i): i for i in blocks}
+    block = max(count_params_per_rank(cfg.model, dims.tp, [i], first=False, last=False,
+                                      ep=dims.ep) for i in kinds.values())
+    return block * (2 * w + (4 if fsdp else w))
 
 
 def _schedule_peaks(cfg, dims, v: int, simulate: bool) -> tuple[list[int], tuple[int, ...]]:

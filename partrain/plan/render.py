@@ -160,11 +160,17 @@ def _print_memory(plan: dict, console: Console) -> None:
                   f"other stages: {others}")
     for st in plan["memory_per_stage"]:
         state = st["param_bytes"] + st["grad_bytes"] + st["optim_bytes"]
+        on_host = [what for what, off in (("the optimizer state: ZeRO-Offload",
+                                             st["optim_on_host"]),
+                                            ("the weights' shards: parameter offload",
+                                             st.get("params_on_host"))) if off]
         parts = [f"model state {_size(state)}"
-                 + (" (optimizer state on the host: ZeRO-Offload)" if st["optim_on_host"] else ""),
+                 + (f" (on the host: {'; '.join(on_host)})" if on_host else ""),
                  f"activations {_size(st['activation_bytes'])} ({st['in_flight']} micro-batch"
                  f"{'es' if st['in_flight'] != 1 else ''} in flight)"]
         parts += [f"{label} {_size(st[key])}" for key, label in (
+            ("gathered_bytes", "ZeRO-3's gathered blocks (two blocks' weights, one's "
+                               "gradients, whole)"),
             ("accumulation_bytes", "gradients accumulated beside DDP's buckets"),
             ("pipeline_buffer_bytes", "pipeline p2p buffers"), ("loss_bytes", "loss"),
             ("backward_bytes", "a block's backward")) if st[key]]

@@ -86,7 +86,7 @@ def _search(args, gpus, gpus_per_node, hardware, tokens_per_step, explain, write
     from partrain.plan.search import check_config, check_request, validated, why_no_layout
     from partrain.plan.search import search as run_search
     from partrain.plan.search_render import as_json as search_json
-    from partrain.plan.search_render import print_search
+    from partrain.plan.search_render import nothing_fits, print_search
 
     if gpus is None:
         raise ConfigError("--search needs --gpus N")
@@ -117,6 +117,13 @@ def _search(args, gpus, gpus_per_node, hardware, tokens_per_step, explain, write
         cfg, config, overrides, hw, gpus, flags=flags,
         hw_source=("--hardware" if hardware is not None else "the default --hardware")
         + (", --gpus-per-node" if gpus_per_node is not None else ""))
+    if not result["best"]:
+        # Printed (the priced line, --explain's answer, the JSON), then refused: no layout to run
+        if as_json:
+            sys.stdout.write(json.dumps(search_json(result), indent=2) + "\n")
+        else:
+            print_search(result, out)
+        raise ConfigError(nothing_fits(result, write_recipe))
     if write_recipe is not None:
         command = " ".join(["partrain plan --search", shlex.join(args or []), f"--gpus {gpus}",
                             f"--gpus-per-node {hw.gpus_per_node}",

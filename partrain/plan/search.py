@@ -1,12 +1,13 @@
 """`partrain plan --search`: every layout partrain can run for a model on N GPUs, ranked.
 
-Enumerated: tp (dividing the heads, kv heads, MLP and vocabulary; up to two nodes' GPUs), pp
-(dividing the layers; 1F1B, and interleaved with every chunk count per rank up to
-MAX_CHUNKS_PER_RANK that splits the layers evenly), cp (ring,
-2 to 8, where the sequence divides), ep (MoE models: dividing the experts and dp), dp the rest,
+Enumerated: tp (every degree dividing the heads, kv heads, MLP and vocabulary; up to two nodes'
+GPUs), pp (dividing the layers; 1F1B, and interleaved with every chunk count per rank up to
+MAX_CHUNKS_PER_RANK that splits the layers evenly), cp (2 to 8, where the sequence divides, by
+the config's parallel.cp_method), ep (MoE models: dividing the experts and dp), dp the rest,
 ZeRO 0-3 (ZeRO-2/3 not with pp or sequence parallelism, ZeRO-3 not with ep), the micro-batch
 size, activation checkpointing none / selective / full, and ZeRO-Offload of the optimizer. Sequence
-parallelism is on whenever tp > 1 (same traffic, less memory).
+parallelism is on whenever tp > 1 (same traffic, less memory). The config's
+parallel.dp_replicate (HSDP) is kept: with it, only FSDP2's layouts whose dp it divides.
 
 Each candidate's peak memory per GPU comes from the memory model (memory_model.py, the
 schedule's in-flight micro-batches by the formula rather than a simulation) and its step time from
@@ -39,7 +40,7 @@ from partrain.plan.time_model import Layout, step_time, virtual_stage_counts
 # workspaces, the caching allocator's fragmentation); `plan`'s fit warnings use the same.
 MEMORY_MARGIN = USABLE_FRACTION
 MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
-CP_DEGREES = (1, 2, 4, 8)
+CP_DEGREES = tuple(range(1, 9))
 # Interleaved 1F1B's chunks per rank, v: the bubble, (p-1)/(v m + p-1), shrinks about as 1/v
 # while every chunk sends its activations (sends grow as v), and each v is one more schedule to
 # price. At v = 8 the bubble is under 1/9 of the step even with the fewest micro-batches
@@ -66,6 +67,7 @@ class Candidate:
                 f"parallel.pp_schedule={L.pp_schedule}",
                 f"parallel.pp_virtual_stages={L.pp_virtual_stages}", "parallel.pp_layers=null",
                 f"parallel.offload_optimizer={L.offload_optimizer}",
+                f"parallel.cp_method={L.cp_method}", f"parallel.dp_replicate={L.dp_replicate}",
                 f"train.micro_batch_size={L.micro_batch_size}", "train.micro_batches=null",
                 f"train.activation_checkpointing={L.activation_checkpointing}"]
 
@@ -112,10 +114,10 @@ def _divisors(n: int, limit: int) -> list[int]:
 
 
 def _tp_degrees(m, hw: Hardware, gpus: int) -> list[int]:
-    hidden = ffn_dim(m)
-    return [t for t in (1, 2, 4, 8, 16, 32, 64)
-            if t <= min(gpus, 2 * hw.gpus_per_node) and gpus % t == 0 and not m.n_heads % t
-            and not m.n_kv_heads % t and not hidden % t and not m.vocab_size % t]
+    """Every tp dividing the heads, kv heads, MLP and vocabulary (3 and 6 too: partrain's tp
+    takes any such degree) and --gpus, within two nodes."""
+    common = math.gcd(m.n_heads, m.n_kv_heads, ffn_dim(m), m.vocab_size)
+    return [t for t in _divisors(common, min(gpus, 2 * hw.gpus_per_node)) if gpus % t == 0]
 
 
 def _chunk_counts(n_layers: int, pp: int) -> list[int]:
@@ -124,8 +126,10 @@ def _chunk_counts(n_layers: int, pp: int) -> list[int]:
                                 min(MAX_PIPELINE_CHUNKS, pp * MAX_CHUNKS_PER_RANK))
 
 
-def layouts(model_cfg, gpus: int, hw: Hardware, global_batch_size: int, seq_len: int):
-    """Every layout of the space above that the validation rules allow."""
+def layouts(model_cfg, gpus: int, hw: Hardware, global_batch_size: int, seq_len: int,
+            cp_method: str = "ring", dp_replicate: int = 1):
+    """Every layout of the space above that the validation rules allow (cp by `cp_method`; HSDP
+    with `dp_replicate` replicas where it is above 1)."""
     moe = moe_enabled(model_cfg)
     pps = _divisors(model_cfg.n_layers, min(gpus, MAX_PIPELINE_CHUNKS))
     for tp, pp, cp in itertools.product(_tp_degrees(model_cfg, hw, gpus), pps, CP_DEGREES):
@@ -133,6 +137,11 @@ def layouts(model_cfg, gpus: int, hw: Hardware, global_batch_size: int, seq_len:
             continue
         dp = gpus // (tp * pp * cp)
         if cp > 1 and (seq_len % (2 * cp) or cp * tp > seq_len):
+            continue
+        if cp > 1 and cp_method == "all_to_all" and any(
+                (heads // tp) % cp for heads in (model_cfg.n_heads, model_cfg.n_kv_heads)):
+            continue  # each cp rank takes 1/cp of a tp rank's heads
+        if dp % dp_replicate:
             continue
         if tp > 1 and seq_len % (tp * cp):
             continue
@@ -150,21 +159,23 @@ def layouts(model_cfg, gpus: int, hw: Hardware, global_batch_size: int, seq_len:
                     schedules, eps, (0, 1, 2, 3), CHECKPOINTING):
                 if schedule == "interleaved_1f1b" and m % pp:
                     continue
-                for backend in _zero_backends(zero, tp, pp, ep):
+                for backend in _zero_backends(zero, tp, pp, ep, dp_replicate > 1):
                     for offload in (("none", "cpu") if zero else ("none",)):
                         yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero_stage=zero,
                                      sequence_parallel=tp > 1, pp_schedule=schedule,
                                      pp_virtual_stages=v, micro_batch_size=mb,
                                      activation_checkpointing=ckpt, offload_optimizer=offload,
-                                     zero_backend=backend)
+                                     zero_backend=backend, cp_method=cp_method,
+                                     dp_replicate=dp_replicate)
 
 
-def _zero_backends(zero: int, tp: int, pp: int, ep: int) -> list[str]:
+def _zero_backends(zero: int, tp: int, pp: int, ep: int, hsdp: bool = False) -> list[str]:
     """The engines that can run ZeRO stage `zero` with these degrees: DeepSpeed's ZeRO-2/3 not
     with pp or sequence parallelism, its ZeRO-3 not with ep; FSDP2 at stages 2 and 3, with
-    every degree (under pp one stage is enough: it gathers once a step either way)."""
+    every degree (under pp one stage is enough: it gathers once a step either way). HSDP
+    (`hsdp`): FSDP2's alone."""
     engines = []
-    if not (zero >= 2 and (pp > 1 or tp > 1) or zero == 3 and ep > 1):
+    if not (zero >= 2 and (pp > 1 or tp > 1) or zero == 3 and ep > 1 or hsdp):
         engines.append("deepspeed")
     if zero == 3 or zero == 2 and pp == 1:
         engines.append("fsdp")
@@ -187,6 +198,7 @@ def _memory(model, layout: Layout, global_batch_size: int, seq_len: int, stages_
         parallel=SimpleNamespace(zero_stage=L.zero_stage, zero_backend=L.zero_backend,
                                  sequence_parallel=L.sequence_parallel,
                                  cp_method=L.cp_method, pp_virtual_stages=L.pp_virtual_stages,
+                                 dp_replicate=L.dp_replicate,
                                  pp_schedule=L.pp_schedule, offload_optimizer=L.offload_optimizer),
         train=SimpleNamespace(micro_batch_size=L.micro_batch_size, seq_len=seq_len,
                               micro_batches=m, activation_checkpointing=L.activation_checkpointing))
@@ -247,7 +259,8 @@ def search(cfg, gpus: int, hw: Hardware, top: int = 10, explain: dict | None = N
     budget = hw.memory_bytes * MEMORY_MARGIN
     stages_cache: dict = {}
     fits, counted, too_big, matching = [], 0, None, []
-    for layout in layouts(model, gpus, hw, gbs, seq_len):
+    p = cfg.parallel
+    for layout in layouts(model, gpus, hw, gbs, seq_len, p.cp_method, p.dp_replicate):
         if dtype == "fp16" and not fp16_can_run(layout):
             continue
         counted += 1
@@ -287,7 +300,7 @@ def _why_not_enumerated(want: dict, model, gpus: int, hw: Hardware, gbs: int, se
         return (f"tp={tp} is not one the search tries for this model on {gpus} GPUs ({tps}): tp "
                 f"must divide model.n_heads={model.n_heads}, model.n_kv_heads="
                 f"{model.n_kv_heads}, the MLP size {ffn_dim(model)} and model.vocab_size="
-                f"{model.vocab_size}, be a power of two and stay within two nodes "
+                f"{model.vocab_size} and --gpus {gpus}, and stay within two nodes "
                 f"({2 * hw.gpus_per_node} GPUs)")
     if "pp" in want and pp not in pps:
         return f"pp={pp} must divide model.n_layers={model.n_layers} (pp in {pps})"
@@ -305,10 +318,14 @@ def _why_not_enumerated(want: dict, model, gpus: int, hw: Hardware, gbs: int, se
                     f"{MAX_CHUNKS_PER_RANK}: "
                     + ", ".join(f"pp={p}: v in {c}" for p, c in counts.items()))
     if "cp" in want and (cp not in CP_DEGREES or cp > 1 and seq_len % (2 * cp)):
-        return (f"cp={cp} must be one of {list(CP_DEGREES)} and split train.seq_len={seq_len} "
+        return (f"cp={cp} must be 1 to {CP_DEGREES[-1]} and split train.seq_len={seq_len} "
                 "into 2 * cp chunks")
     if gpus % (tp * pp * cp):
         return f"tp({tp}) * pp({pp}) * cp({cp}) = {tp * pp * cp} must divide --gpus {gpus}"
+    if tp > 1 and seq_len % (tp * cp):
+        return (f"tp({tp}) * cp({cp}) = {tp * cp} must divide train.seq_len={seq_len}: the "
+                "search runs tp with sequence parallelism, which splits each cp rank's share "
+                "over tp")
     dp = gpus // (tp * pp * cp)
     if "dp" in want and want["dp"] != dp and all(k in want for k in ("tp", "pp", "cp")):
         return f"dp is what is left: {gpus} / (tp * pp * cp) = {dp}, not {want['dp']}"
@@ -370,8 +387,16 @@ def check_config(cfg) -> None:
 
     from omegaconf import open_dict
 
+    from partrain.errors import ConfigError
+
+    if cfg.parallel.offload_params != "none":
+        raise ConfigError(
+            f"parallel.offload_params={cfg.parallel.offload_params}: plan --search does not try "
+            "parameter offload, and would write it into layouts that cannot take it (it needs "
+            "ZeRO-3); leave it out (the search tries the optimizer's offload, "
+            "parallel.offload_optimizer=cpu), then `partrain plan RECIPE "
+            "parallel.offload_params=cpu` prices a ZeRO-3 layout with it")
     if not shape_modeled(cfg.model):
-        from partrain.errors import ConfigError
         from partrain.plan.user import NOT_MODELED
 
         which = (f"model.target={cfg.model.target} is your own model" if cfg.model.get("target")
@@ -404,13 +429,16 @@ def why_no_layout(cfg, gpus: int, hw: Hardware) -> str:
     tps = _tp_degrees(m, hw, gpus)
     pps = _divisors(m.n_layers, min(gpus, MAX_PIPELINE_CHUNKS))
     cps = [c for c in CP_DEGREES if c == 1 or not t.seq_len % (2 * c)]
+    hsdp = (f"; dp must be a multiple of parallel.dp_replicate={cfg.parallel.dp_replicate} "
+            "(HSDP: FSDP2's layouts alone)" if cfg.parallel.dp_replicate > 1 else "")
     return (f"no layout of --gpus {gpus} splits this model and batch: tp (in {tps}) must divide "
             f"model.n_heads={m.n_heads}, model.n_kv_heads={m.n_kv_heads}, the MLP size "
             f"{ffn_dim(m)} and model.vocab_size={m.vocab_size}, and stay within two nodes; pp (in "
             f"{pps}) must divide model.n_layers={m.n_layers}; cp (in {cps}) must divide "
             f"train.seq_len={t.seq_len} in 2 * cp chunks; tp * pp * cp must divide {gpus}, and "
             f"what is left, dp, times a micro-batch size (one of {list(MICRO_BATCH_SIZES)}) must "
-            f"divide train.global_batch_size={t.global_batch_size}. Change --gpus or those keys")
+            f"divide train.global_batch_size={t.global_batch_size}{hsdp}. Change --gpus or "
+            "those keys")
 
 
 def validated(result: dict, config: str | None, overrides: list[str], gpus: int, hw: Hardware,

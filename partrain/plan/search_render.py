@@ -29,12 +29,7 @@ def print_search(result: dict, console) -> None:
                   f"({hw['gpus_per_node']} per node, {hw['memory_gib']:g} GiB each); "
                   f"{result['fit']:,} fit in {MEMORY_MARGIN:.0%} of the memory "
                   f"({result['seconds']:.1f} s)")
-    if not result["best"]:
-        too_big = result["smallest_that_does_not_fit"]
-        console.print("nothing fits" + (f": the smallest is {too_big.describe()}, "
-                                        f"{human_bytes(too_big.memory_bytes)} per GPU "
-                                        f"(largest part: {too_big.memory_largest})"
-                                        if too_big else ""))
+    if not result["best"]:  # nothing fits: the error that follows says it (nothing_fits)
         if result["explain"]:
             console.print(explain_text(result["explain"]))
         return
@@ -59,3 +54,15 @@ def print_search(result: dict, console) -> None:
         console.print(explain_text(result["explain"]))
     for c, reason in result["refused"]:
         console.print(f"refused by validation: {c.describe()}: {reason}")
+
+
+def nothing_fits(result: dict, written: str | None) -> str:
+    """The refusal of a search whose layouts all exceed the memory (exit 2)."""
+    hw, too_big = result["hardware"], result["smallest_that_does_not_fit"]
+    smallest = (f": the smallest, {too_big.describe()}, needs {human_bytes(too_big.memory_bytes)} "
+                f"per GPU (largest part: {too_big.memory_largest.removesuffix('_bytes').replace('_', ' ')})"
+                if too_big is not None else "")
+    return (f"no layout of --gpus {result['gpus']} fits in {MEMORY_MARGIN:.0%} of "
+            f"{hw['name']}'s {hw['memory_gib']:g} GiB{smallest}; give more GPUs (--gpus), or a "
+            "smaller model, train.seq_len or batch per GPU"
+            + (f" (nothing written to {written})" if written is not None else ""))

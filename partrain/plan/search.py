@@ -183,8 +183,9 @@ def _zero_backends(zero: int, tp: int, pp: int, ep: int, hsdp: bool = False) -> 
 
 
 def _memory(model, layout: Layout, global_batch_size: int, seq_len: int, stages_cache: dict,
-            dtype: str = "bf16") -> dict:
-    """The largest rank's peak bytes by the memory model (no schedule simulation)."""
+            dtype: str = "bf16", optim=None) -> dict:
+    """The largest rank's peak bytes by the memory model (no schedule simulation), with
+    `optim`'s state (the config's optim section; None: AdamW's)."""
     L = layout
     dims = ParallelDims(pp=L.pp, dp=L.dp, tp=L.tp, cp=L.cp, ep=L.ep)
     key = (L.tp, L.pp, L.pp_virtual_stages, L.ep)
@@ -194,7 +195,7 @@ def _memory(model, layout: Layout, global_batch_size: int, seq_len: int, stages_
                                                   pp_layers=None, ep=L.ep)), dims)
     m = global_batch_size // (L.micro_batch_size * L.dp)
     view = SimpleNamespace(
-        model=model, launcher=SimpleNamespace(device="cuda"),
+        model=model, launcher=SimpleNamespace(device="cuda"), optim=optim,
         parallel=SimpleNamespace(zero_stage=L.zero_stage, zero_backend=L.zero_backend,
                                  sequence_parallel=L.sequence_parallel,
                                  cp_method=L.cp_method, pp_virtual_stages=L.pp_virtual_stages,
@@ -260,11 +261,12 @@ def search(cfg, gpus: int, hw: Hardware, top: int = 10, explain: dict | None = N
     stages_cache: dict = {}
     fits, counted, too_big, matching = [], 0, None, []
     p = cfg.parallel
+    optim = SimpleNamespace(name=cfg.optim.name, momentum=cfg.optim.momentum)
     for layout in layouts(model, gpus, hw, gbs, seq_len, p.cp_method, p.dp_replicate):
         if dtype == "fp16" and not fp16_can_run(layout):
             continue
         counted += 1
-        mem = _memory(model, layout, gbs, seq_len, stages_cache, dtype)
+        mem = _memory(model, layout, gbs, seq_len, stages_cache, dtype, optim)
         wanted = explain is not None and all(getattr(layout, k) == v for k, v in explain.items())
         if mem["total"] > budget:
             if too_big is None or mem["total"] < too_big.memory_bytes:

@@ -75,3 +75,21 @@ def test_a_search_where_nothing_fits_is_exit_2(run_main):
     assert "give more GPUs (--gpus)" in said
     res = run_main("plan", "--search", "model=llama-70b", "--gpus", "1")
     assert res.code == 2 and "no layout of --gpus 1 fits" in res.stderr
+
+
+def test_the_optimizers_state_is_the_configs(run_main):
+    """The search counted AdamW's 8 bytes of state per parameter whatever optim.name said: SGD
+    without momentum holds none, so the same layout needs less memory (what `plan` says too)."""
+    args = ("model=llama-1b", "train.seq_len=2048", "train.global_batch_size=64", "--gpus", "8",
+            "--explain", "dp=8 zero_stage=0 mb=1 ckpt=none")
+    sizes = {}
+    for name, optim in (("adamw", ()), ("sgd", ("optim.name=sgd", "optim.momentum=0"))):
+        res, found = _search(run_main, *args, *optim)
+        assert res.code == 0, res.stderr
+        sizes[name] = found["explain"]["best_variant"]["memory_bytes"]
+        res = run_main("plan", *args[:3], *optim, "parallel.dp=8", "train.micro_batch_size=1",
+                       "launcher.device=cuda", "launcher.nproc_per_node=8", "--hardware", "H100",
+                       "--json")
+        assert res.code == 0, res.stderr
+        assert max(s["total"] for s in json.loads(res.stdout)["memory_per_stage"]) == sizes[name]
+    assert sizes["sgd"] < sizes["adamw"]

@@ -43,14 +43,23 @@ def _optimizer(o, offload: str, on_cuda: bool) -> dict:
         "torch_adam": torch_adam, **({"fused": True} if on_cuda and torch_adam else {})}}}
 
 
+# DeepSpeed's defaults (deepspeed.runtime.zero.config): reduce and all-gather buckets of 5e8
+# elements, ZeRO-3's prefetch bucket of 5e7 and persistence threshold of 1e5, for a model whose
+# hidden size partrain does not know.
+USER_MODEL_BUCKETS = {"bucket": 500_000_000, "prefetch": 50_000_000, "persistence": 100_000}
+
+
 def derived_config(cfg, on_cuda: bool = False) -> dict:
     """The DeepSpeed config that partrain's keys fix; cfg must be resolved (batch triple filled).
 
     Bucket sizes follow HF Accelerate's "auto" rule, hidden size squared (DeepSpeed's fixed 5e8
     elements is 2 GB in fp32, allocated whole, whatever the model's size); parameters under
-    10 x hidden (norm gains) stay whole under ZeRO-3 rather than gathered at every use."""
+    10 x hidden (norm gains) stay whole under ZeRO-3 rather than gathered at every use. A user's
+    own model (model.target) has no model.dim (its shape keys are the built-in family's): it
+    gets DeepSpeed's own defaults (USER_MODEL_BUCKETS)."""
     p, t, o = cfg.parallel, cfg.train, cfg.optim
-    bucket = cfg.model.dim ** 2
+    user = bool(cfg.model.get("target"))
+    bucket = USER_MODEL_BUCKETS["bucket"] if user else cfg.model.dim ** 2
     # Expert slices are reduced over their own group only on DeepSpeed's contiguous-gradient
     # path: without it ZeRO-1 all-reduces them over every dp rank, summing different experts.
     zero = {"stage": p.zero_stage, "contiguous_gradients": p.zero_stage >= 2 or p.ep > 1,
@@ -59,8 +68,10 @@ def derived_config(cfg, on_cuda: bool = False) -> dict:
             "offload_optimizer": _offload(p.offload_optimizer, p.offload_nvme_path, on_cuda),
             "offload_param": _offload(p.offload_params, p.offload_nvme_path, on_cuda)}
     if p.zero_stage == 3:
-        zero.update({"stage3_param_persistence_threshold": 10 * cfg.model.dim,
-                     "stage3_prefetch_bucket_size": int(0.9 * bucket)})
+        zero.update({"stage3_param_persistence_threshold":
+                     USER_MODEL_BUCKETS["persistence"] if user else 10 * cfg.model.dim,
+                     "stage3_prefetch_bucket_size":
+                     USER_MODEL_BUCKETS["prefetch"] if user else int(0.9 * bucket)})
     dtype = compute_dtype(t.dtype, on_cuda)
     return {
         # DeepSpeed counts a sequence once per data-parallel rank that sees it, and under cp its
@@ -110,6 +121,17 @@ FORBIDDEN = {
                  "(partrain's schedule, the same for every layout)",
     "managed_gradient_accumulation": "partrain accumulates gradients over train.micro_batches "
                                      "itself and steps the engine once per optimizer step",
+    "prescale_gradients": "partrain averages the gradients over the data-parallel ranks the "
+                          "same way on every layout (and DeepSpeed's ZeRO-2 refuses it in the "
+                          "ranks)",
+    "gradient_predivide_factor": "partrain averages the gradients over the data-parallel ranks "
+                                 "the same way on every layout (and DeepSpeed's ZeRO-2 refuses "
+                                 "it in the ranks)",
+    "tensor_parallel": "partrain's tensor parallelism is parallel.tp (its own wrappers, with "
+                       "sequence parallelism and a user's tensor_parallel_plan); DeepSpeed's "
+                       "AutoTP does not compose with them",
+    "torch_autocast": "the compute dtype is train.dtype (bf16, fp16 or fp32); DeepSpeed's "
+                      "autocast beside it trained in bf16 with train.dtype=fp32, saying nothing",
 }
 
 

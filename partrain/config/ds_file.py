@@ -6,16 +6,20 @@ precision, clipping, the optimizer and its schedule) becomes those keys (`FROM_F
 over the recipe and the defaults; a key also given on the command line must agree, or it is a
 conflict. `"auto"` means "partrain's value", as in Accelerate: for partrain's keys the value is
 left to the config, for DeepSpeed's own tuning keys it is filled by the derived config
-(partrain.config.deepspeed: bucket sizes by the hidden size). Everything else in the file goes on as
+(partrain.config.deepspeed: bucket sizes by the hidden size, DeepSpeed's defaults for a
+user's model). Everything else in the file goes on as
 raw DeepSpeed keys (`parallel.deepspeed`, whose inline keys win over the file's), checked by the
 same rules as inline ones. Every conflict is reported at once, each naming the key in the file and
 in partrain's config.
+
+The file is read as DeepSpeed reads a config path: Hjson (JSON with comments and trailing commas)
+with a key given twice in one object refused. Each value partrain takes must be of its kind as
+given: a whole number for counts (2.5 and true are not 2 and 1), true or false for a switch.
 
 The run dir's config.yaml holds the result (the keys set, the raw section): workers and resumes
 never read the file again, so it may live on the login node only.
 """
 
-import json
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -39,27 +43,76 @@ def _optimizer_name(value, section: dict) -> str:
     return name
 
 
-# The file's key -> (partrain's key, the file's value as partrain's).
+def whole(value) -> int:
+    """A count as the file gives it: an integer (4, or 4.0), not 2.5 and not true."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ValueError(value)
+    return int(value)
+
+
+def number(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(value)
+    return float(value)
+
+
+def switch(value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(value)
+    return value
+
+
+def text(value) -> str:
+    if not isinstance(value, str):
+        raise ValueError(value)
+    return value
+
+
+def offloaded(value) -> str:
+    """ZeRO's old `cpu_offload: true` (DeepSpeed reads it as offload_optimizer.device=cpu)."""
+    return "cpu" if switch(value) else "none"
+
+
+# The file's key -> (partrain's key, the file's value as partrain's: a ValueError names the kind).
+KINDS = {whole: "a whole number", number: "a number", switch: "true or false", text: "a string",
+         offloaded: "true or false"}
 FROM_FILE = {
-    "zero_optimization.stage": ("parallel.zero_stage", int),
-    "zero_optimization.offload_optimizer.device": ("parallel.offload_optimizer", str),
-    "zero_optimization.offload_param.device": ("parallel.offload_params", str),
-    "zero_optimization.offload_optimizer.nvme_path": ("parallel.offload_nvme_path", str),
-    "zero_optimization.offload_param.nvme_path": ("parallel.offload_nvme_path", str),
-    "train_micro_batch_size_per_gpu": ("train.micro_batch_size", int),
-    "gradient_accumulation_steps": ("train.micro_batches", int),
-    "train_batch_size": ("train.global_batch_size", int),
-    "gradient_clipping": ("optim.grad_clip", float),
-    "optimizer.params.lr": ("optim.lr", float),
-    "optimizer.params.eps": ("optim.eps", float),
-    "optimizer.params.weight_decay": ("optim.weight_decay", float),
-    "optimizer.params.momentum": ("optim.momentum", float),
-    "optimizer.params.nesterov": ("optim.nesterov", bool),
-    "scheduler.params.warmup_max_lr": ("optim.lr", float),
-    "scheduler.params.warmup_num_steps": ("optim.warmup_steps", int),
-    "scheduler.params.total_num_steps": ("train.max_steps", int),
-    "scheduler.params.cos_min_ratio": ("optim.min_lr_ratio", float),
+    "zero_optimization.stage": ("parallel.zero_stage", whole),
+    "zero_optimization.offload_optimizer.device": ("parallel.offload_optimizer", text),
+    "zero_optimization.offload_param.device": ("parallel.offload_params", text),
+    "zero_optimization.offload_optimizer.nvme_path": ("parallel.offload_nvme_path", text),
+    "zero_optimization.offload_param.nvme_path": ("parallel.offload_nvme_path", text),
+    "train_micro_batch_size_per_gpu": ("train.micro_batch_size", whole),
+    "gradient_accumulation_steps": ("train.micro_batches", whole),
+    "train_batch_size": ("train.global_batch_size", whole),
+    "gradient_clipping": ("optim.grad_clip", number),
+    "optimizer.params.lr": ("optim.lr", number),
+    "optimizer.params.eps": ("optim.eps", number),
+    "optimizer.params.weight_decay": ("optim.weight_decay", number),
+    "optimizer.params.momentum": ("optim.momentum", number),
+    "optimizer.params.nesterov": ("optim.nesterov", switch),
+    "scheduler.params.warmup_max_lr": ("optim.lr", number),
+    "scheduler.params.warmup_num_steps": ("optim.warmup_steps", whole),
+    "scheduler.params.total_num_steps": ("train.max_steps", whole),
+    "scheduler.params.cos_min_ratio": ("optim.min_lr_ratio", number),
+    "zero_optimization.cpu_offload": ("parallel.offload_optimizer", offloaded),
 }
+# Sections that must be objects where partrain reads inside them.
+OBJECTS = ("optimizer", "optimizer.params", "scheduler", "scheduler.params", "zero_optimization")
+
+
+class _Twice(ValueError):
+    pass
+
+
+def _once(pairs: list) -> dict:
+    """An object of the file, refusing a key given twice (DeepSpeed refuses it too)."""
+    found = {}
+    for key, value in pairs:
+        if key in found:
+            raise _Twice(key)
+        found[key] = value
+    return found
 
 
 def read_deepspeed_json(path: Path) -> dict:
@@ -80,11 +133,16 @@ def read_deepspeed_json(path: Path) -> dict:
         raise ConfigError(f"{shown} cannot be read: {e.strerror}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{shown} is not UTF-8 text") from None
+    import hjson
+
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
+        data = hjson.loads(text, object_pairs_hook=_once)
+    except hjson.HjsonDecodeError as e:
         raise ConfigError(f"{shown} is not valid JSON at line {e.lineno}, column {e.colno}: "
                           f"{e.msg}") from None
+    except _Twice as e:
+        raise ConfigError(f"{shown} gives the key {e.args[0]!r} twice in one object (JSON keeps "
+                          "the last silently; DeepSpeed refuses it): give it once") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{shown} holds a JSON {type(data).__name__}; a DeepSpeed config is an "
                           "object ({...})")
@@ -122,6 +180,12 @@ def _partrain_values(data: dict, flat: dict, cp: int) -> tuple[dict, list[str]]:
     """{partrain key: (value, the file's key)} for what the file fixes, and the problems of
     values that no partrain key can take."""
     found, problems = {}, []
+    for section in OBJECTS:
+        value = _at(data, section)
+        if value is not None and not isinstance(value, dict):
+            problems.append(f"{section}={value!r} is not an object ({{...}})")
+            data = _without(data, section)
+            flat = {k: v for k, v in flat.items() if k != section}
 
     def put(key, value, where):
         if key in found and not _same(found[key][0], value):
@@ -136,9 +200,8 @@ def _partrain_values(data: dict, flat: dict, cp: int) -> tuple[dict, list[str]]:
         key, kind = FROM_FILE[where]
         try:
             converted = kind(value)
-        except (TypeError, ValueError):
-            article = "an" if kind.__name__[0] in "aeiou" else "a"
-            problems.append(f"{where}={value!r} is not {article} {kind.__name__} (for {key})")
+        except ValueError:
+            problems.append(f"{where}={value!r} is not {KINDS[kind]} (for {key})")
             continue
         if where == "train_batch_size" and cp > 1:
             # DeepSpeed counts a sequence once per rank of its dp x cp group.
@@ -156,11 +219,15 @@ def _partrain_values(data: dict, flat: dict, cp: int) -> tuple[dict, list[str]]:
                             "(partrain runs AdamW, Adam and SGD, the same on every layout)")
     betas = flat.get("optimizer.params.betas")
     if betas not in (None, AUTO):
-        if not (isinstance(betas, list) and len(betas) == 2):
+        try:
+            if not (isinstance(betas, list) and len(betas) == 2):
+                raise ValueError(betas)
+            beta1, beta2 = number(betas[0]), number(betas[1])
+        except ValueError:
             problems.append(f"optimizer.params.betas={betas!r} is not two numbers")
         else:
-            put("optim.beta1", float(betas[0]), "optimizer.params.betas[0]")
-            put("optim.beta2", float(betas[1]), "optimizer.params.betas[1]")
+            put("optim.beta1", beta1, "optimizer.params.betas[0]")
+            put("optim.beta2", beta2, "optimizer.params.betas[1]")
     for precision in ("bf16", "fp16"):
         enabled = flat.get(f"{precision}.enabled")
         if enabled is True:
@@ -189,6 +256,27 @@ def _partrain_values(data: dict, flat: dict, cp: int) -> tuple[dict, list[str]]:
             problems.append(f"scheduler.params.{start}={low!r}: partrain's warmup starts at "
                             "optim.lr / optim.warmup_steps; set it to 0 or \"auto\"")
     return found, problems
+
+
+def _at(data: dict, dotted: str):
+    node = data
+    for part in dotted.split("."):
+        if not isinstance(node, dict):
+            return None
+        node = node.get(part)
+    return node
+
+
+def _without(data: dict, dotted: str) -> dict:
+    """`data` less the section at `dotted` (one not of its kind, said once as a problem)."""
+    *parents, leaf = dotted.split(".")
+    out = dict(data)
+    node = out
+    for part in parents:
+        node[part] = dict(node[part])
+        node = node[part]
+    node.pop(leaf, None)
+    return out
 
 
 def _raw_keys(flat: dict, derived: dict) -> tuple[dict, list[str]]:

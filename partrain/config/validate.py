@@ -73,7 +73,10 @@ def resolve_and_validate(cfg: DictConfig, world: World, resplit: bool = False) -
     check_world(p, dp, world)
     check_hsdp(p, dp)
     check_fsdp_shards(cfg, dp)
-    g, b, mb = resolve_batch(t, dp, resplit)
+    try:
+        g, b, mb = resolve_batch(t, dp, resplit)
+    except ConfigError as e:
+        raise _batch_of_the_file(cfg, dp) or e from None
     check_micro_batches(p, mb)
     if user is None:
         check_cp(cfg)
@@ -103,6 +106,40 @@ def resolve_and_validate(cfg: DictConfig, world: World, resplit: bool = False) -
             check_optimizer_params(derived)
             check_raw_deepspeed(derived)
     return _warnings(cfg, world)
+
+
+# A DeepSpeed file's batch keys, and the partrain key each sets (config/ds_file.py FROM_FILE)
+FILE_BATCH = {"train_batch_size": "global_batch_size",
+              "train_micro_batch_size_per_gpu": "micro_batch_size",
+              "gradient_accumulation_steps": "micro_batches"}
+
+
+def _batch_of_the_file(cfg: DictConfig, dp: int) -> ConfigError | None:
+    """A batch that does not add up because of a DeepSpeed file's batch keys, said in the file's
+    names ("set one of the three to null" cannot be followed: the file's value wins over a null
+    on the command line); None where the file sets none of them or cannot be read again."""
+    path = cfg.parallel.get("deepspeed_config")
+    if not path:
+        return None
+    from pathlib import Path
+
+    from partrain.config.ds_file import read_deepspeed_json
+
+    try:
+        data = read_deepspeed_json(Path(path))
+    except ConfigError:
+        return None
+    given = {k: v for k, v in data.items() if k in FILE_BATCH and v != "auto"}
+    if not given:
+        return None
+    t = cfg.train
+    values = ", ".join(f"{k}={given[k]}" if k in given else f"{k}=({t[FILE_BATCH[k]]} from "
+                       f"train.{FILE_BATCH[k]})" for k in FILE_BATCH)
+    return ConfigError(
+        f"parallel.deepspeed_config={path}: its batch does not add up at dp={dp} ({values}): "
+        "DeepSpeed's rule is train_batch_size = train_micro_batch_size_per_gpu x "
+        "gradient_accumulation_steps x dp; fix the file, or set one of its three to \"auto\" "
+        "(partrain derives it)")
 
 
 # DeepSpeed's config models, by the section of its JSON each reads (their errors name fields
@@ -149,6 +186,14 @@ def check_raw_deepspeed(derived: dict) -> None:
         raise ConfigError(f"parallel.deepspeed: DeepSpeed's config refuses "
                           f"{'; '.join(found)} (parallel.deepspeed.KEY sets DeepSpeed's "
                           "own keys, as DeepSpeed reads them)") from None
+    except Exception as e:  # noqa: BLE001 - its own error, and asserts on removed keys
+        # (DeepSpeedConfigError for a section it has removed, `amp`, `elasticity`; an
+        # AssertionError for a deprecated key beside its replacement; a TypeError or ValueError
+        # for a value its parsers cannot take): said as it says it, as a refusal of the config
+        said = " ".join(str(e).split()) or type(e).__name__
+        raise ConfigError(f"parallel.deepspeed: DeepSpeed's config refuses it: {said} "
+                          "(parallel.deepspeed.KEY and a deepspeed_config file's keys are "
+                          "DeepSpeed's own, read as DeepSpeed reads them)") from None
     finally:
         from deepspeed.utils.logging import logger as ds_logger
 

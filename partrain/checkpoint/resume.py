@@ -285,6 +285,15 @@ def resume_config(run_dir: Path, overrides: list[str]):
 
         raise ConfigError(f"--resume {run_dir}: {explain(e)}") from None
     t, p = cfg.train, cfg.parallel
+    if (given & {"parallel.zero_stage", "parallel.zero_backend"}
+            and (p.zero_stage == 0 or p.zero_backend == "fsdp")):
+        # A resume that leaves DeepSpeed (for DDP or FSDP2) leaves its keys: the file's, folded
+        # into partrain's keys at the run's start (its path is a record), and the raw ones, which
+        # only DeepSpeed reads. Said in "changed on resume". A raw key given with it stays, and is
+        # refused as on any launch.
+        p.deepspeed_config = None
+        if not any(item.startswith("parallel.deepspeed") for item in given):
+            p.deepspeed = {}
     # The global batch stays; of the split, what the overrides give stays and the rest follows
     # (given neither, the micro-batch size stays where the new dp allows it, else the largest
     # that fits and is no larger: config/resolve.py's resplit).

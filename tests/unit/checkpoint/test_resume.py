@@ -232,3 +232,34 @@ def test_resume_config_needs_the_run_dirs_config(tmp_path):
     os.remove(run_dir / "config.yaml")
     with pytest.raises(ConfigError, match=r"--resume \S+run holds no config.yaml"):
         resume_config(run_dir, [])
+
+
+@pytest.mark.parametrize("leave", [("parallel.zero_stage=0",),
+                                   ("parallel.zero_backend=fsdp", "parallel.zero_stage=2")])
+def test_a_run_started_from_a_deepspeed_file_resumes_on_ddp_or_fsdp(tmp_path, run_main,
+                                                                     monkeypatch, leave):
+    """The frozen config records the file (folded into partrain's keys at the start) and its raw
+    keys: a resume on DDP or FSDP2 was refused ("is a DeepSpeed config, but ... runs DDP"), and
+    `parallel.deepspeed_config=null` too ("--resume takes no parallel.deepspeed_config"), so the
+    run could not leave DeepSpeed but by editing config.yaml. A resume that leaves DeepSpeed now
+    leaves its keys, and says so."""
+    import json
+
+    from tests.unit.helpers import resolved
+
+    monkeypatch.chdir(tmp_path)
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": 1}, "steps_per_print": 10}))
+    cfg, _, _ = resolved("launcher.device=cpu", f"parallel.deepspeed_config={ds}")
+    assert cfg.parallel.deepspeed == {"steps_per_print": 10}
+    write_run_dir(tmp_path / "run", 100, config_text=OmegaConf.to_yaml(cfg))
+    ds.unlink()  # read once, at the start: a resume never reads it again
+    result = run_main("launch", "--resume", "run", "--dry-run", *leave)
+    assert result.code == 0, result.stderr
+    said = one_line(result.stdout)
+    assert f"parallel.deepspeed_config {ds} -> null" in said, said
+    resumed = resume_config(tmp_path / "run", list(leave))
+    assert resumed.parallel.deepspeed_config is None and resumed.parallel.deepspeed == {}
+    # Staying on DeepSpeed keeps both.
+    kept = resume_config(tmp_path / "run", ["parallel.zero_stage=2"])
+    assert kept.parallel.deepspeed_config == str(ds) and kept.parallel.deepspeed

@@ -10,6 +10,8 @@ A preset by name, or a YAML file the user writes with the same keys:
     inter_node_gbps: 50             # GB/s one way per GPU across nodes (its share of the NICs)
     matmul_efficiency: 0.62         # the fraction of peak that large bf16 GEMMs attain
     hbm_gbps: 3350                  # GB/s of GPU memory bandwidth (optional: peak / 295 FLOP/B)
+    fp32_tflops: 67                 # dense fp32 without tensor cores, per GPU (optional:
+                                    # peak_tflops x 67 / 989, an H100-SXM's ratio)
 
 Bandwidths are per GPU and one way, what a ring collective's step moves at. The presets are the
 vendors' figures for the SXM/OAM parts in their usual 8-GPU nodes:
@@ -19,6 +21,12 @@ vendors' figures for the SXM/OAM parts in their usual 8-GPU nodes:
   at 900 GB/s one way (1.8 TB/s both ways), 8 x 400 Gb/s ConnectX-7;
 - MI300X (AMD's datasheet): 192 GB HBM3, 1307 TFLOP/s dense bf16, Infinity Fabric to each of the
   seven other GPUs at 64 GB/s one way (448 GB/s in all), 8 x 400 Gb/s NICs.
+fp32 (the vendors' datasheets, FP32 without tensor cores): A100-80GB 19.5 TFLOP/s, H100-SXM 67,
+H200 67, B200 75 (the HGX B200 datasheet's 600 for 8 GPUs), MI300X 163.4. A run at
+train.dtype=fp32 does its GEMMs at this peak, not the tensor cores': partrain never enables TF32
+(torch's default leaves `allow_tf32` off for matmuls), so an fp32 GEMM on an H100 runs at 67
+TFLOP/s, not 989. A file without `fp32_tflops` gets the H100-SXM's ratio (peak_tflops x 67 /
+989); give it for any other part (an L40S: 91.6 against 362).
 Memory bandwidth (HBM, the vendors' datasheets): A100-80GB 2039 GB/s, H100-SXM 3350, H200 4800,
 B200 8000, MI300X 5300; it prices the element-wise work (norms, activations, the loss) and the
 optimizer step. The efficiency is not a vendor figure: it is what a dense transformer's large
@@ -59,6 +67,7 @@ class Hardware:
     inter_node_gbps: float
     matmul_efficiency: float = 0.6
     hbm_gbps: float = 0.0  # GB/s of GPU memory; 0: peak_tflops / 295 FLOP per byte (an H100's)
+    fp32_tflops: float = 0.0  # dense fp32, no tensor cores; 0: peak_tflops x 67 / 989 (an H100's)
 
     @property
     def memory_bytes(self) -> float:
@@ -67,6 +76,16 @@ class Hardware:
     @property
     def peak_flops(self) -> float:
         return self.peak_tflops * 1e12
+
+    @property
+    def fp32_peak_flops(self) -> float:
+        """FLOP/s of an fp32 GEMM: the CUDA cores', as partrain never enables TF32."""
+        return (self.fp32_tflops or self.peak_tflops * H100_FP32_RATIO) * 1e12
+
+    def compute_peak_flops(self, low_precision: bool) -> float:
+        """The peak a GEMM of the compute dtype runs at: bf16/fp16 on the tensor cores, fp32
+        on the CUDA cores."""
+        return self.peak_flops if low_precision else self.fp32_peak_flops
 
     @property
     def hbm_bandwidth(self) -> float:
@@ -79,13 +98,14 @@ class Hardware:
 
 
 H100_FLOP_PER_BYTE = 989e12 / 3350e9  # a machine's balance when a file gives no hbm_gbps
+H100_FP32_RATIO = 67 / 989  # fp32 against bf16 when a file gives no fp32_tflops
 
 PRESETS = {
-    "A100-80GB": Hardware("A100-80GB", 8, 80, 312, 300, 25, 0.77, 2039),
-    "H100-SXM": Hardware("H100-SXM", 8, 80, 989, 450, 50, 0.80, 3350),
-    "H200": Hardware("H200", 8, 141, 989, 450, 50, 0.80, 4800),
-    "B200": Hardware("B200", 8, 180, 2250, 900, 50, 0.80, 8000),
-    "MI300X": Hardware("MI300X", 8, 192, 1307, 448, 50, 0.50, 5300),
+    "A100-80GB": Hardware("A100-80GB", 8, 80, 312, 300, 25, 0.77, 2039, fp32_tflops=19.5),
+    "H100-SXM": Hardware("H100-SXM", 8, 80, 989, 450, 50, 0.80, 3350, fp32_tflops=67),
+    "H200": Hardware("H200", 8, 141, 989, 450, 50, 0.80, 4800, fp32_tflops=67),
+    "B200": Hardware("B200", 8, 180, 2250, 900, 50, 0.80, 8000, fp32_tflops=75),
+    "MI300X": Hardware("MI300X", 8, 192, 1307, 448, 50, 0.50, 5300, fp32_tflops=163.4),
 }
 
 
@@ -115,7 +135,11 @@ RANGES = {
     "inter_node_gbps": (1e-3, 1e6, "GB/s per GPU"),
     "matmul_efficiency": (1e-3, 1, "a fraction of the peak"),
     "hbm_gbps": (1e-3, 1e7, "GB/s per GPU"),
+    "fp32_tflops": (1e-3, 1e6, "TFLOP/s per GPU"),
 }
+
+
+OPTIONAL = ("name", "matmul_efficiency", "hbm_gbps", "fp32_tflops")  # a file may leave these out
 
 
 def load_hardware(name_or_path: str) -> Hardware:
@@ -146,7 +170,7 @@ def load_hardware(name_or_path: str) -> Hardware:
     unknown = sorted(map(str, set(raw) - set(known)))
     if unknown:
         raise ConfigError(f"--hardware {path}: unknown key {unknown[0]} (keys: {', '.join(known)})")
-    missing = [k for k, f in known.items() if k not in raw and k not in ("name", "matmul_efficiency", "hbm_gbps")]
+    missing = [k for k, f in known.items() if k not in raw and k not in OPTIONAL]
     if missing:
         raise ConfigError(f"--hardware {path}: {missing[0]} is required")
     values = {"name": path.stem, **raw}

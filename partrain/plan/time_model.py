@@ -4,7 +4,9 @@ The step of the slowest pipeline stage (the last: it has the head), from its par
 names where its figure comes from; `Implementation` says what the trainer does (partrain's by
 default; scripts/bench_time_model.py models other trainers' published runs by their own).
 
-- compute, three kinds of work, not one efficiency for all:
+- compute, three kinds of work, not one efficiency for all, at the peak of the compute dtype
+  (`hw.compute_peak_flops`: bf16/fp16 on the tensor cores; fp32 on the CUDA cores, as partrain
+  never enables TF32, about 1/15 of it on an H100):
   - GEMMs (the blocks' linear layers, the output head): FLOPs at `hw.matmul_efficiency` of the
     peak, lowered for thin GEMMs by x / (x + GEMM_HALF_DIM), x the thinnest side (the rank's
     tokens of a micro-batch, the hidden size / tp; the head's vocabulary / tp): few tiles per
@@ -18,8 +20,8 @@ default; scripts/bench_time_model.py models other trainers' published runs by th
     matrix's GEMMs at GEMM efficiency and its softmax and dropout through HBM
     (UNFUSED_SCORE_BYTES per score);
   - element-wise work (norms, rotary, SwiGLU's gate, residual adds, the loss's softmax): bytes
-    through HBM at the GPU's memory bandwidth (`hw.hbm_bandwidth`); replicated over tp ranks
-    unless sequence parallelism shards it;
+    through HBM at the GPU's memory bandwidth (`hw.hbm_bandwidth`), elements of the compute
+    dtype; replicated over tp ranks unless sequence parallelism shards it;
   plus recomputation: "full" repeats the forward, "selective" repeats the element-wise forward
   (partrain) and `impl.selective_matmuls` of the forward GEMMs (torchtitan's per-op policy
   recomputes every other matmul).
@@ -46,6 +48,10 @@ A group inside a node uses NVLink; a group that crosses nodes uses the network, 
 per node drive k NICs (NCCL builds one ring channel per NIC), so it moves at
 min(k x inter_node, intra_node) per GPU: tp=8 leaves one dp rank per node (one NIC's share), tp=1
 eight.
+
+MFU is against the bf16 peak (`hw.peak_flops`) whatever the dtype, as a run's metrics.jsonl
+reports it (observe/metrics.PEAK_BF16_FLOPS): an fp32 run's MFU says how far it is from what the
+GPU could do in bf16.
 
 Fitted, on the fit rows of scripts/bench_time_model.py only (Megatron-LM's 2021 A100 table, the
 Llama 3 paper's Table 4, and a few rows by rule of each other trainer whose kernels get their
@@ -204,7 +210,7 @@ def step_time(model_cfg, layout: Layout, global_batch_size: int, seq_len: int, h
     # the pipeline's sends add on the critical path. Rank order is pp, dp, cp, tp (mesh.py): tp
     # groups are consecutive ranks, cp groups stride tp, dp groups stride cp x tp.
     model_flops_token = flops_per_token(model_cfg, seq_len)
-    c = _compute_per_micro_batch(model_cfg, L, seq_len, micro_tokens, hw, impl)
+    c = _compute_per_micro_batch(model_cfg, L, seq_len, micro_tokens, hw, impl, low_precision)
     compute_mb = c["gemm_s"] + c["attention_s"] + c["elementwise_s"]
     tp_mb = _tp_per_micro_batch(model_cfg, L, micro_tokens, hw, low_precision, impl)
     cp_mb = _cp_per_micro_batch(model_cfg, L, seq_len, hw, act_bytes, impl, c["attention_s"])
@@ -237,21 +243,24 @@ def gemm_efficiency(hw: Hardware, thinnest: float, scale: float = 1.0) -> float:
     return hw.matmul_efficiency * scale * thinnest / (thinnest + GEMM_HALF_DIM)
 
 
-def elementwise_bytes(model_cfg, tp: int, sequence_parallel: bool) -> float:
+def elementwise_bytes(model_cfg, tp: int, sequence_parallel: bool,
+                      element_bytes: int = 2) -> float:
     """Bytes of element-wise work per token and block on one rank, forward and backward (the
     backward reads and writes about twice the forward's): the two norms and residual adds
     (10 x dim, replicated over tp unless sequence parallel), rotary on q and k, SwiGLU's gate
-    (3 x ffn), each element 2 bytes."""
+    (3 x ffn), each element `element_bytes` (the compute dtype's)."""
     q, kv = model_cfg.n_heads * head_dim(model_cfg), model_cfg.n_kv_heads * head_dim(model_cfg)
     residual = 10 * model_cfg.dim / (tp if sequence_parallel else 1)
     sharded = (2 * (q + kv) + 3 * ffn_dim(model_cfg)) / tp
-    return 3 * 2 * (residual + sharded)
+    return 3 * element_bytes * (residual + sharded)
 
 
 def _compute_per_micro_batch(model_cfg, L: Layout, seq_len: int, micro_tokens: int,
-                             hw: Hardware, impl: Implementation) -> dict:
+                             hw: Hardware, impl: Implementation, low_precision: bool = True) -> dict:
     """Seconds of one micro-batch's forward and backward on a rank of the last stage, by kind
-    of work, and the blocks' GEMM efficiency."""
+    of work, and the blocks' GEMM efficiency; at the compute dtype's peak (fp32: the CUDA
+    cores')."""
+    peak = hw.compute_peak_flops(low_precision)
     vocab, dim = model_cfg.vocab_size, model_cfg.dim
     head_flops = 6 * vocab * dim
     # causal, forward and backward, over the heads' width (dim unless model.head_dim is set)
@@ -266,20 +275,22 @@ def _compute_per_micro_batch(model_cfg, L: Layout, seq_len: int, micro_tokens: i
     efficiency = gemm_efficiency(hw, min(micro_tokens, dim / L.tp), impl.gemm_scale)
     head_efficiency = gemm_efficiency(hw, min(micro_tokens, dim, vocab / L.tp), impl.gemm_scale)
     tokens = micro_tokens / L.tp
-    gemm_s = (block_flops / L.pp * (1 + matmul_again) * tokens / (hw.peak_flops * efficiency)
-              + head_flops * tokens / (hw.peak_flops * head_efficiency))
+    gemm_s = (block_flops / L.pp * (1 + matmul_again) * tokens / (peak * efficiency)
+              + head_flops * tokens / (peak * head_efficiency))
     if impl.flash_attention:
         fraction = impl.attention_peak_fraction or efficiency * ATTENTION_EFFICIENCY
         attention_s = (attention_flops / L.pp * (1 + attention_again) * tokens
-                       / (hw.peak_flops * fraction))
+                       / (peak * fraction))
     else:  # every score computed (twice the causal FLOPs) and moved through HBM
         scores = seq_len * model_cfg.n_heads / L.tp * model_cfg.n_layers / L.pp
         attention_s = (1 + attention_again) * micro_tokens * (
-            2 * attention_flops / L.pp / L.tp / (hw.peak_flops * efficiency)
+            2 * attention_flops / L.pp / L.tp / (peak * efficiency)
             + scores * UNFUSED_SCORE_BYTES / hw.hbm_bandwidth)
     # The loss: fp32 logits written, soft-maxed and differentiated, about 5 passes of 4 bytes.
     loss_bytes = 20 * vocab / L.tp
-    block_bytes = elementwise_bytes(model_cfg, L.tp, L.sequence_parallel) * model_cfg.n_layers / L.pp
+    block_bytes = elementwise_bytes(model_cfg, L.tp, L.sequence_parallel,
+                                    2 if low_precision else 4) \
+        * model_cfg.n_layers / L.pp
     elementwise_s = (block_bytes * (1 + elementwise_again) + loss_bytes) * micro_tokens \
         / hw.hbm_bandwidth
     return {"gemm_s": gemm_s, "attention_s": attention_s, "elementwise_s": elementwise_s,

@@ -42,12 +42,12 @@ default; scripts/bench_time_model.py models other trainers' published runs by th
   per-module hooks (measured).
 - offload: ZeRO-Offload's AdamW on the host and the gradients and weights over PCIe.
 
-Links: a ring collective moves 2(n-1)/n of the payload per rank for an all-reduce and (n-1)/n
-for an all-gather or reduce-scatter, at BUS_EFFICIENCY of the per-GPU bandwidth of its links.
-A group inside a node uses NVLink; a group that crosses nodes uses the network, and its k ranks
-per node drive k NICs (NCCL builds one ring channel per NIC), so it moves at
-min(k x inter_node, intra_node) per GPU: tp=8 leaves one dp rank per node (one NIC's share), tp=1
-eight.
+Links (plan/links.py): a ring collective moves 2(n-1)/n of the payload per rank for an
+all-reduce and (n-1)/n for an all-gather or reduce-scatter, at BUS_EFFICIENCY of the per-GPU
+bandwidth of its links. Where a group's ranks land decides its links, not its span: a group
+inside a node uses NVLink; where any group of its kind has ranks on two nodes (tp=4 on nodes of
+6: ranks 4-7), all are priced at that group's network share, min(k x inter_node, intra_node) per
+GPU, k its fewest ranks on a node (tp=8 leaves one dp rank per node, one NIC's share).
 
 MFU is against the bf16 peak (`hw.peak_flops`) whatever the dtype, as a run's metrics.jsonl
 reports it (observe/metrics.PEAK_BF16_FLOPS): an fp32 run's MFU says how far it is from what the
@@ -72,6 +72,7 @@ from partrain.models.arith import (
 from partrain.parallel.schedules import bubble_theory
 from partrain.plan.costs import cp_traffic, moe_traffic, tp_collectives
 from partrain.plan.hardware import Hardware
+from partrain.plan.links import BUS_EFFICIENCY, crosses_nodes, group_bandwidth, ring
 
 # DeepSpeed's own work beyond the collectives, measured at dp=1 on an H100 where there is
 # nothing to communicate (docs/performance.md "On GPUs": llama-1b, 1.5B parameters in 16 blocks,
@@ -97,9 +98,6 @@ ATTENTION_EFFICIENCY = 0.7
 # the softmax, probabilities written, dropout's read, write and mask, and the backward's
 # reads and writes of each): about 20 bytes.
 UNFUSED_SCORE_BYTES = 20
-# Bus bandwidth that NCCL's ring collectives reach of the links' (nccl-tests on DGX A100/H100:
-# about 80% of NVLink's and of the NICs' line rate at large messages).
-BUS_EFFICIENCY = 0.8
 
 
 @dataclass(frozen=True)
@@ -175,27 +173,6 @@ def virtual_stage_counts(n_layers: int, pp: int, max_chunks: int | None = None) 
             if not n_layers % (pp * v) and (max_chunks is None or pp * v <= max_chunks)]
 
 
-def crosses_nodes(span: int, gpus_per_node: int) -> bool:
-    """Whether a group of consecutive-stride ranks spanning `span` ranks leaves a node."""
-    return span > gpus_per_node
-
-
-def group_bandwidth(hw: Hardware, size: int, stride: int) -> float:
-    """Bytes/s one way per GPU that a ring over `size` ranks `stride` apart moves at: NVLink
-    inside a node; across nodes, the NICs of the group's ranks on each node, at most NVLink."""
-    if size * stride <= hw.gpus_per_node:
-        return hw.bandwidth(False) * BUS_EFFICIENCY
-    per_node = max(1, min(size, hw.gpus_per_node // stride))
-    return min(per_node * hw.bandwidth(True), hw.bandwidth(False)) * BUS_EFFICIENCY
-
-
-def _ring(op: str, payload: float, n: int, bandwidth: float) -> float:
-    if n <= 1 or payload <= 0:
-        return 0.0
-    factor = 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
-    return factor * payload / bandwidth
-
-
 def step_time(model_cfg, layout: Layout, global_batch_size: int, seq_len: int, hw: Hardware,
               low_precision: bool = True, impl: Implementation = PARTRAIN) -> dict:
     """Seconds per optimizer step by part, tokens/s, MFU, and what limits the step most."""
@@ -233,8 +210,9 @@ def step_time(model_cfg, layout: Layout, global_batch_size: int, seq_len: int, h
     return {"step_s": total, "tokens_per_s": tokens_per_s, "mfu": mfu, **parts,
             "compute_parts": {k: m * s for k, s in c.items() if k.endswith("_s")},
             "efficiency": c["efficiency"], "micro_batches": m, "bubble": bubble,
-            "limits": limits(parts, total, crosses_nodes(L.tp, hw.gpus_per_node),
-                             crosses_nodes(L.dp * L.cp * L.tp, hw.gpus_per_node))}
+            "limits": limits(parts, total,
+                             crosses_nodes(L.world_size, hw.gpus_per_node, (L.tp, 1)),
+                             crosses_nodes(L.world_size, hw.gpus_per_node, (L.dp * L.cp, L.tp)))}
 
 
 def gemm_efficiency(hw: Hardware, thinnest: float, scale: float = 1.0) -> float:
@@ -303,7 +281,7 @@ def _tp_per_micro_batch(model_cfg, L: Layout, micro_tokens: int, hw: Hardware,
     blocks; the recomputed forward repeats its collectives)."""
     if L.tp <= 1:
         return 0.0
-    bw = group_bandwidth(hw, L.tp, 1)
+    bw = group_bandwidth(hw, L.world_size, (L.tp, 1))
     tp_mb = 0.0
     for row in tp_collectives(model_cfg, micro_tokens, L.tp, L.sequence_parallel, low_precision):
         share = 1 / L.pp if "attention/MLP" in row["where"] else 1.0
@@ -311,7 +289,7 @@ def _tp_per_micro_batch(model_cfg, L: Layout, micro_tokens: int, hw: Hardware,
                      and "attention/MLP" in row["where"] else 0.0)
         payload = row["elements"] * impl.tp_wire_bytes if impl.tp_wire_bytes \
             else row["bytes"] / row["calls"]
-        tp_mb += share * again * row["calls"] * _ring(row["op"], payload, L.tp, bw)
+        tp_mb += share * again * row["calls"] * ring(row["op"], payload, L.tp, bw)
     return tp_mb * (1 - impl.tp_overlap)
 
 
@@ -321,7 +299,7 @@ def _cp_per_micro_batch(model_cfg, L: Layout, seq_len: int, hw: Hardware, act_by
     blocks; what attention hides of them where the implementation overlaps."""
     if L.cp <= 1:
         return 0.0
-    bw = group_bandwidth(hw, L.cp, L.tp)
+    bw = group_bandwidth(hw, L.world_size, (L.cp, L.tp))
     layers = model_cfg.n_layers / L.pp  # per stage (the balanced split)
     cp_mb = sum(row["bytes"] for row in cp_traffic(
         model_cfg, L.micro_batch_size, seq_len, L.cp, L.tp, L.cp_method, math.ceil(layers),
@@ -336,7 +314,7 @@ def _ep_per_micro_batch(model_cfg, L: Layout, micro_tokens: int, hw: Hardware,
     if not n_moe:
         return 0.0
     # ep groups are consecutive dp ranks: ep of them, cp x tp apart.
-    bw = group_bandwidth(hw, L.ep, L.cp * L.tp)
+    bw = group_bandwidth(hw, L.world_size, (L.ep, L.cp * L.tp))
     traffic = moe_traffic(model_cfg, micro_tokens, 1, L.ep, round(n_moe), act_bytes)
     return (traffic["bytes_sent"] + traffic["count_bytes"]) / bw
 
@@ -348,10 +326,9 @@ def _p2p_per_micro_batch(model_cfg, L: Layout, micro_tokens: int, hw: Hardware,
     executor posts them in the schedule's order."""
     if L.pp <= 1:
         return 0.0
-    # pp groups stride dp x cp x tp: they leave the node when one stage's ranks fill a node, and
-    # then every GPU sends over its own share of the NICs.
-    pp_cross = crosses_nodes(L.world_size, hw.gpus_per_node) and \
-        L.dp * L.cp * L.tp >= hw.gpus_per_node
+    # pp groups stride dp x cp x tp: on more than one node some stage's send crosses a node
+    # boundary (the pipeline keeps its pace), over each GPU's own share of the NICs.
+    pp_cross = crosses_nodes(L.world_size, hw.gpus_per_node, (L.pp, L.dp * L.cp * L.tp))
     seq_split = L.tp if L.sequence_parallel or impl.send_split_tp else 1
     send = micro_tokens * model_cfg.dim * impl.send_bytes / seq_split
     return 2 * send * L.pp_virtual_stages / (hw.bandwidth(pp_cross) * BUS_EFFICIENCY)
@@ -366,17 +343,17 @@ def _data_parallel(model_cfg, L: Layout, m: int, compute_mb: float, hw: Hardware
     nd = L.dp * L.cp
     params = count_params(model_cfg) / (L.pp * L.tp)
     grad_bytes = impl.grad_bytes or (4 if L.zero_stage == 0 else act_bytes)
-    bw = group_bandwidth(hw, nd, L.tp)
+    bw = group_bandwidth(hw, L.world_size, (nd, L.tp))
     overlaps = impl.dp_overlap and (L.pp == 1 or impl.dp_overlap_under_pp)
     backward, forward = 2 / 3 * compute_mb, 1 / 3 * compute_mb
     dp_s, zero3_s, offload_s = 0.0, 0.0, 0.0
     if L.zero_stage == 0:
-        dp_s = max(_ring("all_reduce", params * grad_bytes, nd, bw)
+        dp_s = max(ring("all_reduce", params * grad_bytes, nd, bw)
                    - (backward if overlaps else 0.0), 0.0)
     elif L.zero_stage == 1 or L.zero_stage == 2 and L.zero_backend != "fsdp" or L.pp > 1:
         # (FSDP under pp gathers a stage's weights once a step and reduce-scatters once.)
-        reduce = _ring("reduce_scatter", params * grad_bytes, nd, bw)
-        gather = _ring("all_gather", params * act_bytes, nd, bw)
+        reduce = ring("reduce_scatter", params * grad_bytes, nd, bw)
+        gather = ring("all_gather", params * act_bytes, nd, bw)
         dp_s = (max(reduce - (backward if overlaps else 0.0), 0.0)
                 + max(gather - (forward if impl.param_gather_overlap else 0.0), 0.0))
     else:
@@ -390,11 +367,11 @@ def _data_parallel(model_cfg, L: Layout, m: int, compute_mb: float, hw: Hardware
         # on a node each drive a NIC.
         shard = nd // L.dp_replicate
         if L.dp_replicate > 1:
-            bw = group_bandwidth(hw, shard, L.tp)
-        comm = (gathers * _ring("all_gather", params * act_bytes, shard, bw)
-                + _ring("reduce_scatter", params * grad_bytes, shard, bw)
-                + _ring("all_reduce", params / shard * grad_bytes, L.dp_replicate,
-                        group_bandwidth(hw, L.dp_replicate, shard * L.tp)))
+            bw = group_bandwidth(hw, L.world_size, (shard, L.tp))
+        comm = (gathers * ring("all_gather", params * act_bytes, shard, bw)
+                + ring("reduce_scatter", params * grad_bytes, shard, bw)
+                + ring("all_reduce", params / shard * grad_bytes, L.dp_replicate,
+                        group_bandwidth(hw, L.world_size, (L.dp_replicate, shard * L.tp))))
         blocks = model_cfg.n_layers / L.pp
         exposed = max(comm - compute_mb, comm / (3 * blocks)) if impl.zero3_prefetch else comm
         hooks = impl.zero3_hook_s_per_module * (MODULES_PER_BLOCK * blocks + 3)

@@ -3,10 +3,13 @@ compute dtype's peak, where each group's ranks land on the nodes, which ranks re
 gradients, and how the blocks are split over the pipeline."""
 
 import dataclasses
+from collections import defaultdict
 
 import pytest
 
+from partrain.parallel.mesh import ParallelDims
 from partrain.plan.hardware import PRESETS, load_hardware
+from partrain.plan.links import crosses_nodes
 from partrain.plan.time_model import Layout, step_time
 from tests.unit.helpers import compose
 
@@ -48,3 +51,51 @@ def test_a_hardware_file_gives_its_fp32_peak_or_gets_the_h100s_ratio(tmp_path):
         362e12 * h100.fp32_peak_flops / h100.peak_flops)
     assert dataclasses.replace(h100, fp32_tflops=0).fp32_peak_flops == \
         pytest.approx(h100.fp32_peak_flops)
+
+
+def _mesh_groups(dims: ParallelDims, dim: str) -> list[list[int]]:
+    """The groups of one of mesh.py's dimensions, or of ranks sharing the other coordinates:
+    dp_cp (dp and cp flattened), ep (the ep innermost of the dp ranks: build_expert_mesh) and
+    edp_cp (the ranks holding the same experts)."""
+    if dim in ("pp", "dp", "cp", "tp"):
+        return dims.groups(dim)
+    keep = {"dp_cp": lambda c: (c["pp"], c["tp"]),
+            "ep": lambda c: (c["pp"], c["dp"] // dims.ep, c["cp"], c["tp"]),
+            "edp_cp": lambda c: (c["pp"], c["dp"] % dims.ep, c["tp"])}[dim]
+    groups = defaultdict(list)
+    for rank in range(dims.world_size):
+        groups[keep(dims.coords(rank))].append(rank)
+    return list(groups.values())
+
+
+@pytest.mark.parametrize("gpus_per_node", [4, 6, 8, 9, 12])
+def test_a_group_crosses_nodes_where_its_ranks_land_not_by_its_span(gpus_per_node):
+    # Every group the time model prices, against the groups mesh.py builds (rank order pp, dp,
+    # cp, tp): a group crosses a node if any of its ranks sit on different nodes.
+    for pp, dp, cp, tp, ep in [(1, 3, 1, 4, 1), (2, 2, 1, 3, 2), (1, 2, 3, 2, 2),
+                               (3, 2, 2, 1, 1), (2, 3, 1, 2, 3), (2, 1, 2, 4, 1), (1, 6, 1, 2, 3),
+                               (4, 1, 1, 3, 1), (1, 4, 2, 1, 2), (1, 8, 1, 1, 4)]:
+        dims = ParallelDims(pp=pp, dp=dp, tp=tp, cp=cp, ep=ep)
+        priced = {"tp": [(tp, 1)], "cp": [(cp, tp)], "dp": [(dp, cp * tp)],
+                  "dp_cp": [(dp * cp, tp)], "pp": [(pp, dp * cp * tp)], "ep": [(ep, cp * tp)],
+                  "edp_cp": [(dp // ep, ep * cp * tp), (cp, tp)]}
+        for dim, group in priced.items():
+            by_mesh = any(len({r // gpus_per_node for r in g}) > 1
+                          for g in _mesh_groups(dims, dim))
+            assert crosses_nodes(dims.world_size, gpus_per_node, *group) == by_mesh, \
+                (pp, dp, cp, tp, ep, dim)
+
+
+def test_a_tp_group_that_straddles_two_nodes_is_priced_on_the_network():
+    # dp3 x tp4 on 12 GPUs: nodes of 6 put ranks 4-7 on nodes 0 and 1 (4 < 6 all the same);
+    # nodes of 4 or 12 hold every tp group whole.
+    kw = {"model": "llama-70b", "gbs": 48, "dp": 3, "tp": 4, "sequence_parallel": True,
+          "zero_stage": 1}
+    aligned = [_time(hw=dataclasses.replace(H100, gpus_per_node=g), **kw) for g in (4, 12)]
+    straddling = _time(hw=dataclasses.replace(H100, gpus_per_node=6), **kw)
+    assert aligned[0]["tp_s"] == pytest.approx(aligned[1]["tp_s"])
+    # two of the group's ranks on each node: two NICs' shares, not NVLink
+    share = min(2 * H100.bandwidth(True), H100.bandwidth(False)) / H100.bandwidth(False)
+    assert straddling["tp_s"] == pytest.approx(aligned[0]["tp_s"] / share)
+    assert "tp collectives cross nodes" in straddling["limits"]
+    assert straddling["step_s"] > aligned[0]["step_s"]

@@ -32,10 +32,10 @@ def _time(model="llama-7b", gbs=64, seq=4096, hw=H100, impl=time_model.PARTRAIN,
 
 def test_a_group_across_nodes_uses_the_nics_of_its_ranks_on_each_node():
     inter, intra = H100.bandwidth(True), H100.bandwidth(False)
-    assert group_bandwidth(H100, 8, 1) == intra * BUS_EFFICIENCY  # one node: NVLink
-    assert group_bandwidth(H100, 16, 1) == min(8 * inter, intra) * BUS_EFFICIENCY
-    assert group_bandwidth(H100, 16, 2) == 4 * inter * BUS_EFFICIENCY  # 4 ranks a node
-    assert group_bandwidth(H100, 64, 8) == inter * BUS_EFFICIENCY  # tp=8: one rank a node
+    assert group_bandwidth(H100, 8, (8, 1)) == intra * BUS_EFFICIENCY  # one node: NVLink
+    assert group_bandwidth(H100, 16, (16, 1)) == min(8 * inter, intra) * BUS_EFFICIENCY
+    assert group_bandwidth(H100, 32, (16, 2)) == 4 * inter * BUS_EFFICIENCY  # 4 ranks a node
+    assert group_bandwidth(H100, 512, (64, 8)) == inter * BUS_EFFICIENCY  # tp=8: one a node
 
 
 def test_the_dp_reduction_hides_behind_the_backward_it_overlaps():

@@ -1,7 +1,9 @@
 """A model of one training step's time on a cluster (`partrain plan --hardware`, and the search).
 
-The step of the slowest pipeline stage (the last: it has the head), from its parts. Each term
-names where its figure comes from; `Implementation` says what the trainer does (partrain's by
+A rank of each pipeline stage (`Stage`: its blocks, the embedding on the first, the head and
+the loss on the last) is priced by its parts; the slowest sets the pipeline's pace, and each
+rank then does the data-parallel work of its own stage's parameters (dp_time.py), the slowest
+ending the step. Each term names where its figure comes from; `Implementation` says what the trainer does (partrain's by
 default; scripts/bench_time_model.py models other trainers' published runs by their own).
 
 - compute, three kinds of work, not one efficiency for all, at the peak of the compute dtype
@@ -31,10 +33,13 @@ default; scripts/bench_time_model.py models other trainers' published runs by th
   `--tp-comm-overlap` and torchtitan's async TP most of it).
 - cp: the ring's key/value blocks or the all-to-alls (costs.cp_traffic); hidden behind the
   attention it feeds where the implementation overlaps them (`impl.cp_overlap`).
-- ep: the token all-to-alls of the MoE blocks (costs.moe_traffic), on the critical path.
+- ep: the token all-to-alls of the MoE blocks (costs.moe_traffic), on the critical path. A MoE's
+  MLP is replicated within tp: each tp rank runs it, and routes, on its own tokens, 1/tp of them
+  under sequence parallelism and all of them without.
 - pp: the schedule's bubble, (p-1)/(m+p-1) of the step ((p-1)/(v m + p-1) interleaved with v
   chunks per rank: `virtual_stage_counts` lists every v the layers allow), and the sends.
-- dp over dp x cp: the gradient reduction and the updated weights' all-gather, hidden behind
+- dp over dp x cp (a MoE's routed experts under ep over the dp/ep x cp ranks holding the same
+  ones, after the backward under DDP): the gradient reduction and the updated weights' all-gather, hidden behind
   the backward and forward they overlap (DDP's buckets, Megatron's `--overlap-grad-reduce` and
   `--overlap-param-gather`); ZeRO-3 / FSDP gathers every weight for each micro-batch's forward
   and backward and reduce-scatters its gradients, hidden behind that micro-batch's compute when
@@ -63,7 +68,6 @@ import math
 from dataclasses import dataclass
 
 from partrain.models.arith import (
-    count_params,
     ffn_dim,
     flops_per_token,
     head_dim,
@@ -71,21 +75,10 @@ from partrain.models.arith import (
 )
 from partrain.parallel.schedules import bubble_theory
 from partrain.plan.costs import cp_traffic, moe_traffic, tp_collectives
+from partrain.plan.dp_time import ZERO3_HOOK_S_PER_MODULE, block_params, data_parallel
 from partrain.plan.hardware import Hardware
 from partrain.plan.links import BUS_EFFICIENCY, crosses_nodes, group_bandwidth, ring
 
-# DeepSpeed's own work beyond the collectives, measured at dp=1 on an H100 where there is
-# nothing to communicate (docs/performance.md "On GPUs": llama-1b, 1.5B parameters in 16 blocks,
-# 2 micro-batches of 8192 tokens; ZeRO-1/2/3 at 0.963, 0.828 and 0.362 of DDP's tokens/s):
-# ZeRO-1/2's bf16 -> fp32 gradient copies into its flat buffers and the weights' copy back, per
-# parameter and step; ZeRO-3's gather and release hooks, per module and micro-batch (0.357 s per
-# micro-batch over 147 modules: 9 per block, the embedding, the final norm and the head). The
-# hooks are Python and kernel launches per module, so they scale with modules, not parameters.
-DEEPSPEED_S_PER_PARAM = {1: 1.1e-11, 2: 5.7e-11, 3: 5.7e-11}
-ZERO3_HOOK_S_PER_MODULE = 0.357 / 147
-MODULES_PER_BLOCK = 9  # q, k, v, o, w1, w2, w3 and the two norms
-HOST_ADAM_PARAMS_PER_S = 1.5e9  # DeepSpeedCPUAdam over one GPU's host cores (H100 node, measured)
-PCIE_BYTES_PER_S = 25e9  # one way, per GPU (PCIe gen4 x16 in practice; gen5 cards reach more)
 # Thin GEMMs: efficiency x / (x + GEMM_HALF_DIM) of a large one, x the thinnest side. Fitted
 # on the fit rows (scripts/bench_time_model.py --fit): 32, a 4% penalty at 768 (MPT-125M's
 # hidden size, a fit row), 1% at 4096; the grid's other values fit those rows no better.
@@ -173,6 +166,23 @@ def virtual_stage_counts(n_layers: int, pp: int, max_chunks: int | None = None) 
             if not n_layers % (pp * v) and (max_chunks is None or pp * v <= max_chunks)]
 
 
+@dataclass(frozen=True)
+class Stage:
+    """What one pp rank runs and holds: its blocks and MoE blocks (an even split's share, a
+    fraction where a trainer's layers do not divide by pp), the embedding (first) and the
+    output head with the loss (last)."""
+    blocks: float
+    moe_blocks: float
+    first: bool = True
+    last: bool = True
+
+
+def pipeline_stages(model_cfg, L: Layout) -> list[Stage]:
+    """Every pp rank's Stage, in rank order: the blocks split evenly."""
+    n, moe = model_cfg.n_layers, moe_block_count(model_cfg)
+    return [Stage(n / L.pp, moe / L.pp, r == 0, r == L.pp - 1) for r in range(L.pp)]
+
+
 def step_time(model_cfg, layout: Layout, global_batch_size: int, seq_len: int, hw: Hardware,
               low_precision: bool = True, impl: Implementation = PARTRAIN) -> dict:
     """Seconds per optimizer step by part, tokens/s, MFU, and what limits the step most."""
@@ -183,36 +193,53 @@ def step_time(model_cfg, layout: Layout, global_batch_size: int, seq_len: int, h
     m = global_batch_size // (L.micro_batch_size * L.dp)  # micro-batches per step
     micro_tokens = L.micro_batch_size * seq_len // L.cp  # one rank's tokens of a micro-batch
 
-    # One micro-batch on one rank of the slowest stage: compute, then what the collectives and
-    # the pipeline's sends add on the critical path. Rank order is pp, dp, cp, tp (mesh.py): tp
-    # groups are consecutive ranks, cp groups stride tp, dp groups stride cp x tp.
-    model_flops_token = flops_per_token(model_cfg, seq_len)
-    c = _compute_per_micro_batch(model_cfg, L, seq_len, micro_tokens, hw, impl, low_precision)
-    compute_mb = c["gemm_s"] + c["attention_s"] + c["elementwise_s"]
-    tp_mb = _tp_per_micro_batch(model_cfg, L, micro_tokens, hw, low_precision, impl)
-    cp_mb = _cp_per_micro_batch(model_cfg, L, seq_len, hw, act_bytes, impl, c["attention_s"])
-    ep_mb = _ep_per_micro_batch(model_cfg, L, micro_tokens, hw, act_bytes)
-    p2p_mb = _p2p_per_micro_batch(model_cfg, L, micro_tokens, hw, impl)
-    per_mb = compute_mb + tp_mb + cp_mb + ep_mb + p2p_mb
+    # One micro-batch on a rank of each stage: compute, then what the collectives and the
+    # pipeline's sends add on the critical path. The slowest stage sets the pipeline's pace,
+    # its bubble too ((p-1)/(m+p-1) of the step at that pace: an upper bound where they differ).
+    priced = {stage: _per_micro_batch(model_cfg, L, stage, seq_len, micro_tokens, hw, impl,
+                                      low_precision)
+              for stage in dict.fromkeys(pipeline_stages(model_cfg, L))}
+    slowest = max(priced, key=lambda stage: (priced[stage]["per_mb"], stage.last))
+    mb = priced[slowest]
     v = L.pp_virtual_stages if L.pp > 1 and L.pp_schedule == "interleaved_1f1b" else 1
     bubble = bubble_theory(L.pp_schedule, L.pp, m, v) if L.pp > 1 else 0.0
-    pipeline = m * per_mb / (1 - bubble)
+    pipeline = m * mb["per_mb"] / (1 - bubble)
 
-    dp_s, zero3_s, offload_s, optimizer_s = _data_parallel(model_cfg, L, m, compute_mb, hw,
-                                                           act_bytes, impl)
+    # Then every rank's data-parallel work on its own stage's parameters: the slowest ends it.
+    dp_s, zero3_s, offload_s, optimizer_s = max(
+        (data_parallel(model_cfg, L, stage, m, priced[stage]["compute_s"], hw, act_bytes, impl)
+         for stage in priced), key=sum)
     total = pipeline + dp_s + zero3_s + offload_s + optimizer_s
 
     tokens_per_s = global_batch_size * seq_len / total
-    mfu = model_flops_token * tokens_per_s / (hw.peak_flops * L.world_size)
-    parts = {"compute_s": m * compute_mb, "tp_s": m * tp_mb, "cp_s": m * cp_mb, "ep_s": m * ep_mb,
-             "pp_p2p_s": m * p2p_mb, "pp_bubble_s": pipeline - m * per_mb, "dp_s": dp_s,
+    mfu = flops_per_token(model_cfg, seq_len) * tokens_per_s / (hw.peak_flops * L.world_size)
+    parts = {"compute_s": m * mb["compute_s"], "tp_s": m * mb["tp_s"], "cp_s": m * mb["cp_s"],
+             "ep_s": m * mb["ep_s"], "pp_p2p_s": m * mb["pp_p2p_s"],
+             "pp_bubble_s": pipeline - m * mb["per_mb"], "dp_s": dp_s,
              "zero3_gather_s": zero3_s, "offload_s": offload_s, "optimizer_s": optimizer_s}
     return {"step_s": total, "tokens_per_s": tokens_per_s, "mfu": mfu, **parts,
-            "compute_parts": {k: m * s for k, s in c.items() if k.endswith("_s")},
-            "efficiency": c["efficiency"], "micro_batches": m, "bubble": bubble,
+            "compute_parts": {k: m * s for k, s in mb["compute"].items() if k.endswith("_s")},
+            "efficiency": mb["compute"]["efficiency"], "micro_batches": m, "bubble": bubble,
             "limits": limits(parts, total,
                              crosses_nodes(L.world_size, hw.gpus_per_node, (L.tp, 1)),
                              crosses_nodes(L.world_size, hw.gpus_per_node, (L.dp * L.cp, L.tp)))}
+
+
+def _per_micro_batch(model_cfg, L: Layout, stage: Stage, seq_len: int, micro_tokens: int,
+                     hw: Hardware, impl: Implementation, low_precision: bool) -> dict:
+    """One micro-batch on a rank of `stage`, by part. Rank order is pp, dp, cp, tp (mesh.py):
+    tp groups are consecutive ranks, cp groups stride tp, dp groups stride cp x tp."""
+    act_bytes = 2 if low_precision else 4
+    c = _compute_per_micro_batch(model_cfg, L, stage, seq_len, micro_tokens, hw, impl,
+                                 low_precision)
+    parts = {"compute_s": c["gemm_s"] + c["attention_s"] + c["elementwise_s"],
+             "tp_s": _tp_per_micro_batch(model_cfg, L, stage, micro_tokens, hw, low_precision,
+                                         impl),
+             "cp_s": _cp_per_micro_batch(model_cfg, L, stage, seq_len, hw, act_bytes, impl,
+                                         c["attention_s"]),
+             "ep_s": _ep_per_micro_batch(model_cfg, L, stage, micro_tokens, hw, act_bytes),
+             "pp_p2p_s": _p2p_per_micro_batch(model_cfg, L, micro_tokens, hw, impl)}
+    return {**parts, "per_mb": sum(parts.values()), "compute": c}
 
 
 def gemm_efficiency(hw: Hardware, thinnest: float, scale: float = 1.0) -> float:
@@ -233,17 +260,16 @@ def elementwise_bytes(model_cfg, tp: int, sequence_parallel: bool,
     return 3 * element_bytes * (residual + sharded)
 
 
-def _compute_per_micro_batch(model_cfg, L: Layout, seq_len: int, micro_tokens: int,
-                             hw: Hardware, impl: Implementation, low_precision: bool = True) -> dict:
-    """Seconds of one micro-batch's forward and backward on a rank of the last stage, by kind
-    of work, and the blocks' GEMM efficiency; at the compute dtype's peak (fp32: the CUDA
-    cores')."""
+def _compute_per_micro_batch(model_cfg, L: Layout, stage: Stage, seq_len: int,
+                             micro_tokens: int, hw: Hardware, impl: Implementation,
+                             low_precision: bool = True) -> dict:
+    """Seconds of one micro-batch's forward and backward on a rank of `stage`, by kind of work,
+    and the blocks' GEMM efficiency; at the compute dtype's peak (fp32: the CUDA cores')."""
     peak = hw.compute_peak_flops(low_precision)
     vocab, dim = model_cfg.vocab_size, model_cfg.dim
-    head_flops = 6 * vocab * dim
+    head_flops = 6 * vocab * dim if stage.last else 0.0
     # causal, forward and backward, over the heads' width (dim unless model.head_dim is set)
-    attention_flops = 6 * model_cfg.n_layers * seq_len * model_cfg.n_heads * head_dim(model_cfg)
-    block_flops = flops_per_token(model_cfg, seq_len) - head_flops - attention_flops
+    attention_flops = 6 * stage.blocks * seq_len * model_cfg.n_heads * head_dim(model_cfg)
     # Recomputation repeats forwards (a third of forward + backward).
     matmul_again = {"none": 0.0, "selective": impl.selective_matmuls / 3,
                     "full": 1 / 3}[L.activation_checkpointing]
@@ -253,69 +279,78 @@ def _compute_per_micro_batch(model_cfg, L: Layout, seq_len: int, micro_tokens: i
     efficiency = gemm_efficiency(hw, min(micro_tokens, dim / L.tp), impl.gemm_scale)
     head_efficiency = gemm_efficiency(hw, min(micro_tokens, dim, vocab / L.tp), impl.gemm_scale)
     tokens = micro_tokens / L.tp
-    gemm_s = (block_flops / L.pp * (1 + matmul_again) * tokens / (peak * efficiency)
+    # The blocks' linear layers, split by tp; a MoE's MLP (the active experts and the router) is
+    # replicated within tp and runs on the rank's own tokens: 1/tp of them under sequence
+    # parallelism, every one without (each tp rank repeats it).
+    common, dense_mlp, moe_mlp = block_params(model_cfg, active=True)
+    block_flops = (6 * (stage.blocks * common + (stage.blocks - stage.moe_blocks) * dense_mlp)
+                   * tokens + 6 * stage.moe_blocks * moe_mlp
+                   * micro_tokens / (L.tp if L.sequence_parallel else 1))
+    gemm_s = (block_flops * (1 + matmul_again) / (peak * efficiency)
               + head_flops * tokens / (peak * head_efficiency))
     if impl.flash_attention:
         fraction = impl.attention_peak_fraction or efficiency * ATTENTION_EFFICIENCY
-        attention_s = (attention_flops / L.pp * (1 + attention_again) * tokens
-                       / (peak * fraction))
+        attention_s = attention_flops * (1 + attention_again) * tokens / (peak * fraction)
     else:  # every score computed (twice the causal FLOPs) and moved through HBM
-        scores = seq_len * model_cfg.n_heads / L.tp * model_cfg.n_layers / L.pp
+        scores = seq_len * model_cfg.n_heads / L.tp * stage.blocks
         attention_s = (1 + attention_again) * micro_tokens * (
-            2 * attention_flops / L.pp / L.tp / (peak * efficiency)
+            2 * attention_flops / L.tp / (peak * efficiency)
             + scores * UNFUSED_SCORE_BYTES / hw.hbm_bandwidth)
     # The loss: fp32 logits written, soft-maxed and differentiated, about 5 passes of 4 bytes.
-    loss_bytes = 20 * vocab / L.tp
+    loss_bytes = 20 * vocab / L.tp if stage.last else 0.0
     block_bytes = elementwise_bytes(model_cfg, L.tp, L.sequence_parallel,
-                                    2 if low_precision else 4) \
-        * model_cfg.n_layers / L.pp
+                                    2 if low_precision else 4) * stage.blocks
     elementwise_s = (block_bytes * (1 + elementwise_again) + loss_bytes) * micro_tokens \
         / hw.hbm_bandwidth
     return {"gemm_s": gemm_s, "attention_s": attention_s, "elementwise_s": elementwise_s,
             "efficiency": efficiency}
 
 
-def _tp_per_micro_batch(model_cfg, L: Layout, micro_tokens: int, hw: Hardware,
+def _tp_per_micro_batch(model_cfg, L: Layout, stage: Stage, micro_tokens: int, hw: Hardware,
                         low_precision: bool, impl: Implementation) -> float:
-    """The tp collectives of a micro-batch left on the critical path (the stage's share of the
-    blocks; the recomputed forward repeats its collectives)."""
+    """The tp collectives of a micro-batch left on the critical path: the stage's blocks' (the
+    recomputed forward repeats its collectives), the embedding's on the first stage, the head's
+    and the loss's on the last."""
     if L.tp <= 1:
         return 0.0
     bw = group_bandwidth(hw, L.world_size, (L.tp, 1))
     tp_mb = 0.0
     for row in tp_collectives(model_cfg, micro_tokens, L.tp, L.sequence_parallel, low_precision):
-        share = 1 / L.pp if "attention/MLP" in row["where"] else 1.0
-        again = 1 + (0.5 if L.activation_checkpointing == "full" and "(fwd)" in row["where"]
-                     and "attention/MLP" in row["where"] else 0.0)
+        where = row["where"]
+        block = "attention/MLP" in where or "q/k norm" in where
+        share = (stage.blocks / model_cfg.n_layers if block
+                 else stage.first if where.startswith("embedding") else stage.last)
+        again = 1 + (0.5 if L.activation_checkpointing == "full" and "(fwd)" in where
+                     and "attention/MLP" in where else 0.0)
         payload = row["elements"] * impl.tp_wire_bytes if impl.tp_wire_bytes \
             else row["bytes"] / row["calls"]
         tp_mb += share * again * row["calls"] * ring(row["op"], payload, L.tp, bw)
     return tp_mb * (1 - impl.tp_overlap)
 
 
-def _cp_per_micro_batch(model_cfg, L: Layout, seq_len: int, hw: Hardware, act_bytes: int,
-                        impl: Implementation, attention_s: float) -> float:
+def _cp_per_micro_batch(model_cfg, L: Layout, stage: Stage, seq_len: int, hw: Hardware,
+                        act_bytes: int, impl: Implementation, attention_s: float) -> float:
     """The cp ring's key/value blocks or the all-to-alls of a micro-batch, for the stage's
-    blocks; what attention hides of them where the implementation overlaps."""
+    blocks (whole ones); what attention hides of them where the implementation overlaps."""
     if L.cp <= 1:
         return 0.0
     bw = group_bandwidth(hw, L.world_size, (L.cp, L.tp))
-    layers = model_cfg.n_layers / L.pp  # per stage (the balanced split)
     cp_mb = sum(row["bytes"] for row in cp_traffic(
-        model_cfg, L.micro_batch_size, seq_len, L.cp, L.tp, L.cp_method, math.ceil(layers),
-        act_bytes)) / bw
+        model_cfg, L.micro_batch_size, seq_len, L.cp, L.tp, L.cp_method,
+        math.ceil(stage.blocks), act_bytes)) / bw
     return max(cp_mb - attention_s, 0.0) if impl.cp_overlap else cp_mb
 
 
-def _ep_per_micro_batch(model_cfg, L: Layout, micro_tokens: int, hw: Hardware,
+def _ep_per_micro_batch(model_cfg, L: Layout, stage: Stage, micro_tokens: int, hw: Hardware,
                         act_bytes: int) -> float:
-    """The token all-to-alls of the stage's MoE blocks for a micro-batch."""
-    n_moe = moe_block_count(model_cfg) / L.pp if L.ep > 1 else 0
-    if not n_moe:
+    """The token all-to-alls of the stage's MoE blocks for a micro-batch: a rank routes its own
+    tokens, 1/tp of them under sequence parallelism, else every tp rank all of them."""
+    if L.ep <= 1 or not stage.moe_blocks:
         return 0.0
     # ep groups are consecutive dp ranks: ep of them, cp x tp apart.
     bw = group_bandwidth(hw, L.world_size, (L.ep, L.cp * L.tp))
-    traffic = moe_traffic(model_cfg, micro_tokens, 1, L.ep, round(n_moe), act_bytes)
+    routed = micro_tokens // (L.tp if L.sequence_parallel else 1)
+    traffic = moe_traffic(model_cfg, routed, 1, L.ep, round(stage.moe_blocks), act_bytes)
     return (traffic["bytes_sent"] + traffic["count_bytes"]) / bw
 
 
@@ -332,65 +367,6 @@ def _p2p_per_micro_batch(model_cfg, L: Layout, micro_tokens: int, hw: Hardware,
     seq_split = L.tp if L.sequence_parallel or impl.send_split_tp else 1
     send = micro_tokens * model_cfg.dim * impl.send_bytes / seq_split
     return 2 * send * L.pp_virtual_stages / (hw.bandwidth(pp_cross) * BUS_EFFICIENCY)
-
-
-def _data_parallel(model_cfg, L: Layout, m: int, compute_mb: float, hw: Hardware,
-                   act_bytes: int, impl: Implementation) -> tuple[float, float, float, float]:
-    """The step's data-parallel part over dp x cp, for this rank's parameters (its stage's, its
-    tp slice), as much of it as the compute it overlaps does not hide: the gradient reduction
-    and the weights' all-gather (ZeRO-1/2), ZeRO-3's per-micro-batch gathers and reductions,
-    ZeRO-Offload's host step, and the optimizer step on the GPU."""
-    nd = L.dp * L.cp
-    params = count_params(model_cfg) / (L.pp * L.tp)
-    grad_bytes = impl.grad_bytes or (4 if L.zero_stage == 0 else act_bytes)
-    bw = group_bandwidth(hw, L.world_size, (nd, L.tp))
-    overlaps = impl.dp_overlap and (L.pp == 1 or impl.dp_overlap_under_pp)
-    backward, forward = 2 / 3 * compute_mb, 1 / 3 * compute_mb
-    dp_s, zero3_s, offload_s = 0.0, 0.0, 0.0
-    if L.zero_stage == 0:
-        dp_s = max(ring("all_reduce", params * grad_bytes, nd, bw)
-                   - (backward if overlaps else 0.0), 0.0)
-    elif L.zero_stage == 1 or L.zero_stage == 2 and L.zero_backend != "fsdp" or L.pp > 1:
-        # (FSDP under pp gathers a stage's weights once a step and reduce-scatters once.)
-        reduce = ring("reduce_scatter", params * grad_bytes, nd, bw)
-        gather = ring("all_gather", params * act_bytes, nd, bw)
-        dp_s = (max(reduce - (backward if overlaps else 0.0), 0.0)
-                + max(gather - (forward if impl.param_gather_overlap else 0.0), 0.0))
-    else:
-        # Every micro-batch gathers the weights for its forward and (ZeRO-3) again for its
-        # backward, and reduce-scatters its gradients; prefetching hides them behind its compute,
-        # all but the first block's gather. FSDP2 at stage 2 is this with one gather: it keeps a
-        # block's weights from its forward to its backward.
-        gathers = 2 if L.zero_stage == 3 else 1
-        # HSDP: the shards' group is a replica's dp_shard x cp ranks (consecutive: inside a node
-        # when they fit); each reduced shard is then all-reduced across the replicas, whose ranks
-        # on a node each drive a NIC.
-        shard = nd // L.dp_replicate
-        if L.dp_replicate > 1:
-            bw = group_bandwidth(hw, L.world_size, (shard, L.tp))
-        comm = (gathers * ring("all_gather", params * act_bytes, shard, bw)
-                + ring("reduce_scatter", params * grad_bytes, shard, bw)
-                + ring("all_reduce", params / shard * grad_bytes, L.dp_replicate,
-                        group_bandwidth(hw, L.world_size, (L.dp_replicate, shard * L.tp))))
-        blocks = model_cfg.n_layers / L.pp
-        exposed = max(comm - compute_mb, comm / (3 * blocks)) if impl.zero3_prefetch else comm
-        hooks = impl.zero3_hook_s_per_module * (MODULES_PER_BLOCK * blocks + 3)
-        # Copy-in and copy-out of each gather (the rank's shard in, the whole weights out) and
-        # of each reduce-scatter (the whole gradients in, the shard out), read and written.
-        copies = (params * (gathers * act_bytes + grad_bytes) * (1 + 1 / shard) * 2
-                  / hw.hbm_bandwidth if impl.fsdp_copies else 0.0)
-        zero3_s = m * (exposed + hooks + copies)
-    if L.zero_stage and impl.deepspeed:
-        dp_s += params * DEEPSPEED_S_PER_PARAM[L.zero_stage]
-    if L.zero_stage and L.offload_optimizer != "none":
-        shard = params / nd
-        offload_s = shard / HOST_ADAM_PARAMS_PER_S + shard * 2 * act_bytes / PCIE_BYTES_PER_S
-    # AdamW on the GPU: weights, gradients and two moments read and written (16 bytes each way
-    # per parameter of the rank's shard), at the memory's bandwidth.
-    optimizer_s = 0.0 if offload_s else \
-        params / (nd // L.dp_replicate if L.zero_stage else 1) * 16 * 2 / hw.hbm_bandwidth
-    return dp_s, zero3_s, offload_s, optimizer_s
-
 
 def limits(parts: dict, total: float, tp_cross: bool, dp_cross: bool) -> str:
     """What costs the step most besides compute, in words: "bubble 14%", "tp all-reduce crosses

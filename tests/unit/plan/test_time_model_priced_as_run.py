@@ -7,10 +7,13 @@ from collections import defaultdict
 
 import pytest
 
+from partrain.models.arith import count_params_per_rank, expert_params, moe_blocks_among, \
+    stage_layers
 from partrain.parallel.mesh import ParallelDims
+from partrain.plan.dp_time import rank_params
 from partrain.plan.hardware import PRESETS, load_hardware
-from partrain.plan.links import crosses_nodes
-from partrain.plan.time_model import Layout, step_time
+from partrain.plan.links import crosses_nodes, group_bandwidth, ring
+from partrain.plan.time_model import Layout, pipeline_stages, step_time
 from tests.unit.helpers import compose
 
 H100 = PRESETS["H100-SXM"]
@@ -99,3 +102,54 @@ def test_a_tp_group_that_straddles_two_nodes_is_priced_on_the_network():
     assert straddling["tp_s"] == pytest.approx(aligned[0]["tp_s"] / share)
     assert "tp collectives cross nodes" in straddling["limits"]
     assert straddling["step_s"] > aligned[0]["step_s"]
+
+
+MIXTRAL = {"model": "mixtral-8x7b", "gbs": 512, "dp": 8, "tp": 2, "pp": 4, "micro_batch_size": 1}
+
+
+def test_expert_gradients_are_reduced_over_the_ranks_that_hold_the_same_experts():
+    # ep splits the experts over ep consecutive dp ranks; their gradients meet over the dp/ep
+    # ranks holding the same ones (expert.py, data.py), the dense ones over dp. Under pp
+    # partrain reduces after the schedule: nothing hides either.
+    cfg = compose("model=mixtral-8x7b", "launcher.device=cuda").model
+    priced = {ep: _time(ep=ep, **MIXTRAL) for ep in (1, 2, 4, 8)}
+    assert priced[8]["dp_s"] < priced[4]["dp_s"] < priced[2]["dp_s"] < priced[1]["dp_s"]
+    # ep = dp: each expert has one replica, so only the dense gradients are reduced (the
+    # stage with the most of them: the last, with the head)
+    layout = Layout(dp=8, tp=2, pp=4, ep=8)
+    held = [rank_params(cfg, layout, stage) for stage in pipeline_stages(cfg, layout)]
+    dense = max(d for d, _ in held)
+    assert min(e for _, e in held) > 5 * dense
+    bw = group_bandwidth(H100, 64, (8, 2))
+    assert priced[8]["dp_s"] == pytest.approx(ring("all_reduce", dense * 4, 8, bw))
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 1), (2, 1), (2, 4), (4, 2)])
+def test_a_ranks_parameters_split_dense_ones_by_tp_and_experts_by_ep_only(tp, ep):
+    # what count_params_per_rank (the model's own arithmetic) says a rank of each stage holds:
+    # tp splits all but the norm gains and a MoE's MLP, which tp ranks hold whole
+    cfg = compose("model=mixtral-8x7b", "launcher.device=cuda").model
+    layout = Layout(dp=8, tp=tp, pp=4, ep=ep)
+    ids = stage_layers(cfg.n_layers, 4)
+    for rank, stage in enumerate(pipeline_stages(cfg, layout)):
+        dense, experts = rank_params(cfg, layout, stage)
+        held = count_params_per_rank(cfg, tp, ids[rank], first=rank == 0, last=rank == 3, ep=ep)
+        assert dense + experts == pytest.approx(held, rel=1e-6)
+        routed = (moe_blocks_among(cfg, ids[rank]) * cfg.moe.n_experts // ep
+                  * expert_params(cfg))
+        assert experts == (routed if ep > 1 else 0)
+
+
+def test_each_tp_rank_runs_a_moe_on_all_its_tokens_without_sequence_parallelism():
+    # A MoE's MLP is replicated within tp (tensor.py's "replicated" style): without sequence
+    # parallelism every tp rank runs it on the micro-batch's every token, with it on 1/tp.
+    def gemm(model, sp):
+        kw = {**MIXTRAL, "model": model, "ep": 1, "sequence_parallel": sp}
+        return _time(**kw)["compute_parts"]["gemm_s"]
+
+    assert gemm("llama-7b", False) == pytest.approx(gemm("llama-7b", True))
+    assert gemm("mixtral-8x7b", False) > 1.5 * gemm("mixtral-8x7b", True)
+    # and its tokens' all-to-alls: all of them without, 1/tp with
+    routed = {sp: _time(**{**MIXTRAL, "ep": 8, "sequence_parallel": sp})["ep_s"]
+              for sp in (False, True)}
+    assert routed[True] == pytest.approx(routed[False] / 2, rel=0.01)

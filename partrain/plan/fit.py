@@ -66,7 +66,8 @@ def layout_of(cfg: DictConfig) -> Layout:
                   activation_checkpointing=t.activation_checkpointing,
                   offload_optimizer=p.offload_optimizer, cp_method=p.cp_method,
                   zero_backend=p.zero_backend if p.zero_stage else "deepspeed",
-                  dp_replicate=p.dp_replicate)
+                  dp_replicate=p.dp_replicate,
+                  pp_layers=tuple(p.pp_layers) if p.pp > 1 and p.get("pp_layers") else None)
 
 
 def price(cfg: DictConfig, hw: Hardware) -> dict:

@@ -37,7 +37,10 @@ default; scripts/bench_time_model.py models other trainers' published runs by th
   MLP is replicated within tp: each tp rank runs it, and routes, on its own tokens, 1/tp of them
   under sequence parallelism and all of them without.
 - pp: the schedule's bubble, (p-1)/(m+p-1) of the step ((p-1)/(v m + p-1) interleaved with v
-  chunks per rank: `virtual_stage_counts` lists every v the layers allow), and the sends.
+  chunks per rank: `virtual_stage_counts` lists every v the layers allow), and the sends. The
+  stages hold parallel.pp_layers's blocks (`Layout.pp_layers`), else an even split; the slowest
+  sets the pace, the bubble's too (an upper bound where the stages differ: the fill and drain
+  pass the faster ones).
 - dp over dp x cp (a MoE's routed experts under ep over the dp/ep x cp ranks holding the same
   ones, after the backward under DDP): the gradient reduction and the updated weights' all-gather, hidden behind
   the backward and forward they overlap (DDP's buckets, Megatron's `--overlap-grad-reduce` and
@@ -72,6 +75,8 @@ from partrain.models.arith import (
     flops_per_token,
     head_dim,
     moe_block_count,
+    moe_blocks_among,
+    stage_layers,
 )
 from partrain.parallel.schedules import bubble_theory
 from partrain.plan.costs import cp_traffic, moe_traffic, tp_collectives
@@ -110,6 +115,9 @@ class Layout:
     cp_method: str = "ring"
     zero_backend: str = "deepspeed"  # deepspeed | fsdp (FSDP2: FSDP_IMPL's terms)
     dp_replicate: int = 1  # HSDP: FSDP shards over dp x cp / dp_replicate, all-reduces across
+    # parallel.pp_layers: blocks per chunk, pp x v of them (chunk s on pp rank s % pp); None:
+    # an even split
+    pp_layers: tuple[int, ...] | None = None
 
     @property
     def world_size(self) -> int:
@@ -178,9 +186,15 @@ class Stage:
 
 
 def pipeline_stages(model_cfg, L: Layout) -> list[Stage]:
-    """Every pp rank's Stage, in rank order: the blocks split evenly."""
+    """Every pp rank's Stage, in rank order: its chunks' blocks by parallel.pp_layers, else an
+    even split."""
     n, moe = model_cfg.n_layers, moe_block_count(model_cfg)
-    return [Stage(n / L.pp, moe / L.pp, r == 0, r == L.pp - 1) for r in range(L.pp)]
+    if L.pp == 1 or L.pp_layers is None:
+        return [Stage(n / L.pp, moe / L.pp, r == 0, r == L.pp - 1) for r in range(L.pp)]
+    chunks = stage_layers(n, L.pp, len(L.pp_layers) // L.pp, L.pp_layers)
+    ranks = [[b for ids in chunks[r::L.pp] for b in ids] for r in range(L.pp)]
+    return [Stage(len(ids), moe_blocks_among(model_cfg, ids), r == 0, r == L.pp - 1)
+            for r, ids in enumerate(ranks)]
 
 
 def step_time(model_cfg, layout: Layout, global_batch_size: int, seq_len: int, hw: Hardware,

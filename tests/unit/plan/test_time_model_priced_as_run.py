@@ -1,6 +1,6 @@
 """The time model prices a layout as partrain runs it (partrain/plan/time_model.py): the
 compute dtype's peak, where each group's ranks land on the nodes, which ranks reduce which
-gradients, and how the blocks are split over the pipeline."""
+gradients (experts under ep), and how the blocks are split over the pipeline."""
 
 import dataclasses
 from collections import defaultdict
@@ -11,10 +11,11 @@ from partrain.models.arith import count_params_per_rank, expert_params, moe_bloc
     stage_layers
 from partrain.parallel.mesh import ParallelDims
 from partrain.plan.dp_time import rank_params
+from partrain.plan.fit import layout_of, price
 from partrain.plan.hardware import PRESETS, load_hardware
 from partrain.plan.links import crosses_nodes, group_bandwidth, ring
 from partrain.plan.time_model import Layout, pipeline_stages, step_time
-from tests.unit.helpers import compose
+from tests.unit.helpers import compose, resolved
 
 H100 = PRESETS["H100-SXM"]
 
@@ -153,3 +154,31 @@ def test_each_tp_rank_runs_a_moe_on_all_its_tokens_without_sequence_parallelism(
     routed = {sp: _time(**{**MIXTRAL, "ep": 8, "sequence_parallel": sp})["ep_s"]
               for sp in (False, True)}
     assert routed[True] == pytest.approx(routed[False] / 2, rel=0.01)
+
+
+def test_the_stage_with_the_most_blocks_sets_the_pipelines_pace():
+    # parallel.pp_layers: the slowest stage paces the pipeline, by its blocks and the head on
+    # the last. Each split's compute is its slowest stage's, linear in its blocks.
+    pp2 = {"gbs": 64, "dp": 4, "tp": 4, "pp": 2, "sequence_parallel": True, "micro_batch_size": 1}
+    c = {split: _time(pp_layers=split, **pp2)["compute_s"]
+         for split in ((16, 16), (28, 4), (4, 28))}
+    per_block = (c[4, 28] - c[16, 16]) / 12  # the last stage's, 28 blocks against 16
+    head = c[4, 28] - c[28, 4]  # 28 blocks with the head against 28 without
+    assert per_block > 0 and head > 0
+    assert c[28, 4] == pytest.approx(28 * per_block)
+    assert c[16, 16] == pytest.approx(16 * per_block + head)
+    assert _time(**pp2)["compute_s"] == pytest.approx(c[16, 16])  # None: the even split
+    assert _time(pp_layers=(28, 4), **pp2)["step_s"] > 1.5 * _time(**pp2)["step_s"]
+    # interleaved: chunk s on pp rank s % pp
+    cfg = compose("model=llama-7b").model
+    chunks = Layout(pp=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2,
+                    pp_layers=(12, 4, 12, 4))
+    assert [s.blocks for s in pipeline_stages(cfg, chunks)] == [24, 8]
+
+
+def test_plan_prices_the_configs_own_stage_split():
+    hw = dataclasses.replace(H100, gpus_per_node=8)
+    even, _, _ = resolved(config="llama-7b-tp4-pp2")
+    uneven, _, _ = resolved("parallel.pp_layers=[28,4]", config="llama-7b-tp4-pp2")
+    assert layout_of(uneven).pp_layers == (28, 4) and layout_of(even).pp_layers is None
+    assert price(uneven, hw)["step_s"] > price(even, hw)["step_s"]

@@ -9,7 +9,8 @@ torch's generator with `train.seed` before calling it, so that every layout star
 weights. The module's contract, the one the built-in model keeps:
 
 - `forward(tokens: LongTensor[batch, seq]) -> logits[batch, seq, vocab]` (under tp: this rank's
-  vocabulary shard, when the plan splits the head with "vocab_head");
+  vocabulary shard, when the plan splits the head with "vocab_head"), called with the tokens as
+  its one positional argument and nothing else (other arguments need defaults);
 - optional `tensor_parallel_plan() -> {module name: style}` (partrain.models.tp_plan.STYLES:
   colwise, rowwise, vocab, vocab_head, norm, replicated, region, attention, head_norm) for
   `parallel.tp`;
@@ -274,24 +275,17 @@ def build_on_meta(model_cfg):
 
 
 def forward_problems(model, model_cfg) -> list[str]:
-    """The forward's contract (docs/models.md), read on the meta model: forward(tokens) alone,
-    logits of model.vocab_size classes. A forward that takes a mask too failed inside every
-    rank with a TypeError, a transformers model (its output an object) with an AttributeError;
-    logits of another size trained on without a word. A forward the meta device cannot run (an
-    op without a meta kernel, a value read out) is left to the ranks."""
-    import inspect
-
+    """The forward's contract (docs/models.md), read on the meta model: callable as
+    forward(tokens), logits of model.vocab_size classes. A forward that needs a mask too, or
+    takes the tokens by keyword only, failed inside every rank with a TypeError, a transformers
+    model (its output an object) with an AttributeError; logits of another size trained on
+    without a word. The signature is read whether or not the forward runs; a forward the meta
+    device cannot run (an op without a meta kernel, a value read out) is left to the ranks."""
     import torch
 
-    try:
-        required = [p.name for p in inspect.signature(model.forward).parameters.values()
-                    if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY,
-                                                            p.POSITIONAL_OR_KEYWORD)]
-    except (TypeError, ValueError):
-        required = []
-    if len(required) > 1:
-        return [f"its forward takes {', '.join(required)}; partrain calls forward(tokens) "
-                "alone (give the others defaults)"]
+    called = call_problem(model)
+    if called:
+        return [called]
     seq = max(1, min(8, int(model_cfg.get("max_seq_len") or 8)))
     try:
         with torch.no_grad():
@@ -307,6 +301,31 @@ def forward_problems(model, model_cfg) -> list[str]:
         return [f"its forward(tokens) returns logits of shape {list(out.shape)} for tokens of "
                 f"{[1, seq]}; partrain needs (batch, seq, model.vocab_size={model_cfg.vocab_size})"]
     return []
+
+
+def call_problem(model) -> str | None:
+    """Why forward(tokens) cannot bind to the model's forward, in words: the token ids are its
+    one positional argument, and nothing else is passed (a keyword-only `input_ids` took no
+    positional argument; an `attention_mask` without a default was missing)."""
+    import inspect
+
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a builtin or C forward: no signature to read
+        return None
+    # A forward pre-hook may supply what the call lacks (with_kwargs=True): the ranks judge.
+    if getattr(model, "_forward_pre_hooks", None):
+        return None
+    try:
+        signature.bind(object())
+    except TypeError as e:
+        shown = signature.replace(parameters=[p.replace(annotation=p.empty)
+                                              for p in signature.parameters.values()],
+                                  return_annotation=signature.empty)
+        return (f"its forward{shown} cannot be called as forward(tokens) ({e}): partrain passes "
+                "the token ids (batch, seq) as its one positional argument and nothing else; "
+                "take them positionally and give every other argument a default")
+    return None
 
 
 def declared(model) -> UserModel:

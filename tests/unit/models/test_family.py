@@ -62,8 +62,8 @@ def test_a_plain_model_runs_every_data_parallel_backend():
     # the forward's contract, read on the meta model (each failed inside the ranks, or trained a
     # wrong model without a word)
     ("tests.unit.models.user_models:wrong_vocab", "returns logits of shape [1, 8, 259]"),
-    ("tests.unit.models.user_models:masked", "its forward takes tokens, attention_mask; partrain "
-                                             "calls forward(tokens) alone"),
+    ("tests.unit.models.user_models:masked", "its forward(tokens, attention_mask) cannot be "
+                                             "called as forward(tokens)"),
     ("tests.unit.models.user_models:hf_like", "returns Output, not the logits tensor (batch, seq, "
                                               "vocabulary) (a transformers model: return its "
                                               "output's .logits)"),

@@ -26,7 +26,9 @@ weights. The module's contract, the one the built-in model keeps:
 What a model does not declare still trains with DDP, DeepSpeed ZeRO, FSDP2, checkpoints, resume
 and metrics; tp and pp without a plan or a split are refused before anything starts, naming
 what is missing (`check_user_model`), and so is a parameter shared between modules (one
-Parameter under two names) that the layout would split into copies (partrain.models.shared).
+Parameter under two names) that the layout would split into copies (partrain.models.shared),
+and a forward that breaks its contract (partrain.models.forward: its signature, and its output
+where the meta device can run it; else at the first step).
 
 A registered family (`Family`, added with `register_family`) declares, besides its builder, what
 partrain asks of a family from its config alone, without building it; None (or False) where it
@@ -62,6 +64,7 @@ from typing import Callable
 
 from partrain.errors import ConfigError
 from partrain.models import arith, llama_hf
+from partrain.models.forward import forward_problems
 from partrain.models.shared import check_shared_parameters
 
 # torch is imported where a model is built: validation and `plan` import this module too.
@@ -272,60 +275,6 @@ def build_on_meta(model_cfg):
                           "parameter before any forward; give each such layer its input size "
                           "(nn.Linear(in_features, out_features))")
     return model
-
-
-def forward_problems(model, model_cfg) -> list[str]:
-    """The forward's contract (docs/models.md), read on the meta model: callable as
-    forward(tokens), logits of model.vocab_size classes. A forward that needs a mask too, or
-    takes the tokens by keyword only, failed inside every rank with a TypeError, a transformers
-    model (its output an object) with an AttributeError; logits of another size trained on
-    without a word. The signature is read whether or not the forward runs; a forward the meta
-    device cannot run (an op without a meta kernel, a value read out) is left to the ranks."""
-    import torch
-
-    called = call_problem(model)
-    if called:
-        return [called]
-    seq = max(1, min(8, int(model_cfg.get("max_seq_len") or 8)))
-    try:
-        with torch.no_grad():
-            out = model(torch.zeros(1, seq, dtype=torch.long, device="meta"))
-    except (Exception, SystemExit):  # noqa: BLE001 - not a verdict: the ranks run it for real
-        return []
-    if not isinstance(out, torch.Tensor):
-        wrap = (" (a transformers model: return its output's .logits)"
-                if hasattr(out, "logits") else "")
-        return [f"its forward(tokens) returns {type(out).__name__}, not the logits tensor "
-                f"(batch, seq, vocabulary){wrap}"]
-    if out.dim() != 3 or out.shape[-1] != model_cfg.vocab_size:
-        return [f"its forward(tokens) returns logits of shape {list(out.shape)} for tokens of "
-                f"{[1, seq]}; partrain needs (batch, seq, model.vocab_size={model_cfg.vocab_size})"]
-    return []
-
-
-def call_problem(model) -> str | None:
-    """Why forward(tokens) cannot bind to the model's forward, in words: the token ids are its
-    one positional argument, and nothing else is passed (a keyword-only `input_ids` took no
-    positional argument; an `attention_mask` without a default was missing)."""
-    import inspect
-
-    try:
-        signature = inspect.signature(model.forward)
-    except (TypeError, ValueError):  # a builtin or C forward: no signature to read
-        return None
-    # A forward pre-hook may supply what the call lacks (with_kwargs=True): the ranks judge.
-    if getattr(model, "_forward_pre_hooks", None):
-        return None
-    try:
-        signature.bind(object())
-    except TypeError as e:
-        shown = signature.replace(parameters=[p.replace(annotation=p.empty)
-                                              for p in signature.parameters.values()],
-                                  return_annotation=signature.empty)
-        return (f"its forward{shown} cannot be called as forward(tokens) ({e}): partrain passes "
-                "the token ids (batch, seq) as its one positional argument and nothing else; "
-                "take them positionally and give every other argument a default")
-    return None
 
 
 def declared(model) -> UserModel:

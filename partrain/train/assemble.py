@@ -250,7 +250,9 @@ def build(cfg, run_dir: Path, device: torch.device) -> Run:
         guard.in_a_row = int(start.resume.meta.get("skipped_in_a_row", 0))
         if hasattr(backend, "restore_scaler"):  # ZeRO: fp16's loss scale (parallel/zero.py)
             backend.restore_scaler(start.resume.meta)
-    loss_fn = loss_function(dims, mesh, cfg.train.compile, cfg.model.vocab_size)
+    what = (f"model.target={cfg.model.target}" if cfg.model.get("target")
+            else f"model.family={cfg.model.get('family', 'llama')}")
+    loss_fn = loss_function(dims, mesh, cfg.train.compile, cfg.model.vocab_size, what)
     run = Run(cfg=cfg, run_dir=run_dir, rank=rank, device=device, dims=dims, mesh=mesh,
               coords=coords, backend=backend, loss_fn=loss_fn,
               autocast=autocast, tracer=tracer, batches=batches, tp_mesh=tp_mesh, start=start,

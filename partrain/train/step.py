@@ -17,19 +17,25 @@ from partrain.parallel.context import shard_batch
 from partrain.parallel.data import DataParallelBackend, Update
 from partrain.parallel.mesh import ParallelDims, flattened
 from partrain.parallel.tensor import vocab_parallel_cross_entropy
+from partrain.models.forward import ForwardContract, output_problem
 from partrain.models.loss import compiled_cross_entropy, cross_entropy
 
 
-def loss_function(dims: ParallelDims, mesh, compiled: bool = False, vocab_size: int | None = None):
+def loss_function(dims: ParallelDims, mesh, compiled: bool = False, vocab_size: int | None = None,
+                  what: str = "the model"):
     """Mean cross-entropy over tokens; under tp the logits are vocabulary shards and the loss is
     computed from them without gathering (every tp rank gets the same value), each rank's
     `vocab_size` / tp wide (checked: whole logits on every rank would train on a wrong loss).
     Otherwise the chunked one, or with train.compile (`compiled`) the compiled one
-    (models/loss.py)."""
+    (models/loss.py). First the output is checked against the forward's contract (`what`: the
+    model, as the launcher names it): a forward the meta device could not run before the start
+    (a value read out with .item()) is checked here, and a tuple or an object instead of the
+    logits stops every rank with the contract's message (ForwardContract, exit 2), not with an
+    AttributeError of the loss."""
     if dims.tp_enabled:
         tp_group, tp = mesh["tp"].get_group(), dims.tp
 
-        def sharded(logits, target):
+        def loss(logits, target):
             if vocab_size is not None and logits.shape[-1] != vocab_size // tp:
                 raise RuntimeError(
                     f"the model's logits are {logits.shape[-1]} wide on each of parallel.tp={tp} "
@@ -37,8 +43,15 @@ def loss_function(dims: ParallelDims, mesh, compiled: bool = False, vocab_size: 
                     f"{vocab_size}: {vocab_size // tp} each): plan the module that makes them "
                     "\"vocab_head\" in tensor_parallel_plan()")
             return vocab_parallel_cross_entropy(logits, target, tp_group)
-        return sharded
-    return compiled_cross_entropy() if compiled else cross_entropy
+    else:
+        loss = compiled_cross_entropy() if compiled else cross_entropy
+
+    def checked(logits, target):
+        wrong = output_problem(logits, target.shape, None if dims.tp_enabled else vocab_size)
+        if wrong:
+            raise ForwardContract(f"{what}: {wrong}")
+        return loss(logits, target)
+    return checked
 
 
 def global_mean(value: torch.Tensor, dims: ParallelDims, mesh) -> float:

@@ -145,3 +145,39 @@ def test_a_parameter_made_in_forward_stops_the_run_at_its_first_step(cli, tmp_pa
     assert res.returncode == 1, said[-3000:]
     assert ("failed: RuntimeError: the model made parameters in its forward (late.bias, "
             "late.weight)") in said, said[-3000:]
+
+
+SCALED = '''
+from torch import nn
+
+
+class Scaled(nn.Module):
+    def __init__(self, vocab_size):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, 16)
+        self.head = nn.Linear(16, vocab_size)
+
+    def forward(self, tokens):
+        logits = self.head(self.embed(tokens))
+        return logits, logits.abs().max().item()  # .item(): the meta device cannot run it
+
+
+def build(model_cfg):
+    return Scaled(model_cfg.vocab_size)
+'''
+
+
+def test_a_forward_the_meta_device_cannot_run_has_its_output_checked_at_the_first_step(
+        cli, tmp_path):
+    """A reviewer's model: its forward reads a value out (.item(), which meta tensors cannot) and
+    returns a tuple. The check before the start cannot run it; every rank failed with
+    "AttributeError: 'tuple' object has no attribute 'flatten'", exit 1. Now the first step
+    says the contract's message, as the check before the start says it, exit 2."""
+    (tmp_path / "scaled.py").write_text(SCALED)
+    res = cli.run("launch", *SMALL, "model.target=scaled:build", "--run-dir",
+                  str(tmp_path / "run"), cwd=tmp_path)
+    said = " ".join(res.stderr.split())
+    assert res.returncode == 2, said[-3000:]
+    assert ("error: model.target=scaled:build: its forward(tokens) returns tuple, not the logits "
+            "tensor (batch, seq, vocabulary) (return the logits alone)") in said, said[-3000:]
+    assert "Traceback" not in said and "AttributeError" not in said

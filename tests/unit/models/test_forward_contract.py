@@ -3,8 +3,10 @@ the token ids its one positional argument, logits (batch, seq, model.vocab_size)
 models are written as files, each a module of its own, into the test's tmp dir."""
 
 import uuid
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 NET = '''
 import torch
@@ -78,3 +80,39 @@ def test_a_forward_callable_as_forward_tokens_passes(run_main, user_model, signa
     res = run_main("launch", "--dry-run", user_model(signature, body), "launcher.device=cpu")
     assert res.code == 0, res.stderr
     assert "nothing started" in res.stdout, res.stdout
+
+
+def _wider(logits: torch.Tensor, extra: int) -> torch.Tensor:
+    return torch.cat([logits, torch.zeros(*logits.shape[:-1], extra)], dim=-1)
+
+
+@pytest.mark.parametrize("tp, made, fragment", [
+    # A forward the meta device cannot run (it reads a value out with .item()) passes the check
+    # before the start; its tuple failed inside every rank as "AttributeError: 'tuple' object
+    # has no attribute 'flatten'", exit 1.
+    (1, lambda logits: (logits, 0.5), "its forward(tokens) returns tuple, not the logits tensor "
+                                      "(batch, seq, vocabulary) (return the logits alone)"),
+    (2, lambda logits: (logits[..., :128], 0.5), "its forward(tokens) returns tuple"),
+    # 300 classes for a vocabulary of 256 trained on without a word.
+    (1, lambda logits: _wider(logits, 44), "its forward(tokens) returns logits of shape "
+                                           "[2, 8, 300] for tokens of [2, 8]; partrain needs "
+                                           "(batch, seq, model.vocab_size=256)"),
+], ids=["tuple", "tuple-under-tp", "wrong-width"])
+def test_an_output_that_breaks_the_contract_stops_the_ranks_with_its_message_and_exit_2(
+        tp, made, fragment):
+    """The loss checks the output first (train/step.py): what the meta model's check says before
+    the start, raised as an error the launcher says as its message, exit 2."""
+    from partrain.launch.local import stopped
+    from partrain.train.step import loss_function
+
+    # A stand-in for a tp=2 mesh (two ranks do not fit one process): the output is checked
+    # before the group is used.
+    dims = SimpleNamespace(tp_enabled=tp > 1, tp=tp)
+    mesh = {"tp": SimpleNamespace(get_group=lambda: None)}
+    loss = loss_function(dims, mesh, vocab_size=256, what="model.target=net:build")
+    with pytest.raises(Exception) as raised:
+        loss(made(torch.zeros(2, 8, 256)), torch.zeros(2, 8, dtype=torch.long))
+    # A rank's error file holds "Type: message" (torch's @record); the launcher reads that.
+    recorded = f"{type(raised.value).__name__}: {raised.value}"
+    said, code = stopped(recorded) or (recorded, 1)
+    assert code == 2 and said.startswith("model.target=net:build: " + fragment), recorded

@@ -70,7 +70,7 @@ EXIT_OK, EXIT_RANK_FAILED, EXIT_PREEMPTED, EXIT_DIVERGED, EXIT_INTERRUPTED = 0, 
 # multi-node start (partrain.train.shared_dir), train.float8 on GPUs without FP8
 # (partrain.parallel.float8), offload to nvme without libaio or a writable path
 # (partrain.parallel.zero), a preemption signal whose save was refused (partrain.train.loop),
-# and a forward whose output breaks the contract (partrain.models.family.ForwardContract: one the
+# and a forward whose output breaks the contract (partrain.models.forward.ForwardContract: one the
 # meta device could not run before the start; under pp only the last stage raises it, and the
 # agent stops the others).
 STOPPED = {"Diverged: ": EXIT_DIVERGED, "NonFiniteStart: ": 2, "DamagedCheckpoint: ": 2,

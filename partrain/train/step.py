@@ -12,13 +12,13 @@ import torch
 import torch.distributed as dist
 
 from partrain.data.batches import sampler_micro_batches
+from partrain.models.forward import ForwardContract, output_problem
+from partrain.models.loss import compiled_cross_entropy, cross_entropy
 from partrain.observe.trace import Tracer
 from partrain.parallel.context import shard_batch
 from partrain.parallel.data import DataParallelBackend, Update
 from partrain.parallel.mesh import ParallelDims, flattened
 from partrain.parallel.tensor import vocab_parallel_cross_entropy
-from partrain.models.forward import ForwardContract, output_problem
-from partrain.models.loss import compiled_cross_entropy, cross_entropy
 
 
 def loss_function(dims: ParallelDims, mesh, compiled: bool = False, vocab_size: int | None = None,
@@ -37,8 +37,8 @@ def loss_function(dims: ParallelDims, mesh, compiled: bool = False, vocab_size: 
 
         def loss(logits, target):
             if vocab_size is not None and logits.shape[-1] != vocab_size // tp:
-                raise RuntimeError(
-                    f"the model's logits are {logits.shape[-1]} wide on each of parallel.tp={tp} "
+                raise ForwardContract(
+                    f"{what}: its logits are {logits.shape[-1]} wide on each of parallel.tp={tp} "
                     f"ranks; the loss reads them as 1/{tp} of the vocabulary (model.vocab_size="
                     f"{vocab_size}: {vocab_size // tp} each): plan the module that makes them "
                     "\"vocab_head\" in tensor_parallel_plan()")

@@ -17,6 +17,9 @@ def test_whole_logits_under_tp_are_an_error_naming_the_fix():
     dims = SimpleNamespace(tp_enabled=True, tp=2)
     mesh = {"tp": SimpleNamespace(get_group=lambda: None)}
     loss = loss_function(dims, mesh, vocab_size=256)
-    with pytest.raises(RuntimeError, match=r"logits are 256 wide on each of parallel.tp=2 ranks.*"
+    from partrain.models.forward import ForwardContract
+
+    # ForwardContract: the launcher says it and exits 2 (it was a RuntimeError: exit 1).
+    with pytest.raises(ForwardContract, match=r"the model: its logits are 256 wide on each of parallel.tp=2 ranks.*"
                                            r"128 each.*\"vocab_head\""):
         loss(torch.zeros(2, 8, 256), torch.zeros(2, 8, dtype=torch.long))

@@ -55,10 +55,11 @@ def restart_reporter(run_dir: Path, max_restarts: int, console_print, multi_node
     since = time.time()  # hang reports of this launch only
 
     def report(attempt: int, errors: dict[int, str | None], ended: dict[int, int],
-               early: list[int] = ()) -> None:
+               early: list[int] = (), preempted: bool = False) -> None:
         """`errors`: what this node's ranks recorded (None: nothing); `ended`: the exit code of
         the rank the agent saw fail first (negative: the signal that killed it); `early`: ranks
-        that exited with code 0 in the middle (launch/ended.py)."""
+        that exited with code 0 in the middle (launch/ended.py); `preempted`: a preemption
+        signal came to this launcher, passed on to the restarted workers."""
         hung = say_hang(run_dir, since, console_print)
         failed = {rank: text for rank, text in errors.items()
                   if text and not lost_a_peer(text)}
@@ -79,7 +80,10 @@ def restart_reporter(run_dir: Path, max_restarts: int, console_print, multi_node
         start = (f"from {newest.path.name} (step {newest.step})" if newest else
                  "from the start: no checkpoint was committed yet")
         console_print(f"{who} (after step {step if step is not None else 0}); restart {attempt} "
-                      f"of {max_restarts} (launcher.max_restarts), {start}")
+                      f"of {max_restarts} (launcher.max_restarts), {start}"
+                      + ("; the preemption signal (SIGUSR2) this launcher got goes to the "
+                         "restarted workers: they save at their first step and exit 3"
+                         if preempted else ""))
     return report
 
 

@@ -162,7 +162,7 @@ class RunDirLogsSpecs(LogsSpecs):
                     raise StoppedTogether(*stopped(text))
             early = (self.end_watch.ended_early(attempt - 1, not_these=codes)
                      if self.end_watch is not None else [])
-            self.on_restart(attempt, said, codes, early)
+            self.on_restart(attempt, said, codes, early, FORWARDER.deliver_again())
         self.ranks = {local: int(env["RANK"]) for local, env in envs.items()}
         hang.clear_reports(Path(self._root_log_dir).parent, (env["RANK"] for env in envs.values()))
         ended.clear(Path(self._root_log_dir).parent, self.ranks.values())

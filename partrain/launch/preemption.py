@@ -53,6 +53,16 @@ class SignalForwarder:
             self.received_at = time.time()
         threading.Thread(target=self._deliver, name="partrain-preempt", daemon=True).start()
 
+    def deliver_again(self) -> bool:
+        """At a restart of the workers (launcher.max_restarts): a signal this launcher got goes
+        to the new workers too, since the ones that had it may have failed before they saved
+        (under SLURM it comes once, before the time limit; lost, the job trained on until its
+        SIGTERM and was not requeued). True where there was one to pass on."""
+        if self.received_at is None:
+            return False
+        threading.Thread(target=self._deliver, name="partrain-preempt", daemon=True).start()
+        return True
+
     def _deliver(self) -> None:
         deadline, delivered = time.monotonic() + self.patience_s, set()
         while time.monotonic() < deadline:

@@ -56,6 +56,11 @@ GATHER_S = 5.0  # how long a rank that saw the hang waits for the others' report
 # A quiet rank's wait in one collective is a hang this long before the collective timeout: its
 # report, the others' (GATHER_S) and the stacks are written before gloo or NCCL give up.
 QUIET_MARGIN_S = 15.0
+# A poll of the watch this much later than asked, with the process's CPU time all but still
+# meanwhile (under a tenth of the delay), was a suspension: SIGSTOP (Ctrl-Z, SLURM's
+# PreemptMode=SUSPEND, `scontrol suspend`), during which the monotonic clock runs on. Its length
+# is not idleness: the clock of the watch moves past it.
+SUSPENDED_AFTER_S = 5.0
 PREFIX = "Hang: "  # the error a rank records; the launcher reads it from the error file
 _C10D = os.path.join("torch", "distributed", "distributed_c10d.py")
 _NOT_OURS = tuple(os.sep + name + os.sep for name in ("torch", "deepspeed", "site-packages"))
@@ -157,9 +162,14 @@ class HangWatch:
 
     def _run(self) -> None:
         poll = min(1.0, self.limit_s / 10)
+        last, cpu = time.monotonic(), time.process_time()
         while not self._stopped.wait(poll):
             with self._lock:
-                now = time.monotonic()
+                now, now_cpu = time.monotonic(), time.process_time()
+                late = now - last - poll
+                if late > SUSPENDED_AFTER_S and now_cpu - cpu < late / 10:
+                    self._suspended(late)
+                last, cpu = now, now_cpu
                 idle = None if self.since is None else now - self.since
                 limit, quiet = self._limit(), self.quiet_now
                 if quiet:
@@ -171,6 +181,14 @@ class HangWatch:
                              for r in read_reports(self.run_dir, since=self.started)):
                 self._report(None, None, quiet, follows=True)
                 return
+
+    def _suspended(self, seconds: float) -> None:
+        """The process was stopped for `seconds` (SUSPENDED_AFTER_S): they count as no one's
+        idleness (the other ranks were stopped with it, or report a hang themselves)."""
+        if self.since is not None:
+            self.since += seconds
+        if self._waiting is not None:
+            self._waiting = (self._waiting[0], self._waiting[1] + seconds)
 
     def _waited(self, now: float) -> float | None:
         """How long the main thread has waited in the collective it waits in now (None: in

@@ -269,3 +269,38 @@ def test_without_nccl_there_is_no_flight_recorder_to_dump(tmp_path):
 def test_the_dump_signal_is_not_one_partrain_or_slurm_uses():
     assert hang.DUMP_SIGNAL not in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
     assert signal.SIGRTMIN < hang.DUMP_SIGNAL <= signal.SIGRTMAX
+
+
+SUSPENDED = """
+import sys, time
+from pathlib import Path
+from partrain.observe.hang import HangWatch
+watch = HangWatch(Path(sys.argv[1]), rank=0, world_size=1, limit_s=4,
+                  on_hang=lambda report: print("hang", flush=True)).start()
+watch.begin(1)
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.slow
+def test_a_suspended_process_is_not_a_hang_once_it_goes_on(tmp_path):
+    """SIGSTOP for longer than the limit, then SIGCONT (Ctrl-Z and `fg`; SLURM's suspend): the
+    monotonic clock ran on while the process was stopped, and the run was ended as a hang the
+    moment it went on (a reviewer's run). The watch now moves its clock past a suspension; a
+    step that then makes no progress is still a hang."""
+    child = subprocess.Popen([sys.executable, "-c", SUSPENDED, str(tmp_path)],
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert child.stdout.readline() == "ready\n"
+        os.kill(child.pid, signal.SIGSTOP)
+        time.sleep(10)  # beyond the first step's limit, 2 x 4 s
+        os.kill(child.pid, signal.SIGCONT)
+        import select
+
+        said, _, _ = select.select([child.stdout], [], [], 3)
+        assert not said, f"the suspension was taken for a hang: {child.stdout.readline()!r}"
+        assert child.stdout.readline() == "hang\n"  # 8 s of no progress after it went on
+    finally:
+        child.kill()
+        child.wait()

@@ -164,6 +164,7 @@ class RunDirLogsSpecs(LogsSpecs):
                      if self.end_watch is not None else [])
             self.on_restart(attempt, said, codes, early, FORWARDER.deliver_again())
         self.ranks = {local: int(env["RANK"]) for local, env in envs.items()}
+        hang_launcher.mark_attempt_start(Path(self._root_log_dir), self.ranks.values())
         hang.clear_reports(Path(self._root_log_dir).parent, (env["RANK"] for env in envs.values()))
         ended.clear(Path(self._root_log_dir).parent, self.ranks.values())
         if self.end_watch is not None:

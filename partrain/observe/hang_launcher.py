@@ -80,12 +80,28 @@ def summary(run_dir: Path, reports: list[dict]) -> list[str]:
 _FRAME = re.compile(r'\s+File "(.+)", line (\d+) in (\S+)')
 
 
+# Where each rank log of this node's current attempt begins (the logs are appended to across
+# attempts and launches): what an earlier one said is not this one's last words, nor its stack.
+_ATTEMPT_STARTS: dict[str, int] = {}
+
+
+def mark_attempt_start(logs: Path, ranks) -> None:
+    """At each (re)start of this node's workers: their logs are read from their present ends."""
+    for rank in ranks:
+        log = logs / f"rank-{rank}.log"
+        try:
+            _ATTEMPT_STARTS[str(log)] = log.stat().st_size
+        except OSError:
+            _ATTEMPT_STARTS[str(log)] = 0
+
+
 def log_tail(log: Path, size: int = 1 << 16) -> str | None:
-    """The end of a rank's log as text (its last `size` bytes), None where it cannot be read:
-    what a dead or hung rank said last is there."""
+    """The end of a rank's log as text (its last `size` bytes, of what this node's present
+    attempt wrote where it is this node's rank: mark_attempt_start), None where it cannot be
+    read: what a dead or hung rank said last is there."""
     try:
         with open(log, "rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - size))
+            f.seek(max(_ATTEMPT_STARTS.get(str(log), 0), f.seek(0, os.SEEK_END) - size))
             return f.read().decode(errors="replace")
     except OSError:
         return None

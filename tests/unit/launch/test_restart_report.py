@@ -114,3 +114,28 @@ def test_last_words_quote_a_c_abort_over_the_python_lines_before_it(tmp_path):
     assert last_words(tmp_path / "missing.log") is None
     log.write_text("RuntimeError: " + "x" * 400 + "\n")
     assert last_words(log).endswith("...") and len(last_words(log)) == 303
+
+
+def test_an_earlier_attempts_words_and_stacks_are_not_this_ones(tmp_path):
+    """Rank logs are appended to across attempts and launches: a restart's line quoted the
+    previous attempt's injected error for a rank killed by SIGKILL, and the hang summary gave an
+    earlier launch's stack as "dumped on its launcher's signal" for a rank that dumped none (a
+    reviewer's runs). Each attempt's start is marked (RunDirLogsSpecs.reify): only what comes
+    after it is read."""
+    from partrain.launch.failures import last_words
+    from partrain.observe.hang_launcher import dumped_at
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    log = logs / "rank-3.log"
+    old_stack = ('Current thread 0x00007f (most recent call first):\n'
+                 '  File "/x/partrain/parallel/data.py", line 134 in backward\n'
+                 '  File "/x/partrain/train/rank.py", line 40 in main\n')
+    log.write_text("RuntimeError: injected fault at step 3\n" + old_stack)
+    assert last_words(log) and dumped_at(log)  # before any attempt of this launcher
+    specs = RunDirLogsSpecs(logs, restart_reporter(tmp_path, 1, lambda line: None, False))
+    specs.reify(_envs([2, 3]))
+    assert last_words(log) is None and dumped_at(log) is None
+    with log.open("a") as f:
+        f.write("step 4 loss 5.1\nValueError: this attempt's own\n")
+    assert last_words(log) == "ValueError: this attempt's own"

@@ -119,7 +119,8 @@ class DivergenceGuard:
         losses = {} if newest is None else losses_at(run_dir, (1, newest.step))
         if newest is None:
             where = ("No checkpoint was committed before it: start the run again with a lower "
-                     f"learning rate, e.g. the same command with {lower}")
+                     f"learning rate, e.g. the same command with {lower} and another --run-dir "
+                     "(this one holds the diverged run's config)")
         elif losses.get(newest.step, -math.inf) > losses.get(1, math.inf):
             # Finite is all the guard asks of a checkpoint, but one whose loss is above the
             # untrained model's was saved after the run had gone wrong: a resume from it, at any

@@ -272,7 +272,8 @@ def save_if_due(run: Run, step: int, preemption: PreemptionFlag, skipped: bool) 
                               f"resume from it with a lower learning rate: partrain launch "
                               f"--resume {run.run_dir} {lower}" if kept else
                               "No checkpoint was committed before it: start the run again with a "
-                              f"lower learning rate, e.g. the same command with {lower}"))
+                              f"lower learning rate, e.g. the same command with {lower} and "
+                              "another --run-dir (this one holds the diverged run's config)"))
         return False
     if not saved:  # every rank refused the same non-finite state: stop, and say it was not saved
         kept = store.newest(run.run_dir / store.CHECKPOINTS)

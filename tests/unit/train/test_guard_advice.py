@@ -47,3 +47,14 @@ def test_the_losses_are_read_by_step_the_last_line_winning(tmp_path):
         f.write('{"step": 8, "loss": 2.5}\n{"broken\n')  # a restart wrote step 8 again
     assert losses_at(run_dir, (1, 8, 99)) == {1: 5.5, 8: 2.5}
     assert losses_at(tmp_path / "nowhere", (1,)) == {}
+
+
+def test_without_a_checkpoint_the_advice_names_another_run_dir(tmp_path):
+    """The same command with a lower optim.lr was advised; with its --run-dir it is refused (the
+    run dir holds the diverged run's config), exit 2 (a reviewer's run)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "loss": 5.5}\n')
+    said = _guard().message(run_dir, lr=30.0)
+    assert ("start the run again with a lower learning rate, e.g. the same command with "
+            "optim.lr=3 and another --run-dir (this one holds the diverged run's config)") in said

@@ -64,6 +64,14 @@ def summary(run_dir: Path, reports: list[dict]) -> list[str]:
     if any(r.get("collective") for r in reports) and not all(r.get("collective")
                                                                 for r in reports):
         lines.append("  the ranks in no collective are the ones the others wait for")
+    elif len(places) == 1 and len({r["rank"] for r in reports}) == world and \
+            not first.get("quiet"):
+        # Nobody is behind: a stuck collective (the network, a NIC) looks so, and so does a
+        # step that only takes longer than the limit (a slow file system, a loaded machine)
+        lines.append(f"  every rank is at the same place and none is behind: a step slower than "
+                     f"the {limit:.0f} s limit looks like this too; if the steps are that slow, "
+                     "raise launcher.hang_timeout_s (and launcher.collective_timeout_s, above "
+                     "twice it)")
     for rank in sorted(set(range(world)) - {r["rank"] for r in reports}):
         dumped = dumped_at(run_dir / "logs" / f"rank-{rank}.log")
         lines.append(f"  rank {rank} did not report (its main thread holds the GIL, or its node "

@@ -156,6 +156,23 @@ def test_the_summary_groups_ranks_by_where_they_wait(tmp_path):
     assert summary(tmp_path, []) == []
 
 
+def test_every_rank_at_one_place_says_a_slow_step_looks_so_too(tmp_path):
+    """A step of 5.1 s under a 5 s limit: every rank reported the same wait, none behind, and the
+    summary read as a hang in DDP's all-reduce (a reviewer's run). It now says that a step
+    slower than the limit looks like this, and which keys to raise; not where a rank is behind."""
+    ddp = {"op": "all_reduce", "group": None, "ranks": None}
+    same = [_report(rank, world=2, collective=ddp, at="partrain/parallel/data.py:134 in backward")
+            for rank in (0, 1)]
+    said = summary(tmp_path, same)
+    assert said[-2] == ("  every rank is at the same place and none is behind: a step slower "
+                        "than the 5 s limit looks like this too; if the steps are that slow, "
+                        "raise launcher.hang_timeout_s (and launcher.collective_timeout_s, above "
+                        "twice it)"), said
+    behind = [same[0], _report(1, world=2, at="partrain/train/loop.py:9 in run_step")]
+    assert not any("slower than" in line for line in summary(tmp_path, behind))
+    assert not any("slower than" in line for line in summary(tmp_path, same[:1]))
+
+
 def test_a_rank_that_did_not_report_is_found_in_its_faulthandler_dump(tmp_path):
     """A real faulthandler dump, from a process whose main thread runs in a partrain/train/rank.py
     (as every rank's does) that calls into another partrain module, stuck there in the standard

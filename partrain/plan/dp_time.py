@@ -10,8 +10,6 @@ reduced there, and ZeRO and FSDP shard them there. partrain replicates a MoE's M
 (each tp rank holds it whole), so tp divides the dense parameters but not the experts.
 """
 
-from typing import TYPE_CHECKING
-
 from partrain.models.arith import (
     count_params,
     count_params_per_rank,
@@ -24,19 +22,8 @@ from partrain.models.arith import (
 )
 from partrain.plan.hardware import Hardware
 from partrain.plan.links import group_bandwidth, ring
+from partrain.plan.priced import DEEPSPEED_S_PER_PARAM, Implementation, Layout, Stage
 
-if TYPE_CHECKING:
-    from partrain.plan.time_model import Implementation, Layout, Stage
-
-# DeepSpeed's own work beyond the collectives, measured at dp=1 on an H100 where there is
-# nothing to communicate (docs/performance.md "On GPUs": llama-1b, 1.5B parameters in 16 blocks,
-# 2 micro-batches of 8192 tokens; ZeRO-1/2/3 at 0.963, 0.828 and 0.362 of DDP's tokens/s):
-# ZeRO-1/2's bf16 -> fp32 gradient copies into its flat buffers and the weights' copy back, per
-# parameter and step; ZeRO-3's gather and release hooks, per module and micro-batch (0.357 s per
-# micro-batch over 147 modules: 9 per block, the embedding, the final norm and the head). The
-# hooks are Python and kernel launches per module, so they scale with modules, not parameters.
-DEEPSPEED_S_PER_PARAM = {1: 1.1e-11, 2: 5.7e-11, 3: 5.7e-11}
-ZERO3_HOOK_S_PER_MODULE = 0.357 / 147
 MODULES_PER_BLOCK = 9  # q, k, v, o, w1, w2, w3 and the two norms
 HOST_ADAM_PARAMS_PER_S = 1.5e9  # DeepSpeedCPUAdam over one GPU's host cores (H100 node, measured)
 PCIE_BYTES_PER_S = 25e9  # one way, per GPU (PCIe gen4 x16 in practice; gen5 cards reach more)
@@ -54,7 +41,7 @@ def block_params(model_cfg, active: bool = False) -> tuple[float, float, float]:
     return (blocks - (n - n_moe) * dense_mlp - n_moe * moe_mlp) / n, dense_mlp, moe_mlp
 
 
-def rank_params(model_cfg, L: "Layout", stage: "Stage") -> tuple[float, float]:
+def rank_params(model_cfg, L: Layout, stage: Stage) -> tuple[float, float]:
     """A rank's parameters on `stage`: (those reduced over dp x cp, the routed experts reduced
     over edp x cp). tp splits all but the norm gains and a MoE's MLP; ep splits routed experts."""
     common, dense_mlp, _ = block_params(model_cfg)
@@ -70,8 +57,8 @@ def rank_params(model_cfg, L: "Layout", stage: "Stage") -> tuple[float, float]:
     return held - experts, experts
 
 
-def data_parallel(model_cfg, L: "Layout", stage: "Stage", m: int, compute_mb: float,
-                  hw: Hardware, act_bytes: int, impl: "Implementation"
+def data_parallel(model_cfg, L: Layout, stage: Stage, m: int, compute_mb: float,
+                  hw: Hardware, act_bytes: int, impl: Implementation
                   ) -> tuple[float, float, float, float]:
     """The step's data-parallel part for a rank of `stage`, as much of it as the compute it
     overlaps does not hide: the gradient reduction and the weights' all-gather (ZeRO-1/2),

@@ -68,7 +68,6 @@ and GEMM_HALF_DIM.
 """
 
 import math
-from dataclasses import dataclass
 
 from partrain.models.arith import (
     ffn_dim,
@@ -80,9 +79,11 @@ from partrain.models.arith import (
 )
 from partrain.parallel.schedules import bubble_theory
 from partrain.plan.costs import cp_traffic, moe_traffic, tp_collectives
-from partrain.plan.dp_time import ZERO3_HOOK_S_PER_MODULE, block_params, data_parallel
+from partrain.plan.dp_time import block_params, data_parallel
 from partrain.plan.hardware import Hardware
 from partrain.plan.links import BUS_EFFICIENCY, crosses_nodes, group_bandwidth, ring
+# The priced data, named here too (fit, search, the scripts and tests import them from here)
+from partrain.plan.priced import FSDP_IMPL, PARTRAIN, Implementation, Layout, Stage
 
 # Thin GEMMs: efficiency x / (x + GEMM_HALF_DIM) of a large one, x the thinnest side. Fitted
 # on the fit rows (scripts/bench_time_model.py --fit): 32, a 4% penalty at 768 (MPT-125M's
@@ -98,73 +99,6 @@ ATTENTION_EFFICIENCY = 0.7
 UNFUSED_SCORE_BYTES = 20
 
 
-@dataclass(frozen=True)
-class Layout:
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    zero_stage: int = 0
-    sequence_parallel: bool = False
-    pp_schedule: str = "1f1b"
-    pp_virtual_stages: int = 1
-    micro_batch_size: int = 1
-    activation_checkpointing: str = "none"
-    offload_optimizer: str = "none"
-    cp_method: str = "ring"
-    zero_backend: str = "deepspeed"  # deepspeed | fsdp (FSDP2: FSDP_IMPL's terms)
-    dp_replicate: int = 1  # HSDP: FSDP shards over dp x cp / dp_replicate, all-reduces across
-    # parallel.pp_layers: blocks per chunk, pp x v of them (chunk s on pp rank s % pp); None:
-    # an even split
-    pp_layers: tuple[int, ...] | None = None
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
-
-@dataclass(frozen=True)
-class Implementation:
-    """What the time model assumes of the trainer; partrain's by default (PARTRAIN). Another
-    trainer's published runs are modelled by its own (scripts/bench_time_model.py)."""
-    dp_overlap: bool = True  # the gradient reduction goes out during the last backward
-    dp_overlap_under_pp: bool = False  # ... also under pp (partrain averages after the schedule)
-    param_gather_overlap: bool = False  # ZeRO-1/2's weight all-gather under the next forward
-    zero3_prefetch: bool = True  # ZeRO-3/FSDP gathers the next layer during this one's compute
-    zero3_hook_s_per_module: float = ZERO3_HOOK_S_PER_MODULE  # per module and micro-batch
-    deepspeed: bool = True  # ZeRO is DeepSpeed's (its flat-buffer copies, DEEPSPEED_S_PER_PARAM)
-    tp_overlap: float = 0.0  # share of the tp collectives hidden behind GEMMs
-    tp_wire_bytes: int = 0  # bytes per element of every tp collective; 0: partrain's (costs.py)
-    grad_bytes: int = 0  # bytes per gradient element reduced; 0: partrain's (fp32 under DDP)
-    cp_overlap: bool = False  # cp's key/value exchange hidden behind attention
-    flash_attention: bool = True  # fused attention; False: scores through HBM (Megatron 2021-22)
-    # The fused kernel's forward + backward as a fraction of the GPU's peak, where its figure on
-    # that GPU is known (FlashAttention-2 on an H100: 0.35, FlashAttention-3's abstract; it is
-    # what PyTorch's SDPA runs there unless cuDNN's is asked for, pytorch/pytorch#138522);
-    # 0: ATTENTION_EFFICIENCY of the GEMMs'.
-    attention_peak_fraction: float = 0.0
-    selective_matmuls: float = 0.0  # share of the forward GEMMs "selective" recomputes
-    send_bytes: int = 4  # bytes per element of a pipeline send (partrain: the fp32 residual)
-    send_split_tp: bool = False  # each tp rank sends 1/tp of it (Megatron's scatter/gather)
-    # FSDP2's per-parameter shards are copied into one buffer before each all-gather and out of
-    # it after, and gradients into one before each reduce-scatter (its "copy-in/copy-out"; FSDP1
-    # and DeepSpeed gather into flat buffers in place): bytes through HBM per micro-batch.
-    fsdp_copies: bool = False
-    # The trainer's GEMMs against the preset's matmul_efficiency: its kernels, compiler and the
-    # clocks its GPUs hold (a power cap). 1 for partrain and for the stacks the presets were
-    # fitted on; scripts/bench_time_model.py fits it per published stack on that stack's fit rows.
-    gemm_scale: float = 1.0
-
-
-PARTRAIN = Implementation()
-# partrain with parallel.zero_backend=fsdp: FSDP2 prefetches the next block's gather (its default
-# forward and backward prefetch), has no DeepSpeed hooks or flat-buffer copies, reduces gradients
-# in fp32 (MixedPrecisionPolicy(reduce_dtype=float32)) at every micro-batch.
-FSDP_IMPL = Implementation(zero3_prefetch=True, zero3_hook_s_per_module=0.0, deepspeed=False,
-                           grad_bytes=4, fsdp_copies=True)
-
-
 def virtual_stage_counts(n_layers: int, pp: int, max_chunks: int | None = None) -> list[int]:
     """Every number of chunks per rank an interleaved schedule can use: v >= 2 with pp * v
     dividing the layers (each chunk a whole number of them), pp * v at most max_chunks."""
@@ -172,17 +106,6 @@ def virtual_stage_counts(n_layers: int, pp: int, max_chunks: int | None = None) 
         return []
     return [v for v in range(2, n_layers // pp + 1)
             if not n_layers % (pp * v) and (max_chunks is None or pp * v <= max_chunks)]
-
-
-@dataclass(frozen=True)
-class Stage:
-    """What one pp rank runs and holds: its blocks and MoE blocks (an even split's share, a
-    fraction where a trainer's layers do not divide by pp), the embedding (first) and the
-    output head with the loss (last)."""
-    blocks: float
-    moe_blocks: float
-    first: bool = True
-    last: bool = True
 
 
 def pipeline_stages(model_cfg, L: Layout) -> list[Stage]:

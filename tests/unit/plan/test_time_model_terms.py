@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from partrain.plan import time_model
+from partrain.plan import priced, time_model
 from partrain.plan.hardware import PRESETS
 from partrain.plan.time_model import (
     BUS_EFFICIENCY,
@@ -69,7 +69,7 @@ def test_zero3_gathers_hide_behind_compute_when_prefetched():
 def test_deepspeed_zero3_hooks_scale_with_modules_not_parameters():
     one = {"gbs": 1, "dp": 1, "micro_batch_size": 1, "zero_stage": 3}
     small, big = _time("llama-1b", **one), _time("llama-70b", **one)  # nothing to gather at dp=1
-    per_module = time_model.ZERO3_HOOK_S_PER_MODULE
+    per_module = priced.ZERO3_HOOK_S_PER_MODULE
     assert small["zero3_gather_s"] == pytest.approx(per_module * (9 * 16 + 3))
     assert big["zero3_gather_s"] == pytest.approx(per_module * (9 * 80 + 3))
 

@@ -20,6 +20,7 @@ router's load and aux-loss accounting) check `recomputing()` and happen once.
 from contextlib import contextmanager, nullcontext
 
 import torch
+import torch.utils.checkpoint as _torch_checkpoint
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -37,6 +38,19 @@ KEPT_OPS = frozenset({
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,
 })
+
+# The profiler's record_function markers are annotations, not computation: FSDP2's hooks emit
+# them, and an expert FSDP unit inside a checkpointed MoE block (parallel/fsdp.py) emits them a
+# different number of times in the recomputation than in the forward, which selective
+# checkpointing's replay counts took for a changed computation ("invocation index 2 encountered
+# during backward but not found in storage": ep x FSDP2 x selective failed at step 1). Ignored
+# by it, as PyTorch itself does from pytorch/pytorch#196862 on.
+_torch_checkpoint.SAC_IGNORED_OPS.update(
+    op for op in (getattr(getattr(torch.ops.profiler, "_record_function_enter_new", None),
+                          "default", None),
+                  getattr(getattr(torch.ops.profiler, "_record_function_exit", None),
+                          "_RecordFunction", None))
+    if op is not None)
 
 _recomputing = False
 

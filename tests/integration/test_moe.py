@@ -123,6 +123,11 @@ def test_moe_zero1_ep2_parity_and_resume(cli, tmp_path, moe_references):
     # Nested expert units inside pipeline chunks: one reduce-scatter a step for both kinds.
     ("fsdp3 dp2 x ep2 x pp2", ("parallel.dp=2", "parallel.ep=2", "parallel.pp=2",
                                "parallel.zero_stage=3", "train.micro_batch_size=4"), None),
+    # The expert unit's FSDP hooks inside a selectively checkpointed block: their profiler
+    # markers, counted as ops by the replay, failed every rank at step 1 (a reviewer's run).
+    ("fsdp3 dp2 x ep2, selective checkpointing", (
+        "parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=3", "train.micro_batch_size=4",
+        "train.activation_checkpointing=selective"), None),
 ])
 def test_moe_fsdp_parity(cli, tmp_path, moe_references, label, overrides, resume_on):
     run_dir = tmp_path / "run"

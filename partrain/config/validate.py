@@ -72,7 +72,7 @@ def resolve_and_validate(cfg: DictConfig, world: World, resplit: bool = False) -
     dp = resolve_dp(p, world)
     check_world(p, dp, world)
     check_hsdp(p, dp)
-    check_fsdp_shards(cfg, dp)
+    check_fsdp_shards(cfg, dp, user)
     try:
         g, b, mb = resolve_batch(t, dp, resplit)
     except ConfigError as e:

@@ -141,15 +141,19 @@ def check_fsdp(cfg: DictConfig) -> None:
             "run DeepSpeed; remove them, or set parallel.zero_backend=deepspeed")
 
 
-def check_fsdp_shards(cfg: DictConfig, dp: int) -> None:
+def check_fsdp_shards(cfg: DictConfig, dp: int, user=None) -> None:
     """Weights tp splits by rows (q, k, v, the MLP's first matrices, the embedding, the head)
     are sharded by FSDP on their second dimension, model.dim, which FSDP2 splits only evenly
     (an uneven first dimension it takes): every rank failed at its start otherwise. `dp`: the
-    resolved degree (an `auto` one too)."""
+    resolved degree (an `auto` one too). A user's model (`user`: family.UserModel) by its own
+    plan's splits: those weights' second dimensions, and no tp-split bias (1-D)."""
     p, m = cfg.parallel, cfg.model
-    if p.zero_backend != "fsdp" or p.zero_stage < 2 or p.tp == 1 or m.get("target"):
+    if p.zero_backend != "fsdp" or p.zero_stage < 2 or p.tp == 1:
         return
     shards = dp // p.dp_replicate * p.cp
+    if m.get("target"):
+        _check_user_fsdp_shards(m.target, p, user, shards)
+        return
     if shards > 1 and m.dim % shards:
         over = ("dp / dp_replicate" if p.dp_replicate > 1 else "dp") + (" x cp" if p.cp > 1 else "")
         raise ConfigError(
@@ -158,6 +162,26 @@ def check_fsdp_shards(cfg: DictConfig, dp: int) -> None:
             f"their second dimension, model.dim={m.dim}, over {over} = {shards} ranks, and it "
             f"cannot split that dimension unevenly: {shards} must divide {m.dim} (try {over} in "
             f"{divisors(m.dim)}), or use parallel.zero_backend=deepspeed, which runs this layout")
+
+
+def _check_user_fsdp_shards(target: str, p: DictConfig, user, shards: int) -> None:
+    if user is None:
+        return
+    engine = (f"parallel.zero_backend=fsdp with parallel.tp={p.tp}: FSDP2 shards model.target="
+              f"{target}'s tp-split weights again")
+    if user.tp_biases:
+        raise ConfigError(
+            f"{engine}, and cannot split the 1-D biases tp splits ("
+            f"{', '.join(user.tp_biases[:3])}{', ...' if len(user.tp_biases) > 3 else ''}); use "
+            "parallel.zero_backend=deepspeed, which runs this layout, or parallel.tp=1")
+    uneven = [(name, size) for name, size in user.tp_rows if shards > 1 and size % shards]
+    if uneven:
+        over = ("dp / dp_replicate" if p.dp_replicate > 1 else "dp") + (" x cp" if p.cp > 1 else "")
+        name, size = uneven[0]
+        raise ConfigError(
+            f"{engine}: those split by rows ({name}: {size} columns) on their second dimension, "
+            f"over {over} = {shards} ranks, and it cannot split it unevenly: {shards} must divide "
+            f"{size} (try {over} in {divisors(size)}), or use parallel.zero_backend=deepspeed")
 
 
 def check_tp(p: DictConfig, m: DictConfig) -> None:

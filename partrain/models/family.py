@@ -237,6 +237,10 @@ class UserModel:
     pipeline_split: bool
     blocks: int
     flops_per_token: bool
+    # Under tp: its plan's weights split by rows (name, the size FSDP2 shards) and split biases
+    # (tp_plan.fsdp_sharded), for the FSDP2 check once dp is known (validate_layout)
+    tp_rows: tuple = ()
+    tp_biases: tuple = ()
 
 
 def probe(model_cfg) -> UserModel:
@@ -333,6 +337,13 @@ def check_user_model(cfg) -> UserModel | None:
              "the built-in attention takes the documents' mask")):
         if value:
             needs.append(f"{key} is not for a user model: {why}")
+    if p.tp > 1 and found.tensor_parallel_plan:
+        from dataclasses import replace
+
+        from partrain.models.tp_plan import fsdp_sharded
+
+        rows, biases = fsdp_sharded(model)
+        found = replace(found, tp_rows=rows, tp_biases=biases)
     needs += forward_problems(model, m)
     # The contract (docs/models.md): built in fp32; train.dtype sets the compute precision. One
     # built in bf16 trained bf16 weights under train.dtype=fp32 without a word.

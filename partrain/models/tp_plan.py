@@ -124,3 +124,28 @@ def _scope(name: str, plan: dict) -> str:
             return above
         above = above.rpartition(".")[0]
     return parent
+
+
+def fsdp_sharded(model: nn.Module) -> tuple[tuple[tuple[str, int], ...], tuple[str, ...]]:
+    """What FSDP2 must shard again of a plan's tp splits, for a check against its shard count:
+    ((name, size), ...) of the weights tp splits by rows (colwise, vocab_head, vocab_embedding),
+    which FSDP2 shards on their second dimension (`size`), evenly only; and the names of the
+    colwise biases, 1-D and split by tp, which it cannot shard at all. Empty for a plan that
+    plan_problems refuses."""
+    try:
+        plan = model.tensor_parallel_plan()
+    except (Exception, SystemExit):
+        return (), ()
+    rows, biases = [], []
+    for name, style in (plan.items() if isinstance(plan, dict) else ()):
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            continue
+        weight = getattr(module, "weight", None)
+        if style in ("colwise", "vocab_head", "vocab_embedding") and getattr(
+                weight, "ndim", 0) == 2:
+            rows.append((name, int(weight.shape[1])))
+        if style == "colwise" and getattr(module, "bias", None) is not None:
+            biases.append(f"{name}.bias")
+    return tuple(rows), tuple(biases)

@@ -349,7 +349,8 @@ def test_a_parameter_shared_between_modules_that_the_layout_splits_is_refused(
     ("tied", ("parallel.pp=2",)),
     ("tied", ("parallel.tp=2",)),
     ("tied", FSDP),
-    ("tied", ("parallel.pp=2", "parallel.tp=2", "parallel.dp=2", *FSDP)),
+    # (tied's MLP has a colwise bias, which FSDP2 cannot shard again under tp: refused)
+    ("tied_unbiased", ("parallel.pp=2", "parallel.tp=2", "parallel.dp=2", *FSDP)),
     ("tied_hf", ("parallel.tp=2",)),
     ("tied_hf", FSDP),
 ])

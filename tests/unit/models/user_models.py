@@ -283,3 +283,20 @@ def exits(model_cfg) -> nn.Module:
     import sys
 
     sys.exit(0)
+
+
+def _unbiased(model: Stack) -> Stack:
+    for block in model.layers.values():
+        block.mlp.up = nn.Linear(model.dim, 4 * model.dim, bias=False)
+    return model
+
+
+def stack_unbiased(model_cfg) -> nn.Module:
+    """The stack without the MLP's colwise bias: tp-split weights only (FSDP2 with tp cannot
+    shard a tp-split bias)."""
+    return _unbiased(_stack(model_cfg))
+
+
+def tied_unbiased(model_cfg) -> nn.Module:
+    """`tied` without the MLP's colwise bias."""
+    return _unbiased(tied(model_cfg))

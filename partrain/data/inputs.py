@@ -26,8 +26,10 @@ JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
 ARROW_SUFFIXES = (".arrow",)
 # A text file (one document) is read in pieces of about this many bytes, cut after a newline
-# between printable non-space characters (_text_pieces): bounded memory for any file size.
-TEXT_PIECE_BYTES = 16 << 20
+# between printable non-space characters (_text_pieces): bounded memory for any file size. A
+# piece goes to a tokenizer worker whole: one task's size (prepare.CHUNK_CHARS). At 16 MiB a BPE
+# worker took 2.2 GB (the tokenizer's per-character alignments of one 16M-character string).
+TEXT_PIECE_BYTES = 1 << 20
 # A piece that found no such cut grows until this many pieces' bytes, then is cut anyway
 # (_forced_cut): a CRLF or Cyrillic file had no cut at all and was read whole (11 GB of memory
 # for 100 MB of text), each block copying the growing carry again.

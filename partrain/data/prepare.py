@@ -22,6 +22,7 @@ renamed). Everything is written under a temporary name beside `--out` and rename
 the end; a failure or Ctrl-C leaves nothing behind.
 """
 
+import hashlib
 import json
 import math
 import multiprocessing
@@ -354,7 +355,9 @@ def prepare_token_dir(inputs: list[Path], out: Path, val_fraction: float | None 
     if shard_bytes < itemsize:
         raise ConfigError(f"a shard of {shard_bytes} bytes holds no {meta['dtype']} id")
     unit = "bytes" if tokenizer is None else "tokens"
-    nbytes, top, splits = 0, -1, {}
+    # Every id in the order written: what `fingerprint` (meta.json) tells apart of two dirs with
+    # the same sizes and ends (a text edited in its middle, prepared again in place)
+    nbytes, top, splits, ids_hash = 0, -1, {}, hashlib.sha256()
     parallel = tokenizer is not None and workers > 1
     with staged_dir(out) as stage, \
             (_pool(file, eot_id, meta["dtype"], workers) if parallel else nullcontext()) as pool:
@@ -371,6 +374,7 @@ def prepare_token_dir(inputs: list[Path], out: Path, val_fraction: float | None 
                 with _Split(stage, name, shard_bytes // itemsize) as split:
                     for ids, starts, size in encoded:
                         split.write(ids, starts)
+                        ids_hash.update(np.ascontiguousarray(ids, dtype=meta["dtype"]).data)
                         nbytes += size
                         top = max(top, int(ids.max())) if len(ids) else top
                         progress.update(bar, advance=size)
@@ -399,7 +403,7 @@ def prepare_token_dir(inputs: list[Path], out: Path, val_fraction: float | None 
                     files=len(sources["train"]) + len(sources["val"]),
                     train_documents=train_documents, val_documents=val_documents,
                     train_shards=train_shards, val_shards=val_shards,
-                    shard_tokens=shard_bytes // itemsize)
+                    shard_tokens=shard_bytes // itemsize, ids_sha256=ids_hash.hexdigest())
         if tokenizer is not None:
             stage.step = "writing the tokenizer files"
             meta["tokenizer_source"] = str(file.absolute())

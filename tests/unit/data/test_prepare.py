@@ -288,3 +288,25 @@ def test_export_hands_the_tokenizer_to_transformers(run_main, tmp_path, bpe, bpe
     eot = tok.token_to_id("<|endoftext|>")
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == eot
     assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] == eot
+
+
+def test_a_dir_prepared_again_from_text_edited_in_its_middle_is_another_dir(tmp_path):
+    """The fingerprint a resume checks read each file's size and its first and last 4 KiB: a
+    text edited in its middle, the same length, prepared again in place, resumed on silently (a
+    reviewer's run). meta.json now holds the sha256 of every id, which the fingerprint reads."""
+    from partrain.data.tokens import fingerprint
+
+    text = tmp_path / "book.txt"
+    lines = [f"line {i}: alpha beta gamma\n" for i in range(4000)]
+    text.write_text("".join(lines))
+    prepare_token_dir([text], tmp_path / "a", 0.1, workers=1)
+    lines[2000] = lines[2000].replace("alpha", "ALPHA")
+    text.write_text("".join(lines))
+    prepare_token_dir([text], tmp_path / "b", 0.1, workers=1)
+    a, b = (json.loads((tmp_path / d / "meta.json").read_text()) for d in "ab")
+    assert {k: v for k, v in a.items() if k != "ids_sha256"} == \
+        {k: v for k, v in b.items() if k != "ids_sha256"}  # the same sizes and counts
+    assert a["ids_sha256"] != b["ids_sha256"]
+    assert fingerprint(tmp_path / "a") != fingerprint(tmp_path / "b")
+    cfg = quick("data.source=tokens", f"data.path={tmp_path / 'b'}", "train.seq_len=8")
+    check_data(cfg)  # a dir with the hash reads as before

@@ -93,6 +93,20 @@ def _jsonl_texts(file: Path, field: str) -> Iterator:
                           f"in every object ({found})") from None
 
 
+class _Twice(ValueError):
+    pass
+
+
+def _once(pairs: list) -> dict:
+    """A JSON object, refusing a key given twice (pyarrow's reader refuses it too)."""
+    found = {}
+    for key, value in pairs:
+        if key in found:
+            raise _Twice(key)
+        found[key] = value
+    return found
+
+
 def _jsonl_bad_line(file: Path, field: str) -> str | None:
     """The first line of a JSON Lines file that breaks the format (one JSON object per line, in
     UTF-8), and how, in words; None when each line is fine on its own. For the message only."""
@@ -121,9 +135,11 @@ def _first_bad_line(f, field: str) -> str | None:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = json.loads(line, object_pairs_hook=_once)
         except RecursionError:
             return f"line {number}: JSON nested too deep"
+        except _Twice as e:  # pyarrow refuses it, naming a row counted from its block's start
+            return f"line {number}: the key {e.args[0]!r} is given twice in one object"
         except ValueError as e:  # JSONDecodeError is a ValueError
             return f"line {number}: not JSON ({getattr(e, 'msg', e)} at column " \
                    f"{getattr(e, 'colno', '?')})"

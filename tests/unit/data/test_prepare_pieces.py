@@ -175,3 +175,17 @@ def test_a_large_text_file_goes_to_the_tokenizer_about_a_task_at_a_time(tmp_path
     assert path.stat().st_size > 4 * CHUNK_CHARS
     tasks = [sum(map(len, texts)) for texts, _, _ in _chunks(documents(path, "text", True))]
     assert len(tasks) > 1 and max(tasks) <= 2 * CHUNK_CHARS, tasks
+
+
+def test_a_key_given_twice_is_named_at_its_line_in_the_file(tmp_path, monkeypatch):
+    """pyarrow refuses a key given twice, naming a row counted from the start of its 16 MB block
+    ("row 58081" for line 200001); the line-by-line read that names the line took the object as
+    fine (json.loads keeps the last). Now it names the line, in a file read in several blocks."""
+    from partrain.data import inputs
+
+    monkeypatch.setattr(inputs, "JSONL_CHUNK_BYTES", 256)
+    path = tmp_path / "dup.jsonl"
+    path.write_text("".join(f'{{"text": "document {i}"}}\n' for i in range(40))
+                    + '{"text": "a", "text": "b"}\n')
+    said = refusal(tmp_path, [path])
+    assert "line 41: the key 'text' is given twice in one object" in said, said

@@ -284,12 +284,22 @@ def check_tokenizer(path: Path, meta: dict) -> None:
     except ConfigError as e:
         raise ConfigError(f"{e}{fix}") from None
     try:
-        tk.end_of_text(tok, file)
+        eot, eot_id = tk.end_of_text(tok, file)
     except ConfigError:
         raise ConfigError(
             f"data.path={path}: {file} has no end-of-text token (no eos_token in the "
             f"{tk.TOKENIZER_CONFIG} beside it, none of {', '.join(tk.EOT_NAMES)} in its "
             f"vocabulary), which `partrain sample` and `export` need{fix}") from None
+    # The ids end each document with meta.json's eot_id; `sample` and `export` stop at the
+    # tokenizer's: another tokenizer.json with the same vocabulary size passed the check above
+    recorded = meta.get("eot_token")
+    known = tok.token_to_id(recorded) if isinstance(recorded, str) else None
+    if "eot_id" in meta and (known if known is not None else eot_id) != meta["eot_id"]:
+        raise ConfigError(
+            f"data.path={path}: {file} ends a document with "
+            f"{recorded if known is not None else eot}={known if known is not None else eot_id}, "
+            f"but meta.json eot_id={meta['eot_id']} ended the ids: it is not the tokenizer "
+            f"these ids were made with{fix}")
     size, count = tk.id_span(tok), tok.get_vocab_size(with_added_tokens=True)
     if size > meta["vocab_size"]:
         has = f"{size:,} tokens" if size == count else f"ids up to {size - 1:,}"

@@ -310,3 +310,28 @@ def test_a_dir_prepared_again_from_text_edited_in_its_middle_is_another_dir(tmp_
     assert fingerprint(tmp_path / "a") != fingerprint(tmp_path / "b")
     cfg = quick("data.source=tokens", f"data.path={tmp_path / 'b'}", "train.seq_len=8")
     check_data(cfg)  # a dir with the hash reads as before
+
+
+def test_a_tokenizer_json_swapped_for_one_with_another_end_of_text_id_is_refused(tmp_path, bpe,
+                                                                                  corpus):
+    """meta.json says eot_id 0; a tokenizer.json of the same size whose <|endoftext|> is id 1
+    was accepted, and the run copied it: `sample` and `export` would stop at the wrong id."""
+    from tokenizers import decoders, trainers
+
+    path, _ = bpe
+    inputs, _ = corpus
+    prepare_token_dir(inputs[:1], tmp_path / "tok", 0.5, tokenizer=path, workers=1)
+    meta = json.loads((tmp_path / "tok" / "meta.json").read_text())
+    other = Tokenizer(models.BPE())
+    other.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    other.decoder = decoders.ByteLevel()
+    other.train_from_iterator(DOCS, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<pad>", "<|endoftext|>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    assert other.token_to_id("<|endoftext|>") != meta["eot_id"]
+    other.save(str(tmp_path / "tok" / "tokenizer.json"))
+    cfg = quick("data.source=tokens", f"data.path={tmp_path / 'tok'}", "train.seq_len=8",
+                "model.vocab_size=384")
+    with pytest.raises(ConfigError, match=r"ends a document with <\|endoftext\|>=1, but meta.json "
+                                          r"eot_id=0 ended the ids"):
+        check_data(cfg)

@@ -135,6 +135,21 @@ FORBIDDEN = {
 }
 
 
+def harmless(key: str, value) -> bool:
+    """A FORBIDDEN key at the value that changes nothing, as many public configs give it
+    (DeepSpeed-Chat's `"prescale_gradients": false`): DeepSpeed's own default, or switched off."""
+    if key == "prescale_gradients":
+        return value is False
+    if key == "gradient_predivide_factor":
+        return value == 1.0 and not isinstance(value, bool)
+    if key == "torch_autocast":
+        return isinstance(value, dict) and value.get("enabled", False) is False
+    if key == "tensor_parallel":
+        return isinstance(value, dict) and all(
+            value.get(size, 1) in (0, 1) for size in ("autotp_size", "tp_size"))
+    return False
+
+
 # Derived keys that partrain's own config fixes, and which key that is. Other derived keys are
 # partrain's defaults (bucket sizes, overlap, torch_adam, ...): raw keys may override those.
 SOURCES = {
@@ -168,8 +183,8 @@ def deepspeed_config(cfg, on_cuda: bool = False) -> dict:
     raw = cfg.parallel.get("deepspeed") or {}
     raw = OmegaConf.to_container(raw, resolve=True) if not isinstance(raw, dict) else raw
     for key, why in FORBIDDEN.items():
-        if key in raw:
-            raise ConfigError(f"parallel.deepspeed.{key} is not allowed: {why}")
+        if key in raw and not harmless(key, raw[key]):
+            raise ConfigError(f"parallel.deepspeed.{key}={raw[key]!r} is not allowed: {why}")
     fixed = {k: v for k, v in flatten_keys(derived).items() if k in SOURCES}
     for key, value in flatten_keys(raw).items():
         if key in fixed and fixed[key] != value:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from partrain.config.deepspeed import flatten_keys, merge_keys
+from partrain.config.deepspeed import FORBIDDEN, flatten_keys, harmless, merge_keys
 from partrain.errors import ConfigError
 
 AUTO = "auto"
@@ -38,7 +38,7 @@ def _optimizer_name(value, section: dict) -> str:
     """DeepSpeed's optimizer type as optim.name: its "Adam" is AdamW unless adam_w_mode is false
     (DeepSpeed's default is the decoupled weight decay)."""
     name = str(value).lower()
-    if name == "adam" and section.get("params", {}).get("adam_w_mode", True) is not False:
+    if name == "adam" and (section.get("params") or {}).get("adam_w_mode", True) is not False:
         return "adamw"
     return name
 
@@ -135,8 +135,14 @@ def read_deepspeed_json(path: Path) -> dict:
         raise ConfigError(f"{shown} is not UTF-8 text") from None
     import hjson
 
+    if not text.strip():
+        raise ConfigError(f"{shown} is empty; a DeepSpeed config is a JSON object ({{...}})")
     try:
         data = hjson.loads(text, object_pairs_hook=_once)
+    except (OverflowError, RecursionError) as e:  # 1e400 in its number parser; deep nesting
+        raise ConfigError(f"{shown} cannot be read as JSON: "
+                          + ("a number too large for any value" if isinstance(e, OverflowError)
+                             else "nested too deep")) from None
     except hjson.HjsonDecodeError as e:
         raise ConfigError(f"{shown} is not valid JSON at line {e.lineno}, column {e.colno}: "
                           f"{e.msg}") from None
@@ -186,6 +192,11 @@ def _partrain_values(data: dict, flat: dict, cp: int) -> tuple[dict, list[str]]:
             problems.append(f"{section}={value!r} is not an object ({{...}})")
             data = _without(data, section)
             flat = {k: v for k, v in flat.items() if k != section}
+    for section in ("optimizer", "scheduler"):
+        kind = _at(data, f"{section}.type")
+        if kind is not None and not isinstance(kind, str):
+            problems.append(f"{section}.type={kind!r} is not a name (a string)")
+            data = _without(data, f"{section}.type")
 
     def put(key, value, where):
         if key in found and not _same(found[key][0], value):
@@ -246,12 +257,12 @@ def _partrain_values(data: dict, flat: dict, cp: int) -> tuple[dict, list[str]]:
             put("optim.schedule", SCHEDULES[kind], "scheduler.type")
             if kind == "WarmupDecayLR":  # DeepSpeed's decays to warmup_min_lr, 0
                 put("optim.min_lr_ratio", 0.0, "scheduler.type=WarmupDecayLR")
-    if scheduler.get("params", {}).get("warmup_type") not in (None, AUTO, "linear"):
+    if (scheduler.get("params") or {}).get("warmup_type") not in (None, AUTO, "linear"):
         problems.append(f"scheduler.params.warmup_type="
                         f"{scheduler['params']['warmup_type']!r}: partrain's warmup is linear; "
                         "set it to \"linear\" or drop it")
     for start in ("warmup_min_lr", "warmup_min_ratio"):
-        low = scheduler.get("params", {}).get(start)
+        low = (scheduler.get("params") or {}).get(start)
         if low not in (None, AUTO, 0, 0.0):
             problems.append(f"scheduler.params.{start}={low!r}: partrain's warmup starts at "
                             "optim.lr / optim.warmup_steps; set it to 0 or \"auto\"")
@@ -286,7 +297,8 @@ def _raw_keys(flat: dict, derived: dict) -> tuple[dict, list[str]]:
                                  "optimizer.params.adam_w_mode", "bf16.enabled", "fp16.enabled"}
     raw, problems = {}, []
     for where, value in flat.items():
-        if where in consumed or where.startswith("scheduler"):
+        if where in consumed or where.startswith("scheduler") or (
+                where == "optimizer.params" and value is None):  # null: no parameters given
             continue
         if value == AUTO:
             if where in derived:
@@ -317,6 +329,9 @@ def apply_deepspeed_file(cfg: DictConfig, overrides: list[str]) -> None:
     stage = found.get("parallel.zero_stage", (cfg.parallel.zero_stage, None))[0]
     raw, unfilled = _raw_keys(flat, flatten_keys(_derivable(cfg, stage)))
     problems += unfilled
+    nested = _nest(raw)
+    problems += [f"{key}={nested[key]!r}: not allowed, {why}" for key, why in FORBIDDEN.items()
+                 if key in nested and not harmless(key, nested[key])]
     if problems:
         listed = "\n".join(f"  - {p}" for p in problems)
         raise ConfigError(f"parallel.deepspeed_config={path}: {len(problems)} "

@@ -76,7 +76,8 @@ def resolve_and_validate(cfg: DictConfig, world: World, resplit: bool = False) -
     try:
         g, b, mb = resolve_batch(t, dp, resplit)
     except ConfigError as e:
-        raise _batch_of_the_file(cfg, dp) or e from None
+        # A resume reads no file: its recorded keys are partrain's now (the message as it is)
+        raise (None if resplit else _batch_of_the_file(cfg, dp)) or e from None
     check_micro_batches(p, mb)
     if user is None:
         check_cp(cfg)
@@ -115,9 +116,10 @@ FILE_BATCH = {"train_batch_size": "global_batch_size",
 
 
 def _batch_of_the_file(cfg: DictConfig, dp: int) -> ConfigError | None:
-    """A batch that does not add up because of a DeepSpeed file's batch keys, said in the file's
-    names ("set one of the three to null" cannot be followed: the file's value wins over a null
-    on the command line); None where the file sets none of them or cannot be read again."""
+    """A batch that does not add up because of a DeepSpeed file's own three batch keys, said in
+    the file's names ("set one of the three to null" cannot be followed: the file's value wins
+    over a null on the command line); None where the file leaves one to partrain ("auto", or
+    not given) or cannot be read again."""
     path = cfg.parallel.get("deepspeed_config")
     if not path:
         return None
@@ -130,15 +132,15 @@ def _batch_of_the_file(cfg: DictConfig, dp: int) -> ConfigError | None:
     except ConfigError:
         return None
     given = {k: v for k, v in data.items() if k in FILE_BATCH and v != "auto"}
-    if not given:
-        return None
-    t = cfg.train
-    values = ", ".join(f"{k}={given[k]}" if k in given else f"{k}=({t[FILE_BATCH[k]]} from "
-                       f"train.{FILE_BATCH[k]})" for k in FILE_BATCH)
+    if len(given) < len(FILE_BATCH):  # a value of the command line or the recipe takes part:
+        return None  # partrain's message names it
+    cp = cfg.parallel.cp
+    values = ", ".join(f"{k}={v}" for k, v in given.items())
     return ConfigError(
-        f"parallel.deepspeed_config={path}: its batch does not add up at dp={dp} ({values}): "
-        "DeepSpeed's rule is train_batch_size = train_micro_batch_size_per_gpu x "
-        "gradient_accumulation_steps x dp; fix the file, or set one of its three to \"auto\" "
+        f"parallel.deepspeed_config={path}: its batch does not add up at dp={dp}"
+        + (f" x cp={cp}" if cp > 1 else "") + f" ({values}): DeepSpeed's rule is "
+        "train_batch_size = train_micro_batch_size_per_gpu x gradient_accumulation_steps x dp"
+        + (" x cp" if cp > 1 else "") + "; fix the file, or set one of its three to \"auto\" "
         "(partrain derives it)")
 
 

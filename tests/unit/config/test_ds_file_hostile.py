@@ -38,14 +38,15 @@ ZERO1 = {"zero_optimization": {"stage": 1}}
      "scheduler.params=[1, 2] is not an object"),
     # Keys that fight partrain's control: failed in the ranks, or trained in bf16 unsaid.
     ({"zero_optimization": {"stage": 2}, "prescale_gradients": True},
-     "parallel.deepspeed.prescale_gradients is not allowed"),
+     "prescale_gradients=True: not allowed, partrain averages the gradients"),
     ({"zero_optimization": {"stage": 2}, "gradient_predivide_factor": 4},
-     "parallel.deepspeed.gradient_predivide_factor is not allowed"),
+     "gradient_predivide_factor=4: not allowed"),
     ({**ZERO1, "tensor_parallel": {"autotp_size": 2}},
-     "parallel.deepspeed.tensor_parallel is not allowed: partrain's tensor parallelism is "
+     "tensor_parallel={'autotp_size': 2}: not allowed, partrain's tensor parallelism is "
      "parallel.tp"),
     ({**ZERO1, "torch_autocast": {"enabled": True, "dtype": "bfloat16"}},
-     "parallel.deepspeed.torch_autocast is not allowed: the compute dtype is train.dtype"),
+     "torch_autocast={'enabled': True, 'dtype': 'bfloat16'}: not allowed, the compute dtype is "
+     "train.dtype"),
     # Truncated silently before: 2.5 accumulation steps trained 2, `true` was stage 1.
     ({**ZERO1, "gradient_accumulation_steps": 2.5},
      "gradient_accumulation_steps=2.5 is not a whole number (for train.micro_batches)"),
@@ -55,6 +56,13 @@ ZERO1 = {"zero_optimization": {"stage": 1}}
     ('{"zero_optimization": {"stage": 1}, "zero_optimization": {"stage": 3}}',
      "gives the key 'zero_optimization' twice in one object"),
     ('{"zero_optimization": {"stage": }}', "is not valid JSON at line 1"),
+    # Tracebacks still after the first fix (today's review): a type that is no name, a number
+    # too large for hjson's parser (it was "optim.grad_clip=inf must be a finite number"), and
+    # an empty file, taken for an empty config.
+    ({**ZERO1, "scheduler": {"type": ["WarmupLR"]}}, "scheduler.type=['WarmupLR'] is not a name"),
+    ('{"zero_optimization": {"stage": 2}, "gradient_clipping": 1e400}',
+     "cannot be read as JSON: a number too large for any value"),
+    (" \n", "is empty; a DeepSpeed config is a JSON object"),
 ])
 def test_a_file_deepspeed_refuses_or_partrain_cannot_take_is_one_message(
         tmp_path, run_main, content, fragment):
@@ -103,3 +111,45 @@ def test_a_user_models_buckets_are_deepspeeds_defaults_not_the_built_in_dim():
             assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == expect["bucket"]
             assert zero["stage3_prefetch_bucket_size"] == expect["prefetch"]
             assert zero["stage3_param_persistence_threshold"] == expect["persistence"]
+
+
+def test_those_keys_at_the_values_that_change_nothing_pass(tmp_path, run_main):
+    """Public configs give them at DeepSpeed's defaults (DeepSpeed-Chat: "prescale_gradients":
+    false): refused by name after the fix above, though nothing changes; accepted again."""
+    res, said = _show(run_main, tmp_path, {
+        "zero_optimization": {"stage": 2}, "prescale_gradients": False,
+        "gradient_predivide_factor": 1.0, "torch_autocast": {"enabled": False},
+        "tensor_parallel": {"autotp_size": 1}})
+    assert res.code == 0, said
+    res = run_main("show", "parallel.zero_stage=2", "+parallel.deepspeed.prescale_gradients=true")
+    assert res.code == 2 and "parallel.deepspeed.prescale_gradients=True is not allowed" in \
+        res.stderr, res.stderr
+
+
+def test_null_parameters_are_none_given(tmp_path, run_main):
+    """`"params": null` in an optimizer or scheduler section was an AttributeError (exit 1)."""
+    for section in ({"optimizer": {"type": "Adam", "params": None}},
+                    {"scheduler": {"type": "WarmupLR", "params": None}}):
+        res, said = _show(run_main, tmp_path, {**ZERO1, **section})
+        assert res.code == 0, said
+
+
+def test_the_files_batch_message_is_for_the_files_own_three_keys_and_counts_cp(tmp_path, run_main):
+    """Under cp DeepSpeed counts a sequence on each cp rank: the rule said "x dp", which 16 =
+    4 x 2 x dp 2 met and was refused all the same (a review); a batch the command line breaks,
+    two of the file's keys "auto", was blamed on the file ("(None from train.micro_batches)")."""
+    batch = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
+             "gradient_accumulation_steps": 2}
+    res, said = _show(run_main, tmp_path, {**ZERO1, **batch}, "parallel.dp=2", "parallel.cp=2",
+                      "launcher.nproc_per_node=4")
+    assert res.code == 2 and "does not add up at dp=2 x cp=2" in said and \
+        "gradient_accumulation_steps x dp x cp; fix the file" in said, said
+    res, said = _show(run_main, tmp_path, {**ZERO1, **batch, "train_batch_size": 32},
+                      "parallel.dp=2", "parallel.cp=2", "launcher.nproc_per_node=4")
+    assert res.code == 0, said
+    res, said = _show(run_main, tmp_path, {**ZERO1, "train_batch_size": "auto",
+                                           "train_micro_batch_size_per_gpu": 4,
+                                           "gradient_accumulation_steps": "auto"},
+                      "parallel.dp=2", "train.global_batch_size=20")
+    assert res.code == 2 and "train.global_batch_size=20 is not divisible by" in said, said
+    assert "fix the file" not in said

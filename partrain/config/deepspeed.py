@@ -184,7 +184,7 @@ def deepspeed_config(cfg, on_cuda: bool = False) -> dict:
     raw = OmegaConf.to_container(raw, resolve=True) if not isinstance(raw, dict) else raw
     for key, why in FORBIDDEN.items():
         if key in raw and not harmless(key, raw[key]):
-            raise ConfigError(f"parallel.deepspeed.{key}={raw[key]!r} is not allowed: {why}")
+            raise ConfigError(f"parallel.deepspeed.{key} is not allowed: {why}")
     fixed = {k: v for k, v in flatten_keys(derived).items() if k in SOURCES}
     for key, value in flatten_keys(raw).items():
         if key in fixed and fixed[key] != value:

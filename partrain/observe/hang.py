@@ -108,6 +108,8 @@ class HangWatch:
         self.step = None  # the step in progress or last ended
         self.first_ended = False
         self.since = None  # monotonic time of the last progress; None = not timed
+        self.progress = 0  # marks of progress (begin, end, a quiet part's end)
+        self._credited = -1  # the mark whose clock a suspension last moved (once a mark)
         self.phase = "before the first step"
         self.quiet_now = False  # inside quiet(): only one long wait in a collective is a hang
         self._waiting = None  # (the frame the main thread waits in, since when), when quiet
@@ -128,11 +130,13 @@ class HangWatch:
     def begin(self, step: int) -> None:
         with self._lock:
             self.step, self.phase, self.since = step, f"in step {step}", time.monotonic()
+            self.progress += 1
 
     def end(self, step: int) -> None:
         with self._lock:
             self.first_ended = True
             self.phase, self.since = f"after step {step}", time.monotonic()
+            self.progress += 1
 
     @contextmanager
     def quiet(self, phase: str):
@@ -148,6 +152,7 @@ class HangWatch:
             with self._lock:
                 self.since = time.monotonic() if before is not None else None
                 self.quiet_now, self._waiting = False, None
+                self.progress += 1
 
     def doing(self, phase: str) -> None:
         """What this quiet part does now (in the evaluation after step N, ...)."""
@@ -184,7 +189,13 @@ class HangWatch:
 
     def _suspended(self, seconds: float) -> None:
         """The process was stopped for `seconds` (SUSPENDED_AFTER_S): they count as no one's
-        idleness (the other ranks were stopped with it, or report a hang themselves)."""
+        idleness (the other ranks were stopped with it, or report a hang themselves). Once per
+        mark of progress: a main thread that blocks holding the GIL (a C call that sleeps or
+        waits) also leaves the watch late with the CPU still, again and again; its second late
+        poll in the same step is a hang, as it was before suspensions were told apart."""
+        if self._credited == self.progress:
+            return
+        self._credited = self.progress
         if self.since is not None:
             self.since += seconds
         if self._waiting is not None:

@@ -321,3 +321,31 @@ def test_a_suspended_process_is_not_a_hang_once_it_goes_on(tmp_path):
     finally:
         child.kill()
         child.wait()
+
+
+GIL_HELD = """
+import ctypes, sys, time
+from pathlib import Path
+from partrain.observe.hang import HangWatch
+fired = []
+watch = HangWatch(Path(sys.argv[1]), rank=0, world_size=1, limit_s=1,
+                  on_hang=fired.append).start()
+watch.begin(1); watch.end(1); watch.begin(2)  # past the first step's doubled limit
+libc = ctypes.PyDLL(None)
+for _ in range(3):
+    libc.sleep(6)  # a C call that holds the GIL and uses no CPU: the watch polls late, idle
+    time.sleep(0.3)
+    if fired:
+        break
+print("hang" if fired else "no hang", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_main_thread_that_blocks_holding_the_gil_is_still_a_hang(tmp_path):
+    """Its late, CPU-idle polls look like a suspension: each was taken for one and the clock
+    moved on, so a stall in a C call holding the GIL was never reported (today's review).
+    A suspension is credited once per step."""
+    res = subprocess.run([sys.executable, "-c", GIL_HELD, str(tmp_path)], capture_output=True,
+                         text=True, timeout=60)
+    assert res.stdout.strip() == "hang", res.stdout + res.stderr[-2000:]

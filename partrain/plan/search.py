@@ -1,7 +1,7 @@
 """`partrain plan --search`: every layout partrain can run for a model on N GPUs, ranked.
 
-Enumerated: tp (every degree dividing the heads, kv heads, MLP and vocabulary; up to two nodes'
-GPUs), pp (dividing the layers; 1F1B, and interleaved with every chunk count per rank up to
+Enumerated: tp (every degree dividing the heads, kv heads, MLP and vocabulary, dividing a node's
+GPUs or two whole nodes), pp (dividing the layers; 1F1B, and interleaved with every chunk count per rank up to
 MAX_CHUNKS_PER_RANK that splits the layers evenly), cp (2 to 8, where the sequence divides, by
 the config's parallel.cp_method), ep (MoE models: dividing the experts and dp), dp the rest,
 ZeRO 0-3 (ZeRO-2/3 not with pp or sequence parallelism, ZeRO-3 not with ep), the micro-batch
@@ -115,9 +115,13 @@ def _divisors(n: int, limit: int) -> list[int]:
 
 def _tp_degrees(m, hw: Hardware, gpus: int) -> list[int]:
     """Every tp dividing the heads, kv heads, MLP and vocabulary (3 and 6 too: partrain's tp
-    takes any such degree) and --gpus, within two nodes."""
+    takes any such degree) and --gpus, whose groups fill nodes evenly: dividing a node's GPUs,
+    or two whole nodes (a group across a node's edge is slow, and 48 heads' dozen divisors made
+    a search 7 to 14 times longer)."""
+    per_node = min(gpus, hw.gpus_per_node)
     common = math.gcd(m.n_heads, m.n_kv_heads, ffn_dim(m), m.vocab_size)
-    return [t for t in _divisors(common, min(gpus, 2 * hw.gpus_per_node)) if gpus % t == 0]
+    return [t for t in _divisors(common, min(gpus, 2 * hw.gpus_per_node))
+            if gpus % t == 0 and (per_node % t == 0 or t == 2 * per_node)]
 
 
 def _chunk_counts(n_layers: int, pp: int) -> list[int]:
@@ -285,11 +289,13 @@ def search(cfg, gpus: int, hw: Hardware, top: int = 10, explain: dict | None = N
             "global_batch_size": gbs, "seq_len": seq_len,
             "explain": None if explain is None else explained(
                 explain, matching, fits, budget, TIE, None if matching else
-                _why_not_enumerated(explain, model, gpus, hw, gbs, seq_len, dtype))}
+                _why_not_enumerated(explain, model, gpus, hw, gbs, seq_len, dtype,
+                                    p.cp_method, p.dp_replicate))}
 
 
 def _why_not_enumerated(want: dict, model, gpus: int, hw: Hardware, gbs: int, seq_len: int,
-                        dtype: str = "bf16") -> str:
+                        dtype: str = "bf16", cp_method: str = "ring",
+                        dp_replicate: int = 1) -> str:
     """The search's rule (or partrain's) that leaves no layout with the asked values (--explain,
     explain.py). It restates layouts()'s rules, so it lives beside them."""
     if dtype == "fp16" and (want.get("pp", 1) > 1 or want.get("zero_stage", 1) == 0 or
@@ -302,7 +308,8 @@ def _why_not_enumerated(want: dict, model, gpus: int, hw: Hardware, gbs: int, se
         return (f"tp={tp} is not one the search tries for this model on {gpus} GPUs ({tps}): tp "
                 f"must divide model.n_heads={model.n_heads}, model.n_kv_heads="
                 f"{model.n_kv_heads}, the MLP size {ffn_dim(model)} and model.vocab_size="
-                f"{model.vocab_size} and --gpus {gpus}, and stay within two nodes "
+                f"{model.vocab_size} and --gpus {gpus}, and divide a node's GPUs or be two "
+                "whole nodes "
                 f"({2 * hw.gpus_per_node} GPUs)")
     if "pp" in want and pp not in pps:
         return f"pp={pp} must divide model.n_layers={model.n_layers} (pp in {pps})"
@@ -324,6 +331,14 @@ def _why_not_enumerated(want: dict, model, gpus: int, hw: Hardware, gbs: int, se
                 "into 2 * cp chunks")
     if gpus % (tp * pp * cp):
         return f"tp({tp}) * pp({pp}) * cp({cp}) = {tp * pp * cp} must divide --gpus {gpus}"
+    if cp > 1 and cp_method == "all_to_all" and any((heads // tp) % cp for heads in (
+            model.n_heads, model.n_kv_heads)):
+        return (f"parallel.cp_method=all_to_all gives each cp rank 1/cp of a tp rank's heads: "
+                f"cp={cp} must divide model.n_heads={model.n_heads} and model.n_kv_heads="
+                f"{model.n_kv_heads} over tp={tp}")
+    if "dp" in want and dp_replicate > 1 and want["dp"] % dp_replicate:
+        return (f"parallel.dp_replicate={dp_replicate} (HSDP) must divide dp={want['dp']}: the "
+                "search keeps the config's replicas")
     if tp > 1 and seq_len % (tp * cp):
         return (f"tp({tp}) * cp({cp}) = {tp * cp} must divide train.seq_len={seq_len}: the "
                 "search runs tp with sequence parallelism, which splits each cp rank's share "
@@ -435,7 +450,8 @@ def why_no_layout(cfg, gpus: int, hw: Hardware) -> str:
             "(HSDP: FSDP2's layouts alone)" if cfg.parallel.dp_replicate > 1 else "")
     return (f"no layout of --gpus {gpus} splits this model and batch: tp (in {tps}) must divide "
             f"model.n_heads={m.n_heads}, model.n_kv_heads={m.n_kv_heads}, the MLP size "
-            f"{ffn_dim(m)} and model.vocab_size={m.vocab_size}, and stay within two nodes; pp (in "
+            f"{ffn_dim(m)} and model.vocab_size={m.vocab_size}, and divide a node's GPUs or be "
+            f"two whole nodes; pp (in "
             f"{pps}) must divide model.n_layers={m.n_layers}; cp (in {cps}) must divide "
             f"train.seq_len={t.seq_len} in 2 * cp chunks; tp * pp * cp must divide {gpus}, and "
             f"what is left, dp, times a micro-batch size (one of {list(MICRO_BATCH_SIZES)}) must "

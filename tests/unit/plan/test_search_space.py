@@ -93,3 +93,29 @@ def test_the_optimizers_state_is_the_configs(run_main):
         assert res.code == 0, res.stderr
         assert max(s["total"] for s in json.loads(res.stdout)["memory_per_stage"]) == sizes[name]
     assert sizes["sgd"] < sizes["adamw"]
+
+
+def test_explain_names_the_rules_of_the_configs_cp_method_and_replicas(run_main):
+    """"no layout the search enumerates has all of these values together" was said where the
+    config's all-to-all head rule or its HSDP replicas left the layout out (today's review)."""
+    _, found = _search(run_main, "model=llama-7b", "parallel.cp_method=all_to_all",
+                       "train.seq_len=4092", "model.max_seq_len=4096",
+                       "train.global_batch_size=48", "--gpus", "48", "--explain", "cp=3")
+    assert found["explain"]["reason"].startswith(
+        "parallel.cp_method=all_to_all gives each cp rank 1/cp of a tp rank's heads: cp=3 must "
+        "divide model.n_heads=32"), found["explain"]
+    _, found = _search(run_main, "model=llama-7b", "parallel.dp_replicate=4", "train.seq_len=4096",
+                       "train.global_batch_size=48", "--gpus", "48", "--explain", "dp=6 tp=8")
+    assert found["explain"]["reason"] == ("parallel.dp_replicate=4 (HSDP) must divide dp=6: the "
+                                          "search keeps the config's replicas"), found["explain"]
+
+
+def test_tp_groups_fill_nodes_evenly(run_main):
+    """tp=3 on nodes of 8 puts a group across a node's edge (slow, and one more degree to price
+    for every model with many divisors: a search 7 to 14 times longer); on nodes of 6 it fills
+    them."""
+    args = (*SMALL, "--gpus", "48", "--explain", "tp=3")
+    _, on_8 = _search(run_main, *args, "--gpus-per-node", "8")
+    assert on_8["explain"]["verdict"] == "not enumerated", on_8["explain"]
+    _, on_6 = _search(run_main, *args, "--gpus-per-node", "6")
+    assert on_6["explain"]["verdict"] != "not enumerated", on_6["explain"]

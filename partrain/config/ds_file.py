@@ -25,6 +25,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from partrain.config.deepspeed import FORBIDDEN, flatten_keys, harmless, merge_keys
+from partrain.config.json_keys import KeyGivenTwice, once_each
 from partrain.errors import ConfigError
 
 AUTO = "auto"
@@ -101,20 +102,6 @@ FROM_FILE = {
 OBJECTS = ("optimizer", "optimizer.params", "scheduler", "scheduler.params", "zero_optimization")
 
 
-class _Twice(ValueError):
-    pass
-
-
-def _once(pairs: list) -> dict:
-    """An object of the file, refusing a key given twice (DeepSpeed refuses it too)."""
-    found = {}
-    for key, value in pairs:
-        if key in found:
-            raise _Twice(key)
-        found[key] = value
-    return found
-
-
 def read_deepspeed_json(path: Path) -> dict:
     """The file's JSON object, or a ConfigError naming the file and what is wrong."""
     shown = f"parallel.deepspeed_config={path}"
@@ -138,7 +125,7 @@ def read_deepspeed_json(path: Path) -> dict:
     if not text.strip():
         raise ConfigError(f"{shown} is empty; a DeepSpeed config is a JSON object ({{...}})")
     try:
-        data = hjson.loads(text, object_pairs_hook=_once)
+        data = hjson.loads(text, object_pairs_hook=once_each)
     except (OverflowError, RecursionError) as e:  # 1e400 in its number parser; deep nesting
         raise ConfigError(f"{shown} cannot be read as JSON: "
                           + ("a number too large for any value" if isinstance(e, OverflowError)
@@ -146,7 +133,7 @@ def read_deepspeed_json(path: Path) -> dict:
     except hjson.HjsonDecodeError as e:
         raise ConfigError(f"{shown} is not valid JSON at line {e.lineno}, column {e.colno}: "
                           f"{e.msg}") from None
-    except _Twice as e:
+    except KeyGivenTwice as e:
         raise ConfigError(f"{shown} gives the key {e.args[0]!r} twice in one object (JSON keeps "
                           "the last silently; DeepSpeed refuses it): give it once") from None
     if not isinstance(data, dict):

@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 from typing import Iterator
 
+from partrain.config.json_keys import KeyGivenTwice, once_each
 from partrain.errors import ConfigError, reason
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
@@ -93,20 +94,6 @@ def _jsonl_texts(file: Path, field: str) -> Iterator:
                           f"in every object ({found})") from None
 
 
-class _Twice(ValueError):
-    pass
-
-
-def _once(pairs: list) -> dict:
-    """A JSON object, refusing a key given twice (pyarrow's reader refuses it too)."""
-    found = {}
-    for key, value in pairs:
-        if key in found:
-            raise _Twice(key)
-        found[key] = value
-    return found
-
-
 def _jsonl_bad_line(file: Path, field: str) -> str | None:
     """The first line of a JSON Lines file that breaks the format (one JSON object per line, in
     UTF-8), and how, in words; None when each line is fine on its own. For the message only."""
@@ -135,10 +122,10 @@ def _first_bad_line(f, field: str) -> str | None:
         if not line.strip():
             continue
         try:
-            record = json.loads(line, object_pairs_hook=_once)
+            record = json.loads(line, object_pairs_hook=once_each)
         except RecursionError:
             return f"line {number}: JSON nested too deep"
-        except _Twice as e:  # pyarrow refuses it, naming a row counted from its block's start
+        except KeyGivenTwice as e:  # pyarrow refuses it, naming a row counted from its block's start
             return f"line {number}: the key {e.args[0]!r} is given twice in one object"
         except ValueError as e:  # JSONDecodeError is a ValueError
             return f"line {number}: not JSON ({getattr(e, 'msg', e)} at column " \

@@ -83,8 +83,9 @@ def _search(args, gpus, gpus_per_node, hardware, tokens_per_step, explain, write
     from partrain.plan.hardware import load_hardware
     from partrain.plan.recipe import check_recipe_path
     from partrain.plan.recipe import write_recipe as write
-    from partrain.plan.search import check_config, check_request, validated, why_no_layout
+    from partrain.plan.search import why_no_layout
     from partrain.plan.search import search as run_search
+    from partrain.plan.search_checks import check_config, check_request, validated
     from partrain.plan.search_render import as_json as search_json
     from partrain.plan.search_render import nothing_fits, print_search
 

@@ -14,7 +14,7 @@ from tests.unit.helpers import one_line
 def no_recompose(monkeypatch):
     """Skip partrain's validation of the best layouts (a Hydra compose each, about 2 s per
     search; test_search.py holds it): what these tests check comes before it."""
-    import partrain.plan.search as search_module
+    import partrain.plan.search_checks as search_module
 
     monkeypatch.setattr(search_module, "validated",
                         lambda result, *args, **kwargs: {**result, "refused": []})

@@ -151,11 +151,11 @@ def check_fsdp_shards(cfg: DictConfig, dp: int, user=None) -> None:
     if p.zero_backend != "fsdp" or p.zero_stage < 2 or p.tp == 1:
         return
     shards = dp // p.dp_replicate * p.cp
+    over = ("dp / dp_replicate" if p.dp_replicate > 1 else "dp") + (" x cp" if p.cp > 1 else "")
     if m.get("target"):
-        _check_user_fsdp_shards(m.target, p, user, shards)
+        _check_user_fsdp_shards(m.target, p, user, shards, over)
         return
     if shards > 1 and m.dim % shards:
-        over = ("dp / dp_replicate" if p.dp_replicate > 1 else "dp") + (" x cp" if p.cp > 1 else "")
         raise ConfigError(
             f"parallel.zero_backend=fsdp with parallel.tp={p.tp}: FSDP2 shards the weights tp "
             f"splits by rows (q, k, v, the MLP's first matrices, the embedding and the head) on "
@@ -164,7 +164,7 @@ def check_fsdp_shards(cfg: DictConfig, dp: int, user=None) -> None:
             f"{divisors(m.dim)}), or use parallel.zero_backend=deepspeed, which runs this layout")
 
 
-def _check_user_fsdp_shards(target: str, p: DictConfig, user, shards: int) -> None:
+def _check_user_fsdp_shards(target: str, p: DictConfig, user, shards: int, over: str) -> None:
     if user is None:
         return
     engine = (f"parallel.zero_backend=fsdp with parallel.tp={p.tp}: FSDP2 shards model.target="
@@ -176,7 +176,6 @@ def _check_user_fsdp_shards(target: str, p: DictConfig, user, shards: int) -> No
             "parallel.zero_backend=deepspeed, which runs this layout, or parallel.tp=1")
     uneven = [(name, size) for name, size in user.tp_rows if shards > 1 and size % shards]
     if uneven:
-        over = ("dp / dp_replicate" if p.dp_replicate > 1 else "dp") + (" x cp" if p.cp > 1 else "")
         name, size = uneven[0]
         raise ConfigError(
             f"{engine}: those split by rows ({name}: {size} columns) on their second dimension, "

@@ -51,6 +51,9 @@ class SignalForwarder:
     def _on_signal(self, signum, frame) -> None:
         if self.received_at is None:
             self.received_at = time.time()
+        self._start_delivery()
+
+    def _start_delivery(self) -> None:
         threading.Thread(target=self._deliver, name="partrain-preempt", daemon=True).start()
 
     def deliver_again(self) -> bool:
@@ -60,7 +63,7 @@ class SignalForwarder:
         SIGTERM and was not requeued). True where there was one to pass on."""
         if self.received_at is None:
             return False
-        threading.Thread(target=self._deliver, name="partrain-preempt", daemon=True).start()
+        self._start_delivery()
         return True
 
     def _deliver(self) -> None:
